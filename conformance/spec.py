@@ -1,0 +1,530 @@
+"""The specification of scaled dot-product attention that every backend implements.
+
+This module is the single source of truth of the project. It uses the standard library only, so
+it can be read and imported anywhere. It holds:
+
+* the semantic constants (mask polarity, causal alignments, fully-masked rows, precision rules),
+* one stub per public function, with the canonical signature and a docstring that gives a shape
+  for every argument (axis names as words),
+* one stub class per public module, with its constructor and methods,
+* the error rules every backend must follow,
+* the tolerances the conformance harness uses, per dtype.
+
+``docs/spec.md`` is generated from this file (``python -m conformance spec``); a test fails when the
+two disagree. ``tests/test_signatures.py`` checks every backend's public signatures against the
+stubs below.
+
+Axis names used in shapes
+-------------------------
+``batch...``  any number (zero or more) of leading batch axes, identical for query, key and value
+``heads``     query heads; absent for 2-D inputs ``(seq, head_dim)``
+``kv_heads``  key/value heads; ``heads % kv_heads == 0`` (grouped-query attention)
+``q_len``     query sequence length
+``kv_len``    key/value sequence length
+``head_dim``  query/key feature size
+``v_dim``     value feature size (may differ from ``head_dim``)
+
+Inputs are ``(..., heads, seq, head_dim)``: ``(seq, head_dim)`` (the seed article's 2-D examples),
+``(heads, seq, head_dim)`` and ``(batch, heads, seq, head_dim)`` are all accepted. Query, key and
+value must have the same rank and identical leading batch axes.
+
+The pipeline, in this order
+---------------------------
+1. ``scores = (query @ keyᵀ) · scale`` with ``scale = head_dim ** -0.5`` by default
+   (``scale=1.0`` gives the article's unnormalised ω);
+2. optional soft-capping: ``scores = softcap · tanh(scores / softcap)``;
+3. ``scores = scores + bias`` (an additive float array, broadcastable to the scores);
+4. masking: every position that is not allowed becomes ``-inf``. A position is allowed when the
+   boolean ``mask`` is True there (**True means "may attend"**), and the causal rule allows it
+   (``is_causal``), and the sliding window allows it (``window``): the three combine by AND;
+5. softmax over keys; a row with no allowed key (a *fully masked row*) gets weights exactly 0;
+6. optional dropout of the weights, survivors scaled by ``1 / (1 - dropout_p)``;
+7. ``output = weights @ value``; a fully masked row therefore gives an output row of exactly 0.
+
+Grouped-query attention: query head ``h`` uses key/value head ``h // (heads // kv_heads)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# --------------------------------------------------------------------------------------------
+# Semantic constants
+# --------------------------------------------------------------------------------------------
+
+#: A boolean mask's True means the query may attend to that key (as in torch SDPA, jax.nn and
+#: ONNX; the opposite of torch.nn.MultiheadAttention's ``key_padding_mask``/``attn_mask``).
+MASK_TRUE_MEANS = "attend"
+
+#: The two causal alignments and the offset each gives: query ``i`` may attend key ``j`` iff
+#: ``j <= i + offset``.
+CAUSAL_ALIGNMENTS = {
+    "top_left": "offset = 0 (torch SDPA is_causal, jax.nn.dot_product_attention is_causal)",
+    "bottom_right": "offset = kv_len - q_len (flash-attention >= 2.1, KV-cache decoding)",
+}
+DEFAULT_CAUSAL_ALIGNMENT = "top_left"
+
+#: What a row with no allowed key gives.
+FULLY_MASKED_ROW = "weights exactly 0 and output exactly 0 (never NaN, never mean of value)"
+
+#: Value used for disallowed scores before the softmax.
+MASKED_SCORE = float("-inf")
+
+#: The dtypes a backend supports, and the dtype scores and softmax are computed in.
+COMPUTE_DTYPE = {
+    "float64": "float64",
+    "float32": "float32",
+    "bfloat16": "float32",
+    "float16": "float32",
+}
+
+#: Precision rule, in words.
+PRECISION = (
+    "float16 and bfloat16 inputs compute scores, softmax and the weighted sum in float32 and "
+    "return the input dtype; float32 stays float32 end to end (no float64 scalar promotion); "
+    "float64 stays float64. Integer inputs, and query/key/value of different dtypes, are a "
+    "TypeError. Step functions (attention_scores, mask_scores, attention_weights) return the "
+    "compute dtype; scaled_dot_product_attention returns output and weights in the input dtype."
+)
+
+#: Dropout rule, in words.
+DROPOUT = (
+    "dropout_p in [0, 1). With dropout_p > 0 the weights are multiplied by a keep-mask and "
+    "scaled by 1 / (1 - dropout_p). The keep-mask is dropout_mask (boolean, True = keep, "
+    "broadcastable to the weights) when given, else drawn from rng: a numpy.random.Generator "
+    "(numpy_attn; None means a fresh default_rng()), a jax.random key (jax_attn; required), or "
+    "a torch.Generator (torch_attn; None means torch's global generator). return_weights=True "
+    "returns the weights before dropout. dropout_mask with dropout_p == 0 is a ValueError."
+)
+
+#: Error rules: the exception type for each kind of bad input, identical in every backend.
+#: Every message starts with the public function's name and names the argument, with shapes
+#: printed as plain tuples, e.g. ``scaled_dot_product_attention: key and value must have the
+#: same kv_len; got key.shape=(2, 4, 6, 8), value.shape=(2, 4, 5, 8)``.
+ERRORS = {
+    "rank below 2, or query/key/value of different ranks": "ValueError",
+    "key and value with different kv_len": "ValueError",
+    "query and key with different head_dim": "ValueError",
+    "different leading batch axes": "ValueError",
+    "heads not divisible by kv_heads, or key and value with different kv_heads": "ValueError",
+    "mask or bias not broadcastable to the scores (..., heads, q_len, kv_len)": "ValueError",
+    "mask that is not boolean": "TypeError",
+    "bias that is not floating point": "TypeError",
+    "integer, complex or mixed query/key/value dtypes": "TypeError",
+    "window not a pair of non-negative ints (or None for unbounded)": "ValueError",
+    "causal_alignment not 'top_left' or 'bottom_right'": "ValueError",
+    "dropout_p outside [0, 1), or dropout_mask given with dropout_p == 0": "ValueError",
+    "dropout_mask not boolean": "TypeError",
+    "softcap not a positive finite number": "ValueError",
+    "scale not a finite number": "ValueError",
+}
+
+#: Tolerances of the conformance harness, per input dtype. A backend's result ``x`` passes
+#: against the float64 reference ``ref`` when ``|x - ref| <= atol + rtol·|ref| + k·e`` where ``e``
+#: is the largest error, measured in the same run, of a straightforward implementation in the
+#: same dtype (numpy_attn's own composition) — flash-attention's rule. ``rtol``/``atol`` alone
+#: apply where no measured error exists.
+TOLERANCES = {
+    "float64": {"k": 2.0, "atol": 1e-12, "rtol": 1e-10},
+    "float32": {"k": 4.0, "atol": 2e-6, "rtol": 2e-5},
+    "bfloat16": {"k": 2.0, "atol": 1e-2, "rtol": 2e-2},
+    "float16": {"k": 2.0, "atol": 2e-3, "rtol": 4e-3},
+}
+
+# --------------------------------------------------------------------------------------------
+# Public functions (stubs). Backends implement each with exactly this signature.
+# --------------------------------------------------------------------------------------------
+
+FUNCTIONS = (
+    "causal_mask",
+    "sliding_window_mask",
+    "padding_mask",
+    "combine_masks",
+    "attention_scores",
+    "mask_scores",
+    "attention_weights",
+    "apply_dropout",
+    "attention_output",
+    "renormalized_causal_weights",
+    "scaled_dot_product_attention",
+)
+
+
+def causal_mask(q_len: int, kv_len: int, *, offset: int = 0, device: Any = None) -> Any:
+    """Boolean causal mask: query ``i`` may attend key ``j`` iff ``j <= i + offset``.
+
+    Args:
+      q_len: number of queries (``>= 0``).
+      kv_len: number of keys (``>= 0``).
+      offset: ``0`` is top-left alignment; ``kv_len - q_len`` is bottom-right alignment.
+      device: where to create the mask (``None``: the backend's default; ``"cpu"`` in NumPy).
+
+    Returns:
+      ``(q_len, kv_len)`` bool, True = may attend.
+    """
+
+
+def sliding_window_mask(
+    q_len: int, kv_len: int, window: tuple, *, offset: int = 0, device: Any = None
+) -> Any:
+    """Boolean local-attention mask: ``i + offset - left <= j <= i + offset + right``.
+
+    Args:
+      q_len: number of queries.
+      kv_len: number of keys.
+      window: ``(left, right)``, non-negative ints; ``None`` in a slot means unbounded.
+      offset: alignment offset, as in ``causal_mask``.
+      device: where to create the mask.
+
+    Returns:
+      ``(q_len, kv_len)`` bool, True = may attend.
+    """
+
+
+def padding_mask(
+    kv_lengths: Any,
+    kv_len: int,
+    *,
+    q_lengths: Any = None,
+    q_len: int | None = None,
+    device: Any = None,
+) -> Any:
+    """Boolean padding mask from per-sequence lengths.
+
+    Key ``j`` of sequence ``b`` may be attended iff ``j < kv_lengths[b]``; with ``q_lengths``,
+    query ``i`` of sequence ``b`` may attend only if ``i < q_lengths[b]`` too (a padded query
+    is a fully masked row, so its output is 0).
+
+    Args:
+      kv_lengths: ``(batch,)`` ints, each in ``[0, kv_len]``.
+      kv_len: padded key length.
+      q_lengths: optional ``(batch,)`` ints, each in ``[0, q_len]``.
+      q_len: padded query length; required with ``q_lengths``.
+      device: where to create the mask.
+
+    Returns:
+      ``(batch, 1, 1, kv_len)`` bool, or ``(batch, 1, q_len, kv_len)`` with ``q_lengths``;
+      broadcastable to ``(batch, heads, q_len, kv_len)``.
+    """
+
+
+def combine_masks(*masks: Any) -> Any:
+    """AND of boolean masks, broadcast together; ``None`` entries are skipped.
+
+    Args:
+      masks: boolean arrays, mutually broadcastable (e.g. ``(q_len, kv_len)`` and
+        ``(batch, 1, 1, kv_len)``).
+
+    Returns:
+      the broadcast AND, or ``None`` when every entry is ``None``.
+    """
+
+
+def attention_scores(
+    query: Any, key: Any, *, scale: float | None = None, softcap: float | None = None
+) -> Any:
+    """Scaled (and optionally soft-capped) dot products, steps 1-2 of the pipeline.
+
+    ``scores = (query @ keyᵀ) · scale``, then ``softcap · tanh(scores / softcap)`` if given.
+
+    Args:
+      query: ``(..., heads, q_len, head_dim)`` or ``(q_len, head_dim)``.
+      key: ``(..., kv_heads, kv_len, head_dim)`` or ``(kv_len, head_dim)``.
+      scale: multiplier of the dot products; default ``head_dim ** -0.5``.
+      softcap: positive cap, or ``None``.
+
+    Returns:
+      ``(..., heads, q_len, kv_len)`` in the compute dtype.
+    """
+
+
+def mask_scores(
+    scores: Any,
+    *,
+    mask: Any = None,
+    bias: Any = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    window: tuple | None = None,
+) -> Any:
+    """Add the bias and set disallowed positions to ``-inf``, steps 3-4 of the pipeline.
+
+    Args:
+      scores: ``(..., heads, q_len, kv_len)`` (or ``(q_len, kv_len)``).
+      mask: boolean, broadcastable to ``scores``; True = may attend.
+      bias: floating point, broadcastable to ``scores``; added before masking.
+      is_causal: apply the causal rule ``j <= i + offset``.
+      causal_alignment: ``"top_left"`` (offset 0) or ``"bottom_right"``
+        (offset ``kv_len - q_len``); also aligns ``window``.
+      window: ``(left, right)`` sliding window, or ``None``.
+
+    Returns:
+      ``(..., heads, q_len, kv_len)`` in the compute dtype, ``-inf`` where not allowed.
+    """
+
+
+def attention_weights(scores: Any) -> Any:
+    """Softmax over keys, with fully masked rows (all ``-inf``) giving exactly 0, step 5.
+
+    Args:
+      scores: ``(..., q_len, kv_len)`` masked scores.
+
+    Returns:
+      ``(..., q_len, kv_len)`` in the compute dtype; each row sums to 1 or is all 0.
+    """
+
+
+def apply_dropout(
+    weights: Any, dropout_p: float, *, dropout_mask: Any = None, rng: Any = None
+) -> Any:
+    """Dropout of the attention weights, step 6: ``weights · keep / (1 - dropout_p)``.
+
+    Args:
+      weights: ``(..., q_len, kv_len)``.
+      dropout_p: drop probability in ``[0, 1)``; ``0`` returns ``weights`` unchanged.
+      dropout_mask: boolean keep-mask (True = keep) broadcastable to ``weights``, or ``None``.
+      rng: the backend's random source (see ``DROPOUT``), used when ``dropout_mask`` is None.
+
+    Returns:
+      ``(..., q_len, kv_len)``, same dtype as ``weights``.
+    """
+
+
+def attention_output(weights: Any, value: Any) -> Any:
+    """Weighted sum of the values, step 7, with the grouped-query head mapping.
+
+    Args:
+      weights: ``(..., heads, q_len, kv_len)`` (or ``(q_len, kv_len)``).
+      value: ``(..., kv_heads, kv_len, v_dim)`` (or ``(kv_len, v_dim)``).
+
+    Returns:
+      ``(..., heads, q_len, v_dim)`` in the compute dtype.
+    """
+
+
+def renormalized_causal_weights(weights: Any, *, causal_alignment: str = "top_left") -> Any:
+    """The article's second causal method: zero the weights above the diagonal, renormalise.
+
+    Teaching function. Equal to masking the scores with ``-inf`` before the softmax wherever a
+    row keeps at least one key; a row that keeps none gives 0 (not ``0 / 0``).
+
+    Args:
+      weights: ``(..., q_len, kv_len)`` unmasked softmax weights.
+      causal_alignment: ``"top_left"`` or ``"bottom_right"``.
+
+    Returns:
+      ``(..., q_len, kv_len)``, same dtype as ``weights``.
+    """
+
+
+def scaled_dot_product_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    mask: Any = None,
+    bias: Any = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    window: tuple | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+    dropout_mask: Any = None,
+    rng: Any = None,
+    return_weights: bool = False,
+) -> Any:
+    """Scaled dot-product attention: the whole pipeline of this spec.
+
+    Args:
+      query: ``(..., heads, q_len, head_dim)`` or ``(q_len, head_dim)``.
+      key: ``(..., kv_heads, kv_len, head_dim)`` or ``(kv_len, head_dim)``.
+      value: ``(..., kv_heads, kv_len, v_dim)`` or ``(kv_len, v_dim)``.
+      mask: boolean, broadcastable to ``(..., heads, q_len, kv_len)``; True = may attend.
+      bias: floating point, broadcastable to ``(..., heads, q_len, kv_len)``.
+      is_causal: query ``i`` attends key ``j`` only if ``j <= i + offset``.
+      causal_alignment: ``"top_left"`` (offset 0) or ``"bottom_right"`` (``kv_len - q_len``).
+      window: ``(left, right)`` sliding window, aligned like the causal rule.
+      scale: default ``head_dim ** -0.5``.
+      softcap: positive cap applied as ``softcap · tanh(scores / softcap)``.
+      dropout_p: dropout probability on the weights, in ``[0, 1)``.
+      dropout_mask: boolean keep-mask broadcastable to the weights (True = keep).
+      rng: the backend's random source for dropout (see ``DROPOUT``).
+      return_weights: also return the weights (before dropout).
+
+    Returns:
+      ``output``: ``(..., heads, q_len, v_dim)`` in the input dtype; with
+      ``return_weights=True``, ``(output, weights)`` with weights ``(..., heads, q_len, kv_len)``
+      in the input dtype.
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# Public modules (stubs). Weights use the ``x @ W`` convention of the article: ``(d_in, d_out)``.
+# --------------------------------------------------------------------------------------------
+
+MODULES = (
+    "SelfAttention",
+    "CrossAttention",
+    "CausalSelfAttention",
+    "MultiHeadAttentionWrapper",
+    "MultiHeadAttention",
+)
+
+#: Methods every module has, beyond its constructor.
+MODULE_METHODS = ("forward", "export_weights", "load_weights")
+
+WEIGHTS = (
+    "Each module's weights export to a flat dict of NumPy arrays (export_weights) and load from "
+    "one (load_weights), with the same keys and shapes in every backend. load_weights returns "
+    "the module holding the new weights: numpy_attn and torch_attn update the module in place "
+    "and return it; jax_attn modules are immutable pytrees and return a new module. Write "
+    "`module = module.load_weights(weights)` to be portable."
+)
+
+INITIALISATION = (
+    "SelfAttention, CrossAttention, CausalSelfAttention and MultiHeadAttentionWrapper draw "
+    "every weight uniformly from [0, 1), in the article's order (W_query, W_key, W_value; head "
+    "by head), so torch_attn with torch.manual_seed(123) reproduces the article's numbers. "
+    "MultiHeadAttention draws W_query, W_key, W_value, W_out from the Xavier/Glorot uniform "
+    "distribution (as torch.nn.MultiheadAttention's in_proj_weight) and sets biases to 0."
+)
+
+
+class SelfAttention:
+    """The article's single-head self-attention.
+
+    Weights: ``W_query (d_in, d_out_kq)``, ``W_key (d_in, d_out_kq)``,
+    ``W_value (d_in, d_out_v)``. ``scale = d_out_kq ** -0.5``.
+    """
+
+    def __init__(self, d_in: int, d_out_kq: int, d_out_v: int, *, rng: Any = None) -> None:
+        """``rng``: the backend's random source for the initial weights."""
+
+    def forward(self, x: Any) -> Any:
+        """``x: (..., seq, d_in)`` → ``(..., seq, d_out_v)``."""
+
+    def export_weights(self) -> dict:
+        """Flat dict name → NumPy array."""
+
+    def load_weights(self, weights: dict) -> Any:
+        """Load weights exported by any backend; returns the module."""
+
+
+class CrossAttention:
+    """The article's cross-attention: queries from ``x_1``, keys and values from ``x_2``.
+
+    Weights as ``SelfAttention``.
+    """
+
+    def __init__(self, d_in: int, d_out_kq: int, d_out_v: int, *, rng: Any = None) -> None:
+        """``rng``: the backend's random source for the initial weights."""
+
+    def forward(self, x_1: Any, x_2: Any) -> Any:
+        """``x_1: (..., q_len, d_in)``, ``x_2: (..., kv_len, d_in)`` → ``(..., q_len, d_out_v)``."""
+
+    def export_weights(self) -> dict:
+        """Flat dict name → NumPy array."""
+
+    def load_weights(self, weights: dict) -> Any:
+        """Load weights exported by any backend; returns the module."""
+
+
+class CausalSelfAttention:
+    """The article's causal (masked) self-attention, with optional dropout on the weights.
+
+    Weights as ``SelfAttention``. Dropout applies only in training mode (``train()``/``eval()``
+    in numpy_attn and torch_attn; in jax_attn only when ``forward`` gets an ``rng`` key).
+    """
+
+    def __init__(
+        self, d_in: int, d_out_kq: int, d_out_v: int, *, dropout_p: float = 0.0, rng: Any = None
+    ) -> None:
+        """``rng``: the backend's random source for the initial weights."""
+
+    def forward(self, x: Any, *, rng: Any = None) -> Any:
+        """``x: (..., seq, d_in)`` → ``(..., seq, d_out_v)``; ``rng`` feeds dropout."""
+
+    def export_weights(self) -> dict:
+        """Flat dict name → NumPy array."""
+
+    def load_weights(self, weights: dict) -> Any:
+        """Load weights exported by any backend; returns the module."""
+
+
+class MultiHeadAttentionWrapper:
+    """The article's multi-head wrapper: ``num_heads`` independent ``SelfAttention`` heads.
+
+    Outputs are concatenated on the last axis: ``(..., seq, num_heads * d_out_v)``.
+    Weights: ``heads.{h}.W_query``, ``heads.{h}.W_key``, ``heads.{h}.W_value``.
+    """
+
+    def __init__(
+        self, d_in: int, d_out_kq: int, d_out_v: int, num_heads: int, *, rng: Any = None
+    ) -> None:
+        """``rng``: the backend's random source for the initial weights."""
+
+    def forward(self, x: Any) -> Any:
+        """``x: (..., seq, d_in)`` → ``(..., seq, num_heads * d_out_v)``."""
+
+    def export_weights(self) -> dict:
+        """Flat dict name → NumPy array."""
+
+    def load_weights(self, weights: dict) -> Any:
+        """Load weights exported by any backend; returns the module."""
+
+
+class MultiHeadAttention:
+    """Production-style multi-head attention with fused projections.
+
+    ``head_dim = d_model // num_heads``; ``num_kv_heads`` (default ``num_heads``) must divide
+    ``num_heads`` (grouped-query / multi-query attention). Weights: ``W_query (d_model,
+    num_heads·head_dim)``, ``W_key``/``W_value (d_model, num_kv_heads·head_dim)``,
+    ``W_out (num_heads·head_dim, d_model)``, and with ``bias=True`` ``b_query``, ``b_key``,
+    ``b_value``, ``b_out`` of matching output sizes. Self-attention when ``context`` is None,
+    cross-attention otherwise.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        bias: bool = True,
+        dropout_p: float = 0.0,
+        rng: Any = None,
+    ) -> None:
+        """``rng``: the backend's random source for the initial weights."""
+
+    def forward(
+        self,
+        x: Any,
+        context: Any = None,
+        *,
+        mask: Any = None,
+        is_causal: bool = False,
+        causal_alignment: str = "top_left",
+        window: tuple | None = None,
+        return_weights: bool = False,
+        rng: Any = None,
+    ) -> Any:
+        """Attention of ``x`` over ``context`` (or over itself).
+
+        Args:
+          x: ``(..., q_len, d_model)``.
+          context: ``(..., kv_len, d_model)`` or ``None`` for self-attention.
+          mask: boolean, broadcastable to ``(..., num_heads, q_len, kv_len)``.
+          is_causal, causal_alignment, window: as in ``scaled_dot_product_attention``.
+          return_weights: also return weights ``(..., num_heads, q_len, kv_len)``.
+          rng: random source for dropout.
+
+        Returns:
+          ``(..., q_len, d_model)`` (and the weights).
+        """
+
+    def export_weights(self) -> dict:
+        """Flat dict name → NumPy array."""
+
+    def load_weights(self, weights: dict) -> Any:
+        """Load weights exported by any backend; returns the module."""

@@ -1,0 +1,151 @@
+"""Boolean mask builders. True means "may attend" everywhere in this project."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _checks
+
+
+def _check_device(fn: str, device: Any) -> None:
+    # NumPy arrays live on the CPU only (the Array API's device="cpu").
+    if device not in (None, "cpu"):
+        raise ValueError(f"{fn}: numpy_attn creates arrays on the CPU only; got device={device!r}")
+
+
+def _positions(q_len: int, kv_len: int, offset: int) -> np.ndarray:
+    """``j - (i + offset)`` for every query ``i`` and key ``j``: ``(q_len, kv_len)``."""
+    query_pos = np.arange(q_len)[:, None] + offset  # (q_len, 1)
+    key_pos = np.arange(kv_len)[None, :]  # (1, kv_len)
+    return key_pos - query_pos  # (q_len, kv_len)
+
+
+def causal_mask(q_len: int, kv_len: int, *, offset: int = 0, device: Any = None) -> np.ndarray:
+    """Boolean causal mask: query ``i`` may attend key ``j`` iff ``j <= i + offset``.
+
+    Args:
+      q_len: number of queries.
+      kv_len: number of keys.
+      offset: 0 for top-left alignment, ``kv_len - q_len`` for bottom-right.
+      device: ``None`` or ``"cpu"``.
+
+    Returns:
+      ``(q_len, kv_len)`` bool, True = may attend.
+    """
+    fn = "causal_mask"
+    q_len = _checks.check_int(fn, "q_len", q_len)
+    kv_len = _checks.check_int(fn, "kv_len", kv_len)
+    offset = _checks.check_int(fn, "offset", offset, minimum=None)
+    _check_device(fn, device)
+    return _positions(q_len, kv_len, offset) <= 0
+
+
+def sliding_window_mask(
+    q_len: int, kv_len: int, window: tuple, *, offset: int = 0, device: Any = None
+) -> np.ndarray:
+    """Boolean local-attention mask: ``i + offset - left <= j <= i + offset + right``.
+
+    Args:
+      q_len: number of queries.
+      kv_len: number of keys.
+      window: ``(left, right)``, non-negative ints, ``None`` for unbounded.
+      offset: alignment offset, as in ``causal_mask``.
+      device: ``None`` or ``"cpu"``.
+
+    Returns:
+      ``(q_len, kv_len)`` bool, True = may attend.
+    """
+    fn = "sliding_window_mask"
+    q_len = _checks.check_int(fn, "q_len", q_len)
+    kv_len = _checks.check_int(fn, "kv_len", kv_len)
+    offset = _checks.check_int(fn, "offset", offset, minimum=None)
+    left, right = _checks.check_window(fn, window)
+    _check_device(fn, device)
+    distance = _positions(q_len, kv_len, offset)  # (q_len, kv_len): j - (i + offset)
+    allowed = np.ones((q_len, kv_len), dtype=bool)
+    if left is not None:
+        allowed &= distance >= -left
+    if right is not None:
+        allowed &= distance <= right
+    return allowed
+
+
+def _lengths(fn: str, name: str, lengths: Any, max_len: int) -> np.ndarray:
+    lengths = np.asarray(lengths)
+    if lengths.ndim != 1 or not np.issubdtype(lengths.dtype, np.integer):
+        raise ValueError(
+            f"{fn}: {name} must be a 1-D array of ints; "
+            f"got {name}.shape={tuple(lengths.shape)}, {name}.dtype={lengths.dtype.name}"
+        )
+    if lengths.size and (lengths.min() < 0 or lengths.max() > max_len):
+        raise ValueError(f"{fn}: {name} must lie in [0, {max_len}]; got {name}={lengths.tolist()}")
+    return lengths
+
+
+def padding_mask(
+    kv_lengths: Any,
+    kv_len: int,
+    *,
+    q_lengths: Any = None,
+    q_len: int | None = None,
+    device: Any = None,
+) -> np.ndarray:
+    """Boolean padding mask from per-sequence lengths.
+
+    Args:
+      kv_lengths: ``(batch,)`` ints in ``[0, kv_len]``; key ``j`` of sequence ``b`` is allowed
+        iff ``j < kv_lengths[b]``.
+      kv_len: padded key length.
+      q_lengths: optional ``(batch,)`` ints; query ``i`` of sequence ``b`` attends only if
+        ``i < q_lengths[b]`` (a padded query's output is 0).
+      q_len: padded query length, required with ``q_lengths``.
+      device: ``None`` or ``"cpu"``.
+
+    Returns:
+      ``(batch, 1, 1, kv_len)`` bool, or ``(batch, 1, q_len, kv_len)`` with ``q_lengths``.
+    """
+    fn = "padding_mask"
+    kv_len = _checks.check_int(fn, "kv_len", kv_len)
+    _check_device(fn, device)
+    kv_lengths = _lengths(fn, "kv_lengths", kv_lengths, kv_len)
+    key_ok = np.arange(kv_len) < kv_lengths[:, None]  # (batch, kv_len)
+    mask = key_ok[:, None, None, :]  # (batch, 1, 1, kv_len)
+    if q_lengths is None:
+        return mask
+    if q_len is None:
+        raise ValueError(f"{fn}: q_lengths needs q_len; got q_len=None")
+    q_len = _checks.check_int(fn, "q_len", q_len)
+    q_lengths = _lengths(fn, "q_lengths", q_lengths, q_len)
+    if q_lengths.shape != kv_lengths.shape:
+        raise ValueError(
+            f"{fn}: q_lengths and kv_lengths must have the same batch; "
+            f"got q_lengths.shape={q_lengths.shape}, kv_lengths.shape={kv_lengths.shape}"
+        )
+    query_ok = np.arange(q_len) < q_lengths[:, None]  # (batch, q_len)
+    return mask & query_ok[:, None, :, None]  # (batch, 1, q_len, kv_len)
+
+
+def combine_masks(*masks: Any) -> np.ndarray | None:
+    """AND of boolean masks, broadcast together; ``None`` entries are skipped.
+
+    Args:
+      masks: boolean arrays, mutually broadcastable.
+
+    Returns:
+      the broadcast AND, or ``None`` when every entry is ``None``.
+    """
+    fn = "combine_masks"
+    present = [np.asarray(m) for m in masks if m is not None]
+    for index, m in enumerate(present):
+        _checks.check_bool(fn, f"masks[{index}]", m.dtype.name)
+    if not present:
+        return None
+    if _checks.broadcast_shapes(*(tuple(m.shape) for m in present)) is None:
+        shapes = ", ".join(str(tuple(m.shape)) for m in present)
+        raise ValueError(f"{fn}: masks must broadcast together; got shapes {shapes}")
+    combined = present[0]
+    for m in present[1:]:
+        combined = combined & m
+    return combined
