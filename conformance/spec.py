@@ -528,3 +528,15 @@ class MultiHeadAttention:
 
     def load_weights(self, weights: dict) -> Any:
         """Load weights exported by any backend; returns the module."""
+
+
+# --------------------------------------------------------------------------------------------
+# Backend-specific extras: public names that exist in one backend only, because they concern
+# that framework alone. The signature test allows exactly these beyond the spec.
+# --------------------------------------------------------------------------------------------
+
+BACKEND_EXTRAS = {
+    "numpy_attn": (),
+    "jax_attn": (),
+    "torch_attn": ("weights_from_torch_multihead",),
+}
