@@ -1,0 +1,190 @@
+"""Adapters between NumPy arrays and each backend, imported lazily.
+
+The harness generates every input once with NumPy and hands each backend the same bits through
+``Backend.asarray``; results come back through ``Backend.to_numpy``. Only ``numpy_attn`` is
+needed to run anything; JAX and PyTorch are imported the first time their backend is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+try:  # bfloat16 for NumPy
+    import ml_dtypes
+
+    BFLOAT16: Any = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is a hard dependency
+    BFLOAT16 = None
+
+DTYPES = ("float64", "float32", "bfloat16", "float16")
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """NumPy dtype for a dtype name (bfloat16 from ml_dtypes)."""
+    return BFLOAT16 if name == "bfloat16" else np.dtype(name)
+
+
+class BackendUnavailable(ImportError):
+    """A backend's framework is not installed."""
+
+
+@dataclass
+class Backend:
+    """How the harness talks to one implementation of the spec."""
+
+    name: str
+    module_name: str
+    install: str
+    _asarray: Callable[[np.ndarray], Any]
+    _to_numpy: Callable[[Any], np.ndarray]
+    _rng: Callable[[int], Any]
+    _prepare: Callable[[], None] = field(default=lambda: None)
+    _module: ModuleType | None = None
+
+    @property
+    def module(self) -> ModuleType:
+        """The backend's package, imported on first use."""
+        if self._module is None:
+            try:
+                self._prepare()
+                self._module = importlib.import_module(self.module_name)
+            except ImportError as exc:
+                raise BackendUnavailable(
+                    f"backend {self.name!r} needs {exc.name or self.module_name}: {self.install}"
+                ) from exc
+        return self._module
+
+    def available(self) -> bool:
+        """True when the backend imports."""
+        try:
+            _ = self.module
+        except BackendUnavailable:
+            return False
+        return True
+
+    def asarray(self, x: Any) -> Any:
+        """A NumPy array (or None) as this backend's array, same dtype and bits."""
+        if x is None:
+            return None
+        _ = self.module  # make sure the framework is configured first
+        return self._asarray(np.asarray(x))
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        """This backend's array as a NumPy array, same dtype."""
+        return self._to_numpy(x)
+
+    def rng(self, seed: int) -> Any:
+        """The backend's random source for dropout and initialisation, seeded."""
+        _ = self.module
+        return self._rng(seed)
+
+
+# ---------------------------------------------------------------------------- numpy
+
+
+def _numpy_backend() -> Backend:
+    return Backend(
+        name="numpy",
+        module_name="numpy_attn",
+        install="pip install numpy ml_dtypes",
+        _asarray=lambda x: x,
+        _to_numpy=np.asarray,
+        _rng=np.random.default_rng,
+    )
+
+
+# ---------------------------------------------------------------------------- jax
+
+
+def _jax_prepare() -> None:
+    import jax
+
+    # The harness compares float64 inputs too, which JAX refuses unless x64 is enabled.
+    jax.config.update("jax_enable_x64", True)
+
+
+def _jax_asarray(x: np.ndarray) -> Any:
+    import jax.numpy as jnp
+
+    return jnp.asarray(x)
+
+
+def _jax_to_numpy(x: Any) -> np.ndarray:
+    return np.asarray(x)
+
+
+def _jax_rng(seed: int) -> Any:
+    import jax
+
+    return jax.random.key(seed)
+
+
+def _jax_backend() -> Backend:
+    return Backend(
+        name="jax",
+        module_name="jax_attn",
+        install="pip install jax",
+        _asarray=_jax_asarray,
+        _to_numpy=_jax_to_numpy,
+        _rng=_jax_rng,
+        _prepare=_jax_prepare,
+    )
+
+
+# ---------------------------------------------------------------------------- torch
+
+
+def _torch_asarray(x: np.ndarray) -> Any:
+    import torch
+
+    if x.dtype == BFLOAT16:  # torch.from_numpy knows no bfloat16: move the bits
+        return torch.from_numpy(x.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(x).copy())
+
+
+def _torch_to_numpy(x: Any) -> np.ndarray:
+    import torch
+
+    x = x.detach().cpu()
+    if x.dtype == torch.bfloat16:
+        return x.view(torch.int16).numpy().view(BFLOAT16)
+    return x.numpy()
+
+
+def _torch_rng(seed: int) -> Any:
+    import torch
+
+    return torch.Generator().manual_seed(seed)
+
+
+def _torch_backend() -> Backend:
+    return Backend(
+        name="torch",
+        module_name="torch_attn",
+        install="pip install torch",
+        _asarray=_torch_asarray,
+        _to_numpy=_torch_to_numpy,
+        _rng=_torch_rng,
+    )
+
+
+_FACTORIES = {"numpy": _numpy_backend, "jax": _jax_backend, "torch": _torch_backend}
+_CACHE: dict[str, Backend] = {}
+
+#: The spec's own backends, in report order.
+SPEC_BACKENDS = tuple(_FACTORIES)
+
+
+def get(name: str) -> Backend:
+    """The adapter for ``"numpy"``, ``"jax"`` or ``"torch"`` (cached)."""
+    if name not in _FACTORIES:
+        raise ValueError(f"unknown backend {name!r}; expected one of {sorted(_FACTORIES)}")
+    if name not in _CACHE:
+        _CACHE[name] = _FACTORIES[name]()
+    return _CACHE[name]

@@ -1,0 +1,112 @@
+"""An independent float64 reference of the spec, for the harness and the tests.
+
+Written differently from every backend on purpose: key/value heads are repeated (not grouped),
+the causal and window rules come from ``np.tril``/``np.triu`` (not from position differences),
+the softmax normalises only the rows that keep a key, and everything is float64. It returns
+every intermediate of the pipeline, so each step can be compared on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class Steps:
+    """Every intermediate of the pipeline, float64."""
+
+    scores: np.ndarray  # (..., heads, q_len, kv_len), after scale and softcap
+    masked_scores: np.ndarray  # (..., heads, q_len, kv_len), after bias and masks
+    weights: np.ndarray  # (..., heads, q_len, kv_len), before dropout
+    output: np.ndarray  # (..., heads, q_len, v_dim)
+
+
+def _f64(x: Any) -> np.ndarray:
+    return np.asarray(x).astype(np.float64)
+
+
+def _repeat_kv(x: np.ndarray, heads: int) -> np.ndarray:
+    """``(..., kv_heads, T, D)`` → ``(..., heads, T, D)`` by repeating each kv head."""
+    if x.ndim < 3 or x.shape[-3] == heads:
+        return x
+    return np.repeat(x, heads // x.shape[-3], axis=-3)
+
+
+def structural_mask(
+    q_len: int,
+    kv_len: int,
+    *,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    window: tuple | None = None,
+) -> np.ndarray:
+    """``(q_len, kv_len)`` bool from the causal rule and the window, via tril/triu."""
+    offset = 0 if causal_alignment == "top_left" else kv_len - q_len
+    allowed = np.ones((q_len, kv_len), dtype=bool)
+    if is_causal:
+        allowed &= np.tril(np.ones((q_len, kv_len), dtype=bool), k=offset)
+    if window is not None:
+        left, right = window
+        if right is not None:
+            allowed &= np.tril(np.ones((q_len, kv_len), dtype=bool), k=offset + right)
+        if left is not None:
+            allowed &= np.triu(np.ones((q_len, kv_len), dtype=bool), k=offset - left)
+    return allowed
+
+
+def attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    mask: Any = None,
+    bias: Any = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    window: tuple | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+    dropout_mask: Any = None,
+) -> Steps:
+    """The spec's pipeline in float64; ``dropout_mask`` (keep-mask) is used when ``dropout_p > 0``.
+
+    Args:
+      query: ``(..., heads, q_len, head_dim)`` or ``(q_len, head_dim)``.
+      key: ``(..., kv_heads, kv_len, head_dim)`` or ``(kv_len, head_dim)``.
+      value: ``(..., kv_heads, kv_len, v_dim)`` or ``(kv_len, v_dim)``.
+    """
+    q, k, v = _f64(query), _f64(key), _f64(value)
+    heads = q.shape[-3] if q.ndim >= 3 else 1
+    k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    scores = np.einsum("...qd,...kd->...qk", q, k) * scale
+    if softcap is not None:
+        scores = softcap * np.tanh(scores / softcap)
+    masked = scores.copy()
+    if bias is not None:
+        masked = masked + _f64(bias)
+    q_len, kv_len = scores.shape[-2:]
+    allowed = np.broadcast_to(
+        structural_mask(
+            q_len, kv_len, is_causal=is_causal, causal_alignment=causal_alignment, window=window
+        ),
+        masked.shape,
+    )
+    if mask is not None:
+        allowed = allowed & np.asarray(mask, dtype=bool)
+    masked = np.where(allowed, masked, -np.inf)
+    keeps_any = allowed.any(axis=-1, keepdims=True)  # (..., q_len, 1)
+    safe = np.where(allowed, masked, 0.0)
+    row_max = np.where(keeps_any, np.max(np.where(allowed, masked, -1e308), -1, keepdims=True), 0)
+    exp = np.where(allowed, np.exp(safe - row_max), 0.0)
+    total = exp.sum(axis=-1, keepdims=True)
+    weights = np.where(keeps_any, exp / np.where(keeps_any, total, 1.0), 0.0)
+    kept = weights
+    if dropout_p > 0:
+        kept = weights * np.asarray(dropout_mask, dtype=bool) / (1.0 - dropout_p)
+    output = np.einsum("...qk,...kd->...qd", kept, v)
+    return Steps(scores=scores, masked_scores=masked, weights=weights, output=output)
