@@ -131,10 +131,11 @@ def combine_masks(*masks: Any) -> np.ndarray | None:
     """AND of boolean masks, broadcast together; ``None`` entries are skipped.
 
     Args:
-      masks: boolean arrays, mutually broadcastable.
+      masks: boolean arrays, mutually broadcastable, e.g. ``(q_len, kv_len)`` and
+        ``(batch, 1, 1, kv_len)``.
 
     Returns:
-      the broadcast AND, or ``None`` when every entry is ``None``.
+      the broadcast AND, e.g. ``(batch, 1, q_len, kv_len)``; ``None`` when every entry is None.
     """
     fn = "combine_masks"
     present = [np.asarray(m) for m in masks if m is not None]
