@@ -1,0 +1,47 @@
+"""Scaled dot-product attention in JAX: jit-, vmap- and grad-friendly, from the project's spec.
+
+Layout ``(..., heads, seq, head_dim)``; boolean masks mean True = may attend; fully masked rows
+give exactly 0 (and a zero gradient). See ``conformance/spec.py`` for the full specification.
+
+float16, bfloat16 and float32 work out of the box; float64 needs
+``jax.config.update("jax_enable_x64", True)`` before the arrays are created (otherwise JAX turns
+float64 inputs into float32). Dropout and module initialisation take explicit ``jax.random`` keys
+(``rng=``). Matmuls use ``Precision.HIGHEST`` (see ``jax_attn.functional``).
+"""
+
+from .functional import (
+    apply_dropout,
+    attention_output,
+    attention_scores,
+    attention_weights,
+    mask_scores,
+    renormalized_causal_weights,
+    scaled_dot_product_attention,
+)
+from .masks import causal_mask, combine_masks, padding_mask, sliding_window_mask
+from .modules import (
+    CausalSelfAttention,
+    CrossAttention,
+    MultiHeadAttention,
+    MultiHeadAttentionWrapper,
+    SelfAttention,
+)
+
+__all__ = [
+    "CausalSelfAttention",
+    "CrossAttention",
+    "MultiHeadAttention",
+    "MultiHeadAttentionWrapper",
+    "SelfAttention",
+    "apply_dropout",
+    "attention_output",
+    "attention_scores",
+    "attention_weights",
+    "causal_mask",
+    "combine_masks",
+    "mask_scores",
+    "padding_mask",
+    "renormalized_causal_weights",
+    "scaled_dot_product_attention",
+    "sliding_window_mask",
+]

@@ -1,0 +1,183 @@
+"""Boolean mask builders. True means "may attend" everywhere in this project."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _checks
+
+
+def _dtype_name(x: Any) -> str:
+    # The dtype as given, before JAX's x64 canonicalisation (int64 stays "int64" in messages).
+    return np.dtype(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype).name
+
+
+def _check_device(fn: str, device: Any) -> Any:
+    # JAX arrays live on a jax.Device; a platform name ("cpu", "gpu") means its first device.
+    if device is None or isinstance(device, jax.Device):
+        return device
+    if isinstance(device, str):
+        try:
+            return jax.devices(device)[0]
+        except RuntimeError:
+            pass
+    raise ValueError(
+        f"{fn}: device must be None, a jax.Device or a platform name such as 'cpu'; "
+        f"got device={device!r}"
+    )
+
+
+def _place(array: jax.Array, device: Any) -> jax.Array:
+    # Only an explicit device moves the mask; None keeps JAX's default placement (and jit's).
+    return array if device is None else jax.device_put(array, device)
+
+
+def _positions(q_len: int, kv_len: int, offset: int) -> jax.Array:
+    """``j - (i + offset)`` for every query ``i`` and key ``j``: ``(q_len, kv_len)``."""
+    query_pos = jnp.arange(q_len, dtype=jnp.int32)[:, None] + offset  # (q_len, 1)
+    key_pos = jnp.arange(kv_len, dtype=jnp.int32)[None, :]  # (1, kv_len)
+    return key_pos - query_pos  # (q_len, kv_len)
+
+
+def causal_mask(q_len: int, kv_len: int, *, offset: int = 0, device: Any = None) -> jax.Array:
+    """Boolean causal mask: query ``i`` may attend key ``j`` iff ``j <= i + offset``.
+
+    Args:
+      q_len: number of queries.
+      kv_len: number of keys.
+      offset: 0 for top-left alignment, ``kv_len - q_len`` for bottom-right.
+      device: ``None`` (JAX's default), a ``jax.Device`` or a platform name such as ``"cpu"``.
+
+    Returns:
+      ``(q_len, kv_len)`` bool, True = may attend.
+    """
+    fn = "causal_mask"
+    q_len = _checks.check_int(fn, "q_len", q_len)
+    kv_len = _checks.check_int(fn, "kv_len", kv_len)
+    offset = _checks.check_int(fn, "offset", offset, minimum=None)
+    device = _check_device(fn, device)
+    return _place(_positions(q_len, kv_len, offset) <= 0, device)
+
+
+def sliding_window_mask(
+    q_len: int, kv_len: int, window: tuple, *, offset: int = 0, device: Any = None
+) -> jax.Array:
+    """Boolean local-attention mask: ``i + offset - left <= j <= i + offset + right``.
+
+    Args:
+      q_len: number of queries.
+      kv_len: number of keys.
+      window: ``(left, right)``, non-negative ints, ``None`` for unbounded.
+      offset: alignment offset, as in ``causal_mask``.
+      device: ``None`` (JAX's default), a ``jax.Device`` or a platform name such as ``"cpu"``.
+
+    Returns:
+      ``(q_len, kv_len)`` bool, True = may attend.
+    """
+    fn = "sliding_window_mask"
+    q_len = _checks.check_int(fn, "q_len", q_len)
+    kv_len = _checks.check_int(fn, "kv_len", kv_len)
+    offset = _checks.check_int(fn, "offset", offset, minimum=None)
+    left, right = _checks.check_window(fn, window)
+    device = _check_device(fn, device)
+    distance = _positions(q_len, kv_len, offset)  # (q_len, kv_len): j - (i + offset)
+    allowed = jnp.ones((q_len, kv_len), dtype=bool)
+    if left is not None:
+        allowed &= distance >= -left
+    if right is not None:
+        allowed &= distance <= right
+    return _place(allowed, device)
+
+
+def _lengths(fn: str, name: str, lengths: Any, max_len: int) -> jax.Array:
+    # Dtype and rank are checked on the input as given (before JAX's x64 canonicalisation), so
+    # messages match numpy_attn; the range is checked only on concrete values (not under jit).
+    dtype = _dtype_name(lengths)
+    lengths = jnp.asarray(lengths)
+    if lengths.ndim != 1 or not np.issubdtype(dtype, np.integer):
+        raise ValueError(
+            f"{fn}: {name} must be a 1-D array of ints; "
+            f"got {name}.shape={tuple(lengths.shape)}, {name}.dtype={dtype}"
+        )
+    if lengths.size and not isinstance(lengths, jax.core.Tracer):
+        values = np.asarray(lengths)
+        if values.min() < 0 or values.max() > max_len:
+            raise ValueError(
+                f"{fn}: {name} must lie in [0, {max_len}]; got {name}={values.tolist()}"
+            )
+    return lengths
+
+
+def padding_mask(
+    kv_lengths: Any,
+    kv_len: int,
+    *,
+    q_lengths: Any = None,
+    q_len: int | None = None,
+    device: Any = None,
+) -> jax.Array:
+    """Boolean padding mask from per-sequence lengths.
+
+    ``kv_lengths`` and ``q_lengths`` may be traced (under ``jax.jit``); their range is then not
+    checked, and a length outside ``[0, kv_len]`` acts as if clipped to it.
+
+    Args:
+      kv_lengths: ``(batch,)`` ints in ``[0, kv_len]``; key ``j`` of sequence ``b`` is allowed
+        iff ``j < kv_lengths[b]``.
+      kv_len: padded key length.
+      q_lengths: optional ``(batch,)`` ints; query ``i`` of sequence ``b`` attends only if
+        ``i < q_lengths[b]`` (a padded query's output is 0).
+      q_len: padded query length, required with ``q_lengths``.
+      device: ``None`` (JAX's default), a ``jax.Device`` or a platform name such as ``"cpu"``.
+
+    Returns:
+      ``(batch, 1, 1, kv_len)`` bool, or ``(batch, 1, q_len, kv_len)`` with ``q_lengths``.
+    """
+    fn = "padding_mask"
+    kv_len = _checks.check_int(fn, "kv_len", kv_len)
+    device = _check_device(fn, device)
+    kv_lengths = _lengths(fn, "kv_lengths", kv_lengths, kv_len)
+    key_ok = jnp.arange(kv_len, dtype=jnp.int32) < kv_lengths[:, None]  # (batch, kv_len)
+    mask = key_ok[:, None, None, :]  # (batch, 1, 1, kv_len)
+    if q_lengths is None:
+        return _place(mask, device)
+    if q_len is None:
+        raise ValueError(f"{fn}: q_lengths needs q_len; got q_len=None")
+    q_len = _checks.check_int(fn, "q_len", q_len)
+    q_lengths = _lengths(fn, "q_lengths", q_lengths, q_len)
+    if q_lengths.shape != kv_lengths.shape:
+        raise ValueError(
+            f"{fn}: q_lengths and kv_lengths must have the same batch; "
+            f"got q_lengths.shape={q_lengths.shape}, kv_lengths.shape={kv_lengths.shape}"
+        )
+    query_ok = jnp.arange(q_len, dtype=jnp.int32) < q_lengths[:, None]  # (batch, q_len)
+    return _place(mask & query_ok[:, None, :, None], device)  # (batch, 1, q_len, kv_len)
+
+
+def combine_masks(*masks: Any) -> jax.Array | None:
+    """AND of boolean masks, broadcast together; ``None`` entries are skipped.
+
+    Args:
+      masks: boolean arrays, mutually broadcastable.
+
+    Returns:
+      the broadcast AND, or ``None`` when every entry is ``None``.
+    """
+    fn = "combine_masks"
+    given = [m for m in masks if m is not None]
+    for index, m in enumerate(given):
+        _checks.check_bool(fn, f"masks[{index}]", _dtype_name(m))
+    present = [jnp.asarray(m) for m in given]
+    if not present:
+        return None
+    if _checks.broadcast_shapes(*(tuple(m.shape) for m in present)) is None:
+        shapes = ", ".join(str(tuple(m.shape)) for m in present)
+        raise ValueError(f"{fn}: masks must broadcast together; got shapes {shapes}")
+    combined = present[0]
+    for m in present[1:]:
+        combined = combined & m
+    return combined

@@ -1,0 +1,352 @@
+"""Attention modules in JAX, named as in the article; weights use ``x @ W``, ``W: (d_in, d_out)``.
+
+Every module is an immutable pytree (registered with ``jax.tree_util``): its weights are the
+leaves and its hyperparameters the static part, so a module can be passed through ``jax.jit``,
+differentiated with ``jax.grad`` (the gradient is a module of the same kind) and mapped with
+``jax.tree_util.tree_map``. Modules are built from an explicit ``jax.random`` key passed as
+``rng=`` (``rng=None`` is a ValueError), and draw their weights in numpy_attn's order.
+
+Every module exports its weights to a flat dict of NumPy arrays and loads them back, with the
+same keys in every backend. ``load_weights`` returns a NEW module (the original is unchanged)
+and keeps the dtype of the arrays it is given, so a float64 dict gives a float64 module (with
+``jax.config.update("jax_enable_x64", True)``). Dropout applies only when ``forward`` gets an
+``rng`` key: there is no ``train()``/``eval()`` state. Projections use
+``precision=Precision.HIGHEST``, like the functional module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _checks
+from .functional import HIGHEST, scaled_dot_product_attention
+
+
+def _uniform(rng: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Uniform on [0, 1), like ``torch.rand``: the article's initialisation."""
+    return jax.random.uniform(rng, shape, dtype=jnp.float32)
+
+
+def _xavier(rng: jax.Array, fan_in: int, fan_out: int) -> jax.Array:
+    """Xavier/Glorot uniform ``(fan_in, fan_out)``: bound ``sqrt(6 / (fan_in + fan_out))``."""
+    bound = (6.0 / (fan_in + fan_out)) ** 0.5
+    return jax.random.uniform(rng, (fan_in, fan_out), jnp.float32, -bound, bound)
+
+
+def _rng(fn: str, rng: Any, count: int) -> list[jax.Array]:
+    # JAX has no global random state: one explicit key, split into one key per weight.
+    if rng is None:
+        raise ValueError(
+            f"{fn}: rng must be a jax.random key (e.g. jax.random.key(0)) to draw the initial "
+            f"weights; got rng=None"
+        )
+    return list(jax.random.split(rng, count))
+
+
+def _matmul(x: Any, w: jax.Array) -> jax.Array:
+    """``x @ w`` at full precision (no TF32 on GPUs)."""
+    return jnp.matmul(jnp.asarray(x), w, precision=HIGHEST)
+
+
+class _Module:
+    """Weights held as attributes named in ``_weight_names`` (the pytree leaves) and
+    hyperparameters named in ``_static_names`` (the pytree's static part); immutable."""
+
+    _weight_names: tuple[str, ...] = ()
+    _static_names: tuple[str, ...] = ()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(
+            f"{type(self).__name__} is immutable; use load_weights(...) or "
+            f"jax.tree_util.tree_map(...) to get a module with other weights"
+        )
+
+    def _set(self, **attributes: Any) -> None:
+        for name, value in attributes.items():
+            object.__setattr__(self, name, value)
+
+    def __repr__(self) -> str:
+        static = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._static_names)
+        return f"{type(self).__name__}({static})"
+
+    def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """Leaves: the weights; static part: weight names and hyperparameters."""
+        leaves = tuple(getattr(self, name) for name in self._weight_names)
+        static = tuple((name, getattr(self, name)) for name in self._static_names)
+        return leaves, (self._weight_names, static)
+
+    @classmethod
+    def tree_unflatten(cls, aux: tuple[Any, ...], leaves: Any) -> Any:
+        """Rebuild a module from ``tree_flatten``'s output, without drawing weights."""
+        weight_names, static = aux
+        module = object.__new__(cls)
+        module._set(_weight_names=weight_names, **dict(static))
+        module._set(**dict(zip(weight_names, leaves, strict=True)))
+        return module
+
+    def export_weights(self) -> dict[str, np.ndarray]:
+        """Flat dict name → NumPy array (copies)."""
+        return {name: np.array(getattr(self, name)) for name in self._weight_names}
+
+    def load_weights(self, weights: dict[str, Any]) -> _Module:
+        """Load weights exported by any backend (same keys and shapes); returns a new module."""
+        fn = f"{type(self).__name__}.load_weights"
+        _check_weight_dict(fn, self.export_weights(), weights)
+        leaves = tuple(jnp.asarray(weights[name]) for name in self._weight_names)
+        return type(self).tree_unflatten(self.tree_flatten()[1], leaves)  # immutable: new module
+
+
+def _check_weight_dict(fn: str, expected: dict[str, Any], weights: dict[str, Any]) -> None:
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected))
+    if missing or extra:
+        raise ValueError(f"{fn}: weight names differ; missing {missing}, unexpected {extra}")
+    for name, array in expected.items():
+        got = tuple(np.shape(weights[name]))
+        if got != tuple(np.shape(array)):
+            raise ValueError(
+                f"{fn}: {name} must have shape {tuple(np.shape(array))}; got {name}.shape={got}"
+            )
+
+
+@jax.tree_util.register_pytree_node_class
+class SelfAttention(_Module):
+    """The article's self-attention: one head, ``softmax(q kᵀ / sqrt(d_out_kq)) v``.
+
+    Weights: ``W_query (d_in, d_out_kq)``, ``W_key (d_in, d_out_kq)``, ``W_value (d_in, d_out_v)``,
+    drawn uniformly from [0, 1) in that order (one ``jax.random.split`` key each).
+    """
+
+    _weight_names = ("W_query", "W_key", "W_value")
+    _static_names = ("d_out_kq",)
+
+    def __init__(self, d_in: int, d_out_kq: int, d_out_v: int, *, rng: Any = None) -> None:
+        rng_q, rng_k, rng_v = _rng("SelfAttention", rng, 3)
+        self._set(d_out_kq=d_out_kq)
+        self._set(W_query=_uniform(rng_q, (d_in, d_out_kq)))
+        self._set(W_key=_uniform(rng_k, (d_in, d_out_kq)))
+        self._set(W_value=_uniform(rng_v, (d_in, d_out_v)))
+
+    def forward(self, x: Any) -> jax.Array:
+        """``x: (..., seq, d_in)`` → context vectors ``(..., seq, d_out_v)``."""
+        queries = _matmul(x, self.W_query)  # (..., seq, d_out_kq)
+        keys = _matmul(x, self.W_key)  # (..., seq, d_out_kq)
+        values = _matmul(x, self.W_value)  # (..., seq, d_out_v)
+        return scaled_dot_product_attention(queries, keys, values)
+
+
+@jax.tree_util.register_pytree_node_class
+class CrossAttention(_Module):
+    """The article's cross-attention: queries from ``x_1``, keys and values from ``x_2``."""
+
+    _weight_names = ("W_query", "W_key", "W_value")
+    _static_names = ("d_out_kq",)
+
+    def __init__(self, d_in: int, d_out_kq: int, d_out_v: int, *, rng: Any = None) -> None:
+        rng_q, rng_k, rng_v = _rng("CrossAttention", rng, 3)
+        self._set(d_out_kq=d_out_kq)
+        self._set(W_query=_uniform(rng_q, (d_in, d_out_kq)))
+        self._set(W_key=_uniform(rng_k, (d_in, d_out_kq)))
+        self._set(W_value=_uniform(rng_v, (d_in, d_out_v)))
+
+    def forward(self, x_1: Any, x_2: Any) -> jax.Array:
+        """``x_1: (..., q_len, d_in)``, ``x_2: (..., kv_len, d_in)`` → ``(..., q_len, d_out_v)``."""
+        queries_1 = _matmul(x_1, self.W_query)  # (..., q_len, d_out_kq)
+        keys_2 = _matmul(x_2, self.W_key)  # (..., kv_len, d_out_kq)
+        values_2 = _matmul(x_2, self.W_value)  # (..., kv_len, d_out_v)
+        return scaled_dot_product_attention(queries_1, keys_2, values_2)
+
+
+@jax.tree_util.register_pytree_node_class
+class CausalSelfAttention(_Module):
+    """The article's causal self-attention: token ``i`` sees tokens ``0..i`` only.
+
+    Dropout on the weights (``dropout_p``) applies only when ``forward`` gets an ``rng`` key.
+    """
+
+    _weight_names = ("W_query", "W_key", "W_value")
+    _static_names = ("d_out_kq", "dropout_p")
+
+    def __init__(
+        self, d_in: int, d_out_kq: int, d_out_v: int, *, dropout_p: float = 0.0, rng: Any = None
+    ) -> None:
+        _checks.check_dropout("CausalSelfAttention", dropout_p, False)
+        rng_q, rng_k, rng_v = _rng("CausalSelfAttention", rng, 3)
+        self._set(d_out_kq=d_out_kq, dropout_p=float(dropout_p))
+        self._set(W_query=_uniform(rng_q, (d_in, d_out_kq)))
+        self._set(W_key=_uniform(rng_k, (d_in, d_out_kq)))
+        self._set(W_value=_uniform(rng_v, (d_in, d_out_v)))
+
+    def forward(self, x: Any, *, rng: Any = None) -> jax.Array:
+        """``x: (..., seq, d_in)`` → ``(..., seq, d_out_v)``; an ``rng`` key turns dropout on."""
+        queries = _matmul(x, self.W_query)  # (..., seq, d_out_kq)
+        keys = _matmul(x, self.W_key)  # (..., seq, d_out_kq)
+        values = _matmul(x, self.W_value)  # (..., seq, d_out_v)
+        dropout_p = self.dropout_p if rng is not None else 0.0  # no train/eval state in JAX
+        return scaled_dot_product_attention(
+            queries, keys, values, is_causal=True, dropout_p=dropout_p, rng=rng
+        )
+
+
+@jax.tree_util.register_pytree_node_class
+class MultiHeadAttentionWrapper(_Module):
+    """The article's multi-head wrapper: ``num_heads`` ``SelfAttention`` heads, concatenated.
+
+    Weights: ``heads.{h}.W_query``, ``heads.{h}.W_key``, ``heads.{h}.W_value``.
+    """
+
+    def __init__(
+        self, d_in: int, d_out_kq: int, d_out_v: int, num_heads: int, *, rng: Any = None
+    ) -> None:
+        rngs = _rng("MultiHeadAttentionWrapper", rng, num_heads)
+        self._set(heads=tuple(SelfAttention(d_in, d_out_kq, d_out_v, rng=r) for r in rngs))
+
+    def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        """Children: the heads (themselves pytrees)."""
+        return self.heads, ()
+
+    @classmethod
+    def tree_unflatten(cls, aux: tuple[Any, ...], heads: Any) -> MultiHeadAttentionWrapper:
+        """Rebuild the wrapper from its heads."""
+        module = object.__new__(cls)
+        module._set(heads=tuple(heads))
+        return module
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(num_heads={len(self.heads)})"
+
+    def forward(self, x: Any) -> jax.Array:
+        """``x: (..., seq, d_in)`` → ``(..., seq, num_heads * d_out_v)``."""
+        return jnp.concatenate([head(x) for head in self.heads], axis=-1)
+
+    def export_weights(self) -> dict[str, np.ndarray]:
+        """Flat dict ``heads.{h}.W_*`` → NumPy array."""
+        return {
+            f"heads.{h}.{name}": array
+            for h, head in enumerate(self.heads)
+            for name, array in head.export_weights().items()
+        }
+
+    def load_weights(self, weights: dict[str, Any]) -> MultiHeadAttentionWrapper:
+        """Load weights exported by any backend; returns a new module."""
+        _check_weight_dict("MultiHeadAttentionWrapper.load_weights", self.export_weights(), weights)
+        heads = [
+            head.load_weights({name: weights[f"heads.{h}.{name}"] for name in head._weight_names})
+            for h, head in enumerate(self.heads)
+        ]
+        return type(self).tree_unflatten((), heads)  # immutable: a new module
+
+
+@jax.tree_util.register_pytree_node_class
+class MultiHeadAttention(_Module):
+    """Multi-head attention with fused projections, grouped-query heads and masks.
+
+    ``head_dim = d_model // num_heads``. Weights: ``W_query (d_model, num_heads·head_dim)``,
+    ``W_key``, ``W_value (d_model, num_kv_heads·head_dim)``, ``W_out (num_heads·head_dim,
+    d_model)`` (Xavier uniform), and with ``bias=True`` ``b_query``, ``b_key``, ``b_value``,
+    ``b_out`` (zeros).
+    """
+
+    _static_names = ("d_model", "num_heads", "num_kv_heads", "head_dim", "dropout_p")
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        bias: bool = True,
+        dropout_p: float = 0.0,
+        rng: Any = None,
+    ) -> None:
+        fn = "MultiHeadAttention"
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads <= 0 or d_model % num_heads != 0:
+            raise ValueError(
+                f"{fn}: d_model must be a multiple of num_heads; "
+                f"got d_model={d_model}, num_heads={num_heads}"
+            )
+        if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"{fn}: num_heads must be a multiple of num_kv_heads; "
+                f"got num_heads={num_heads}, num_kv_heads={num_kv_heads}"
+            )
+        _checks.check_dropout(fn, dropout_p, False)
+        rng_q, rng_k, rng_v, rng_o = _rng(fn, rng, 4)
+        self._set(d_model=d_model, num_heads=num_heads, num_kv_heads=num_kv_heads)
+        self._set(head_dim=d_model // num_heads)
+        self._set(dropout_p=float(dropout_p))
+        q_size, kv_size = num_heads * self.head_dim, num_kv_heads * self.head_dim
+        self._set(W_query=_xavier(rng_q, d_model, q_size))
+        self._set(W_key=_xavier(rng_k, d_model, kv_size))
+        self._set(W_value=_xavier(rng_v, d_model, kv_size))
+        self._set(W_out=_xavier(rng_o, q_size, d_model))
+        names = ["W_query", "W_key", "W_value", "W_out"]
+        if bias:
+            self._set(b_query=jnp.zeros(q_size, jnp.float32))
+            self._set(b_key=jnp.zeros(kv_size, jnp.float32))
+            self._set(b_value=jnp.zeros(kv_size, jnp.float32))
+            self._set(b_out=jnp.zeros(d_model, jnp.float32))
+            names += ["b_query", "b_key", "b_value", "b_out"]
+        self._set(_weight_names=tuple(names))
+
+    def _project(self, x: Any, name: str, heads: int) -> jax.Array:
+        """``(..., seq, d_model)`` → ``(..., heads, seq, head_dim)``."""
+        projected = _matmul(x, getattr(self, f"W_{name}"))  # (..., seq, heads * head_dim)
+        if f"b_{name}" in self._weight_names:
+            projected = projected + getattr(self, f"b_{name}")
+        split = projected.reshape(projected.shape[:-1] + (heads, self.head_dim))
+        return jnp.swapaxes(split, -2, -3)  # (..., heads, seq, head_dim)
+
+    def forward(
+        self,
+        x: Any,
+        context: Any = None,
+        *,
+        mask: Any = None,
+        is_causal: bool = False,
+        causal_alignment: str = "top_left",
+        window: tuple | None = None,
+        return_weights: bool = False,
+        rng: Any = None,
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """Attention of ``x`` over ``context`` (self-attention when ``context`` is None).
+
+        Args:
+          x: ``(..., q_len, d_model)``.
+          context: ``(..., kv_len, d_model)`` or ``None``.
+          mask: boolean, broadcastable to ``(..., num_heads, q_len, kv_len)``; True = may attend.
+          is_causal, causal_alignment, window: as in ``scaled_dot_product_attention``.
+          return_weights: also return weights ``(..., num_heads, q_len, kv_len)``.
+          rng: a ``jax.random`` key; dropout (``dropout_p > 0``) applies only when given.
+
+        Returns:
+          ``(..., q_len, d_model)``, and the weights with ``return_weights``.
+        """
+        x = jnp.asarray(x)
+        context = x if context is None else jnp.asarray(context)
+        query = self._project(x, "query", self.num_heads)  # (..., heads, q_len, head_dim)
+        key = self._project(context, "key", self.num_kv_heads)  # (..., kv_heads, kv_len, head_dim)
+        value = self._project(context, "value", self.num_kv_heads)
+        result = scaled_dot_product_attention(
+            query, key, value, mask=mask, is_causal=is_causal, causal_alignment=causal_alignment,
+            window=window, dropout_p=self.dropout_p if rng is not None else 0.0, rng=rng,
+            return_weights=return_weights,
+        )
+        context_vec, weights = result if return_weights else (result, None)
+        merged = jnp.swapaxes(context_vec, -2, -3)  # (..., q_len, heads, head_dim)
+        merged = merged.reshape(merged.shape[:-2] + (-1,))  # (..., q_len, heads * head_dim)
+        output = _matmul(merged, self.W_out)  # (..., q_len, d_model)
+        if "b_out" in self._weight_names:
+            output = output + self.b_out
+        return (output, weights) if return_weights else output
