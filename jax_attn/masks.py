@@ -162,7 +162,8 @@ def combine_masks(*masks: Any) -> jax.Array | None:
     """AND of boolean masks, broadcast together; ``None`` entries are skipped.
 
     Args:
-      masks: boolean arrays, mutually broadcastable.
+      masks: boolean arrays, mutually broadcastable (e.g. ``(q_len, kv_len)`` and
+        ``(batch, 1, 1, kv_len)``).
 
     Returns:
       the broadcast AND, or ``None`` when every entry is ``None``.
