@@ -1,0 +1,47 @@
+"""Scaled dot-product attention in PyTorch, from the project's spec.
+
+Layout ``(..., heads, seq, head_dim)``; boolean masks mean True = may attend; fully masked rows
+give exactly 0 (output and gradient). Functions keep their inputs' device and dtype, support
+autograd and ``torch.compile``, and use ``torch.nn.functional.scaled_dot_product_attention``
+when it follows the spec. Modules are ``torch.nn.Module``s. See ``conformance/spec.py`` for the
+full specification.
+"""
+
+from .functional import (
+    apply_dropout,
+    attention_output,
+    attention_scores,
+    attention_weights,
+    mask_scores,
+    renormalized_causal_weights,
+    scaled_dot_product_attention,
+)
+from .interop import weights_from_torch_multihead
+from .masks import causal_mask, combine_masks, padding_mask, sliding_window_mask
+from .modules import (
+    CausalSelfAttention,
+    CrossAttention,
+    MultiHeadAttention,
+    MultiHeadAttentionWrapper,
+    SelfAttention,
+)
+
+__all__ = [
+    "CausalSelfAttention",
+    "CrossAttention",
+    "MultiHeadAttention",
+    "MultiHeadAttentionWrapper",
+    "SelfAttention",
+    "apply_dropout",
+    "attention_output",
+    "attention_scores",
+    "attention_weights",
+    "causal_mask",
+    "combine_masks",
+    "mask_scores",
+    "padding_mask",
+    "renormalized_causal_weights",
+    "scaled_dot_product_attention",
+    "sliding_window_mask",
+    "weights_from_torch_multihead",
+]

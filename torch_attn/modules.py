@@ -1,0 +1,291 @@
+"""Attention modules in PyTorch, named as in the article; weights ``x @ W``, ``W: (d_in, d_out)``.
+
+Every module is a ``torch.nn.Module`` whose weights are ``nn.Parameter``s (so ``state_dict``,
+optimisers and ``.to(device)`` work), and exports its weights to a flat dict of NumPy arrays and
+loads them back, with the same keys in every backend. ``load_weights`` keeps the dtype of the
+arrays it is given, so a float64 dict gives a float64 module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import _checks
+from .functional import scaled_dot_product_attention
+from .masks import _as_tensor
+
+
+def _uniform(rng: torch.Generator | None, shape: tuple[int, ...]) -> torch.Tensor:
+    """Uniform on [0, 1) by ``torch.rand``: the article's initialisation."""
+    return torch.rand(shape, generator=rng)
+
+
+def _xavier(rng: torch.Generator | None, fan_in: int, fan_out: int) -> torch.Tensor:
+    """Xavier/Glorot uniform ``(fan_in, fan_out)``: bound ``sqrt(6 / (fan_in + fan_out))``."""
+    bound = (6.0 / (fan_in + fan_out)) ** 0.5
+    return torch.empty(fan_in, fan_out).uniform_(-bound, bound, generator=rng)
+
+
+def _to_numpy(x: Any) -> np.ndarray:
+    """A copy as a NumPy array; bfloat16 becomes ml_dtypes' bfloat16, as in the other backends."""
+    if not isinstance(x, torch.Tensor):
+        return np.array(x)
+    x = x.detach().cpu()
+    if x.dtype == torch.bfloat16:  # NumPy has no bfloat16 of its own
+        import ml_dtypes
+
+        return x.float().numpy().astype(ml_dtypes.bfloat16)
+    return x.numpy().copy()
+
+
+class _Module(nn.Module):
+    """Weights held as parameters named in ``_weight_names``; export/load (train/eval, calls and
+    ``state_dict`` come from ``nn.Module``)."""
+
+    _weight_names: tuple[str, ...] = ()
+
+    def export_weights(self) -> dict[str, np.ndarray]:
+        """Flat dict name → NumPy array (copies)."""
+        return {name: _to_numpy(getattr(self, name)) for name in self._weight_names}
+
+    def load_weights(self, weights: dict[str, Any]) -> _Module:
+        """Load weights exported by any backend (same keys and shapes); returns the module,
+        updated in place (the same ``nn.Parameter`` objects, with the arrays' dtype)."""
+        fn = f"{type(self).__name__}.load_weights"
+        _check_weight_dict(fn, self.export_weights(), weights)
+        for name in self._weight_names:
+            parameter = getattr(self, name)
+            parameter.data = _as_tensor(weights[name]).detach().to(parameter.device).clone()
+        return self
+
+
+def _check_weight_dict(fn: str, expected: dict[str, Any], weights: dict[str, Any]) -> None:
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected))
+    if missing or extra:
+        raise ValueError(f"{fn}: weight names differ; missing {missing}, unexpected {extra}")
+    for name, array in expected.items():
+        got = tuple(np.shape(weights[name]))
+        if got != tuple(np.shape(array)):
+            raise ValueError(
+                f"{fn}: {name} must have shape {tuple(np.shape(array))}; got {name}.shape={got}"
+            )
+
+
+class SelfAttention(_Module):
+    """The article's self-attention: one head, ``softmax(q kᵀ / sqrt(d_out_kq)) v``.
+
+    Weights: ``W_query (d_in, d_out_kq)``, ``W_key (d_in, d_out_kq)``, ``W_value (d_in, d_out_v)``,
+    drawn by ``torch.rand`` in that order, as in the article (``rng``: a ``torch.Generator``,
+    ``None`` for torch's global one, so ``torch.manual_seed(123)`` gives the article's numbers).
+    """
+
+    _weight_names = ("W_query", "W_key", "W_value")
+
+    def __init__(self, d_in: int, d_out_kq: int, d_out_v: int, *, rng: Any = None) -> None:
+        super().__init__()
+        self.d_out_kq = d_out_kq
+        self.W_query = nn.Parameter(_uniform(rng, (d_in, d_out_kq)))
+        self.W_key = nn.Parameter(_uniform(rng, (d_in, d_out_kq)))
+        self.W_value = nn.Parameter(_uniform(rng, (d_in, d_out_v)))
+
+    def forward(self, x: Any) -> torch.Tensor:
+        """``x: (..., seq, d_in)`` → context vectors ``(..., seq, d_out_v)``."""
+        x = _as_tensor(x)
+        queries = x @ self.W_query  # (..., seq, d_out_kq)
+        keys = x @ self.W_key  # (..., seq, d_out_kq)
+        values = x @ self.W_value  # (..., seq, d_out_v)
+        return scaled_dot_product_attention(queries, keys, values)
+
+
+class CrossAttention(_Module):
+    """The article's cross-attention: queries from ``x_1``, keys and values from ``x_2``."""
+
+    _weight_names = ("W_query", "W_key", "W_value")
+
+    def __init__(self, d_in: int, d_out_kq: int, d_out_v: int, *, rng: Any = None) -> None:
+        super().__init__()
+        self.d_out_kq = d_out_kq
+        self.W_query = nn.Parameter(_uniform(rng, (d_in, d_out_kq)))
+        self.W_key = nn.Parameter(_uniform(rng, (d_in, d_out_kq)))
+        self.W_value = nn.Parameter(_uniform(rng, (d_in, d_out_v)))
+
+    def forward(self, x_1: Any, x_2: Any) -> torch.Tensor:
+        """``x_1: (..., q_len, d_in)``, ``x_2: (..., kv_len, d_in)`` → ``(..., q_len, d_out_v)``."""
+        x_1, x_2 = _as_tensor(x_1), _as_tensor(x_2)
+        queries_1 = x_1 @ self.W_query  # (..., q_len, d_out_kq)
+        keys_2 = x_2 @ self.W_key  # (..., kv_len, d_out_kq)
+        values_2 = x_2 @ self.W_value  # (..., kv_len, d_out_v)
+        return scaled_dot_product_attention(queries_1, keys_2, values_2)
+
+
+class CausalSelfAttention(_Module):
+    """The article's causal self-attention: token ``i`` sees tokens ``0..i`` only.
+
+    Dropout on the weights (``dropout_p``) applies in training mode only (``eval()`` turns it off).
+    """
+
+    _weight_names = ("W_query", "W_key", "W_value")
+
+    def __init__(
+        self, d_in: int, d_out_kq: int, d_out_v: int, *, dropout_p: float = 0.0, rng: Any = None
+    ) -> None:
+        _checks.check_dropout("CausalSelfAttention", dropout_p, False)
+        super().__init__()
+        self.d_out_kq = d_out_kq
+        self.dropout_p = float(dropout_p)
+        self.W_query = nn.Parameter(_uniform(rng, (d_in, d_out_kq)))
+        self.W_key = nn.Parameter(_uniform(rng, (d_in, d_out_kq)))
+        self.W_value = nn.Parameter(_uniform(rng, (d_in, d_out_v)))
+
+    def forward(self, x: Any, *, rng: Any = None) -> torch.Tensor:
+        """``x: (..., seq, d_in)`` → ``(..., seq, d_out_v)``; ``rng`` (``torch.Generator``) draws
+        the dropout mask."""
+        x = _as_tensor(x)
+        queries = x @ self.W_query  # (..., seq, d_out_kq)
+        keys = x @ self.W_key  # (..., seq, d_out_kq)
+        values = x @ self.W_value  # (..., seq, d_out_v)
+        dropout_p = self.dropout_p if self.training else 0.0
+        return scaled_dot_product_attention(
+            queries, keys, values, is_causal=True, dropout_p=dropout_p, rng=rng
+        )
+
+
+class MultiHeadAttentionWrapper(_Module):
+    """The article's multi-head wrapper: ``num_heads`` ``SelfAttention`` heads, concatenated.
+
+    Weights: ``heads.{h}.W_query``, ``heads.{h}.W_key``, ``heads.{h}.W_value``.
+    """
+
+    def __init__(
+        self, d_in: int, d_out_kq: int, d_out_v: int, num_heads: int, *, rng: Any = None
+    ) -> None:
+        super().__init__()
+        self.heads = nn.ModuleList(
+            [SelfAttention(d_in, d_out_kq, d_out_v, rng=rng) for _ in range(num_heads)]
+        )
+
+    def forward(self, x: Any) -> torch.Tensor:
+        """``x: (..., seq, d_in)`` → ``(..., seq, num_heads * d_out_v)``."""
+        return torch.cat([head(x) for head in self.heads], dim=-1)
+
+    def export_weights(self) -> dict[str, np.ndarray]:
+        """Flat dict ``heads.{h}.W_*`` → NumPy array."""
+        return {
+            f"heads.{h}.{name}": array
+            for h, head in enumerate(self.heads)
+            for name, array in head.export_weights().items()
+        }
+
+    def load_weights(self, weights: dict[str, Any]) -> MultiHeadAttentionWrapper:
+        """Load weights exported by any backend; returns the module."""
+        _check_weight_dict("MultiHeadAttentionWrapper.load_weights", self.export_weights(), weights)
+        for h, head in enumerate(self.heads):
+            head.load_weights({name: weights[f"heads.{h}.{name}"] for name in head._weight_names})
+        return self
+
+
+class MultiHeadAttention(_Module):
+    """Multi-head attention with fused projections, grouped-query heads and masks.
+
+    ``head_dim = d_model // num_heads``. Weights: ``W_query (d_model, num_heads·head_dim)``,
+    ``W_key``, ``W_value (d_model, num_kv_heads·head_dim)``, ``W_out (num_heads·head_dim,
+    d_model)`` (Xavier uniform), and with ``bias=True`` ``b_query``, ``b_key``, ``b_value``,
+    ``b_out`` (zeros). ``weights_from_torch_multihead`` converts ``nn.MultiheadAttention``'s.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        bias: bool = True,
+        dropout_p: float = 0.0,
+        rng: Any = None,
+    ) -> None:
+        fn = "MultiHeadAttention"
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads <= 0 or d_model % num_heads != 0:
+            raise ValueError(
+                f"{fn}: d_model must be a multiple of num_heads; "
+                f"got d_model={d_model}, num_heads={num_heads}"
+            )
+        if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"{fn}: num_heads must be a multiple of num_kv_heads; "
+                f"got num_heads={num_heads}, num_kv_heads={num_kv_heads}"
+            )
+        _checks.check_dropout(fn, dropout_p, False)
+        super().__init__()
+        self.d_model, self.num_heads, self.num_kv_heads = d_model, num_heads, num_kv_heads
+        self.head_dim = d_model // num_heads
+        self.dropout_p = float(dropout_p)
+        q_size, kv_size = num_heads * self.head_dim, num_kv_heads * self.head_dim
+        self.W_query = nn.Parameter(_xavier(rng, d_model, q_size))
+        self.W_key = nn.Parameter(_xavier(rng, d_model, kv_size))
+        self.W_value = nn.Parameter(_xavier(rng, d_model, kv_size))
+        self.W_out = nn.Parameter(_xavier(rng, q_size, d_model))
+        names = ["W_query", "W_key", "W_value", "W_out"]
+        if bias:
+            self.b_query = nn.Parameter(torch.zeros(q_size))
+            self.b_key = nn.Parameter(torch.zeros(kv_size))
+            self.b_value = nn.Parameter(torch.zeros(kv_size))
+            self.b_out = nn.Parameter(torch.zeros(d_model))
+            names += ["b_query", "b_key", "b_value", "b_out"]
+        self._weight_names = tuple(names)
+
+    def _project(self, x: torch.Tensor, name: str, heads: int) -> torch.Tensor:
+        """``(..., seq, d_model)`` → ``(..., heads, seq, head_dim)``."""
+        projected = x @ getattr(self, f"W_{name}")  # (..., seq, heads * head_dim)
+        if f"b_{name}" in self._weight_names:
+            projected = projected + getattr(self, f"b_{name}")
+        split = projected.reshape(projected.shape[:-1] + (heads, self.head_dim))
+        return split.transpose(-2, -3)  # (..., heads, seq, head_dim)
+
+    def forward(
+        self,
+        x: Any,
+        context: Any = None,
+        *,
+        mask: Any = None,
+        is_causal: bool = False,
+        causal_alignment: str = "top_left",
+        window: tuple | None = None,
+        return_weights: bool = False,
+        rng: Any = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Attention of ``x`` over ``context`` (self-attention when ``context`` is None).
+
+        Args:
+          x: ``(..., q_len, d_model)``.
+          context: ``(..., kv_len, d_model)`` or ``None``.
+          mask: boolean, broadcastable to ``(..., num_heads, q_len, kv_len)``; True = may attend.
+          is_causal, causal_alignment, window: as in ``scaled_dot_product_attention``.
+          return_weights: also return weights ``(..., num_heads, q_len, kv_len)``.
+          rng: ``torch.Generator`` for dropout (``None``: torch's global generator).
+
+        Returns:
+          ``(..., q_len, d_model)``, and the weights with ``return_weights``.
+        """
+        x = _as_tensor(x)
+        context = x if context is None else _as_tensor(context)
+        query = self._project(x, "query", self.num_heads)  # (..., heads, q_len, head_dim)
+        key = self._project(context, "key", self.num_kv_heads)  # (..., kv_heads, kv_len, head_dim)
+        value = self._project(context, "value", self.num_kv_heads)
+        result = scaled_dot_product_attention(
+            query, key, value, mask=mask, is_causal=is_causal, causal_alignment=causal_alignment,
+            window=window, dropout_p=self.dropout_p if self.training else 0.0, rng=rng,
+            return_weights=return_weights,
+        )
+        context_vec, weights = result if return_weights else (result, None)
+        merged = context_vec.transpose(-2, -3)  # (..., q_len, heads, head_dim)
+        merged = merged.reshape(merged.shape[:-2] + (-1,))  # (..., q_len, heads * head_dim)
+        output = merged @ self.W_out  # (..., q_len, d_model)
+        if "b_out" in self._weight_names:
+            output = output + self.b_out
+        return (output, weights) if return_weights else output
