@@ -147,6 +147,7 @@ FUNCTIONS = (
     "attention_output",
     "renormalized_causal_weights",
     "scaled_dot_product_attention",
+    "scaled_dot_product_attention_vjp",
 )
 
 
@@ -359,6 +360,44 @@ def scaled_dot_product_attention(
     """
 
 
+def scaled_dot_product_attention_vjp(
+    query: Any,
+    key: Any,
+    value: Any,
+    grad_output: Any,
+    *,
+    mask: Any = None,
+    bias: Any = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    window: tuple | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+    dropout_mask: Any = None,
+) -> Any:
+    """Gradients of ``scaled_dot_product_attention`` with respect to its array inputs.
+
+    numpy_attn derives them by hand (FlashAttention's backward); jax_attn uses ``jax.vjp`` and
+    torch_attn ``torch.autograd``, so the harness compares three independent computations.
+    Dropout needs the forward pass's ``dropout_mask`` (ValueError without it). Masked
+    positions and fully masked rows receive gradient exactly 0, never NaN.
+
+    Args:
+      query: ``(..., heads, q_len, head_dim)``.
+      key: ``(..., kv_heads, kv_len, head_dim)``.
+      value: ``(..., kv_heads, kv_len, v_dim)``.
+      grad_output: ``(..., heads, q_len, v_dim)``: the gradient of a loss w.r.t. the output.
+      mask, bias, is_causal, causal_alignment, window, scale, softcap, dropout_p,
+        dropout_mask: as in ``scaled_dot_product_attention``.
+
+    Returns:
+      ``(grad_query, grad_key, grad_value, grad_bias)`` shaped like query, key, value and
+      bias (``grad_bias`` is None without a bias); grouped-query heads add their key/value
+      gradients into the shared head.
+    """
+
+
 # --------------------------------------------------------------------------------------------
 # Public modules (stubs). Weights use the ``x @ W`` convention of the article: ``(d_in, d_out)``.
 # --------------------------------------------------------------------------------------------
@@ -536,7 +575,9 @@ class MultiHeadAttention:
 # --------------------------------------------------------------------------------------------
 
 BACKEND_EXTRAS = {
-    "numpy_attn": (),
+    # NumPy has no autodiff: a minimal optimiser so NumPy-only users can train with the
+    # modules' hand-written ``backward`` methods.
+    "numpy_attn": ("sgd_step", "Adam"),
     "jax_attn": (),
     "torch_attn": ("weights_from_torch_multihead",),
 }

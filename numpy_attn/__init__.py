@@ -4,6 +4,7 @@ Layout ``(..., heads, seq, head_dim)``; boolean masks mean True = may attend; fu
 give exactly 0. See ``conformance/spec.py`` for the full specification.
 """
 
+from .backward import Adam, scaled_dot_product_attention_vjp, sgd_step
 from .functional import (
     apply_dropout,
     attention_output,
@@ -23,6 +24,7 @@ from .modules import (
 )
 
 __all__ = [
+    "Adam",
     "CausalSelfAttention",
     "CrossAttention",
     "MultiHeadAttention",
@@ -38,5 +40,7 @@ __all__ = [
     "padding_mask",
     "renormalized_causal_weights",
     "scaled_dot_product_attention",
+    "scaled_dot_product_attention_vjp",
+    "sgd_step",
     "sliding_window_mask",
 ]

@@ -3,6 +3,10 @@
 Every module exports its weights to a flat dict of NumPy arrays and loads them back, with the
 same keys in every backend. ``load_weights`` keeps the dtype of the arrays it is given, so a
 float64 dict gives a float64 module.
+
+NumPy has no autodiff, so every module here also has ``backward(inputs..., grad_output)``,
+returning the gradient of every weight under the weight's own name (``backward.py`` derives
+it); with ``backward.sgd_step`` or ``backward.Adam`` a NumPy-only user can train.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from . import _checks
+from .backward import projection_grads, scaled_dot_product_attention_vjp
 from .functional import scaled_dot_product_attention
 
 
@@ -100,6 +105,18 @@ class SelfAttention(_Module):
         values = x @ self.W_value  # (..., seq, d_out_v)
         return scaled_dot_product_attention(queries, keys, values)
 
+    def backward(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
+        """Weight gradients for ``x: (..., seq, d_in)``, ``grad_output: (..., seq, d_out_v)``."""
+        x = np.asarray(x)
+        grad_q, grad_k, grad_v, _ = scaled_dot_product_attention_vjp(
+            x @ self.W_query, x @ self.W_key, x @ self.W_value, grad_output
+        )
+        return {
+            "W_query": projection_grads(x, grad_q),
+            "W_key": projection_grads(x, grad_k),
+            "W_value": projection_grads(x, grad_v),
+        }
+
 
 class CrossAttention(_Module):
     """The article's cross-attention: queries from ``x_1``, keys and values from ``x_2``."""
@@ -119,6 +136,18 @@ class CrossAttention(_Module):
         keys_2 = x_2 @ self.W_key  # (..., kv_len, d_out_kq)
         values_2 = x_2 @ self.W_value  # (..., kv_len, d_out_v)
         return scaled_dot_product_attention(queries_1, keys_2, values_2)
+
+    def backward(self, x_1: Any, x_2: Any, grad_output: Any) -> dict[str, np.ndarray]:
+        """Weight gradients; ``grad_output: (..., q_len, d_out_v)``."""
+        x_1, x_2 = np.asarray(x_1), np.asarray(x_2)
+        grad_q, grad_k, grad_v, _ = scaled_dot_product_attention_vjp(
+            x_1 @ self.W_query, x_2 @ self.W_key, x_2 @ self.W_value, grad_output
+        )
+        return {
+            "W_query": projection_grads(x_1, grad_q),
+            "W_key": projection_grads(x_2, grad_k),
+            "W_value": projection_grads(x_2, grad_v),
+        }
 
 
 class CausalSelfAttention(_Module):
@@ -150,6 +179,28 @@ class CausalSelfAttention(_Module):
             queries, keys, values, is_causal=True, dropout_p=dropout_p, rng=rng
         )
 
+    def backward(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
+        """Weight gradients, without dropout (``eval()`` or ``dropout_p=0``)."""
+        _check_no_dropout(self)
+        x = np.asarray(x)
+        grad_q, grad_k, grad_v, _ = scaled_dot_product_attention_vjp(
+            x @ self.W_query, x @ self.W_key, x @ self.W_value, grad_output, is_causal=True
+        )
+        return {
+            "W_query": projection_grads(x, grad_q),
+            "W_key": projection_grads(x, grad_k),
+            "W_value": projection_grads(x, grad_v),
+        }
+
+
+def _check_no_dropout(module: _Module) -> None:
+    # The backward pass must see the forward pass's keep-mask, which a module does not keep.
+    if module.training and module.dropout_p > 0:
+        raise ValueError(
+            f"{type(module).__name__}.backward: dropout is active; call eval() or use "
+            f"dropout_p=0 (got dropout_p={module.dropout_p})"
+        )
+
 
 class MultiHeadAttentionWrapper(_Module):
     """The article's multi-head wrapper: ``num_heads`` ``SelfAttention`` heads, concatenated.
@@ -166,6 +217,15 @@ class MultiHeadAttentionWrapper(_Module):
     def forward(self, x: Any) -> np.ndarray:
         """``x: (..., seq, d_in)`` → ``(..., seq, num_heads * d_out_v)``."""
         return np.concatenate([head(x) for head in self.heads], axis=-1)
+
+    def backward(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
+        """Weight gradients ``heads.{h}.W_*``; ``grad_output: (..., seq, num_heads * d_out_v)``."""
+        per_head = np.split(np.asarray(grad_output), len(self.heads), axis=-1)
+        return {
+            f"heads.{h}.{name}": grad
+            for h, (head, grad_head) in enumerate(zip(self.heads, per_head, strict=True))
+            for name, grad in head.backward(x, grad_head).items()
+        }
 
     def export_weights(self) -> dict[str, np.ndarray]:
         """Flat dict ``heads.{h}.W_*`` → NumPy array."""
@@ -283,3 +343,55 @@ class MultiHeadAttention(_Module):
         if "b_out" in self._weight_names:
             output = output + self.b_out
         return (output, weights) if return_weights else output
+
+    def backward(
+        self,
+        x: Any,
+        grad_output: Any,
+        context: Any = None,
+        *,
+        mask: Any = None,
+        is_causal: bool = False,
+        causal_alignment: str = "top_left",
+        window: tuple | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Weight gradients of ``forward(x, context, ...)`` (without dropout).
+
+        Args:
+          x: ``(..., q_len, d_model)``.
+          grad_output: ``(..., q_len, d_model)``.
+          context, mask, is_causal, causal_alignment, window: as in ``forward``.
+
+        Returns:
+          weight name → gradient, for every weight.
+        """
+        _check_no_dropout(self)
+        x = np.asarray(x)
+        context = x if context is None else np.asarray(context)
+        grad_output = np.asarray(grad_output)
+        query = self._project(x, "query", self.num_heads)  # (..., heads, q_len, head_dim)
+        key = self._project(context, "key", self.num_kv_heads)
+        value = self._project(context, "value", self.num_kv_heads)
+        context_vec = scaled_dot_product_attention(
+            query, key, value, mask=mask, is_causal=is_causal,
+            causal_alignment=causal_alignment, window=window,
+        )
+        merged = np.swapaxes(context_vec, -2, -3)  # (..., q_len, heads, head_dim)
+        merged = merged.reshape(merged.shape[:-2] + (-1,))  # (..., q_len, heads * head_dim)
+        grads = {"W_out": projection_grads(merged, grad_output)}
+        grad_merged = grad_output @ self.W_out.T  # (..., q_len, heads * head_dim)
+        grad_split = grad_merged.reshape(grad_merged.shape[:-1] + (self.num_heads, -1))
+        grad_q, grad_k, grad_v, _ = scaled_dot_product_attention_vjp(
+            query, key, value, np.swapaxes(grad_split, -2, -3), mask=mask, is_causal=is_causal,
+            causal_alignment=causal_alignment, window=window,
+        )
+        for name, source, grad in (("query", x, grad_q), ("key", context, grad_k),
+                                   ("value", context, grad_v)):
+            joined = np.swapaxes(grad, -2, -3)  # (..., seq, heads, head_dim)
+            joined = joined.reshape(joined.shape[:-2] + (-1,))  # (..., seq, heads * head_dim)
+            grads[f"W_{name}"] = projection_grads(source, joined)
+            if f"b_{name}" in self._weight_names:
+                grads[f"b_{name}"] = joined.reshape(-1, joined.shape[-1]).sum(axis=0)
+        if "b_out" in self._weight_names:
+            grads["b_out"] = grad_output.reshape(-1, grad_output.shape[-1]).sum(axis=0)
+        return grads

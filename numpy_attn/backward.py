@@ -1,0 +1,221 @@
+"""The backward pass of attention, written out by hand.
+
+Forward (``functional.py``), with ``Z`` the dropout keep-mask and ``p`` its drop rate::
+
+    S0 = (Q Kᵀ) · scale                 raw scores
+    S1 = c · tanh(S0 / c)               soft-capped (S1 = S0 without softcap)
+    S  = mask(S1 + bias)                -inf where not allowed
+    P  = softmax(S)                     0 on fully masked rows
+    P̃  = P ⊙ Z / (1 - p)               dropout
+    O  = P̃ V
+
+Backward, given ``dO`` (FlashAttention's derivation, Dao et al. 2022, appendix B.2)::
+
+    dV = P̃ᵀ dO
+    dP = (dO Vᵀ) ⊙ Z / (1 - p)
+    dS = P ⊙ (dP - rowsum(dO ⊙ O))      rowsum(dO ⊙ O) = rowsum(P ⊙ dP), cheaper
+    dbias = dS                           summed over the axes bias was broadcast along
+    dS0 = dS ⊙ (1 - (S1 / c)²)           tanh' (dS0 = dS without softcap)
+    dQ = dS0 K · scale
+    dK = dS0ᵀ Q · scale
+
+Masked positions have ``P = 0`` and so ``dS = 0``: no gradient flows through them, and a fully
+masked row contributes exactly 0. With grouped-query attention, the query heads that share a
+key/value head add their ``dK`` and ``dV`` into it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _checks
+from .functional import (
+    _check_dropout_mask,
+    _check_mask_bias,
+    _check_structure,
+    _group_heads,
+    _groups,
+    _mask_scores,
+    _output,
+    _scores,
+    _softmax,
+    _to_compute,
+)
+
+
+def _sum_to_shape(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Sum ``x`` over the axes along which an array of ``shape`` was broadcast to ``x.shape``."""
+    leading = x.ndim - len(shape)
+    x = x.sum(axis=tuple(range(leading))) if leading else x
+    stretched = tuple(axis for axis, size in enumerate(shape) if size == 1 and x.shape[axis] != 1)
+    return x.sum(axis=stretched, keepdims=True) if stretched else x
+
+
+def _sum_groups(x: np.ndarray, groups: int) -> np.ndarray:
+    """``(..., heads, T, D)`` → ``(..., kv_heads, T, D)``: add the query heads sharing a kv head."""
+    if groups == 1:
+        return x
+    return _group_heads(x, groups).sum(axis=-3)
+
+
+def _matmul_grouped(a: np.ndarray, b: np.ndarray, groups: int) -> np.ndarray:
+    """``a (..., heads, T, S) @ b (..., kv_heads, S, D)`` with the grouped-query head mapping."""
+    if groups == 1:
+        return a @ b
+    product = _group_heads(a, groups) @ b[..., None, :, :]  # (..., kv_heads, groups, T, D)
+    return product.reshape(a.shape[:-1] + (b.shape[-1],))  # (..., heads, T, D)
+
+
+def scaled_dot_product_attention_vjp(
+    query: Any,
+    key: Any,
+    value: Any,
+    grad_output: Any,
+    *,
+    mask: Any = None,
+    bias: Any = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    window: tuple | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    dropout_p: float = 0.0,
+    dropout_mask: Any = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """Gradients of ``scaled_dot_product_attention`` with respect to its array inputs.
+
+    Arguments are those of ``scaled_dot_product_attention`` (dropout needs its ``dropout_mask``:
+    the backward pass must see the forward pass's keep-mask), plus:
+
+    Args:
+      query: ``(..., heads, q_len, head_dim)``.
+      key: ``(..., kv_heads, kv_len, head_dim)``.
+      value: ``(..., kv_heads, kv_len, v_dim)``.
+      grad_output: ``(..., heads, q_len, v_dim)``, the gradient of a loss with respect to the
+        output.
+
+    Returns:
+      ``(grad_query, grad_key, grad_value, grad_bias)`` with the shapes and dtype of query, key,
+      value and bias; ``grad_bias`` is None without a bias.
+    """
+    fn = "scaled_dot_product_attention_vjp"
+    query, key, value = np.asarray(query), np.asarray(key), np.asarray(value)
+    grad_output = np.asarray(grad_output)
+    dtype = _checks.check_float_inputs(
+        fn, query=query.dtype.name, key=key.dtype.name, value=value.dtype.name,
+        grad_output=grad_output.dtype.name,
+    )
+    _checks.check_query_key(fn, query.shape, key.shape)
+    _checks.check_key_value(fn, key.shape, value.shape)
+    out_shape = query.shape[:-1] + value.shape[-1:]
+    if grad_output.shape != out_shape:
+        raise ValueError(
+            f"{fn}: grad_output must have the output's shape {out_shape}; "
+            f"got grad_output.shape={grad_output.shape}"
+        )
+    target = _checks.scores_shape(query.shape, key.shape)
+    mask, bias = _check_mask_bias(fn, mask, bias, target)
+    window = _check_structure(fn, is_causal, causal_alignment, window)
+    scale = _checks.check_scale(fn, scale, query.shape[-1])
+    softcap = _checks.check_softcap(fn, softcap)
+    dropout_p = _checks.check_dropout(fn, dropout_p, dropout_mask is not None)
+    if dropout_p > 0 and dropout_mask is None:
+        raise ValueError(
+            f"{fn}: dropout needs the forward pass's dropout_mask; got dropout_p={dropout_p!r}, "
+            f"dropout_mask=None"
+        )
+    dropout_mask = _check_dropout_mask(fn, dropout_mask, target)
+
+    # Forward again, keeping what the backward pass needs.
+    capped = _scores(query, key, scale, softcap)  # S1: (..., heads, q_len, kv_len)
+    weights = _mask_scores(capped.copy(), mask, bias, is_causal, causal_alignment, window)
+    weights = _softmax(weights)  # P
+    keep = 1.0 if dropout_p == 0 else dropout_mask * (1.0 / (1.0 - dropout_p))  # Z / (1 - p)
+    dropped = weights * keep if dropout_p > 0 else weights  # P̃
+    output = _output(dropped, value)  # O: (..., heads, q_len, v_dim)
+
+    q, k, v = _to_compute(query), _to_compute(key), _to_compute(value)
+    d_out = _to_compute(grad_output)
+    groups = _groups(q.shape, k.shape)
+    # dV = P̃ᵀ dO, summed over the query heads that share each kv head
+    grad_value = _sum_groups(np.swapaxes(dropped, -1, -2) @ d_out, groups)
+    # dP = (dO Vᵀ) ⊙ Z / (1 - p)
+    grad_weights = _matmul_grouped(d_out, np.swapaxes(v, -1, -2), groups) * keep
+    # dS = P ⊙ (dP - rowsum(dO ⊙ O))
+    row_dot = (d_out * output).sum(axis=-1, keepdims=True)  # (..., heads, q_len, 1)
+    grad_scores = weights * (grad_weights - row_dot)
+    # a copy: grad_scores is scaled in place below
+    grad_bias = None if bias is None else np.array(_sum_to_shape(grad_scores, bias.shape))
+    if softcap is not None:  # d/dx c·tanh(x/c) = 1 - tanh²(x/c) = 1 - (S1/c)²
+        grad_scores *= 1.0 - np.square(capped * (1.0 / softcap))
+    grad_scores *= scale
+    grad_query = _matmul_grouped(grad_scores, k, groups)  # (..., heads, q_len, head_dim)
+    grad_key = _sum_groups(np.swapaxes(grad_scores, -1, -2) @ q, groups)
+    grads = (grad_query.astype(dtype), grad_key.astype(dtype), grad_value.astype(dtype))
+    return grads + (None if grad_bias is None else grad_bias.astype(bias.dtype),)
+
+
+def projection_grads(x: np.ndarray, grad_projected: np.ndarray) -> np.ndarray:
+    """Gradient of ``W`` in ``y = x @ W``: ``xᵀ dy`` summed over every leading axis.
+
+    Args:
+      x: ``(..., seq, d_in)``.
+      grad_projected: ``(..., seq, d_out)``.
+
+    Returns:
+      ``(d_in, d_out)``.
+    """
+    x2 = x.reshape(-1, x.shape[-1])  # (batch·seq, d_in)
+    return x2.T @ grad_projected.reshape(-1, grad_projected.shape[-1])  # (d_in, d_out)
+
+
+def sgd_step(module: Any, grads: dict[str, np.ndarray], learning_rate: float) -> Any:
+    """One plain gradient-descent step: ``W ← W - learning_rate · dW`` for every weight.
+
+    Args:
+      module: any numpy_attn module.
+      grads: weight name → gradient, as returned by the module's ``backward``.
+      learning_rate: step size.
+
+    Returns:
+      the module, updated in place.
+    """
+    weights = module.export_weights()
+    return module.load_weights(
+        {name: w - learning_rate * grads[name].astype(w.dtype) for name, w in weights.items()}
+    )
+
+
+class Adam:
+    """Adam (Kingma & Ba, 2015) over a module's weight dict, for NumPy-only training.
+
+    ``step(module, grads)`` updates the module in place and returns it. Same update rule as
+    ``torch.optim.Adam`` and ``optax.adam`` with default settings (no weight decay).
+    """
+
+    def __init__(
+        self, learning_rate: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+    ) -> None:
+        self.learning_rate, self.betas, self.eps = learning_rate, betas, eps
+        self.steps = 0
+        self.first: dict[str, np.ndarray] = {}
+        self.second: dict[str, np.ndarray] = {}
+
+    def step(self, module: Any, grads: dict[str, np.ndarray]) -> Any:
+        """Apply one Adam update of ``grads`` (weight name → gradient) to ``module``."""
+        beta1, beta2 = self.betas
+        self.steps += 1
+        weights = module.export_weights()
+        updated = {}
+        for name, w in weights.items():
+            g = grads[name].astype(w.dtype)
+            m = self.first.get(name, np.zeros_like(w)) * beta1 + (1 - beta1) * g
+            s = self.second.get(name, np.zeros_like(w)) * beta2 + (1 - beta2) * g * g
+            self.first[name], self.second[name] = m, s
+            m_hat = m / (1 - beta1**self.steps)
+            s_hat = s / (1 - beta2**self.steps)
+            updated[name] = w - self.learning_rate * m_hat / (np.sqrt(s_hat) + self.eps)
+        return module.load_weights(updated)
