@@ -7,6 +7,7 @@ when it follows the spec. Modules are ``torch.nn.Module``s. See ``conformance/sp
 full specification.
 """
 
+from .backward import scaled_dot_product_attention_vjp
 from .functional import (
     apply_dropout,
     attention_output,
@@ -42,6 +43,7 @@ __all__ = [
     "padding_mask",
     "renormalized_causal_weights",
     "scaled_dot_product_attention",
+    "scaled_dot_product_attention_vjp",
     "sliding_window_mask",
     "weights_from_torch_multihead",
 ]

@@ -24,8 +24,9 @@ def weights_from_torch_multihead(mha: nn.MultiheadAttention) -> dict[str, np.nda
       and ``attn_mask`` ``(q_len, kv_len)`` mean True = *masked out*; this project's ``mask``
       means True = *may attend*. Pass ``mask=~key_padding_mask[:, None, None, :]`` (and
       ``~attn_mask`` for an attention mask). Float (additive) masks are not converted.
-    * Fully masked rows. ``MultiheadAttention`` returns NaN for a query that may attend no key;
-      this project returns exactly 0 there.
+    * Fully masked rows. ``MultiheadAttention`` returns NaN for a query that may attend no key
+      (torch 2.13 on the CPU: with ``need_weights=True``, its default, and on its inference
+      fast path; 0 only when it happens to reach SDPA); this project returns exactly 0 there.
 
     Args:
       mha: a ``torch.nn.MultiheadAttention`` with ``kdim == vdim == embed_dim`` and neither
