@@ -140,7 +140,7 @@ def _dropout(
     if dropout_mask is None:  # rng: a torch.Generator on weights' device, None = torch's global
         uniform = torch.rand(weights.shape, generator=rng, device=weights.device)
         dropout_mask = uniform >= dropout_p
-    dropout_mask = dropout_mask.to(weights.device)
+    dropout_mask = dropout_mask.to(weights.device)  # a keep-mask made elsewhere joins weights
     return weights * dropout_mask * (1.0 / (1.0 - dropout_p))
 
 
