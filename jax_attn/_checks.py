@@ -24,7 +24,7 @@ def compute_dtype(dtype: str) -> str:
 
 def broadcast_shapes(*shapes: Shape) -> Shape | None:
     """NumPy broadcasting of shapes, or None when they do not broadcast."""
-    ndim = max((len(s) for s in shapes), default=0)
+    ndim = max([len(s) for s in shapes] + [0])  # a list: torch.compile traces it
     result = []
     for axis in range(-ndim, 0):
         sizes = {s[axis] for s in shapes if len(s) >= -axis} - {1}
