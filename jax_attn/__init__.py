@@ -9,6 +9,7 @@ float64 inputs into float32). Dropout and module initialisation take explicit ``
 (``rng=``). Matmuls use ``Precision.HIGHEST`` (see ``jax_attn.functional``).
 """
 
+from .backward import scaled_dot_product_attention_vjp
 from .functional import (
     apply_dropout,
     attention_output,
@@ -43,5 +44,6 @@ __all__ = [
     "padding_mask",
     "renormalized_causal_weights",
     "scaled_dot_product_attention",
+    "scaled_dot_product_attention_vjp",
     "sliding_window_mask",
 ]
