@@ -188,3 +188,43 @@ def get(name: str) -> Backend:
     if name not in _CACHE:
         _CACHE[name] = _FACTORIES[name]()
     return _CACHE[name]
+
+
+# ---------------------------------------------------------------------------- user modules
+
+
+def from_module(module: ModuleType | str, name: str | None = None) -> Backend:
+    """An adapter for any module implementing the spec's function names.
+
+    ``module`` is a module object or a dotted import path (``"mypkg.attention"``). The module
+    takes and returns NumPy arrays, or provides ``asarray(np_array)`` and ``to_numpy(x)`` for
+    its own array type, and optionally ``rng(seed)`` (default: ``numpy.random.default_rng``).
+    """
+    path = module if isinstance(module, str) else module.__name__
+    backend = Backend(
+        name=name or path,
+        module_name=path,
+        install=f"make {path!r} importable (pip install it, or run from its folder)",
+        _asarray=lambda x: x,
+        _to_numpy=np.asarray,
+        _rng=np.random.default_rng,
+    )
+    if not isinstance(module, str):
+        backend._module = module
+
+    def hook(attr: str, default: Callable[..., Any]) -> Callable[..., Any]:
+        return lambda *args: getattr(backend.module, attr, default)(*args)
+
+    backend._asarray = hook("asarray", lambda x: x)
+    backend._to_numpy = hook("to_numpy", np.asarray)
+    backend._rng = hook("rng", np.random.default_rng)
+    return backend
+
+
+def load(name: str) -> Backend:
+    """A spec backend by name (``"numpy"``, ``"jax"``, ``"torch"``) or a user module by path."""
+    if name in _FACTORIES:
+        return get(name)
+    if name not in _CACHE:
+        _CACHE[name] = from_module(name)
+    return _CACHE[name]

@@ -1,0 +1,300 @@
+"""Named, seeded conformance cases: identical inputs for every implementation of the spec.
+
+A case is a name, a one-line description and a ``build(rng)`` that draws its float64 inputs from
+NumPy's seeded generator (the seed is derived from the name, so a case's data never depends on
+which other cases run). ``prepare_inputs(case, dtype)`` casts those inputs once to the dtype
+under test; every backend then receives exactly the same bits.
+
+Two kinds of case exist:
+
+``sdpa``
+  inputs of ``scaled_dot_product_attention``: arrays ``query``, ``key``, ``value`` and optional
+  ``mask``, ``bias``, ``dropout_mask``; scalar options ``is_causal``, ``causal_alignment``,
+  ``window``, ``scale``, ``softcap``, ``dropout_p``.
+``module``
+  a spec module (``options["module"]``) with constructor arguments ``options["init"]``, weights
+  (arrays named ``w:<weight name>``) loaded into every backend, and forward inputs ``x``
+  (and ``context``/``x_2``, ``mask``), with forward options ``options["forward"]``.
+
+Most sdpa cases share one shape (batch 2, heads 4, q_len 5, kv_len 7, head_dim 8) so JAX compiles
+few programs.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import seed_example
+from .backends import DTYPES, numpy_dtype
+
+B, H, TQ, TK, D = 2, 4, 5, 7, 8
+
+SDPA_ARRAYS = ("query", "key", "value", "mask", "bias", "dropout_mask")
+SDPA_OPTIONS = ("is_causal", "causal_alignment", "window", "scale", "softcap", "dropout_p")
+
+
+@dataclass
+class CaseData:
+    """The inputs of one case: arrays (float64 or bool) and scalar options."""
+
+    arrays: dict[str, np.ndarray]
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Case:
+    """A named conformance case."""
+
+    name: str
+    description: str
+    build: Callable[[np.random.Generator], CaseData]
+    kind: str = "sdpa"
+
+    @property
+    def seed(self) -> int:
+        """The seed of the case's generator, derived from its name."""
+        return zlib.crc32(self.name.encode())
+
+    def data(self) -> CaseData:
+        """The float64/bool inputs, drawn from the case's own seeded generator."""
+        return self.build(np.random.default_rng(self.seed))
+
+
+def cast(x: np.ndarray, dtype: str) -> np.ndarray:
+    """Floating arrays to ``dtype`` (bfloat16 via ml_dtypes); bool and int arrays unchanged."""
+    x = np.asarray(x)
+    return x.astype(numpy_dtype(dtype)) if x.dtype.kind == "f" else x
+
+
+def prepare_inputs(case: Case, dtype: str) -> CaseData:
+    """The case's inputs in ``dtype``: the exact bits every backend receives."""
+    data = case.data()
+    return CaseData({n: cast(a, dtype) for n, a in data.arrays.items()}, dict(data.options))
+
+
+# ------------------------------------------------------------------------------ builders
+
+
+def _normal(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.standard_normal(shape)
+
+
+def _qkv(rng: np.random.Generator, q_len: int = TQ, kv_len: int = TK, kv_heads: int = H,
+         v_dim: int = D) -> dict[str, np.ndarray]:
+    return {
+        "query": _normal(rng, B, H, q_len, D),
+        "key": _normal(rng, B, kv_heads, kv_len, D),
+        "value": _normal(rng, B, kv_heads, kv_len, v_dim),
+    }
+
+
+def _sdpa(arrays_fn: Callable[[np.random.Generator], dict[str, np.ndarray]],
+          **options: Any) -> Callable[[np.random.Generator], CaseData]:
+    """A builder: arrays from ``arrays_fn(rng)``, fixed scalar options."""
+
+    def build(rng: np.random.Generator) -> CaseData:
+        return CaseData(arrays_fn(rng), dict(options))
+
+    return build
+
+
+def _with(extra: Callable[[np.random.Generator, dict[str, np.ndarray]], dict[str, np.ndarray]],
+          **qkv_kw: Any) -> Callable[[np.random.Generator], dict[str, np.ndarray]]:
+    def arrays(rng: np.random.Generator) -> dict[str, np.ndarray]:
+        base = _qkv(rng, **qkv_kw)
+        base.update(extra(rng, base))
+        return base
+
+    return arrays
+
+
+def _padding(rng: np.random.Generator, base: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    kv_lengths, q_lengths = np.array([3, 7]), np.array([5, 2])  # sequence 1: 3 padded queries
+    key_ok = np.arange(TK) < kv_lengths[:, None]  # (batch, kv_len)
+    query_ok = np.arange(TQ) < q_lengths[:, None]  # (batch, q_len)
+    return {"mask": key_ok[:, None, None, :] & query_ok[:, None, :, None]}  # (B, 1, TQ, TK)
+
+
+def _fully_masked(rng: np.random.Generator, base: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    mask = rng.random((B, H, TQ, TK)) < 0.6
+    mask[0, 1, 2] = False  # one row
+    mask[1, :, 0] = False  # first query of sequence 1, every head
+    mask[1, 3] = False  # a whole head
+    return {"mask": mask}
+
+
+def _two_d(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return {"query": _normal(rng, TQ, D), "key": _normal(rng, TK, D), "value": _normal(rng, TK, D)}
+
+
+def _three_d(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return {"query": _normal(rng, H, TQ, D), "key": _normal(rng, 2, TK, D),
+            "value": _normal(rng, 2, TK, D)}
+
+
+def _seed_projections(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """The article's queries, keys and values: embedding @ W, W from torch.manual_seed(123)."""
+    x = np.array(seed_example.EMBEDDING)  # (6, 3) exact float32 values
+    w = {n: np.array(a) for n, a in seed_example.self_attention_weights().items()}
+    return {"query": x @ w["W_query"], "key": x @ w["W_key"], "value": x @ w["W_value"]}
+
+
+def _module(module: str, init: dict[str, Any], arrays_fn: Callable[[np.random.Generator], dict],
+            forward: dict[str, Any] | None = None) -> Callable[[np.random.Generator], CaseData]:
+    def build(rng: np.random.Generator) -> CaseData:
+        return CaseData(arrays_fn(rng), {"module": module, "init": init,
+                                         "forward": dict(forward or {})})
+
+    return build
+
+
+def _weights(weights: dict[str, Any]) -> dict[str, np.ndarray]:
+    return {f"w:{n}": np.array(a, dtype=np.float64) for n, a in weights.items()}
+
+
+def _seed_self(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return {"x": np.array(seed_example.EMBEDDING), **_weights(seed_example.self_attention_weights())}
+
+
+def _seed_wrapper(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return {"x": np.array(seed_example.EMBEDDING), **_weights(seed_example.wrapper_weights())}
+
+
+def _seed_cross(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return {"x_1": np.array(seed_example.EMBEDDING),
+            "x_2": np.array(seed_example.cross_second_input()),
+            **_weights(seed_example.self_attention_weights())}
+
+
+def _mha(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    d_model, heads, kv_heads = 16, 4, 2
+    head_dim = d_model // heads
+    shapes = {
+        "W_query": (d_model, heads * head_dim), "W_key": (d_model, kv_heads * head_dim),
+        "W_value": (d_model, kv_heads * head_dim), "W_out": (heads * head_dim, d_model),
+        "b_query": (heads * head_dim,), "b_key": (kv_heads * head_dim,),
+        "b_value": (kv_heads * head_dim,), "b_out": (d_model,),
+    }
+    arrays = {f"w:{n}": rng.uniform(-0.5, 0.5, s) for n, s in shapes.items()}
+    arrays["x"] = _normal(rng, B, TQ, d_model)
+    arrays["context"] = _normal(rng, B, TK, d_model)
+    arrays["mask"] = (np.arange(TK) < np.array([4, 7])[:, None])[:, None, None, :]
+    return arrays
+
+
+def _noop(rng: np.random.Generator, base: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {}
+
+
+def _self(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return _qkv(rng, q_len=TQ, kv_len=TQ)
+
+
+def _q_longer(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return _qkv(rng, q_len=TK, kv_len=TQ)
+
+
+def _scaled(factor: float) -> Callable[[np.random.Generator], dict[str, np.ndarray]]:
+    def arrays(rng: np.random.Generator) -> dict[str, np.ndarray]:
+        base = _qkv(rng)
+        return {**base, "query": base["query"] * factor, "key": base["key"] * factor}
+
+    return arrays
+
+
+def _dropout(rng: np.random.Generator, base: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {"dropout_mask": rng.random((B, H, TQ, TK)) >= 0.3}
+
+
+CASES: tuple[Case, ...] = (
+    Case("self", "self-attention, q_len = kv_len = 5", _sdpa(_self)),
+    Case("cross", "cross-attention, q_len 5 != kv_len 7", _sdpa(_with(_noop))),
+    Case("causal_top_left", "causal, top-left, q_len 5 < kv_len 7",
+         _sdpa(_with(_noop), is_causal=True)),
+    Case("causal_bottom_right", "causal, bottom-right (offset 2), q_len 5 < kv_len 7",
+         _sdpa(_with(_noop), is_causal=True, causal_alignment="bottom_right")),
+    Case("causal_top_left_q_longer", "causal, top-left, q_len 7 > kv_len 5",
+         _sdpa(_q_longer, is_causal=True)),
+    Case("causal_bottom_right_q_longer",
+         "causal, bottom-right (offset -2), q_len 7 > kv_len 5: rows 0-1 fully masked",
+         _sdpa(_q_longer, is_causal=True, causal_alignment="bottom_right")),
+    Case("padding", "padding mask from lengths: kv_lengths [3, 7], q_lengths [5, 2]",
+         _sdpa(_with(_padding))),
+    Case("window", "sliding window (2, 1), top-left", _sdpa(_with(_noop), window=(2, 1))),
+    Case("window_causal_bottom_right", "window (3, None) with causal, bottom-right",
+         _sdpa(_with(_noop), window=(3, None), is_causal=True, causal_alignment="bottom_right")),
+    Case("bias", "additive float bias (1, heads, q_len, kv_len)",
+         _sdpa(_with(lambda r, b: {"bias": _normal(r, 1, H, TQ, TK)}))),
+    Case("mask_and_bias", "boolean mask (batch, 1, q_len, kv_len) and bias (heads, q_len, kv_len)",
+         _sdpa(_with(lambda r, b: {"mask": r.random((B, 1, TQ, TK)) < 0.7,
+                                   "bias": _normal(r, H, TQ, TK)}))),
+    Case("softcap", "soft-capping 2.5 of scores 5x larger than usual",
+         _sdpa(_scaled(5.0 ** 0.5), softcap=2.5)),
+    Case("gqa", "grouped-query: 4 query heads over 2 key/value heads",
+         _sdpa(lambda r: _qkv(r, kv_heads=2))),
+    Case("mqa", "multi-query: 4 query heads over 1 key/value head",
+         _sdpa(lambda r: _qkv(r, kv_heads=1))),
+    Case("v_dim", "value head_dim 3 != query head_dim 8", _sdpa(lambda r: _qkv(r, v_dim=3))),
+    Case("scale", "scale override 0.3", _sdpa(_with(_noop), scale=0.3)),
+    Case("dropout_mask", "dropout 0.3 with a given keep-mask",
+         _sdpa(_with(_dropout), dropout_p=0.3)),
+    Case("fully_masked_rows", "random mask with fully masked rows and a fully masked head",
+         _sdpa(_with(_fully_masked))),
+    Case("huge_logits", "logits up to ~1e4 (inputs x30, scale 1): softmax must subtract the max",
+         _sdpa(_scaled(30.0), scale=1.0)),
+    Case("two_d", "2-D inputs (seq, head_dim), as in the seed article", _sdpa(_two_d)),
+    Case("three_d_gqa_causal", "3-D inputs (heads, seq, head_dim), 4 over 2 heads, causal",
+         _sdpa(_three_d, is_causal=True)),
+    Case("seed_example", "the seed article's q, k, v: embedding @ W (6 tokens, d_kq 2, d_v 4)",
+         _sdpa(_seed_projections)),
+    Case("seed_example_causal", "the seed article's causal weights (6 tokens)",
+         _sdpa(_seed_projections, is_causal=True)),
+    Case("module_self_attention", "SelfAttention(3, 2, 4) with the article's weights",
+         _module("SelfAttention", {"d_in": 3, "d_out_kq": 2, "d_out_v": 4}, _seed_self),
+         kind="module"),
+    Case("module_causal_self_attention", "CausalSelfAttention(3, 2, 4), eval mode",
+         _module("CausalSelfAttention", {"d_in": 3, "d_out_kq": 2, "d_out_v": 4}, _seed_self),
+         kind="module"),
+    Case("module_cross_attention", "CrossAttention(3, 2, 4) over the article's second input",
+         _module("CrossAttention", {"d_in": 3, "d_out_kq": 2, "d_out_v": 4}, _seed_cross),
+         kind="module"),
+    Case("module_multihead_wrapper", "MultiHeadAttentionWrapper(3, 2, 1, num_heads=4)",
+         _module("MultiHeadAttentionWrapper",
+                 {"d_in": 3, "d_out_kq": 2, "d_out_v": 1, "num_heads": 4}, _seed_wrapper),
+         kind="module"),
+    Case("module_multihead_attention",
+         "MultiHeadAttention(16, 4 heads, 2 kv heads, bias) cross-attention with padding mask",
+         _module("MultiHeadAttention", {"d_model": 16, "num_heads": 4, "num_kv_heads": 2},
+                 _mha, {"return_weights": True}),
+         kind="module"),
+)
+
+CASE_NAMES = tuple(c.name for c in CASES)
+
+
+def get(name: str) -> Case:
+    """The case called ``name`` (KeyError with the known names otherwise)."""
+    for case in CASES:
+        if case.name == name:
+            return case
+    raise KeyError(f"unknown case {name!r}; known cases: {', '.join(CASE_NAMES)}")
+
+
+def select(patterns: list[str] | None = None) -> list[Case]:
+    """Cases whose name matches any glob pattern (all cases for None/empty)."""
+    if not patterns:
+        return list(CASES)
+    chosen = [c for c in CASES if any(fnmatch.fnmatchcase(c.name, p) for p in patterns)]
+    if not chosen:
+        raise KeyError(f"no case matches {patterns}; known cases: {', '.join(CASE_NAMES)}")
+    return chosen
+
+
+__all__ = ["CASES", "CASE_NAMES", "Case", "CaseData", "DTYPES", "cast", "get", "prepare_inputs",
+           "select"]
