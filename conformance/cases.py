@@ -159,7 +159,8 @@ def _weights(weights: dict[str, Any]) -> dict[str, np.ndarray]:
 
 
 def _seed_self(rng: np.random.Generator) -> dict[str, np.ndarray]:
-    return {"x": np.array(seed_example.EMBEDDING), **_weights(seed_example.self_attention_weights())}
+    weights = _weights(seed_example.self_attention_weights())
+    return {"x": np.array(seed_example.EMBEDDING), **weights}
 
 
 def _seed_wrapper(rng: np.random.Generator) -> dict[str, np.ndarray]:

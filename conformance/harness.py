@@ -447,7 +447,8 @@ def _flip_mask(a: dict, o: dict) -> tuple[dict, dict] | None:
 def _other_alignment(a: dict, o: dict) -> tuple[dict, dict] | None:
     if not (o.get("is_causal") or o.get("window")):
         return None
-    other = "top_left" if o.get("causal_alignment", "top_left") == "bottom_right" else "bottom_right"
+    bottom_right = o.get("causal_alignment", "top_left") == "bottom_right"
+    other = "top_left" if bottom_right else "bottom_right"
     return a, {**o, "causal_alignment": other}
 
 
@@ -717,7 +718,8 @@ def run_columns(
                     if cell.status in ("FAIL", "error"):
                         known = known_difference(col.name, case.name, dtype)
                         if known is not None:
-                            cell.status, cell.detail = "known", known["differs"]
+                            cell.status = "known"
+                            cell.detail = known.get("short", known["differs"])
                 else:
                     cell = run_cell(col.backend, exp, column=col.name)
                 cells.append(cell)

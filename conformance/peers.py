@@ -7,7 +7,7 @@ the framework's conventions require:
   ``torch.nn.functional.scaled_dot_product_attention``: same layout and mask polarity; a bias
   becomes a float ``attn_mask`` (bias, ``-inf`` where the boolean mask is False);
   ``enable_gqa=True`` for grouped-query cases; ``is_causal`` as given (torch is top-left only).
-``torch.MultiheadAttention``
+``torch.MHA``
   ``torch.nn.MultiheadAttention`` with identity projections, so it attends over the case's own
   query/key/value: heads merged into ``embed_dim``, the boolean mask inverted (its True means
   "masked out"), a causal case as the usual ``triu`` mask (top-left), key/value heads repeated
@@ -225,7 +225,7 @@ class Peer:
 
 PEERS: tuple[Peer, ...] = (
     Peer("torch.sdpa", "torch", "pip install torch", _torch_sdpa),
-    Peer("torch.MultiheadAttention", "torch", "pip install torch", _torch_mha),
+    Peer("torch.MHA", "torch", "pip install torch", _torch_mha),
     Peer("jax.nn", "jax", "pip install jax", _jax_nn),
 )
 

@@ -593,34 +593,40 @@ BACKEND_EXTRAS = {
 
 # --------------------------------------------------------------------------------------------
 # Known differences of the frameworks' own kernels ("peers" of the conformance harness).
-# peer → list of {cases: glob patterns of case names, dtypes (optional), differs, why}; the
+# peer → list of {cases: glob patterns of case names, dtypes (optional), short (the table's
+# cell), differs, why}; the
 # first entry that matches a failing cell explains it. Found by running ``python -m
 # conformance`` with torch 2.13 (CPU) and jax 0.10.2 (CPU). torch SDPA gives exactly 0 on fully
 # masked rows on CPU (as this spec), so it has no entry for them.
 # --------------------------------------------------------------------------------------------
 
-_BOTTOM_RIGHT = ["causal_bottom_right", "causal_bottom_right_q_longer", "window_causal_bottom_right"]
+_BOTTOM_RIGHT = [
+    "causal_bottom_right", "causal_bottom_right_q_longer", "window_causal_bottom_right"
+]
 _EMPTY_ROWS = ["fully_masked_rows", "padding"]
 
 KNOWN_DIFFERENCES = {
     "torch.sdpa": [
         {
             "cases": _BOTTOM_RIGHT,
+            "short": "top-left",
             "differs": "top-left causal mask where the case asks bottom-right",
             "why": "is_causal of torch.nn.functional.scaled_dot_product_attention is top-left "
             "only (torch.nn.attention.bias.causal_lower_right is the bottom-right variant); "
             "with q_len != kv_len the masks differ.",
         },
     ],
-    "torch.MultiheadAttention": [
+    "torch.MHA": [
         {
             "cases": _BOTTOM_RIGHT,
+            "short": "top-left",
             "differs": "top-left causal mask where the case asks bottom-right",
             "why": "MultiheadAttention takes an explicit attn_mask; the usual causal mask "
             "(nn.Transformer.generate_square_subsequent_mask, triu) is top-left.",
         },
         {
             "cases": _EMPTY_ROWS,
+            "short": "NaN rows",
             "differs": "NaN on fully masked rows, spreading to every head of that query",
             "why": "the softmax of a row of -inf is 0/0 = NaN, and the output projection mixes "
             "heads, so NaN reaches every head of the query (9 empty rows gave 24 NaN rows in "
@@ -630,12 +636,14 @@ KNOWN_DIFFERENCES = {
     "jax.nn": [
         {
             "cases": _BOTTOM_RIGHT,
+            "short": "top-left",
             "differs": "top-left causal/window alignment where the case asks bottom-right",
             "why": "is_causal and local_window_size of jax.nn.dot_product_attention are aligned "
             "top-left; with q_len != kv_len the masks differ.",
         },
         {
             "cases": _EMPTY_ROWS,
+            "short": "mean of V",
             "differs": "fully masked rows give the mean of value",
             "why": "jax.nn masks with the dtype's most negative finite value, not -inf, so a "
             "row with no allowed key gets uniform weights; the spec gives exactly 0.",
@@ -643,6 +651,7 @@ KNOWN_DIFFERENCES = {
         {
             "cases": ["*"],
             "dtypes": ["float64"],
+            "short": "f32 softmax",
             "differs": "float64 inputs attend in float32 (errors ~1.4e-7, not ~1e-16)",
             "why": "jax.nn.dot_product_attention's XLA path casts the masked logits to float32 "
             "for the softmax ('always carried out in fp32'), whatever the input dtype.",

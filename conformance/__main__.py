@@ -1,0 +1,168 @@
+"""``python -m conformance``: one spec, every implementation, identical seeded inputs.
+
+Subcommands (``run`` is the default)::
+
+    python -m conformance [run] [--backend B ...] [--case NAME ...] [--dtype D ...]
+                                [--hypothesis N] [--json F] [--markdown F] [--plot DIR]
+    python -m conformance export DIR            # golden vectors (.npz + manifest)
+    python -m conformance check DIR --backend B # check an implementation against them
+    python -m conformance spec [...]            # the generated spec document
+
+``--backend`` takes ``numpy``, ``jax``, ``torch``, a peer (``torch.sdpa``,
+``torch.MHA``, ``jax.nn``) or the dotted path of your own module
+(``mypkg.attention``). Exit code 0 only when every spec/user backend passes.
+
+To add a subcommand, write ``_add_NAME(parser)`` and ``_cmd_NAME(args)`` and list them in
+``COMMANDS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from .backends import DTYPES
+
+
+def _add_run(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", action="append", metavar="B",
+                   help="numpy, jax, torch, a peer name, or a module path (repeatable); "
+                        "default: every installed spec backend plus the peers")
+    p.add_argument("--case", action="append", metavar="NAME",
+                   help="case name or glob pattern (repeatable); default: all; see --list")
+    p.add_argument("--dtype", action="append", choices=DTYPES, help="repeatable; default: all")
+    peers = p.add_mutually_exclusive_group()
+    peers.add_argument("--peers", dest="peers", action="store_true", default=None,
+                       help="also run the frameworks' kernels (default without --backend)")
+    peers.add_argument("--no-peers", dest="peers", action="store_false")
+    p.add_argument("--no-errors", action="store_true", help="skip the bad-input checks")
+    p.add_argument("--hypothesis", type=int, metavar="N", default=0,
+                   help="also run N property-based examples per backend")
+    p.add_argument("--json", metavar="FILE", help="write the full report as JSON")
+    p.add_argument("--markdown", metavar="FILE", help="write the full report as Markdown")
+    p.add_argument("--plot", metavar="DIR", help="write PNG plots (needs matplotlib)")
+    p.add_argument("--list", action="store_true", help="list the cases and exit")
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from . import cases, harness, report
+
+    if args.list:
+        for case in cases.CASES:
+            print(f"{case.name:<32} {case.kind:<7} {case.description}")
+        return 0
+    try:
+        result = harness.run(args.backend, args.case, args.dtype, peers=args.peers,
+                             check_errors=not args.no_errors)
+    except KeyError as exc:
+        print(f"error: {exc.args[0]}", file=sys.stderr)
+        return 2
+    if args.hypothesis:
+        from . import properties
+
+        names = [c.backend for c in result.columns if c.backend is not None]
+        result.properties = properties.run(names, args.hypothesis)
+    if not result.columns:
+        print(report.missing_section(result), file=sys.stderr)
+        print("error: no backend to run", file=sys.stderr)
+        return 2
+    print(report.text(result))
+    if args.json:
+        report.write_json(result, args.json)
+    if args.markdown:
+        report.write_markdown(result, args.markdown)
+    if args.plot:
+        written = report.write_plots(result, args.plot)
+        print(f"plots: {len(written)} PNG files in {args.plot}")
+    return 0 if result.ok else 1
+
+
+def _add_export(p: argparse.ArgumentParser) -> None:
+    p.add_argument("directory", help="where to write the .npz files and manifest.json")
+    p.add_argument("--case", action="append", metavar="NAME", help="case name or glob pattern")
+    p.add_argument("--dtype", action="append", choices=DTYPES, help="default: all")
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from . import golden
+
+    files = golden.export(args.directory, args.case, args.dtype)
+    print(f"wrote {len(files)} golden cases and manifest.json to {args.directory}")
+    return 0
+
+
+def _add_check(p: argparse.ArgumentParser) -> None:
+    p.add_argument("directory", help="a directory written by `python -m conformance export`")
+    p.add_argument("--backend", action="append", metavar="B", required=True,
+                   help="numpy, jax, torch or a module path (repeatable)")
+    p.add_argument("--case", action="append", metavar="NAME", help="case name or glob pattern")
+    p.add_argument("--dtype", action="append", choices=DTYPES)
+    p.add_argument("--json", metavar="FILE")
+    p.add_argument("--markdown", metavar="FILE")
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from . import golden, report
+
+    try:
+        result = golden.check(args.directory, args.backend, args.case, args.dtype)
+    except golden.GoldenError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(report.text(result))
+    if args.json:
+        report.write_json(result, args.json)
+    if args.markdown:
+        report.write_markdown(result, args.markdown)
+    return 0 if result.ok and result.columns else 1
+
+
+def _cmd_spec(argv: list[str]) -> int:
+    from . import specdoc
+
+    return int(specdoc.main(argv) or 0)
+
+
+#: name → (add arguments, handler); handlers taking raw argv are listed in RAW_COMMANDS.
+COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
+                          Callable[[argparse.Namespace], int]]] = {
+    "run": (_add_run, _cmd_run),
+    "export": (_add_export, _cmd_export),
+    "check": (_add_check, _cmd_check),
+}
+#: Subcommands that own their argument parsing: name → handler(argv).
+RAW_COMMANDS: dict[str, Callable[[list[str]], int]] = {"spec": _cmd_spec}
+
+HELP = {
+    "run": "run every case on every backend (default)",
+    "export": "write golden vectors (.npz, float64 expected values, checksums)",
+    "check": "check an implementation against golden vectors (needs only NumPy)",
+    "spec": "print or write the generated spec document",
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    """The argument parser with every subcommand."""
+    p = argparse.ArgumentParser(prog="python -m conformance", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command")
+    for name, (add, _) in COMMANDS.items():
+        add(sub.add_parser(name, help=HELP.get(name), description=HELP.get(name)))
+    for name in RAW_COMMANDS:
+        sub.add_parser(name, help=HELP.get(name), add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in RAW_COMMANDS:
+        return RAW_COMMANDS[argv[0]](argv[1:])
+    if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
+        argv = ["run", *argv]
+    args = parser().parse_args(argv)
+    return COMMANDS[args.command][1](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

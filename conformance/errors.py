@@ -1,0 +1,159 @@
+"""Errors conform too: every bad input of ``spec.ERRORS``, fed to every backend.
+
+Each ``ErrorCase`` names the rule of ``spec.ERRORS`` it exercises, the public function, its
+arguments (NumPy arrays, converted per backend) and the argument names the message must mention.
+A backend passes a case when it raises exactly the rule's exception type with a message that
+starts with the function's name and names the argument(s).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import spec
+from .backends import Backend
+
+FN = "scaled_dot_product_attention"
+
+
+def _n(*shape: int, dtype: Any = np.float32) -> np.ndarray:
+    return np.zeros(shape, dtype=dtype)
+
+
+def _qkv(q: tuple = (2, 4, 5, 8), k: tuple = (2, 4, 7, 8), v: tuple | None = None,
+         dtype: Any = np.float32) -> tuple[np.ndarray, ...]:
+    v = k if v is None else v
+    return _n(*q, dtype=dtype), _n(*k, dtype=dtype), _n(*v, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class ErrorCase:
+    """One bad input: rule of ``spec.ERRORS``, the call, what the message must name."""
+
+    name: str
+    rule: str  # a key of spec.ERRORS
+    args: Callable[[], tuple[tuple, dict]]
+    names: tuple[str, ...]  # argument names the message must contain
+    fn: str = FN
+
+    @property
+    def exception(self) -> str:
+        """The exception type the spec requires."""
+        return spec.ERRORS[self.rule]
+
+
+def _call(*args: Any, **kwargs: Any) -> Callable[[], tuple[tuple, dict]]:
+    return lambda: (args, kwargs)
+
+
+
+
+def _rule(prefix: str) -> str:
+    for key in spec.ERRORS:
+        if key.startswith(prefix):
+            return key
+    raise KeyError(prefix)
+
+
+ERROR_CASES: tuple[ErrorCase, ...] = (
+    ErrorCase("rank_below_2", _rule("rank below 2"),
+              _call(_n(8), _n(7, 8), _n(7, 8)), ("query",)),
+    ErrorCase("different_ranks", _rule("rank below 2"),
+              _call(_n(4, 5, 8), _n(7, 8), _n(7, 8)), ("query", "key")),
+    ErrorCase("kv_len_differs", _rule("key and value with different kv_len"),
+              _call(*_qkv(k=(2, 4, 6, 8), v=(2, 4, 5, 8))), ("key", "value")),
+    ErrorCase("head_dim_differs", _rule("query and key with different head_dim"),
+              _call(*_qkv(k=(2, 4, 7, 6), v=(2, 4, 7, 8))), ("query", "key")),
+    ErrorCase("batch_axes_differ", _rule("different leading batch axes"),
+              _call(*_qkv(k=(3, 4, 7, 8))), ("query", "key")),
+    ErrorCase("heads_not_divisible", _rule("heads not divisible"),
+              _call(*_qkv(k=(2, 3, 7, 8))), ("query", "key")),
+    ErrorCase("kv_heads_differ", _rule("heads not divisible"),
+              _call(*_qkv(k=(2, 2, 7, 8), v=(2, 1, 7, 8))), ("key", "value")),
+    ErrorCase("mask_not_broadcastable", _rule("mask or bias not broadcastable"),
+              lambda: (_qkv(), {"mask": np.ones((3, 3), bool)}), ("mask",)),
+    ErrorCase("bias_not_broadcastable", _rule("mask or bias not broadcastable"),
+              lambda: (_qkv(), {"bias": _n(4, 5, 6)}), ("bias",)),
+    ErrorCase("mask_not_bool", _rule("mask that is not boolean"),
+              lambda: (_qkv(), {"mask": np.ones((5, 7), np.float32)}), ("mask",)),
+    ErrorCase("bias_not_float", _rule("bias that is not floating point"),
+              lambda: (_qkv(), {"bias": np.ones((5, 7), np.int32)}), ("bias",)),
+    ErrorCase("integer_inputs", _rule("integer, complex"),
+              _call(*_qkv(dtype=np.int32)), ("query",)),
+    ErrorCase("mixed_dtypes", _rule("integer, complex"),
+              lambda: ((_n(2, 4, 5, 8), _n(2, 4, 7, 8, dtype=np.float64), _n(2, 4, 7, 8)), {}),
+              ("query", "key")),
+    ErrorCase("window_negative", _rule("window not a pair"),
+              lambda: (_qkv(), {"window": (-1, 2)}), ("window",)),
+    ErrorCase("window_not_pair", _rule("window not a pair"),
+              lambda: (_qkv(), {"window": 3}), ("window",)),
+    ErrorCase("causal_alignment_unknown", _rule("causal_alignment not"),
+              lambda: (_qkv(), {"is_causal": True, "causal_alignment": "bottom"}),
+              ("causal_alignment",)),
+    ErrorCase("dropout_p_one", _rule("dropout_p outside"),
+              lambda: (_qkv(), {"dropout_p": 1.0}), ("dropout_p",)),
+    ErrorCase("dropout_mask_without_p", _rule("dropout_p outside"),
+              lambda: (_qkv(), {"dropout_mask": np.ones((5, 7), bool)}), ("dropout_mask",)),
+    ErrorCase("dropout_mask_not_bool", _rule("dropout_mask not boolean"),
+              lambda: (_qkv(), {"dropout_p": 0.5, "dropout_mask": np.ones((5, 7), np.float32)}),
+              ("dropout_mask",)),
+    ErrorCase("softcap_zero", _rule("softcap not"),
+              lambda: (_qkv(), {"softcap": 0.0}), ("softcap",)),
+    ErrorCase("scale_nan", _rule("scale not"),
+              lambda: (_qkv(), {"scale": float("nan")}), ("scale",)),
+)
+
+
+@dataclass
+class ErrorResult:
+    """One error case on one backend."""
+
+    case: str
+    backend: str
+    expected: str
+    raised: str  # exception type name, or "" when nothing was raised
+    message: str
+    passed: bool
+    problem: str = ""
+    spec_backend: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def check(backend: Backend, case: ErrorCase) -> ErrorResult:
+    """Feed one bad input to one backend and judge what it raises."""
+    args, kwargs = case.args()
+    conv = [backend.asarray(a) if isinstance(a, np.ndarray) else a for a in args]
+    kw = {k: backend.asarray(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
+    try:
+        fn = getattr(backend.module, case.fn)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fn(*conv, **kw)
+    except Exception as exc:  # noqa: BLE001 - judging the exception is the point
+        raised, message = type(exc).__name__, str(exc)
+        problems = []
+        if raised != case.exception:
+            problems.append(f"raised {raised}, the spec requires {case.exception}")
+        if not message.startswith(f"{case.fn}:"):
+            problems.append(f"message does not start with '{case.fn}:'")
+        missing = [n for n in case.names if n not in message]
+        if missing:
+            problems.append(f"message does not name {', '.join(missing)}")
+        return ErrorResult(case.name, backend.name, case.exception, raised, message,
+                           not problems, "; ".join(problems))
+    return ErrorResult(case.name, backend.name, case.exception, "", "", False,
+                       f"nothing raised; the spec requires {case.exception}")
+
+
+def run(backend_list: list[Backend], cases: tuple[ErrorCase, ...] = ERROR_CASES
+        ) -> list[ErrorResult]:
+    """Every error case on every backend."""
+    return [check(b, c) for c in cases for b in backend_list]
+
+
+__all__ = ["ERROR_CASES", "ErrorCase", "ErrorResult", "check", "run"]

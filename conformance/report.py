@@ -1,0 +1,288 @@
+"""What a user sees: the compact table, failure explanations, JSON, Markdown and plots.
+
+Cells read ``ok 0.31`` (passed; worst error is 0.31 of the tolerance), ``FAIL 2e+03``,
+``known: …`` (a peer's documented difference, ``spec.KNOWN_DIFFERENCES``), ``n/a`` (the column
+cannot express the case) or ``error`` (the implementation raised). Only spec/user backends decide
+the exit code; peers are context.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import spec
+from .harness import Cell, RunResult, StepResult
+
+CELL_WIDTH = 18
+
+
+def _num(x: float | None) -> str:
+    if x is None:
+        return ""
+    if math.isinf(x):
+        return "inf"
+    return f"{x:.2f}" if x < 100 else f"{x:.0e}"
+
+
+def cell_text(cell: Cell, width: int = CELL_WIDTH) -> str:
+    """The short text of one cell."""
+    if cell.status == "ok":
+        text = f"ok {_num(cell.ratio)}"
+    elif cell.status == "FAIL":
+        text = f"FAIL {_num(cell.ratio)}"
+    elif cell.status == "known":
+        text = f"known: {cell.detail}"
+    elif cell.status == "error":
+        text = "error: " + cell.detail.split(":")[0]
+    else:
+        text = cell.status
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _grid(result: RunResult) -> dict[tuple[str, str, str], Cell]:
+    return {(c.case, c.dtype, c.column): c for c in result.cells}
+
+
+def table(result: RunResult) -> str:
+    """Rows: case × dtype; columns: backends and peers."""
+    grid = _grid(result)
+    names = [c.name for c in result.columns]
+    label_width = max([len(f"{c} {d}") for c, d in result.rows] + [10])
+    widths = [max(CELL_WIDTH, len(n)) for n in names]
+    head = "case".ljust(label_width) + " " + " ".join(
+        n.ljust(w) for n, w in zip(names, widths, strict=True))
+    lines = [head, "-" * len(head)]
+    for case, dtype in result.rows:
+        cells = [cell_text(grid[(case, dtype, n)], w) if (case, dtype, n) in grid else ""
+                 for n, w in zip(names, widths, strict=True)]
+        lines.append(f"{case} {dtype}".ljust(label_width) + " "
+                     + " ".join(t.ljust(w) for t, w in zip(cells, widths, strict=True)).rstrip())
+    return "\n".join(lines)
+
+
+def _fmt_value(x: float | None) -> str:
+    return "-" if x is None else f"{x:.6g}"
+
+
+def explain_step(cell: Cell, step: StepResult) -> str:
+    """A failure message that makes sense without reading code."""
+    where = f"{step.step} of {cell.column}, case {cell.case}, {cell.dtype}"
+    if step.error:
+        return f"{where}: raised {step.error}"
+    lines = [f"{where}: worst error {_num(step.ratio)}x the tolerance"]
+    if step.index is not None:
+        lines.append(f"    at index {step.index}: actual {_fmt_value(step.actual)}, expected "
+                     f"{_fmt_value(step.expected)} (float64 reference), tolerance "
+                     f"{_fmt_value(step.bound)}")
+    if step.note:
+        lines.append(f"    why: {step.note}")
+    return "\n".join(lines)
+
+
+def failures(result: RunResult, *, include_peers: bool = True) -> str:
+    """Every failing cell, step by step, with the command that reruns it."""
+    out = []
+    for cell in result.cells:
+        if cell.status not in ("FAIL", "error"):
+            continue
+        if not cell.spec_backend and not include_peers:
+            continue
+        tag = "FAIL" if cell.spec_backend else "peer differs (unexpected, not counted)"
+        out.append(f"{tag}: {cell.column} · {cell.case} · {cell.dtype}")
+        if cell.status == "error" and not cell.steps:
+            out.append(f"  error: {cell.detail}")
+        for step in cell.steps:
+            if step.error or not step.passed:
+                out.append("  " + explain_step(cell, step).replace("\n", "\n  "))
+        out.append(f"  rerun: {cell.rerun}")
+    return "\n".join(out)
+
+
+def known_section(result: RunResult) -> str:
+    """The known differences the run met, once each, with their reasons."""
+    seen: dict[tuple[str, str], list[str]] = {}
+    for cell in result.cells:
+        if cell.status == "known":
+            seen.setdefault((cell.column, cell.detail), []).append(f"{cell.case}/{cell.dtype}")
+    lines = []
+    for (peer, differs), where in seen.items():
+        entry = next((e for e in spec.KNOWN_DIFFERENCES.get(peer, [])
+                      if e.get("short", e["differs"]) == differs), {})
+        lines.append(f"known: {peer}: {entry.get('differs', differs)} ({len(where)} cells)\n"
+                     f"    why: {entry.get('why', '')}")
+    return "\n".join(lines)
+
+
+def errors_section(result: RunResult) -> str:
+    """One line for the error-conformance check, plus every failure."""
+    if not result.errors:
+        return ""
+    bad = [e for e in result.errors if not e.passed]
+    backends = sorted({e.backend for e in result.errors})
+    cases = sorted({e.case for e in result.errors})
+    lines = [f"errors: {len(result.errors) - len(bad)}/{len(result.errors)} bad inputs raise the "
+             f"spec's exception naming the argument ({len(cases)} cases × "
+             f"{', '.join(backends)})"]
+    for e in bad:
+        lines.append(f"  FAIL errors · {e.backend} · {e.case}: {e.problem}"
+                     + (f" (message: {e.message[:160]!r})" if e.message else ""))
+    return "\n".join(lines)
+
+
+def summary(result: RunResult) -> str:
+    """The last line: counts, missing backends, verdict."""
+    spec_cells = [c for c in result.cells if c.spec_backend]
+    peer_cells = [c for c in result.cells if not c.spec_backend]
+
+    def count(cells: list[Cell], status: str) -> int:
+        return sum(c.status == status for c in cells)
+
+    parts = [f"{count(spec_cells, 'ok')}/{len(spec_cells)} backend cells pass"]
+    if peer_cells:
+        parts.append(f"peers: {count(peer_cells, 'ok')} ok, {count(peer_cells, 'known')} known, "
+                     f"{count(peer_cells, 'n/a')} n/a, "
+                     f"{count(peer_cells, 'FAIL') + count(peer_cells, 'error')} unexpected")
+    if result.properties is not None:
+        parts.append(result.properties.summary())
+    parts.append(f"{result.seconds:.1f} s")
+    verdict = "PASS" if result.ok else "FAIL"
+    return f"{verdict}: " + "; ".join(parts)
+
+
+def missing_section(result: RunResult) -> str:
+    """Which backends/peers were not installed, and how to install them."""
+    return "\n".join(f"missing: {name} (install: {how})" for name, how in result.missing.items())
+
+
+def text(result: RunResult) -> str:
+    """The whole terminal report."""
+    parts = [table(result)]
+    for section in (failures(result), known_section(result), errors_section(result),
+                    result.properties.text() if result.properties is not None else "",
+                    missing_section(result), summary(result)):
+        if section:
+            parts.append(section)
+    return "\n\n".join(parts)
+
+
+# ------------------------------------------------------------------------------ files
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, float):
+        return None if math.isnan(x) else ("inf" if math.isinf(x) else x)
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (np.integer, np.floating)):
+        return _jsonable(x.item())
+    return x
+
+
+def to_dict(result: RunResult) -> dict[str, Any]:
+    """The full report as plain data."""
+    return _jsonable({
+        "ok": result.ok,
+        "seconds": result.seconds,
+        "columns": [{"name": c.name, "kind": c.kind} for c in result.columns],
+        "missing": result.missing,
+        "tolerances": spec.TOLERANCES,
+        "cells": [{
+            "case": c.case, "dtype": c.dtype, "column": c.column, "status": c.status,
+            "ratio": c.ratio, "detail": c.detail, "spec_backend": c.spec_backend,
+            "rerun": c.rerun,
+            "steps": [{
+                "step": s.step, "ratio": s.ratio, "passed": s.passed,
+                "index": list(s.index) if s.index is not None else None,
+                "actual": s.actual, "expected": s.expected, "tolerance": s.bound,
+                "note": s.note, "error": s.error,
+            } for s in c.steps],
+        } for c in result.cells],
+        "baseline_errors": {f"{case}/{dtype}": exp.baseline
+                            for (case, dtype), exp in result.expectations.items()},
+        "errors": [vars(e) for e in result.errors],
+        "properties": result.properties.to_dict() if result.properties is not None else None,
+        "summary": summary(result),
+    })
+
+
+def write_json(result: RunResult, path: str | Path) -> None:
+    """``--json FILE``."""
+    Path(path).write_text(json.dumps(to_dict(result), indent=1) + "\n")
+
+
+def write_markdown(result: RunResult, path: str | Path) -> None:
+    """``--markdown FILE``: the table as Markdown, then failures, known differences, errors."""
+    grid = _grid(result)
+    names = [c.name for c in result.columns]
+    lines = ["# Conformance report", "", summary(result), "",
+             "| case | dtype | " + " | ".join(names) + " |",
+             "|---|---|" + "---|" * len(names)]
+    for case, dtype in result.rows:
+        cells = [cell_text(grid[(case, dtype, n)], 200).replace("|", "\\|")
+                 if (case, dtype, n) in grid else "" for n in names]
+        lines.append(f"| {case} | {dtype} | " + " | ".join(cells) + " |")
+    for title, body in (("Failures", failures(result)), ("Known differences",
+                                                          known_section(result)),
+                        ("Errors", errors_section(result)), ("Missing", missing_section(result))):
+        if body:
+            lines += ["", f"## {title}", "", "```", body, "```"]
+    Path(path).write_text("\n".join(lines) + "\n")
+
+
+def write_plots(result: RunResult, directory: str | Path) -> list[Path]:
+    """``--plot DIR``: attention-weight heatmaps per case, error-vs-dtype per backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for (case, dtype), exp in result.expectations.items():
+        if dtype != "float64" or "output_weights" not in exp.values:
+            continue
+        w = exp.values["output_weights"]
+        w2 = w.reshape((-1,) + w.shape[-2:])[0]  # first batch and head
+        fig, ax = plt.subplots(figsize=(4, 3.4))
+        im = ax.imshow(w2, vmin=0, vmax=1, cmap="viridis")
+        ax.set_title(f"{case}\nweights, first batch/head", fontsize=9)
+        ax.set_xlabel("key")
+        ax.set_ylabel("query")
+        fig.colorbar(im, ax=ax)
+        fig.tight_layout()
+        path = out / f"weights_{case}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        written.append(path)
+    order = ["float64", "float32", "bfloat16", "float16"]
+    dtypes = sorted({c.dtype for c in result.cells}, key=order.index)
+    for col in result.columns:
+        fig, ax = plt.subplots(figsize=(5, 3.4))
+        for step in ("scores", "masked_scores", "weights", "output", "output_weights"):
+            ys = []
+            for d in dtypes:
+                vals = [s.ratio for c in result.cells if c.column == col.name and c.dtype == d
+                        for s in c.steps if s.step == step and not s.error
+                        and math.isfinite(s.ratio)]
+                ys.append(max(vals) if vals else np.nan)
+            if not all(np.isnan(ys)):
+                ax.plot(dtypes, np.maximum(ys, 1e-6), marker="o", label=step)
+        ax.axhline(1.0, color="red", linestyle="--", linewidth=1, label="tolerance")
+        ax.set_yscale("log")
+        ax.set_ylabel("worst error / tolerance")
+        ax.set_title(f"{col.name}: error vs dtype (all cases)", fontsize=9)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out / f"errors_{col.name.replace('/', '_')}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        written.append(path)
+    return written
