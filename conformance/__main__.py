@@ -59,10 +59,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"error: {exc.args[0]}", file=sys.stderr)
         return 2
     if args.hypothesis:
+        import time
+
         from . import properties
 
+        start = time.perf_counter()
         names = [c.backend for c in result.columns if c.backend is not None]
         result.properties = properties.run(names, args.hypothesis)
+        result.seconds += time.perf_counter() - start
     if not result.columns:
         print(report.missing_section(result), file=sys.stderr)
         print("error: no backend to run", file=sys.stderr)

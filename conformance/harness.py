@@ -183,16 +183,21 @@ class Expected:
     dtype: str
     data: CaseData  # inputs, already in dtype
     values: dict[str, np.ndarray]
-    baseline: dict[str, float]  # largest error of the naive implementation; nan if none
+    baseline: dict[str, float]  # largest error of the naive implementation in dtype
     zeros: dict[str, np.ndarray] = field(default_factory=dict)  # positions that must be 0
 
 
-def _baseline_error(naive: np.ndarray, ref: np.ndarray) -> float:
+def _baseline_error(naive: np.ndarray, ref: np.ndarray, r: Callable[[np.ndarray], np.ndarray]
+                    ) -> float:
+    """Largest error of the naive result; where the naive implementation overflows (not
+    finite where the reference is), the error of rounding the reference itself to the dtype."""
     finite = np.isfinite(ref)
     if not finite.any():
         return 0.0
     if not np.isfinite(naive[finite]).all():
-        return float("nan")
+        rounded = r(ref[finite])
+        ok = np.isfinite(rounded)
+        return float(np.max(np.abs(rounded[ok] - ref[finite][ok]), initial=0.0))
     return float(np.max(np.abs(naive[finite] - ref[finite])))
 
 
@@ -201,7 +206,8 @@ def expected_for(data: CaseData, kind: str, dtype: str, case: str = "") -> Expec
     with np.errstate(all="ignore"):
         values = pipeline(data, kind, dtype, naive=False)
         naive = pipeline(data, kind, dtype, naive=True)
-    baseline = {n: _baseline_error(naive[n], values[n]) for n in values}
+    r = rounder(dtype)
+    baseline = {n: _baseline_error(naive[n], values[n], r) for n in values}
     zeros: dict[str, np.ndarray] = {}
     if kind == "sdpa":
         masked = np.isneginf(values["masked_scores"])

@@ -74,11 +74,15 @@ def explain_step(cell: Cell, step: StepResult) -> str:
     where = f"{step.step} of {cell.column}, case {cell.case}, {cell.dtype}"
     if step.error:
         return f"{where}: raised {step.error}"
-    lines = [f"{where}: worst error {_num(step.ratio)}x the tolerance"]
+    worst = ("outside any tolerance" if math.isinf(step.ratio)
+             else f"worst error {_num(step.ratio)} x the tolerance")
+    lines = [f"{where}: {worst}"]
     if step.index is not None:
+        exact = step.expected is not None and (math.isinf(step.expected) or step.note.startswith(
+            "must be exactly 0"))
+        tol = "exactly" if exact else f"tolerance {_fmt_value(step.bound)}"
         lines.append(f"    at index {step.index}: actual {_fmt_value(step.actual)}, expected "
-                     f"{_fmt_value(step.expected)} (float64 reference), tolerance "
-                     f"{_fmt_value(step.bound)}")
+                     f"{_fmt_value(step.expected)} (float64 reference), {tol}")
     if step.note:
         lines.append(f"    why: {step.note}")
     return "\n".join(lines)

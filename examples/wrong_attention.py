@@ -1,0 +1,60 @@
+"""A deliberately wrong implementation of the spec, to show what the harness catches.
+
+It is numpy_attn with two classic mistakes:
+
+1. **mask polarity flipped**: a boolean mask's True is taken to mean "masked out" (the
+   convention of ``torch.nn.MultiheadAttention``), where the spec's True means "may attend";
+2. **bottom-right causal alignment ignored**: ``causal_alignment="bottom_right"`` is treated as
+   top-left, which only matters when ``q_len != kv_len`` (KV-cache decoding).
+
+Run the conformance suite against it from the repository root::
+
+    python -m conformance --backend examples.wrong_attention
+
+Every case with a mask or a bottom-right causal rule fails, and the report says why ("mask
+polarity flipped", "wrong causal alignment"). Any module that defines the spec's function names
+and takes NumPy arrays can be checked the same way; a module working on another array type adds
+``asarray(np_array)`` and ``to_numpy(x)`` (and ``rng(seed)`` for its random source).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import numpy_attn
+from numpy_attn import (  # noqa: F401 - re-exported: the parts this module gets right
+    CausalSelfAttention,
+    CrossAttention,
+    MultiHeadAttention,
+    MultiHeadAttentionWrapper,
+    SelfAttention,
+    apply_dropout,
+    attention_output,
+    attention_scores,
+    attention_weights,
+    causal_mask,
+    combine_masks,
+    padding_mask,
+    renormalized_causal_weights,
+    sliding_window_mask,
+)
+
+
+def _wrong(kwargs: dict[str, Any]) -> dict[str, Any]:
+    if kwargs.get("mask") is not None:
+        kwargs["mask"] = ~np.asarray(kwargs["mask"])  # BUG 1: True read as "masked out"
+    if kwargs.get("causal_alignment") == "bottom_right":
+        kwargs["causal_alignment"] = "top_left"  # BUG 2: bottom-right silently ignored
+    return kwargs
+
+
+def mask_scores(scores: Any, **kwargs: Any) -> np.ndarray:
+    """numpy_attn.mask_scores with both bugs."""
+    return numpy_attn.mask_scores(scores, **_wrong(kwargs))
+
+
+def scaled_dot_product_attention(query: Any, key: Any, value: Any, **kwargs: Any) -> Any:
+    """numpy_attn.scaled_dot_product_attention with both bugs."""
+    return numpy_attn.scaled_dot_product_attention(query, key, value, **_wrong(kwargs))
