@@ -1,0 +1,571 @@
+"""Memory-efficient attention in JAX: keys and values in blocks, with the online softmax.
+
+Plain attention holds a ``(q_len, kv_len)`` score matrix per head (4 GiB per head at 32,768
+tokens in float32). ``blockwise_attention`` visits ``(block_q, block_kv)`` tiles instead and
+keeps, per query row, a running maximum ``m``, a running sum ``l`` and a running weighted sum
+``acc`` of the values (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022)::
+
+    s      = mask(softcap(q kᵀ · scale) + bias)         one tile
+    m_new  = max(m, rowmax(s))
+    p      = exp(s - m_new)
+    l      = l · exp(m - m_new) + rowsum(p)
+    acc    = acc · exp(m - m_new) + p v
+    output = acc / l                                    (0 where l == 0: a fully masked row)
+
+Extra memory is a few ``(..., heads, block_q, block_kv)`` tiles. Masks are structure, not
+arrays: the causal rule (both alignments), the sliding window and per-sequence key lengths
+(``kv_lengths``) are evaluated per tile, and a tile that the causal rule or the window masks
+entirely is never computed. The backward pass keeps only the log-sum-exp ``lse = m + log l``
+of each row and recomputes every tile's weights as ``exp(s - lse)``.
+
+JAX: the list of tiles is static (shapes, ``is_causal``, ``window`` and block sizes are known
+at trace time), so the forward pass is ONE ``lax.scan`` over the tiles that keep a position,
+and ``jax.custom_vjp`` gives it a backward pass that is a second scan recomputing each tile.
+Plain autodiff through the forward scan would store every tile's weights for the backward
+pass, i.e. the whole ``(q_len, kv_len)`` matrix again. Queries and keys are zero-padded to a
+multiple of the block sizes (padded keys are masked; padded queries are dropped), so every
+tile has a static shape. Everything jits to one program; ``kv_lengths`` may be traced.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _checks
+from .functional import (
+    HIGHEST,
+    _check_mask_bias,
+    _check_structure,
+    _group_heads,
+    _groups,
+    _merged,
+    _to_compute,
+)
+from .masks import _dtype_name
+
+NEG_INF = -jnp.inf
+DEFAULT_BLOCK_Q = 512
+DEFAULT_BLOCK_KV = 1024
+
+Window = tuple[int | None, int | None] | None
+
+
+# ------------------------------------------------------------------------------------------
+# The plan: which tiles keep at least one position (pure Python on ints, identical in every
+# backend)
+# ------------------------------------------------------------------------------------------
+
+
+def _band(
+    q_len: int, kv_len: int, is_causal: bool, causal_alignment: str, window: Window
+) -> tuple[float, float]:
+    """Allowed range ``lo <= j - i <= hi`` of key ``j`` minus query ``i`` (causal and window)."""
+    offset = _checks.causal_offset(causal_alignment, q_len, kv_len)
+    lo, hi = -math.inf, math.inf
+    if is_causal:
+        hi = offset
+    if window is not None:
+        left, right = window
+        if left is not None:
+            lo = offset - left
+        if right is not None:
+            hi = min(hi, offset + right)
+    return lo, hi
+
+
+def _plan(
+    q_len: int, kv_len: int, block_q: int, block_kv: int, lo: float, hi: float
+) -> list[tuple[int, int, list[tuple[int, int, bool]]]]:
+    """Per query block ``(q_start, q_stop)``, the key blocks ``(kv_start, kv_stop, partial)``
+    that keep at least one position; ``partial``: the band cuts the tile (it needs a mask)."""
+    plan = []
+    for q_start in range(0, q_len, block_q):
+        q_stop = min(q_start + block_q, q_len)
+        blocks = []
+        for kv_start in range(0, kv_len, block_kv):
+            kv_stop = min(kv_start + block_kv, kv_len)
+            d_min, d_max = kv_start - (q_stop - 1), (kv_stop - 1) - q_start  # j - i in the tile
+            if max(lo, d_min) > min(hi, d_max):
+                continue  # fully masked by the causal rule or the window: never computed
+            blocks.append((kv_start, kv_stop, d_min < lo or d_max > hi))
+        plan.append((q_start, q_stop, blocks))
+    return plan
+
+
+class _Config(NamedTuple):
+    """jax only: the static part of a call (hashable, for ``custom_vjp``'s nondiff argument)."""
+
+    q_len: int
+    kv_len: int
+    block_q: int
+    block_kv: int
+    starts: tuple[tuple[int, int], ...]  # (q_start, kv_start) of every tile that is computed
+    lo: float
+    hi: float
+    scale: float
+    softcap: float | None
+
+
+# ------------------------------------------------------------------------------------------
+# Tiles
+# ------------------------------------------------------------------------------------------
+
+
+def _tile_scores(
+    q_tile: jax.Array, k_tile: jax.Array, groups: int, softcap: float | None
+) -> jax.Array:
+    """``(..., heads, bq, head_dim) @ (..., kv_heads, bk, head_dim)ᵀ`` → ``(..., heads, bq, bk)``,
+    soft-capped; ``q_tile`` is already scaled."""
+    if groups > 1:  # grouped-query: (..., kv_heads, groups, bq, head_dim)
+        q_tile = _group_heads(q_tile, groups)
+        k_tile = k_tile[..., None, :, :]
+    scores = jnp.matmul(q_tile, jnp.swapaxes(k_tile, -1, -2), precision=HIGHEST)
+    scores = scores.reshape(_merged(scores.shape, groups))  # (..., heads, bq, bk)
+    if softcap is not None:
+        scores = jnp.tanh(scores * (1.0 / softcap)) * softcap  # no in-place ops in JAX
+    return scores
+
+
+def _times_value(p: jax.Array, v_tile: jax.Array, groups: int) -> jax.Array:
+    """``(..., heads, bq, bk) @ (..., kv_heads, bk, v_dim)`` → ``(..., heads, bq, v_dim)``."""
+    if groups == 1:
+        return jnp.matmul(p, v_tile, precision=HIGHEST)
+    product = jnp.matmul(_group_heads(p, groups), v_tile[..., None, :, :], precision=HIGHEST)
+    return product.reshape(p.shape[:-1] + (v_tile.shape[-1],))
+
+
+def _sum_groups(x: jax.Array, groups: int) -> jax.Array:
+    """``(..., heads, T, D)`` → ``(..., kv_heads, T, D)``: add the query heads sharing a kv head."""
+    return x if groups == 1 else _group_heads(x, groups).sum(axis=-3)
+
+
+def _slice(x: jax.Array, start: Any, size: int, axis: int) -> jax.Array:
+    """jax only: ``x[..., start:start + size, ...]`` along ``axis`` with a traced ``start``."""
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=x.ndim + axis)
+
+
+def _add_at(x: jax.Array, update: jax.Array, start: Any, axis: int) -> jax.Array:
+    """jax only: ``x[..., start:start + n, ...] += update`` along ``axis``, functionally."""
+    current = _slice(x, start, update.shape[axis], axis)
+    return jax.lax.dynamic_update_slice_in_dim(x, current + update, start, axis=x.ndim + axis)
+
+
+def _tile_starts(x: jax.Array, q_start: Any, kv_start: Any) -> list:
+    """jax only: start indices of a tile of a full-rank bias; broadcast axes start at 0."""
+    zero = jnp.zeros((), jnp.int32)
+    starts = [zero] * x.ndim
+    starts[-2] = q_start if x.shape[-2] != 1 else zero
+    starts[-1] = kv_start if x.shape[-1] != 1 else zero
+    return starts
+
+
+def _bias_tile(bias: jax.Array, q_start: Any, kv_start: Any, cfg: _Config) -> jax.Array:
+    """The tile of a full-rank bias; broadcast (size-1) query or key axes are kept whole."""
+    sizes = bias.shape[:-2] + (min(bias.shape[-2], cfg.block_q), min(bias.shape[-1], cfg.block_kv))
+    return jax.lax.dynamic_slice(bias, _tile_starts(bias, q_start, kv_start), sizes)
+
+
+def _add_bias_tile(grad_bias: jax.Array, grad_s: jax.Array, q_start: Any,
+                   kv_start: Any) -> jax.Array:
+    """``grad_bias[tile] += grad_s`` summed over the axes the bias was broadcast along."""
+    starts = _tile_starts(grad_bias, q_start, kv_start)
+    sizes = grad_bias.shape[:-2] + tuple(
+        1 if grad_bias.shape[axis] == 1 else grad_s.shape[axis] for axis in (-2, -1))
+    current = jax.lax.dynamic_slice(grad_bias, starts, sizes)
+    update = current + _sum_to_shape(grad_s, current.shape)
+    return jax.lax.dynamic_update_slice(grad_bias, update, starts)
+
+
+def _mask_tile(
+    scores: jax.Array,
+    bias: jax.Array | None,
+    kv_lengths: jax.Array | None,
+    q_start: Any,
+    kv_start: Any,
+    cfg: _Config,
+) -> jax.Array:
+    """Add the bias tile, then ``-inf`` where the band, ``kv_lengths`` or padding forbid."""
+    if bias is not None:
+        scores = scores + _bias_tile(bias, q_start, kv_start, cfg).astype(scores.dtype)
+    key_pos = kv_start + jnp.arange(cfg.block_kv)  # (bk,)
+    distance = key_pos[None, :] - (q_start + jnp.arange(cfg.block_q))[:, None]  # (bq, bk): j - i
+    allowed = key_pos[None, :] < cfg.kv_len  # padded keys; jax: one body for every tile
+    if cfg.lo > -math.inf:
+        allowed &= distance >= cfg.lo
+    if cfg.hi < math.inf:
+        allowed &= distance <= cfg.hi
+    if kv_lengths is not None:  # (batch..., 1, 1, bk): key j < kv_lengths[b]
+        lengths = kv_lengths.reshape(kv_lengths.shape + (1,) * (scores.ndim - kv_lengths.ndim))
+        allowed = allowed & (key_pos < lengths)
+    return jnp.where(allowed, scores, NEG_INF)
+
+
+# ------------------------------------------------------------------------------------------
+# Forward and backward, unchecked: one scan each over the static list of tiles
+# ------------------------------------------------------------------------------------------
+
+
+def _pad(x: jax.Array, size: int, axis: int) -> jax.Array:
+    """jax only: zero-pad ``axis`` up to ``size`` (tiles have static shapes)."""
+    missing = size - x.shape[axis]
+    if missing <= 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[x.ndim + axis] = (0, missing)
+    return jnp.pad(x, widths)
+
+
+def _padded(cfg: _Config) -> tuple[int, int]:
+    """Query and key lengths rounded up to a multiple of the block sizes."""
+    return (-(-cfg.q_len // cfg.block_q) * cfg.block_q,
+            -(-cfg.kv_len // cfg.block_kv) * cfg.block_kv)
+
+
+def _pad_inputs(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None,
+                cfg: _Config) -> tuple:
+    q_pad, kv_pad = _padded(cfg)
+    q = _pad(_to_compute(query), q_pad, -2)
+    k, v = _pad(_to_compute(key), kv_pad, -2), _pad(_to_compute(value), kv_pad, -2)
+    if bias is not None:
+        bias = _pad(bias, q_pad, -2) if bias.shape[-2] != 1 else bias
+        bias = _pad(bias, kv_pad, -1) if bias.shape[-1] != 1 else bias
+    return q, k, v, bias
+
+
+def _forward(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None,
+    kv_lengths: jax.Array | None,
+    cfg: _Config,
+) -> tuple[jax.Array, jax.Array]:
+    """``output (..., heads, q_len, v_dim)`` and ``lse (..., heads, q_len, 1)`` in the compute
+    dtype; ``lse`` is ``+inf`` on fully masked rows, so ``exp(s - lse)`` is 0 there."""
+    q, k, v, bias = _pad_inputs(query, key, value, bias, cfg)
+    q = q * cfg.scale  # (..., heads, q_pad, head_dim)
+    groups = _groups(q.shape, k.shape)
+    rows = q.shape[:-1] + (1,)
+    carry = (
+        jnp.full(rows, NEG_INF, q.dtype),  # m: (..., heads, q_pad, 1)
+        jnp.zeros(rows, q.dtype),  # l
+        jnp.zeros(q.shape[:-1] + v.shape[-1:], q.dtype),  # acc: (..., heads, q_pad, v_dim)
+    )
+
+    def tile(carry: tuple, starts: jax.Array) -> tuple[tuple, None]:
+        all_max, all_sum, all_acc = carry
+        q_start, kv_start = starts[0], starts[1]
+        scores = _tile_scores(_slice(q, q_start, cfg.block_q, -2),
+                              _slice(k, kv_start, cfg.block_kv, -2), groups, cfg.softcap)
+        scores = _mask_tile(scores, bias, kv_lengths, q_start, kv_start, cfg)
+        row_max = _slice(all_max, q_start, cfg.block_q, -2)  # (..., heads, bq, 1)
+        new_max = jnp.maximum(row_max, scores.max(axis=-1, keepdims=True))
+        shift = jnp.where(new_max == NEG_INF, 0.0, new_max)  # no -inf - -inf
+        p = jnp.exp(scores - shift)  # the tile's unnormalised weights
+        correction = jnp.exp(row_max - shift)  # rescales earlier tiles; 0 at first
+        row_sum = _slice(all_sum, q_start, cfg.block_q, -2) * correction + p.sum(-1, keepdims=True)
+        acc = _slice(all_acc, q_start, cfg.block_q, -2) * correction + _times_value(
+            p, _slice(v, kv_start, cfg.block_kv, -2), groups)
+        update = partial(jax.lax.dynamic_update_slice_in_dim, start_index=q_start,
+                         axis=q.ndim - 2)
+        return (update(all_max, new_max), update(all_sum, row_sum), update(all_acc, acc)), None
+
+    if cfg.starts:
+        carry, _ = jax.lax.scan(tile, carry, jnp.asarray(cfg.starts, dtype=jnp.int32))
+    row_max, row_sum, acc = carry
+    kept = row_sum > 0  # (..., heads, q_pad, 1); False: a fully masked row
+    safe_sum = jnp.where(kept, row_sum, 1.0)
+    output = acc / safe_sum  # 0 / 1 = 0 on fully masked rows
+    lse = jnp.where(kept, row_max + jnp.log(safe_sum), jnp.inf)
+    return output[..., : cfg.q_len, :], lse[..., : cfg.q_len, :]
+
+
+def _backward(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: jax.Array | None,
+    kv_lengths: jax.Array | None,
+    cfg: _Config,
+    output: jax.Array,
+    lse: jax.Array,
+    grad_output: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """FlashAttention's backward per tile (numpy_attn's ``backward.py`` derives it for the whole
+    matrix); gradients in the compute dtype, ``grad_bias`` shaped like the full-rank bias."""
+    q, k, v, padded_bias = _pad_inputs(query, key, value, bias, cfg)  # q unscaled
+    q_pad = q.shape[-2]
+    d_out = _pad(_to_compute(grad_output), q_pad, -2)  # (..., heads, q_pad, v_dim); 0 if padded
+    groups = _groups(q.shape, k.shape)
+    q_scaled = q * cfg.scale
+    row_dot = (d_out * _pad(output, q_pad, -2)).sum(axis=-1, keepdims=True)  # rowsum(dO ⊙ O)
+    lse = jnp.concatenate(  # padded rows: +inf, so their weights are 0
+        [lse, jnp.full(lse.shape[:-2] + (q_pad - cfg.q_len, 1), jnp.inf, lse.dtype)], axis=-2)
+    grad_bias = None if bias is None else jnp.zeros(padded_bias.shape, q.dtype)
+    carry = (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), grad_bias)
+
+    def tile(carry: tuple, starts: jax.Array) -> tuple[tuple, None]:
+        grad_q, grad_k, grad_v, grad_bias = carry
+        q_start, kv_start = starts[0], starts[1]
+        k_tile = _slice(k, kv_start, cfg.block_kv, -2)
+        v_tile = _slice(v, kv_start, cfg.block_kv, -2)
+        d_out_tile = _slice(d_out, q_start, cfg.block_q, -2)  # (..., heads, bq, v_dim)
+        capped = _tile_scores(_slice(q_scaled, q_start, cfg.block_q, -2), k_tile, groups,
+                              cfg.softcap)  # S1
+        scores = _mask_tile(capped, padded_bias, kv_lengths, q_start, kv_start, cfg)
+        p = jnp.exp(scores - _slice(lse, q_start, cfg.block_q, -2))  # P, recomputed
+        # dV = Pᵀ dO
+        grad_v = _add_at(grad_v, _sum_groups(
+            jnp.matmul(jnp.swapaxes(p, -1, -2), d_out_tile, precision=HIGHEST), groups),
+            kv_start, -2)
+        # dP = dO Vᵀ
+        grad_p = _times_value(d_out_tile, jnp.swapaxes(v_tile, -1, -2), groups)
+        # dS = P ⊙ (dP - rowsum(dO ⊙ O))
+        grad_s = p * (grad_p - _slice(row_dot, q_start, cfg.block_q, -2))
+        if grad_bias is not None:
+            grad_bias = _add_bias_tile(grad_bias, grad_s, q_start, kv_start)
+        if cfg.softcap is not None:  # tanh': 1 - (S1 / c)²
+            grad_s = grad_s * (1.0 - jnp.square(capped * (1.0 / cfg.softcap)))
+        grad_s = grad_s * cfg.scale
+        # dQ = dS K · scale, dK = dSᵀ Q · scale
+        grad_q = _add_at(grad_q, _times_value(grad_s, k_tile, groups), q_start, -2)
+        grad_k = _add_at(grad_k, _sum_groups(jnp.matmul(
+            jnp.swapaxes(grad_s, -1, -2), _slice(q, q_start, cfg.block_q, -2),
+            precision=HIGHEST), groups), kv_start, -2)
+        return (grad_q, grad_k, grad_v, grad_bias), None
+
+    if cfg.starts:
+        carry, _ = jax.lax.scan(tile, carry, jnp.asarray(cfg.starts, dtype=jnp.int32))
+    grad_q, grad_k, grad_v, grad_bias = carry
+    if grad_bias is not None:  # drop the padding of the bias
+        grad_bias = grad_bias[..., : bias.shape[-2], : bias.shape[-1]]
+    return (grad_q[..., : cfg.q_len, :], grad_k[..., : cfg.kv_len, :],
+            grad_v[..., : cfg.kv_len, :], grad_bias)
+
+
+def _sum_to_shape(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Sum ``x`` over the axes where ``shape`` has size 1 (same rank)."""
+    axes = tuple(axis for axis, size in enumerate(shape) if size == 1 and x.shape[axis] != 1)
+    return x.sum(axis=axes, keepdims=True) if axes else x
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _blockwise(cfg: _Config, query: jax.Array, key: jax.Array, value: jax.Array,
+               bias: jax.Array | None, kv_lengths: jax.Array | None) -> jax.Array:
+    """jax only: the forward scan, with ``_blockwise_bwd`` as its VJP."""
+    return _forward(query, key, value, bias, kv_lengths, cfg)[0].astype(query.dtype)
+
+
+def _blockwise_fwd(cfg: _Config, query: jax.Array, key: jax.Array, value: jax.Array,
+                   bias: jax.Array | None, kv_lengths: jax.Array | None) -> tuple:
+    output, lse = _forward(query, key, value, bias, kv_lengths, cfg)
+    return output.astype(query.dtype), (query, key, value, bias, kv_lengths, output, lse)
+
+
+def _blockwise_bwd(cfg: _Config, residuals: tuple, grad_output: jax.Array) -> tuple:
+    query, key, value, bias, kv_lengths, output, lse = residuals
+    grad_q, grad_k, grad_v, grad_bias = _backward(
+        query, key, value, bias, kv_lengths, cfg, output, lse, grad_output
+    )
+    grad_bias = None if grad_bias is None else grad_bias.astype(bias.dtype)
+    # kv_lengths holds ints: no cotangent (None)
+    return grad_q.astype(query.dtype), grad_k.astype(key.dtype), grad_v.astype(value.dtype), \
+        grad_bias, None
+
+
+_blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
+
+
+# ------------------------------------------------------------------------------------------
+# Validation
+# ------------------------------------------------------------------------------------------
+
+
+def _batch_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The leading batch axes of ``(..., heads, seq, dim)``; none for ``(seq, dim)``."""
+    return tuple(shape[:-3])
+
+
+def _check_kv_lengths(fn: str, kv_lengths: Any, batch: tuple[int, ...], kv_len: int) -> Any:
+    if kv_lengths is None:
+        return None
+    dtype = _dtype_name(kv_lengths)
+    kv_lengths = jnp.asarray(kv_lengths)
+    if tuple(kv_lengths.shape) != batch or not np.issubdtype(np.dtype(dtype), np.integer):
+        raise ValueError(
+            f"{fn}: kv_lengths must be ints shaped like the batch axes {batch}; "
+            f"got kv_lengths.shape={tuple(kv_lengths.shape)}, "
+            f"kv_lengths.dtype={dtype}"
+        )
+    if isinstance(kv_lengths, jax.core.Tracer):  # jax: traced values are checked by nobody
+        return kv_lengths
+    if kv_lengths.size and (kv_lengths.min() < 0 or kv_lengths.max() > kv_len):
+        raise ValueError(
+            f"{fn}: kv_lengths must lie in [0, {kv_len}]; got kv_lengths={kv_lengths.tolist()}"
+        )
+    return kv_lengths
+
+
+def _validate(
+    fn: str,
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: Any,
+    kv_lengths: Any,
+    is_causal: bool,
+    causal_alignment: str,
+    window: Any,
+    scale: Any,
+    softcap: Any,
+    block_q: Any,
+    block_kv: Any,
+) -> tuple:
+    """Checks shared by the forward pass and the VJP; returns the normalised arguments."""
+    _checks.check_query_key(fn, query.shape, key.shape)
+    _checks.check_key_value(fn, key.shape, value.shape)
+    target = _checks.scores_shape(query.shape, key.shape)
+    _, bias = _check_mask_bias(fn, None, bias, target)
+    window = _check_structure(fn, is_causal, causal_alignment, window)
+    scale = _checks.check_scale(fn, scale, query.shape[-1])
+    softcap = _checks.check_softcap(fn, softcap)
+    block_q = _checks.check_int(fn, "block_q", block_q, minimum=1)
+    block_kv = _checks.check_int(fn, "block_kv", block_kv, minimum=1)
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    kv_lengths = _check_kv_lengths(fn, kv_lengths, _batch_shape(query.shape), kv_len)
+    if bias is not None:  # full rank, so tiles slice the last two axes
+        bias = bias.reshape((1,) * (len(target) - bias.ndim) + bias.shape)
+    lo, hi = _band(q_len, kv_len, is_causal, causal_alignment, window)
+    block_q, block_kv = min(block_q, max(q_len, 1)), min(block_kv, max(kv_len, 1))  # less padding
+    plan = _plan(q_len, kv_len, block_q, block_kv, lo, hi)
+    # jax: kv_lengths may be traced, so key blocks past every length are masked, not skipped
+    starts = tuple((q_start, kv_start) for q_start, _, blocks in plan for kv_start, _, _ in blocks)
+    cfg = _Config(q_len, kv_len, block_q, block_kv, starts, lo, hi, scale, softcap)
+    return bias, kv_lengths, cfg
+
+
+# ------------------------------------------------------------------------------------------
+# Public
+# ------------------------------------------------------------------------------------------
+
+
+def blockwise_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    bias: Any = None,
+    kv_lengths: Any = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    window: tuple | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    block_q: int = DEFAULT_BLOCK_Q,
+    block_kv: int = DEFAULT_BLOCK_KV,
+) -> jax.Array:
+    """Scaled dot-product attention in ``(block_q, block_kv)`` tiles, with the online softmax.
+
+    Equal to ``scaled_dot_product_attention(query, key, value, mask=padding_mask(kv_lengths,
+    kv_len), bias=bias, ...)`` (no dropout, no weights), using a few tiles of extra memory
+    instead of the ``(q_len, kv_len)`` matrix; tiles that the causal rule or the window mask
+    entirely are skipped. One ``lax.scan``; differentiable through ``jax.custom_vjp``, whose
+    backward pass recomputes each tile. ``is_causal``, ``causal_alignment``, ``window``,
+    ``scale``, ``softcap``, ``block_q`` and ``block_kv`` must be static.
+
+    Args:
+      query: ``(..., heads, q_len, head_dim)`` or ``(q_len, head_dim)``.
+      key: ``(..., kv_heads, kv_len, head_dim)`` or ``(kv_len, head_dim)``.
+      value: ``(..., kv_heads, kv_len, v_dim)`` or ``(kv_len, v_dim)``.
+      bias: floating point, broadcastable to ``(..., heads, q_len, kv_len)``; sliced per tile.
+      kv_lengths: ints shaped like the batch axes ``(...)`` (``(batch,)`` for 4-D inputs), each
+        in ``[0, kv_len]``: key ``j`` of sequence ``b`` is attended only if
+        ``j < kv_lengths[b]`` (may be traced; then its range is not checked).
+      is_causal, causal_alignment, window, scale, softcap: as in
+        ``scaled_dot_product_attention``.
+      block_q: queries per tile (``>= 1``).
+      block_kv: keys per tile (``>= 1``).
+
+    Returns:
+      ``(..., heads, q_len, v_dim)`` in the input dtype; fully masked rows give 0.
+    """
+    fn = "blockwise_attention"
+    _checks.check_float_inputs(
+        fn, query=_dtype_name(query), key=_dtype_name(key), value=_dtype_name(value)
+    )
+    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    bias, kv_lengths, cfg = _validate(
+        fn, query, key, value, bias, kv_lengths, is_causal, causal_alignment, window, scale,
+        softcap, block_q, block_kv,
+    )
+    return _blockwise(cfg, query, key, value, bias, kv_lengths)
+
+
+def blockwise_attention_vjp(
+    query: Any,
+    key: Any,
+    value: Any,
+    grad_output: Any,
+    *,
+    bias: Any = None,
+    kv_lengths: Any = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    window: tuple | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    block_q: int = DEFAULT_BLOCK_Q,
+    block_kv: int = DEFAULT_BLOCK_KV,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """Gradients of ``blockwise_attention``, tile by tile, from the saved log-sum-exp.
+
+    Through ``jax.vjp``: ``blockwise_attention`` is a ``jax.custom_vjp`` whose backward pass
+    is a scan recomputing each tile's weights as ``exp(s - lse)`` (numpy_attn's derivation).
+
+    Args:
+      query: ``(..., heads, q_len, head_dim)``.
+      key: ``(..., kv_heads, kv_len, head_dim)``.
+      value: ``(..., kv_heads, kv_len, v_dim)``.
+      grad_output: ``(..., heads, q_len, v_dim)``.
+      bias, kv_lengths, is_causal, causal_alignment, window, scale, softcap, block_q,
+        block_kv: as in ``blockwise_attention``.
+
+    Returns:
+      ``(grad_query, grad_key, grad_value, grad_bias)`` shaped like query, key, value and bias
+      (``grad_bias`` is None without a bias), in their dtypes.
+    """
+    fn = "blockwise_attention_vjp"
+    _checks.check_float_inputs(
+        fn, query=_dtype_name(query), key=_dtype_name(key), value=_dtype_name(value),
+        grad_output=_dtype_name(grad_output),
+    )
+    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    grad_output = jnp.asarray(grad_output)
+    _validate(fn, query, key, value, bias, kv_lengths, is_causal, causal_alignment, window,
+              scale, softcap, block_q, block_kv)
+    out_shape = query.shape[:-1] + value.shape[-1:]
+    if grad_output.shape != out_shape:
+        raise ValueError(
+            f"{fn}: grad_output must have the output's shape {out_shape}; "
+            f"got grad_output.shape={grad_output.shape}"
+        )
+
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array, b: jax.Array | None) -> jax.Array:
+        return blockwise_attention(
+            q, k, v, bias=b, kv_lengths=kv_lengths, is_causal=is_causal,
+            causal_alignment=causal_alignment, window=window, scale=scale, softcap=softcap,
+            block_q=block_q, block_kv=block_kv,
+        )
+
+    # jax.vjp differentiates the forward pass; bias joins the primals only when given.
+    if bias is None:
+        _, pullback = jax.vjp(lambda q, k, v: attend(q, k, v, None), query, key, value)
+        return pullback(grad_output) + (None,)
+    _, pullback = jax.vjp(attend, query, key, value, jnp.asarray(bias))
+    return pullback(grad_output)

@@ -1,0 +1,439 @@
+"""Memory-efficient attention in NumPy: keys and values in blocks, with the online softmax.
+
+Plain attention holds a ``(q_len, kv_len)`` score matrix per head (4 GiB per head at 32,768
+tokens in float32). ``blockwise_attention`` visits ``(block_q, block_kv)`` tiles instead and
+keeps, per query row, a running maximum ``m``, a running sum ``l`` and a running weighted sum
+``acc`` of the values (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022)::
+
+    s      = mask(softcap(q kᵀ · scale) + bias)         one tile
+    m_new  = max(m, rowmax(s))
+    p      = exp(s - m_new)
+    l      = l · exp(m - m_new) + rowsum(p)
+    acc    = acc · exp(m - m_new) + p v
+    output = acc / l                                    (0 where l == 0: a fully masked row)
+
+Extra memory is a few ``(..., heads, block_q, block_kv)`` tiles. Masks are structure, not
+arrays: the causal rule (both alignments), the sliding window and per-sequence key lengths
+(``kv_lengths``) are evaluated per tile, and a tile that the causal rule or the window masks
+entirely is never computed. The backward pass keeps only the log-sum-exp ``lse = m + log l``
+of each row and recomputes every tile's weights as ``exp(s - lse)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from . import _checks
+from .functional import (
+    _check_mask_bias,
+    _check_structure,
+    _group_heads,
+    _groups,
+    _merged,
+    _to_compute,
+)
+
+NEG_INF = -np.inf
+DEFAULT_BLOCK_Q = 512
+DEFAULT_BLOCK_KV = 1024
+
+Window = tuple[int | None, int | None] | None
+
+
+# ------------------------------------------------------------------------------------------
+# The plan: which tiles keep at least one position (pure Python on ints, identical in every
+# backend)
+# ------------------------------------------------------------------------------------------
+
+
+def _band(
+    q_len: int, kv_len: int, is_causal: bool, causal_alignment: str, window: Window
+) -> tuple[float, float]:
+    """Allowed range ``lo <= j - i <= hi`` of key ``j`` minus query ``i`` (causal and window)."""
+    offset = _checks.causal_offset(causal_alignment, q_len, kv_len)
+    lo, hi = -math.inf, math.inf
+    if is_causal:
+        hi = offset
+    if window is not None:
+        left, right = window
+        if left is not None:
+            lo = offset - left
+        if right is not None:
+            hi = min(hi, offset + right)
+    return lo, hi
+
+
+def _plan(
+    q_len: int, kv_len: int, block_q: int, block_kv: int, lo: float, hi: float
+) -> list[tuple[int, int, list[tuple[int, int, bool]]]]:
+    """Per query block ``(q_start, q_stop)``, the key blocks ``(kv_start, kv_stop, partial)``
+    that keep at least one position; ``partial``: the band cuts the tile (it needs a mask)."""
+    plan = []
+    for q_start in range(0, q_len, block_q):
+        q_stop = min(q_start + block_q, q_len)
+        blocks = []
+        for kv_start in range(0, kv_len, block_kv):
+            kv_stop = min(kv_start + block_kv, kv_len)
+            d_min, d_max = kv_start - (q_stop - 1), (kv_stop - 1) - q_start  # j - i in the tile
+            if max(lo, d_min) > min(hi, d_max):
+                continue  # fully masked by the causal rule or the window: never computed
+            blocks.append((kv_start, kv_stop, d_min < lo or d_max > hi))
+        plan.append((q_start, q_stop, blocks))
+    return plan
+
+
+# ------------------------------------------------------------------------------------------
+# Tiles
+# ------------------------------------------------------------------------------------------
+
+
+def _tile_scores(
+    q_tile: np.ndarray, k_tile: np.ndarray, groups: int, softcap: float | None
+) -> np.ndarray:
+    """``(..., heads, bq, head_dim) @ (..., kv_heads, bk, head_dim)ᵀ`` → ``(..., heads, bq, bk)``,
+    soft-capped; ``q_tile`` is already scaled."""
+    if groups > 1:  # grouped-query: (..., kv_heads, groups, bq, head_dim)
+        q_tile = _group_heads(q_tile, groups)
+        k_tile = k_tile[..., None, :, :]
+    scores = q_tile @ np.swapaxes(k_tile, -1, -2)
+    scores = scores.reshape(_merged(scores.shape, groups))  # (..., heads, bq, bk)
+    if softcap is not None:
+        scores *= 1.0 / softcap
+        np.tanh(scores, out=scores)
+        scores *= softcap
+    return scores
+
+
+def _times_value(p: np.ndarray, v_tile: np.ndarray, groups: int) -> np.ndarray:
+    """``(..., heads, bq, bk) @ (..., kv_heads, bk, v_dim)`` → ``(..., heads, bq, v_dim)``."""
+    if groups == 1:
+        return p @ v_tile
+    product = _group_heads(p, groups) @ v_tile[..., None, :, :]
+    return product.reshape(p.shape[:-1] + (v_tile.shape[-1],))
+
+
+def _sum_groups(x: np.ndarray, groups: int) -> np.ndarray:
+    """``(..., heads, T, D)`` → ``(..., kv_heads, T, D)``: add the query heads sharing a kv head."""
+    return x if groups == 1 else _group_heads(x, groups).sum(axis=-3)
+
+
+def _bias_tile(bias: np.ndarray, q_start: int, q_stop: int, kv_start: int, kv_stop: int) -> Any:
+    """The tile of a full-rank bias; broadcast (size-1) query or key axes are kept whole."""
+    q_slice = slice(q_start, q_stop) if bias.shape[-2] != 1 else slice(None)
+    kv_slice = slice(kv_start, kv_stop) if bias.shape[-1] != 1 else slice(None)
+    return (..., q_slice, kv_slice)
+
+
+def _mask_tile(
+    scores: np.ndarray,
+    bias: np.ndarray | None,
+    kv_lengths: np.ndarray | None,
+    tile: tuple[int, int, int, int],
+    partial: bool,
+    lo: float,
+    hi: float,
+) -> np.ndarray:
+    """Add the bias tile, then ``-inf`` where the band or ``kv_lengths`` forbid (in place)."""
+    q_start, q_stop, kv_start, kv_stop = tile
+    if bias is not None:
+        scores += bias[_bias_tile(bias, *tile)].astype(scores.dtype, copy=False)
+    if partial:  # (bq, bk): j - i inside [lo, hi]
+        distance = np.arange(kv_start, kv_stop)[None, :] - np.arange(q_start, q_stop)[:, None]
+        np.copyto(scores, NEG_INF, where=(distance < lo) | (distance > hi))
+    if kv_lengths is not None:  # (batch..., 1, 1, bk): key j < kv_lengths[b]
+        lengths = kv_lengths.reshape(kv_lengths.shape + (1,) * (scores.ndim - kv_lengths.ndim))
+        np.copyto(scores, NEG_INF, where=np.arange(kv_start, kv_stop) >= lengths)
+    return scores
+
+
+# ------------------------------------------------------------------------------------------
+# Forward and backward, unchecked
+# ------------------------------------------------------------------------------------------
+
+
+def _forward(
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    bias: np.ndarray | None,
+    kv_lengths: np.ndarray | None,
+    plan: list,
+    lo: float,
+    hi: float,
+    scale: float,
+    softcap: float | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``output (..., heads, q_len, v_dim)`` and ``lse (..., heads, q_len, 1)`` in the compute
+    dtype; ``lse`` is ``+inf`` on fully masked rows, so ``exp(s - lse)`` is 0 there."""
+    q = _to_compute(query) * scale  # (..., heads, q_len, head_dim)
+    k, v = _to_compute(key), _to_compute(value)  # (..., kv_heads, kv_len, head_dim | v_dim)
+    groups = _groups(q.shape, k.shape)
+    output = np.zeros(q.shape[:-1] + v.shape[-1:], q.dtype)  # (..., heads, q_len, v_dim)
+    lse = np.full(q.shape[:-1] + (1,), np.inf, q.dtype)  # (..., heads, q_len, 1)
+    for q_start, q_stop, blocks in plan:
+        rows = q.shape[:-2] + (q_stop - q_start, 1)
+        row_max = np.full(rows, NEG_INF, q.dtype)  # m: (..., heads, bq, 1)
+        row_sum = np.zeros(rows, q.dtype)  # l
+        acc = np.zeros(rows[:-1] + v.shape[-1:], q.dtype)  # (..., heads, bq, v_dim)
+        for kv_start, kv_stop, partial in blocks:
+            tile = (q_start, q_stop, kv_start, kv_stop)
+            scores = _tile_scores(q[..., q_start:q_stop, :], k[..., kv_start:kv_stop, :], groups,
+                                  softcap)  # (..., heads, bq, bk)
+            scores = _mask_tile(scores, bias, kv_lengths, tile, partial, lo, hi)
+            new_max = np.maximum(row_max, scores.max(axis=-1, keepdims=True))
+            shift = np.where(new_max == NEG_INF, 0.0, new_max).astype(q.dtype)  # no -inf - -inf
+            scores -= shift
+            p = np.exp(scores, out=scores)  # in place: the tile's unnormalised weights
+            correction = np.exp(row_max - shift)  # rescales earlier tiles; 0 at first
+            row_sum = row_sum * correction + p.sum(axis=-1, keepdims=True)
+            acc = acc * correction + _times_value(p, v[..., kv_start:kv_stop, :], groups)
+            row_max = new_max
+        kept = row_sum > 0  # (..., heads, bq, 1); False: a fully masked row
+        safe_sum = np.where(kept, row_sum, 1.0).astype(q.dtype)
+        output[..., q_start:q_stop, :] = acc / safe_sum  # 0 / 1 = 0 on fully masked rows
+        lse[..., q_start:q_stop, :] = np.where(kept, row_max + np.log(safe_sum), np.inf)
+    return output, lse
+
+
+def _backward(
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    bias: np.ndarray | None,
+    kv_lengths: np.ndarray | None,
+    plan: list,
+    lo: float,
+    hi: float,
+    scale: float,
+    softcap: float | None,
+    output: np.ndarray,
+    lse: np.ndarray,
+    grad_output: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """FlashAttention's backward per tile (``backward.py`` derives it for the whole matrix);
+    gradients in the compute dtype, ``grad_bias`` shaped like the full-rank bias."""
+    q = _to_compute(query)  # (..., heads, q_len, head_dim), unscaled
+    k, v = _to_compute(key), _to_compute(value)
+    d_out = _to_compute(grad_output)  # (..., heads, q_len, v_dim)
+    groups = _groups(q.shape, k.shape)
+    q_scaled = q * scale
+    row_dot = (d_out * output).sum(axis=-1, keepdims=True)  # rowsum(dO ⊙ O): (..., heads, q_len, 1)
+    grad_q, grad_k, grad_v = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    grad_bias = None if bias is None else np.zeros(bias.shape, q.dtype)
+    for q_start, q_stop, blocks in plan:
+        rows = slice(q_start, q_stop)
+        d_out_tile = d_out[..., rows, :]  # (..., heads, bq, v_dim)
+        for kv_start, kv_stop, partial in blocks:
+            tile, cols = (q_start, q_stop, kv_start, kv_stop), slice(kv_start, kv_stop)
+            capped = _tile_scores(q_scaled[..., rows, :], k[..., cols, :], groups, softcap)  # S1
+            scores = capped.copy() if softcap is not None else capped  # S1 is needed for tanh'
+            scores = _mask_tile(scores, bias, kv_lengths, tile, partial, lo, hi)
+            p = np.exp(scores - lse[..., rows, :])  # P, recomputed: (..., heads, bq, bk)
+            # dV = Pᵀ dO
+            grad_v[..., cols, :] += _sum_groups(np.swapaxes(p, -1, -2) @ d_out_tile, groups)
+            # dP = dO Vᵀ
+            grad_p = _times_value(d_out_tile, np.swapaxes(v[..., cols, :], -1, -2), groups)
+            # dS = P ⊙ (dP - rowsum(dO ⊙ O))
+            grad_s = p * (grad_p - row_dot[..., rows, :])
+            if grad_bias is not None:
+                index = _bias_tile(grad_bias, *tile)
+                grad_bias[index] += _sum_to_shape(grad_s, grad_bias[index].shape)
+            if softcap is not None:  # tanh': 1 - (S1 / c)²
+                grad_s *= 1.0 - np.square(capped * (1.0 / softcap))
+            grad_s *= scale
+            # dQ = dS K · scale, dK = dSᵀ Q · scale
+            grad_q[..., rows, :] += _times_value(grad_s, k[..., cols, :], groups)
+            grad_k[..., cols, :] += _sum_groups(np.swapaxes(grad_s, -1, -2) @ q[..., rows, :],
+                                                groups)
+    return grad_q, grad_k, grad_v, grad_bias
+
+
+def _sum_to_shape(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Sum ``x`` over the axes where ``shape`` has size 1 (same rank)."""
+    axes = tuple(axis for axis, size in enumerate(shape) if size == 1 and x.shape[axis] != 1)
+    return x.sum(axis=axes, keepdims=True) if axes else x
+
+
+# ------------------------------------------------------------------------------------------
+# Validation
+# ------------------------------------------------------------------------------------------
+
+
+def _batch_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The leading batch axes of ``(..., heads, seq, dim)``; none for ``(seq, dim)``."""
+    return tuple(shape[:-3])
+
+
+def _check_kv_lengths(fn: str, kv_lengths: Any, batch: tuple[int, ...], kv_len: int) -> Any:
+    if kv_lengths is None:
+        return None
+    kv_lengths = np.asarray(kv_lengths)
+    if tuple(kv_lengths.shape) != batch or not np.issubdtype(kv_lengths.dtype, np.integer):
+        raise ValueError(
+            f"{fn}: kv_lengths must be ints shaped like the batch axes {batch}; "
+            f"got kv_lengths.shape={tuple(kv_lengths.shape)}, "
+            f"kv_lengths.dtype={kv_lengths.dtype.name}"
+        )
+    if kv_lengths.size and (kv_lengths.min() < 0 or kv_lengths.max() > kv_len):
+        raise ValueError(
+            f"{fn}: kv_lengths must lie in [0, {kv_len}]; got kv_lengths={kv_lengths.tolist()}"
+        )
+    return kv_lengths
+
+
+def _validate(
+    fn: str,
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    bias: Any,
+    kv_lengths: Any,
+    is_causal: bool,
+    causal_alignment: str,
+    window: Any,
+    scale: Any,
+    softcap: Any,
+    block_q: Any,
+    block_kv: Any,
+) -> tuple:
+    """Checks shared by the forward pass and the VJP; returns the normalised arguments."""
+    _checks.check_query_key(fn, query.shape, key.shape)
+    _checks.check_key_value(fn, key.shape, value.shape)
+    target = _checks.scores_shape(query.shape, key.shape)
+    _, bias = _check_mask_bias(fn, None, bias, target)
+    window = _check_structure(fn, is_causal, causal_alignment, window)
+    scale = _checks.check_scale(fn, scale, query.shape[-1])
+    softcap = _checks.check_softcap(fn, softcap)
+    block_q = _checks.check_int(fn, "block_q", block_q, minimum=1)
+    block_kv = _checks.check_int(fn, "block_kv", block_kv, minimum=1)
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    kv_lengths = _check_kv_lengths(fn, kv_lengths, _batch_shape(query.shape), kv_len)
+    if bias is not None:  # full rank, so tiles slice the last two axes
+        bias = bias.reshape((1,) * (len(target) - bias.ndim) + bias.shape)
+    lo, hi = _band(q_len, kv_len, is_causal, causal_alignment, window)
+    plan = _plan(q_len, kv_len, block_q, block_kv, lo, hi)
+    if kv_lengths is not None and kv_lengths.size:  # key blocks past every length: skipped
+        longest = int(kv_lengths.max())
+        plan = [(a, b, [t for t in blocks if t[0] < longest]) for a, b, blocks in plan]
+    return bias, kv_lengths, plan, lo, hi, scale, softcap
+
+
+# ------------------------------------------------------------------------------------------
+# Public
+# ------------------------------------------------------------------------------------------
+
+
+def blockwise_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    bias: Any = None,
+    kv_lengths: Any = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    window: tuple | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    block_q: int = DEFAULT_BLOCK_Q,
+    block_kv: int = DEFAULT_BLOCK_KV,
+) -> np.ndarray:
+    """Scaled dot-product attention in ``(block_q, block_kv)`` tiles, with the online softmax.
+
+    Equal to ``scaled_dot_product_attention(query, key, value, mask=padding_mask(kv_lengths,
+    kv_len), bias=bias, ...)`` (no dropout, no weights), using a few tiles of extra memory
+    instead of the ``(q_len, kv_len)`` matrix; tiles that the causal rule or the window mask
+    entirely are skipped.
+
+    Args:
+      query: ``(..., heads, q_len, head_dim)`` or ``(q_len, head_dim)``.
+      key: ``(..., kv_heads, kv_len, head_dim)`` or ``(kv_len, head_dim)``.
+      value: ``(..., kv_heads, kv_len, v_dim)`` or ``(kv_len, v_dim)``.
+      bias: floating point, broadcastable to ``(..., heads, q_len, kv_len)``; sliced per tile.
+      kv_lengths: ints shaped like the batch axes ``(...)`` (``(batch,)`` for 4-D inputs), each
+        in ``[0, kv_len]``: key ``j`` of sequence ``b`` is attended only if
+        ``j < kv_lengths[b]``.
+      is_causal, causal_alignment, window, scale, softcap: as in
+        ``scaled_dot_product_attention``.
+      block_q: queries per tile (``>= 1``).
+      block_kv: keys per tile (``>= 1``).
+
+    Returns:
+      ``(..., heads, q_len, v_dim)`` in the input dtype; fully masked rows give 0.
+    """
+    fn = "blockwise_attention"
+    query, key, value = np.asarray(query), np.asarray(key), np.asarray(value)
+    dtype = _checks.check_float_inputs(
+        fn, query=query.dtype.name, key=key.dtype.name, value=value.dtype.name
+    )
+    bias, kv_lengths, plan, lo, hi, scale, softcap = _validate(
+        fn, query, key, value, bias, kv_lengths, is_causal, causal_alignment, window, scale,
+        softcap, block_q, block_kv,
+    )
+    output, _ = _forward(query, key, value, bias, kv_lengths, plan, lo, hi, scale, softcap)
+    return output.astype(dtype, copy=False)
+
+
+def blockwise_attention_vjp(
+    query: Any,
+    key: Any,
+    value: Any,
+    grad_output: Any,
+    *,
+    bias: Any = None,
+    kv_lengths: Any = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    window: tuple | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    block_q: int = DEFAULT_BLOCK_Q,
+    block_kv: int = DEFAULT_BLOCK_KV,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """Gradients of ``blockwise_attention``, tile by tile, from the saved log-sum-exp.
+
+    Written by hand (``backward.py``'s derivation per tile): the forward pass keeps only the
+    output and ``lse`` per row; each tile's weights are recomputed as ``exp(s - lse)``.
+
+    Args:
+      query: ``(..., heads, q_len, head_dim)``.
+      key: ``(..., kv_heads, kv_len, head_dim)``.
+      value: ``(..., kv_heads, kv_len, v_dim)``.
+      grad_output: ``(..., heads, q_len, v_dim)``.
+      bias, kv_lengths, is_causal, causal_alignment, window, scale, softcap, block_q,
+        block_kv: as in ``blockwise_attention``.
+
+    Returns:
+      ``(grad_query, grad_key, grad_value, grad_bias)`` shaped like query, key, value and bias
+      (``grad_bias`` is None without a bias), in their dtypes.
+    """
+    fn = "blockwise_attention_vjp"
+    query, key, value = np.asarray(query), np.asarray(key), np.asarray(value)
+    grad_output = np.asarray(grad_output)
+    dtype = _checks.check_float_inputs(
+        fn, query=query.dtype.name, key=key.dtype.name, value=value.dtype.name,
+        grad_output=grad_output.dtype.name,
+    )
+    bias_shape = None if bias is None else np.shape(bias)
+    bias, kv_lengths, plan, lo, hi, scale, softcap = _validate(
+        fn, query, key, value, bias, kv_lengths, is_causal, causal_alignment, window, scale,
+        softcap, block_q, block_kv,
+    )
+    out_shape = query.shape[:-1] + value.shape[-1:]
+    if grad_output.shape != out_shape:
+        raise ValueError(
+            f"{fn}: grad_output must have the output's shape {out_shape}; "
+            f"got grad_output.shape={grad_output.shape}"
+        )
+    output, lse = _forward(query, key, value, bias, kv_lengths, plan, lo, hi, scale, softcap)
+    grad_q, grad_k, grad_v, grad_bias = _backward(
+        query, key, value, bias, kv_lengths, plan, lo, hi, scale, softcap, output, lse,
+        grad_output,
+    )
+    grads = (grad_q.astype(dtype), grad_k.astype(dtype), grad_v.astype(dtype))
+    if grad_bias is None:
+        return grads + (None,)
+    return grads + (grad_bias.reshape(bias_shape).astype(bias.dtype),)
