@@ -6,10 +6,38 @@ and compared; ``scaled_dot_product_attention`` validates its inputs once and run
 
 Precision: float16 and bfloat16 are computed in float32; float32 stays float32 (Python floats
 only, never NumPy float64 scalars, so nothing is promoted); float64 stays float64.
+
+Fast path. The steps above are the code to read: each makes the whole ``(..., heads, q_len,
+kv_len)`` score array, and NumPy's elementwise functions (``max``, ``exp``, ``sum``) run on one
+core while only the matrix products use every core. For large inputs
+``scaled_dot_product_attention`` therefore runs the same pipeline as ``_fast_attention`` (the
+private section at the end of this file) when ``_use_fast_path`` allows it: no
+``return_weights``, no dropout, no empty axis, and at least ``_FAST_MIN_SCORES`` score entries
+with ``q_len >= _FAST_MIN_Q_LEN``. It cuts the queries into blocks of ``_FAST_BLOCK_Q`` rows and,
+per (batch, head, query block), computes the scores against the keys that block can see (the
+causal rule and the window give a key range; fully masked blocks are skipped, and the rule is
+applied only to the diagonal strips), then softmax in place and ``(exp(s - max) @ value) / sum``;
+mask and bias are sliced per block from broadcast views, never materialised. Its result equals
+the explicit path's within float32 rounding (``tests/test_performance_paths.py``).
+
+The blocks run on a persistent pool of threads (NumPy releases the GIL in ufuncs and in
+``matmul``), one per BLAS thread, while the BLAS library is limited to one thread so the two
+levels of threading do not oversubscribe the cores. That limit uses ``threadpoolctl`` when it is
+installed: it is optional, imported on the first fast-path call (never by ``import numpy_attn``),
+and the BLAS library's own thread count is restored after each call (the limit is process-wide
+while the call runs). Without ``threadpoolctl`` the blocks run in the calling thread with BLAS
+left as configured, which is correct but uses one core for the elementwise work. Calling BLAS
+libraries through ``ctypes`` would avoid the dependency but depends on how NumPy was built
+(symbol names differ between OpenBLAS, scipy-openblas, MKL and Accelerate), so the project does
+not. A call made while another thread is already inside the fast path also runs in its own
+thread, without the pool.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -384,6 +412,11 @@ def scaled_dot_product_attention(
     dropout_p = _checks.check_dropout(fn, dropout_p, dropout_mask is not None)
     dropout_mask = _check_dropout_mask(fn, dropout_mask, target)
 
+    if _use_fast_path(query.shape, key.shape, value.shape, dropout_p, return_weights):
+        return _fast_attention(
+            query, key, value, mask, bias, is_causal, causal_alignment, window, scale, softcap
+        ).astype(dtype, copy=False)  # large inputs: the same steps, blocked (see the docstring)
+
     scores = _scores(query, key, scale, softcap)  # (..., heads, q_len, kv_len)
     scores = _mask_scores(scores, mask, bias, is_causal, causal_alignment, window)
     weights = _softmax(scores)  # (..., heads, q_len, kv_len), in place
@@ -391,4 +424,182 @@ def scaled_dot_product_attention(
     output = _output(kept, value).astype(dtype, copy=False)  # (..., heads, q_len, v_dim)
     if return_weights:
         return output, weights.astype(dtype, copy=False)
+    return output
+
+
+# ------------------------------------------------------------------------------------------
+# Fast path (private): the same pipeline, blocked over queries, on every core. See the module
+# docstring for when it runs; the explicit steps above are the definition it must equal.
+# ------------------------------------------------------------------------------------------
+
+_FAST_BLOCK_Q = 128  # query rows per block: a float32 block of scores stays in the L2 cache
+_FAST_MIN_SCORES = 1 << 20  # below this many score entries the plain path is as fast
+_FAST_MIN_Q_LEN = 64  # decoding-like shapes (few queries) are one batched matmul in the plain path
+_fast_lock = threading.Lock()  # one fast-path call at a time uses the pool and the BLAS limit
+_fast_state: dict[str, Any] = {}  # the threadpoolctl controller and the pool, made on first use
+
+
+def _use_fast_path(
+    q_shape: tuple[int, ...],
+    k_shape: tuple[int, ...],
+    v_shape: tuple[int, ...],
+    dropout_p: float,
+    return_weights: bool,
+) -> bool:
+    """Whether ``scaled_dot_product_attention`` runs ``_fast_attention`` (validated inputs)."""
+    if return_weights or dropout_p > 0.0 or 0 in q_shape or 0 in k_shape or 0 in v_shape:
+        return False
+    scores = math.prod(q_shape[:-1]) * k_shape[-2]  # (..., heads, q_len) × kv_len
+    return scores >= _FAST_MIN_SCORES and q_shape[-2] >= _FAST_MIN_Q_LEN
+
+
+def _fast_workers() -> tuple[Any, int]:
+    """``(blas_controller, workers)``: threadpoolctl's controller of the BLAS libraries (None
+    without threadpoolctl) and the number of threads to run blocks on (the BLAS thread count,
+    at most the usable cores; 1 without threadpoolctl)."""
+    if "controller" not in _fast_state:
+        try:
+            from threadpoolctl import ThreadpoolController  # optional: see the module docstring
+        except ImportError:
+            controller = None
+        else:  # scanning the loaded libraries is slow: do it once
+            controller = ThreadpoolController().select(user_api="blas")
+            controller = controller if controller.lib_controllers else None
+        _fast_state["controller"] = controller
+    controller = _fast_state["controller"]
+    if controller is None:
+        return None, 1
+    blas_threads = max(lib.num_threads for lib in controller.lib_controllers)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return controller, max(1, min(blas_threads, cores or 1))
+
+
+def _fast_pool(workers: int) -> Any:
+    """A persistent pool of ``workers - 1`` threads (the caller is the last worker)."""
+    pool = _fast_state.get("pool")
+    if pool is None or _fast_state.get("pool_key") != (os.getpid(), workers):
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(workers - 1, thread_name_prefix="numpy_attn")
+        _fast_state["pool"], _fast_state["pool_key"] = pool, (os.getpid(), workers)
+    return pool
+
+
+def _key_range(
+    i0: int, i1: int, kv_len: int, offset: int, lo: int | None, hi: int | None
+) -> tuple[int, int, int, int]:
+    """Keys seen by query rows ``[i0, i1)`` when ``lo <= j - (i + offset) <= hi`` (None:
+    unbounded): ``(k0, k1, a, b)`` with every allowed key in ``[k0, k1)`` and the columns
+    ``[a, b)`` allowed for every row of the block (``a == b``: none is)."""
+    k0 = 0 if lo is None else min(max(0, i0 + offset + lo), kv_len)
+    k1 = kv_len if hi is None else max(min(kv_len, i1 - 1 + offset + hi + 1), 0)
+    k1 = max(k1, k0)
+    a = k0 if lo is None else min(max(k0, i1 - 1 + offset + lo), k1)
+    b = k1 if hi is None else max(min(k1, i0 + offset + hi + 1), a)
+    return k0, k1, a, b
+
+
+def _fast_attention(
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    mask: np.ndarray | None,
+    bias: np.ndarray | None,
+    is_causal: bool,
+    causal_alignment: str,
+    window: tuple[int | None, int | None] | None,
+    scale: float,
+    softcap: float | None,
+) -> np.ndarray:
+    """``scaled_dot_product_attention``'s output in the compute dtype, block by block."""
+    compute = _checks.compute_dtype(query.dtype.name)
+    query = np.multiply(query, scale, dtype=compute)  # (..., heads, q_len, head_dim), scaled
+    key = np.ascontiguousarray(key, dtype=compute)  # (..., kv_heads, kv_len, head_dim)
+    value = np.ascontiguousarray(value, dtype=compute)  # (..., kv_heads, kv_len, v_dim)
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    target = _checks.scores_shape(query.shape, key.shape)  # (..., heads, q_len, kv_len)
+    groups = _groups(query.shape, key.shape)
+    output = np.empty(query.shape[:-1] + value.shape[-1:], dtype=compute)
+    blocked = None if mask is None else np.broadcast_to(~mask, target)  # True = not allowed
+    bias = None if bias is None else np.broadcast_to(bias.astype(compute, copy=False), target)
+    offset = _checks.causal_offset(causal_alignment, q_len, kv_len)
+    lo = hi = None  # lo <= j - (i + offset) <= hi
+    if window is not None:
+        lo = None if window[0] is None else -window[0]
+        hi = window[1]
+    if is_causal:
+        hi = 0 if hi is None else min(hi, 0)
+
+    tasks = []  # (batch-and-head index, query rows i0:i1, key range)
+    for index in np.ndindex(query.shape[:-2]):
+        for i0 in range(0, q_len, _FAST_BLOCK_Q):
+            i1 = min(i0 + _FAST_BLOCK_Q, q_len)
+            tasks.append((index, i0, i1, _key_range(i0, i1, kv_len, offset, lo, hi)))
+    tasks.sort(key=lambda task: task[3][0] - task[3][1])  # longest key range first
+
+    def block(index: tuple[int, ...], i0: int, i1: int, keys: tuple[int, int, int, int],
+              buffer: np.ndarray) -> None:
+        k0, k1, a, b = keys
+        out = output[index][i0:i1]  # (rows, v_dim)
+        if k1 == k0:  # no key allowed for any row: fully masked
+            out[...] = 0.0
+            return
+        kv_index = index[:-1] + (index[-1] // groups,) if index else ()
+        s = buffer[: (i1 - i0) * (k1 - k0)].reshape(i1 - i0, k1 - k0)  # (rows, keys)
+        np.matmul(query[index][i0:i1], key[kv_index][k0:k1].T, out=s)
+        if softcap is not None:
+            s *= 1.0 / softcap
+            np.tanh(s, out=s)
+            s *= softcap
+        if bias is not None:
+            s += bias[index][i0:i1, k0:k1]
+        for c0, c1 in ((k0, a), (b, k1)):  # strips where the causal rule / window bites
+            if c1 > c0:
+                distance = np.arange(c0, c1) - np.arange(i0 + offset, i1 + offset)[:, None]
+                outside = np.zeros(distance.shape, dtype=bool)
+                if lo is not None:
+                    outside |= distance < lo
+                if hi is not None:
+                    outside |= distance > hi
+                np.copyto(s[:, c0 - k0 : c1 - k0], NEG_INF, where=outside)
+        if blocked is not None:
+            np.copyto(s, NEG_INF, where=blocked[index][i0:i1, k0:k1])
+        row_max = s.max(axis=-1, keepdims=True)  # (rows, 1)
+        row_max[row_max == NEG_INF] = 0.0  # fully masked row: exp(-inf) = 0, no NaN
+        s -= row_max
+        np.exp(s, out=s)
+        row_sum = s.sum(axis=-1, keepdims=True)  # (rows, 1)
+        row_sum[row_sum == 0.0] = 1.0
+        np.matmul(s, value[kv_index][k0:k1], out=out)
+        out /= row_sum
+
+    def work(queue: Any, lock: threading.Lock) -> None:
+        buffer = np.empty(_FAST_BLOCK_Q * kv_len, dtype=compute)  # this worker's scores
+        while True:
+            with lock:
+                task = next(queue, None)
+            if task is None:
+                return
+            block(*task, buffer)
+
+    queue, queue_lock = iter(tasks), threading.Lock()
+    if not _fast_lock.acquire(blocking=False):  # another thread is using the pool
+        work(queue, queue_lock)
+        return output
+    try:
+        controller, workers = _fast_workers()
+        workers = min(workers, len(tasks))
+        if workers == 1:
+            work(queue, queue_lock)
+            return output
+        with controller.limit(limits=1):  # BLAS single-threaded while the blocks run in parallel
+            pool = _fast_pool(workers)
+            futures = [pool.submit(work, queue, queue_lock) for _ in range(workers - 1)]
+            try:
+                work(queue, queue_lock)
+            finally:
+                for future in futures:
+                    future.result()
+    finally:
+        _fast_lock.release()
     return output
