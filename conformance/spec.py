@@ -156,6 +156,8 @@ FUNCTIONS = (
     "renormalized_causal_weights",
     "scaled_dot_product_attention",
     "scaled_dot_product_attention_vjp",
+    "blockwise_attention",
+    "blockwise_attention_vjp",
 )
 
 
@@ -406,6 +408,93 @@ def scaled_dot_product_attention_vjp(
     """
 
 
+def blockwise_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    bias: Any = None,
+    kv_lengths: Any = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    window: tuple | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    block_q: int = 512,
+    block_kv: int = 1024,
+) -> Any:
+    """Memory-efficient attention: the pipeline in ``(block_q, block_kv)`` tiles, online softmax.
+
+    Equals ``scaled_dot_product_attention(query, key, value, mask=padding_mask(kv_lengths,
+    kv_len), bias=bias, ...)`` without dropout and weights, within the tolerances of
+    ``TOLERANCES``. Per query row it keeps a running maximum ``m``, sum ``l`` and weighted sum
+    ``acc`` over the key tiles (``acc`` and ``l`` rescaled by ``exp(m_old - m_new)``), so extra
+    memory is a few ``(..., heads, block_q, block_kv)`` tiles instead of the ``(..., heads,
+    q_len, kv_len)`` scores. Masks are structure: the causal rule (both alignments), the window
+    and ``kv_lengths`` are evaluated per tile, and tiles that the causal rule or the window mask
+    entirely are not computed. Fully masked rows give exactly 0; float16/bfloat16 compute in
+    float32 and return the input dtype. Its backward pass keeps only the log-sum-exp of each row
+    and recomputes every tile (``blockwise_attention_vjp``). jax_attn: one ``lax.scan`` with a
+    ``jax.custom_vjp``; ``is_causal``, ``causal_alignment``, ``window``, ``scale``, ``softcap``,
+    ``block_q`` and ``block_kv`` are static, ``kv_lengths`` may be traced.
+
+    Args:
+      query: ``(..., heads, q_len, head_dim)`` or ``(q_len, head_dim)``.
+      key: ``(..., kv_heads, kv_len, head_dim)`` or ``(kv_len, head_dim)``.
+      value: ``(..., kv_heads, kv_len, v_dim)`` or ``(kv_len, v_dim)``.
+      bias: floating point, broadcastable to ``(..., heads, q_len, kv_len)``; sliced per tile.
+      kv_lengths: ints shaped like the leading batch axes ``(...)`` (``(batch,)`` for
+        ``(batch, heads, seq, dim)`` inputs; a scalar for 2-D and 3-D inputs), each in
+        ``[0, kv_len]``: key ``j`` of sequence ``b`` is attended only if ``j < kv_lengths[b]``.
+        Wrong shape, non-integer or out of range: ValueError.
+      is_causal, causal_alignment, window, scale, softcap: as in
+        ``scaled_dot_product_attention``.
+      block_q: queries per tile, ``>= 1`` (ValueError otherwise).
+      block_kv: keys per tile, ``>= 1`` (ValueError otherwise).
+
+    Returns:
+      ``(..., heads, q_len, v_dim)`` in the input dtype.
+    """
+
+
+def blockwise_attention_vjp(
+    query: Any,
+    key: Any,
+    value: Any,
+    grad_output: Any,
+    *,
+    bias: Any = None,
+    kv_lengths: Any = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    window: tuple | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    block_q: int = 512,
+    block_kv: int = 1024,
+) -> Any:
+    """Gradients of ``blockwise_attention``, tile by tile, from the saved log-sum-exp.
+
+    The forward pass keeps the output and ``lse = m + log l`` per row (``+inf`` on fully
+    masked rows); the backward pass recomputes each tile's weights as ``exp(s - lse)`` and
+    applies FlashAttention's backward per tile, so no ``(q_len, kv_len)`` array is stored.
+    numpy_attn writes it by hand; jax_attn runs ``jax.vjp`` through a ``jax.custom_vjp``
+    (a second scan); torch_attn runs autograd through a ``torch.autograd.Function``.
+
+    Args:
+      query: ``(..., heads, q_len, head_dim)``.
+      key: ``(..., kv_heads, kv_len, head_dim)``.
+      value: ``(..., kv_heads, kv_len, v_dim)``.
+      grad_output: ``(..., heads, q_len, v_dim)``: the gradient of a loss w.r.t. the output.
+      bias, kv_lengths, is_causal, causal_alignment, window, scale, softcap, block_q,
+        block_kv: as in ``blockwise_attention``.
+
+    Returns:
+      ``(grad_query, grad_key, grad_value, grad_bias)`` shaped like query, key, value and
+      bias, in their dtypes (``grad_bias`` is None without a bias).
+    """
+
+
 # --------------------------------------------------------------------------------------------
 # Public modules (stubs). Weights use the ``x @ W`` convention of the article: ``(d_in, d_out)``.
 # --------------------------------------------------------------------------------------------
@@ -575,6 +664,85 @@ class MultiHeadAttention:
 
     def load_weights(self, weights: dict) -> Any:
         """Load weights exported by any backend; returns the module."""
+
+
+# --------------------------------------------------------------------------------------------
+# Incremental decoding: a key/value cache and the modules' ``decode`` method.
+# --------------------------------------------------------------------------------------------
+
+#: Public classes that are not modules (no weights).
+CLASSES = ("KVCache",)
+
+#: Modules with a ``decode`` method (``DecodingModule.decode`` gives its signature).
+DECODING_MODULES = ("CausalSelfAttention", "MultiHeadAttention")
+
+DECODING = (
+    "A KVCache preallocates keys (..., kv_heads, max_len, head_dim) and values (..., kv_heads, "
+    "max_len, v_dim) and fills them left to right. append(key, value) returns the cache holding "
+    "the new positions: numpy_attn and torch_attn write in place and return the same cache; "
+    "jax_attn caches are immutable pytrees (length is a traced int32 scalar, so a jitted "
+    "decoding step compiles once per chunk size) and return a new cache. Write "
+    "`cache = cache.append(key, value)` to be portable. Appending past max_len is a ValueError "
+    "naming max_len (jax_attn: checked when length is concrete, i.e. outside jit). "
+    "module.decode(x, cache) projects the new tokens x (..., n, d), appends their keys and "
+    "values, and attends with the bottom-right causal rule over every cached position, so "
+    "decoding a sequence token by token, or in chunks, equals forward(x, is_causal=True) "
+    "(CausalSelfAttention: forward(x)). decode never applies dropout. It returns "
+    "(output, cache); cache=None starts a cache of max_len positions (default: n)."
+)
+
+
+class KVCache:
+    """Keys and values of the positions decoded so far, preallocated to ``max_len``.
+
+    Attributes (read-only): ``keys`` ``(..., kv_heads, length, head_dim)`` and ``values``
+    ``(..., kv_heads, length, v_dim)`` are views of the filled part (jax_attn: slices, outside
+    jit only); ``length`` the number of filled positions (jax_attn: an int32 scalar array);
+    ``max_len`` the capacity.
+    """
+
+    @classmethod
+    def empty(
+        cls,
+        batch_shape: tuple,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        v_dim: int | None = None,
+        *,
+        dtype: Any = "float32",
+        device: Any = None,
+    ) -> Any:
+        """An empty cache: buffers ``(*batch_shape, kv_heads, max_len, head_dim | v_dim)`` of zeros.
+
+        ``v_dim`` defaults to ``head_dim``; ``dtype`` a dtype name or the backend's dtype;
+        ``device`` as in ``causal_mask``.
+        """
+
+    def append(self, key: Any, value: Any) -> Any:
+        """Add ``key (..., kv_heads, n, head_dim)`` and ``value (..., kv_heads, n, v_dim)``.
+
+        Cast to the cache's dtype. Returns the cache (see ``DECODING``); ValueError when
+        ``length + n > max_len`` or when the shapes do not match the cache.
+        """
+
+
+class DecodingModule:
+    """The ``decode`` method of the modules named in ``DECODING_MODULES``."""
+
+    def decode(self, x: Any, cache: Any = None, *, max_len: int | None = None) -> Any:
+        """Attend the new tokens ``x`` over the cached ones and themselves (bottom-right causal).
+
+        Args:
+          x: ``(..., n, d_in)`` (``d_model`` for MultiHeadAttention): the next ``n`` tokens.
+          cache: a ``KVCache`` from an earlier ``decode`` (``kv_heads`` = ``num_kv_heads``;
+            CausalSelfAttention: 1 head of ``d_out_kq``/``d_out_v``), or None for a new one.
+          max_len: capacity of the new cache when ``cache`` is None (default ``n``).
+
+        Returns:
+          ``(output, cache)``: ``output (..., n, d_out)`` as ``forward`` gives for these
+          positions, and the cache holding every position so far.
+        """
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ float64 inputs into float32). Dropout and module initialisation take explicit ``
 """
 
 from .backward import scaled_dot_product_attention_vjp
+from .blockwise import blockwise_attention, blockwise_attention_vjp
 from .functional import (
     apply_dropout,
     attention_output,
@@ -19,6 +20,7 @@ from .functional import (
     renormalized_causal_weights,
     scaled_dot_product_attention,
 )
+from .kv_cache import KVCache
 from .masks import causal_mask, combine_masks, padding_mask, sliding_window_mask
 from .modules import (
     CausalSelfAttention,
@@ -31,6 +33,7 @@ from .modules import (
 __all__ = [
     "CausalSelfAttention",
     "CrossAttention",
+    "KVCache",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
     "SelfAttention",
@@ -38,6 +41,8 @@ __all__ = [
     "attention_output",
     "attention_scores",
     "attention_weights",
+    "blockwise_attention",
+    "blockwise_attention_vjp",
     "causal_mask",
     "combine_masks",
     "mask_scores",

@@ -24,6 +24,7 @@ import numpy as np
 
 from . import _checks
 from .functional import HIGHEST, scaled_dot_product_attention
+from .kv_cache import KVCache
 
 
 def _uniform(rng: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -197,6 +198,51 @@ class CausalSelfAttention(_Module):
             queries, keys, values, is_causal=True, dropout_p=dropout_p, rng=rng
         )
 
+    def decode(
+        self, x: Any, cache: KVCache | None = None, *, max_len: int | None = None
+    ) -> tuple[jax.Array, KVCache]:
+        """Incremental decoding: the next tokens ``x: (..., n, d_in)`` attend the cached ones.
+
+        Args:
+          x: ``(..., n, d_in)``.
+          cache: a ``KVCache`` with one head (``(..., 1, max_len, d_out_kq | d_out_v)``) from an
+            earlier call, or None for a new one.
+          max_len: capacity of the new cache when ``cache`` is None (default ``n``).
+
+        Returns:
+          ``(output (..., n, d_out_v), cache)``; no dropout. The cache is a new one (jax:
+          immutable); jit-friendly, one compilation per chunk size.
+        """
+        queries = _matmul(x, self.W_query)[..., None, :, :]  # (..., 1, n, d_out_kq): one head
+        keys = _matmul(x, self.W_key)[..., None, :, :]  # (..., 1, n, d_out_kq)
+        values = _matmul(x, self.W_value)[..., None, :, :]  # (..., 1, n, d_out_v)
+        context, cache = _decode(queries, keys, values, cache, max_len)
+        return context[..., 0, :, :], cache  # (..., n, d_out_v)
+
+
+def _decode(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    cache: KVCache | None,
+    max_len: int | None,
+) -> tuple[jax.Array, KVCache]:
+    """Append ``key``/``value`` ``(..., kv_heads, n, dim)`` to the cache (a new one of
+    ``max_len`` positions when None), then attend ``query (..., heads, n, head_dim)`` over every
+    cached position with the bottom-right causal rule: ``(..., heads, n, v_dim)``."""
+    if cache is None:
+        max_len = key.shape[-2] if max_len is None else max_len
+        cache = KVCache.empty(key.shape[:-3], key.shape[-3], max_len, key.shape[-1],
+                              value.shape[-1], dtype=key.dtype)
+    start = cache.length  # jax: may be traced, so the whole buffer is attended with a mask
+    cache = cache.append(key, value)
+    query = query.astype(cache.key_buffer.dtype)
+    n = query.shape[-2]
+    # bottom-right causal over the filled part: key j <= start + i (later slots are not filled)
+    mask = jnp.arange(cache.max_len)[None, :] <= start + jnp.arange(n)[:, None]  # (n, max_len)
+    context = scaled_dot_product_attention(query, cache.key_buffer, cache.value_buffer, mask=mask)
+    return context, cache
+
 
 @jax.tree_util.register_pytree_node_class
 class MultiHeadAttentionWrapper(_Module):
@@ -350,3 +396,29 @@ class MultiHeadAttention(_Module):
         if "b_out" in self._weight_names:
             output = output + self.b_out
         return (output, weights) if return_weights else output
+
+    def decode(
+        self, x: Any, cache: KVCache | None = None, *, max_len: int | None = None
+    ) -> tuple[jax.Array, KVCache]:
+        """Incremental decoding: the next tokens ``x: (..., n, d_model)`` attend the cached ones.
+
+        Args:
+          x: ``(..., n, d_model)``.
+          cache: a ``KVCache`` of ``num_kv_heads`` heads from an earlier call, or None.
+          max_len: capacity of the new cache when ``cache`` is None (default ``n``).
+
+        Returns:
+          ``(output (..., n, d_model), cache)``; equals ``forward(x_all, is_causal=True)`` at
+          these positions. No dropout. The cache is a new one (jax: immutable); jit-friendly.
+        """
+        x = jnp.asarray(x)
+        query = self._project(x, "query", self.num_heads)  # (..., heads, n, head_dim)
+        key = self._project(x, "key", self.num_kv_heads)  # (..., kv_heads, n, head_dim)
+        value = self._project(x, "value", self.num_kv_heads)
+        context_vec, cache = _decode(query, key, value, cache, max_len)
+        merged = jnp.swapaxes(context_vec, -2, -3)  # (..., n, heads, head_dim)
+        merged = merged.reshape(merged.shape[:-2] + (-1,))  # (..., n, heads * head_dim)
+        output = _matmul(merged, self.W_out)  # (..., n, d_model)
+        if "b_out" in self._weight_names:
+            output = output + self.b_out
+        return output, cache

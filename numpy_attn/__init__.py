@@ -5,6 +5,7 @@ give exactly 0. See ``conformance/spec.py`` for the full specification.
 """
 
 from .backward import Adam, scaled_dot_product_attention_vjp, sgd_step
+from .blockwise import blockwise_attention, blockwise_attention_vjp
 from .functional import (
     apply_dropout,
     attention_output,
@@ -14,6 +15,7 @@ from .functional import (
     renormalized_causal_weights,
     scaled_dot_product_attention,
 )
+from .kv_cache import KVCache
 from .masks import causal_mask, combine_masks, padding_mask, sliding_window_mask
 from .modules import (
     CausalSelfAttention,
@@ -27,6 +29,7 @@ __all__ = [
     "Adam",
     "CausalSelfAttention",
     "CrossAttention",
+    "KVCache",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
     "SelfAttention",
@@ -34,6 +37,8 @@ __all__ = [
     "attention_output",
     "attention_scores",
     "attention_weights",
+    "blockwise_attention",
+    "blockwise_attention_vjp",
     "causal_mask",
     "combine_masks",
     "mask_scores",

@@ -18,6 +18,7 @@ import numpy as np
 from . import _checks
 from .backward import projection_grads, scaled_dot_product_attention_vjp
 from .functional import scaled_dot_product_attention
+from .kv_cache import KVCache
 
 
 def _uniform(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
@@ -179,6 +180,27 @@ class CausalSelfAttention(_Module):
             queries, keys, values, is_causal=True, dropout_p=dropout_p, rng=rng
         )
 
+    def decode(
+        self, x: Any, cache: KVCache | None = None, *, max_len: int | None = None
+    ) -> tuple[np.ndarray, KVCache]:
+        """Incremental decoding: the next tokens ``x: (..., n, d_in)`` attend the cached ones.
+
+        Args:
+          x: ``(..., n, d_in)``.
+          cache: a ``KVCache`` with one head (``(..., 1, max_len, d_out_kq | d_out_v)``) from an
+            earlier call, or None for a new one.
+          max_len: capacity of the new cache when ``cache`` is None (default ``n``).
+
+        Returns:
+          ``(output (..., n, d_out_v), cache)``; no dropout. The cache is updated in place.
+        """
+        x = np.asarray(x)
+        queries = (x @ self.W_query)[..., None, :, :]  # (..., 1, n, d_out_kq): one head
+        keys = (x @ self.W_key)[..., None, :, :]  # (..., 1, n, d_out_kq)
+        values = (x @ self.W_value)[..., None, :, :]  # (..., 1, n, d_out_v)
+        context, cache = _decode(queries, keys, values, cache, max_len)
+        return context[..., 0, :, :], cache  # (..., n, d_out_v)
+
     def backward(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
         """Weight gradients, without dropout (``eval()`` or ``dropout_p=0``)."""
         _check_no_dropout(self)
@@ -200,6 +222,28 @@ def _check_no_dropout(module: _Module) -> None:
             f"{type(module).__name__}.backward: dropout is active; call eval() or use "
             f"dropout_p=0 (got dropout_p={module.dropout_p})"
         )
+
+
+def _decode(
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    cache: KVCache | None,
+    max_len: int | None,
+) -> tuple[np.ndarray, KVCache]:
+    """Append ``key``/``value`` ``(..., kv_heads, n, dim)`` to the cache (a new one of
+    ``max_len`` positions when None), then attend ``query (..., heads, n, head_dim)`` over every
+    cached position with the bottom-right causal rule: ``(..., heads, n, v_dim)``."""
+    if cache is None:
+        max_len = key.shape[-2] if max_len is None else max_len
+        cache = KVCache.empty(key.shape[:-3], key.shape[-3], max_len, key.shape[-1],
+                              value.shape[-1], dtype=key.dtype)
+    cache = cache.append(key, value)
+    query = query.astype(cache.key_buffer.dtype, copy=False)
+    context = scaled_dot_product_attention(
+        query, cache.keys, cache.values, is_causal=True, causal_alignment="bottom_right"
+    )
+    return context, cache
 
 
 class MultiHeadAttentionWrapper(_Module):
@@ -343,6 +387,32 @@ class MultiHeadAttention(_Module):
         if "b_out" in self._weight_names:
             output = output + self.b_out
         return (output, weights) if return_weights else output
+
+    def decode(
+        self, x: Any, cache: KVCache | None = None, *, max_len: int | None = None
+    ) -> tuple[np.ndarray, KVCache]:
+        """Incremental decoding: the next tokens ``x: (..., n, d_model)`` attend the cached ones.
+
+        Args:
+          x: ``(..., n, d_model)``.
+          cache: a ``KVCache`` of ``num_kv_heads`` heads from an earlier call, or None.
+          max_len: capacity of the new cache when ``cache`` is None (default ``n``).
+
+        Returns:
+          ``(output (..., n, d_model), cache)``; equals ``forward(x_all, is_causal=True)`` at
+          these positions. No dropout. The cache is updated in place.
+        """
+        x = np.asarray(x)
+        query = self._project(x, "query", self.num_heads)  # (..., heads, n, head_dim)
+        key = self._project(x, "key", self.num_kv_heads)  # (..., kv_heads, n, head_dim)
+        value = self._project(x, "value", self.num_kv_heads)
+        context_vec, cache = _decode(query, key, value, cache, max_len)
+        merged = np.swapaxes(context_vec, -2, -3)  # (..., n, heads, head_dim)
+        merged = merged.reshape(merged.shape[:-2] + (-1,))  # (..., n, heads * head_dim)
+        output = merged @ self.W_out  # (..., n, d_model)
+        if "b_out" in self._weight_names:
+            output = output + self.b_out
+        return output, cache
 
     def backward(
         self,

@@ -50,10 +50,22 @@ def test_module_signature(backend, name):
 
 def test_public_names_are_the_spec_and_declared_extras(backend):
     exported = set(backend.module.__all__)
-    expected = set(spec.FUNCTIONS) | set(spec.MODULES) | set(
+    expected = set(spec.FUNCTIONS) | set(spec.MODULES) | set(spec.CLASSES) | set(
         spec.BACKEND_EXTRAS[backend.module_name]
     )
     assert exported == expected
+
+
+@pytest.mark.parametrize("method", ["empty", "append"])
+def test_kv_cache_signature(backend, method):
+    impl = getattr(backend.module.KVCache, method)
+    assert _parameters(impl) == _parameters(getattr(spec.KVCache, method))
+
+
+@pytest.mark.parametrize("name", spec.DECODING_MODULES)
+def test_decode_signature(backend, name):
+    impl = getattr(backend.module, name).decode
+    assert _parameters(impl) == _parameters(spec.DecodingModule.decode)
 
 
 @pytest.mark.parametrize("package", BACKEND_PACKAGES[1:])

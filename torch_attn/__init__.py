@@ -8,6 +8,7 @@ full specification.
 """
 
 from .backward import scaled_dot_product_attention_vjp
+from .blockwise import blockwise_attention, blockwise_attention_vjp
 from .functional import (
     apply_dropout,
     attention_output,
@@ -18,6 +19,7 @@ from .functional import (
     scaled_dot_product_attention,
 )
 from .interop import weights_from_torch_multihead
+from .kv_cache import KVCache
 from .masks import causal_mask, combine_masks, padding_mask, sliding_window_mask
 from .modules import (
     CausalSelfAttention,
@@ -30,6 +32,7 @@ from .modules import (
 __all__ = [
     "CausalSelfAttention",
     "CrossAttention",
+    "KVCache",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
     "SelfAttention",
@@ -37,6 +40,8 @@ __all__ = [
     "attention_output",
     "attention_scores",
     "attention_weights",
+    "blockwise_attention",
+    "blockwise_attention_vjp",
     "causal_mask",
     "combine_masks",
     "mask_scores",

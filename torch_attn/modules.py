@@ -16,6 +16,7 @@ from torch import nn
 
 from . import _checks
 from .functional import scaled_dot_product_attention
+from .kv_cache import KVCache
 from .masks import _as_tensor
 
 
@@ -154,6 +155,49 @@ class CausalSelfAttention(_Module):
             queries, keys, values, is_causal=True, dropout_p=dropout_p, rng=rng
         )
 
+    def decode(
+        self, x: Any, cache: KVCache | None = None, *, max_len: int | None = None
+    ) -> tuple[torch.Tensor, KVCache]:
+        """Incremental decoding: the next tokens ``x: (..., n, d_in)`` attend the cached ones.
+
+        Args:
+          x: ``(..., n, d_in)``.
+          cache: a ``KVCache`` with one head (``(..., 1, max_len, d_out_kq | d_out_v)``) from an
+            earlier call, or None for a new one.
+          max_len: capacity of the new cache when ``cache`` is None (default ``n``).
+
+        Returns:
+          ``(output (..., n, d_out_v), cache)``; no dropout. The cache is updated in place.
+        """
+        x = _as_tensor(x)
+        queries = (x @ self.W_query)[..., None, :, :]  # (..., 1, n, d_out_kq): one head
+        keys = (x @ self.W_key)[..., None, :, :]  # (..., 1, n, d_out_kq)
+        values = (x @ self.W_value)[..., None, :, :]  # (..., 1, n, d_out_v)
+        context, cache = _decode(queries, keys, values, cache, max_len)
+        return context[..., 0, :, :], cache  # (..., n, d_out_v)
+
+
+def _decode(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: KVCache | None,
+    max_len: int | None,
+) -> tuple[torch.Tensor, KVCache]:
+    """Append ``key``/``value`` ``(..., kv_heads, n, dim)`` to the cache (a new one of
+    ``max_len`` positions when None), then attend ``query (..., heads, n, head_dim)`` over every
+    cached position with the bottom-right causal rule: ``(..., heads, n, v_dim)``."""
+    if cache is None:
+        max_len = key.shape[-2] if max_len is None else max_len
+        cache = KVCache.empty(tuple(key.shape[:-3]), key.shape[-3], max_len, key.shape[-1],
+                              value.shape[-1], dtype=key.dtype, device=key.device)
+    cache = cache.append(key, value)
+    query = query.to(cache.key_buffer.dtype)
+    context = scaled_dot_product_attention(
+        query, cache.keys, cache.values, is_causal=True, causal_alignment="bottom_right"
+    )
+    return context, cache
+
 
 class MultiHeadAttentionWrapper(_Module):
     """The article's multi-head wrapper: ``num_heads`` ``SelfAttention`` heads, concatenated.
@@ -289,3 +333,29 @@ class MultiHeadAttention(_Module):
         if "b_out" in self._weight_names:
             output = output + self.b_out
         return (output, weights) if return_weights else output
+
+    def decode(
+        self, x: Any, cache: KVCache | None = None, *, max_len: int | None = None
+    ) -> tuple[torch.Tensor, KVCache]:
+        """Incremental decoding: the next tokens ``x: (..., n, d_model)`` attend the cached ones.
+
+        Args:
+          x: ``(..., n, d_model)``.
+          cache: a ``KVCache`` of ``num_kv_heads`` heads from an earlier call, or None.
+          max_len: capacity of the new cache when ``cache`` is None (default ``n``).
+
+        Returns:
+          ``(output (..., n, d_model), cache)``; equals ``forward(x_all, is_causal=True)`` at
+          these positions. No dropout. The cache is updated in place.
+        """
+        x = _as_tensor(x)
+        query = self._project(x, "query", self.num_heads)  # (..., heads, n, head_dim)
+        key = self._project(x, "key", self.num_kv_heads)  # (..., kv_heads, n, head_dim)
+        value = self._project(x, "value", self.num_kv_heads)
+        context_vec, cache = _decode(query, key, value, cache, max_len)
+        merged = context_vec.transpose(-2, -3)  # (..., n, heads, head_dim)
+        merged = merged.reshape(merged.shape[:-2] + (-1,))  # (..., n, heads * head_dim)
+        output = merged @ self.W_out  # (..., n, d_model)
+        if "b_out" in self._weight_names:
+            output = output + self.b_out
+        return output, cache

@@ -1,0 +1,141 @@
+"""A key/value cache for incremental decoding, in JAX.
+
+Buffers are preallocated to ``max_len`` positions and filled left to right by ``append``;
+``keys`` and ``values`` are views of the filled part. The cache is an immutable pytree (leaves:
+both buffers and ``length``, an int32 scalar array), so ``append`` returns a NEW cache (write
+``cache = cache.append(k, v)``) and a jitted decoding step that takes and returns the cache
+compiles once per chunk size: ``length`` is traced, the buffers keep their shape. Appending past
+``max_len`` is a ValueError when ``length`` is concrete (outside jit); under jit nobody can
+check it, and ``lax.dynamic_update_slice`` would clamp the write.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from . import _checks
+from .masks import _check_device, _place
+
+
+def _dtype(dtype: Any) -> jnp.dtype:
+    """A dtype name (``"float32"``) or a JAX/NumPy dtype."""
+    return jnp.dtype(dtype)
+
+
+@jax.tree_util.register_pytree_node_class
+class KVCache:
+    """Keys ``(..., kv_heads, max_len, head_dim)`` and values ``(..., kv_heads, max_len, v_dim)``
+    of the positions decoded so far; ``length`` of them are filled."""
+
+    def __init__(self, key_buffer: jax.Array, value_buffer: jax.Array, length: Any) -> None:
+        self.key_buffer = key_buffer  # (..., kv_heads, max_len, head_dim)
+        self.value_buffer = value_buffer  # (..., kv_heads, max_len, v_dim)
+        self._length = jnp.asarray(length, jnp.int32)  # jax: a (traceable) int32 scalar
+
+    def tree_flatten(self) -> tuple[tuple[Any, ...], None]:
+        """jax only: leaves are the buffers and the length."""
+        return (self.key_buffer, self.value_buffer, self._length), None
+
+    @classmethod
+    def tree_unflatten(cls, aux: None, leaves: Any) -> KVCache:
+        """jax only: rebuild a cache from its leaves."""
+        cache = object.__new__(cls)
+        cache.key_buffer, cache.value_buffer, cache._length = leaves
+        return cache
+
+    @classmethod
+    def empty(
+        cls,
+        batch_shape: tuple,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        v_dim: int | None = None,
+        *,
+        dtype: Any = "float32",
+        device: Any = None,
+    ) -> KVCache:
+        """An empty cache: zero buffers ``(*batch_shape, kv_heads, max_len, head_dim)`` for keys
+        and ``(*batch_shape, kv_heads, max_len, v_dim)`` for values (``v_dim``: ``head_dim``).
+
+        ``dtype``: a dtype name or a JAX dtype; ``device``: a ``jax.Device``, a platform name,
+        or ``None`` for JAX's default placement.
+        """
+        fn = "KVCache.empty"
+        kv_heads = _checks.check_int(fn, "kv_heads", kv_heads, minimum=1)
+        max_len = _checks.check_int(fn, "max_len", max_len)
+        head_dim = _checks.check_int(fn, "head_dim", head_dim)
+        v_dim = head_dim if v_dim is None else _checks.check_int(fn, "v_dim", v_dim)
+        device = _check_device(fn, device)  # jax: a device or a platform name
+        dtype = _dtype(dtype)
+        _checks.check_float_inputs(fn, dtype=dtype.name)
+        shape = tuple(batch_shape) + (kv_heads, max_len)
+        return cls(_place(jnp.zeros(shape + (head_dim,), dtype), device),
+                   _place(jnp.zeros(shape + (v_dim,), dtype), device), 0)
+
+    @property
+    def length(self) -> jax.Array:
+        """Number of filled positions (jax: an int32 scalar array, traced under jit)."""
+        return self._length
+
+    @property
+    def max_len(self) -> int:
+        """Capacity in positions."""
+        return self.key_buffer.shape[-2]
+
+    @property
+    def keys(self) -> jax.Array:
+        """``(..., kv_heads, length, head_dim)``: the filled part (outside jit only)."""
+        return self.key_buffer[..., : int(self._length), :]
+
+    @property
+    def values(self) -> jax.Array:
+        """``(..., kv_heads, length, v_dim)``: the filled part (outside jit only)."""
+        return self.value_buffer[..., : int(self._length), :]
+
+    def append(self, key: Any, value: Any) -> KVCache:
+        """Add ``key (..., kv_heads, n, head_dim)`` and ``value (..., kv_heads, n, v_dim)``
+        (cast to the cache's dtype); returns a new cache (jax: immutable)."""
+        fn = "KVCache.append"
+        key, value = jnp.asarray(key), jnp.asarray(value)
+        _check_append(fn, tuple(key.shape), tuple(value.shape), tuple(self.key_buffer.shape),
+                      tuple(self.value_buffer.shape))
+        start, stop = self._length, self._length + key.shape[-2]
+        if not isinstance(start, jax.core.Tracer):  # jax: checkable only when concrete
+            _check_room(fn, int(start), int(stop), self.max_len)
+        axis = self.key_buffer.ndim - 2
+        key_buffer = jax.lax.dynamic_update_slice_in_dim(
+            self.key_buffer, key.astype(self.key_buffer.dtype), start, axis)
+        value_buffer = jax.lax.dynamic_update_slice_in_dim(
+            self.value_buffer, value.astype(self.value_buffer.dtype), start, axis)
+        return KVCache(key_buffer, value_buffer, stop)
+
+
+def _check_append(
+    fn: str,
+    k_shape: tuple[int, ...],
+    v_shape: tuple[int, ...],
+    k_buffer: tuple[int, ...],
+    v_buffer: tuple[int, ...],
+) -> None:
+    """Key and value match the cache in every axis but the sequence axis."""
+    _checks.check_key_value(fn, k_shape, v_shape)
+    same = len(k_shape) == len(k_buffer) and k_shape[:-2] == k_buffer[:-2]
+    if not (same and k_shape[-1] == k_buffer[-1] and v_shape[-1] == v_buffer[-1]):
+        raise ValueError(
+            f"{fn}: key and value must match the cache's (..., kv_heads, *, head_dim | v_dim) = "
+            f"{k_buffer[:-2] + (k_buffer[-1],)} | {v_buffer[-1]}; "
+            f"got key.shape={k_shape}, value.shape={v_shape}"
+        )
+
+
+def _check_room(fn: str, start: int, stop: int, max_len: int) -> None:
+    """``stop <= max_len`` (ValueError naming max_len otherwise)."""
+    if stop > max_len:
+        raise ValueError(
+            f"{fn}: the cache is full; {stop - start} new positions after {start} exceed "
+            f"max_len={max_len}"
+        )

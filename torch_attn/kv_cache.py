@@ -1,0 +1,121 @@
+"""A key/value cache for incremental decoding, in PyTorch.
+
+Buffers are preallocated to ``max_len`` positions and filled left to right by ``append``;
+``keys`` and ``values`` are views of the filled part. ``append`` writes in place and returns
+the cache itself (jax_attn returns a new cache: write ``cache = cache.append(k, v)``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import _checks
+from .masks import _as_tensor
+
+
+def _dtype(dtype: Any) -> torch.dtype:
+    """A dtype name (``"float32"``) or a ``torch.dtype``."""
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+class KVCache:
+    """Keys ``(..., kv_heads, max_len, head_dim)`` and values ``(..., kv_heads, max_len, v_dim)``
+    of the positions decoded so far; ``length`` of them are filled."""
+
+    def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, length: int) -> None:
+        self.key_buffer = key_buffer  # (..., kv_heads, max_len, head_dim)
+        self.value_buffer = value_buffer  # (..., kv_heads, max_len, v_dim)
+        self._length = length
+
+    @classmethod
+    def empty(
+        cls,
+        batch_shape: tuple,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        v_dim: int | None = None,
+        *,
+        dtype: Any = "float32",
+        device: Any = None,
+    ) -> KVCache:
+        """An empty cache: zero buffers ``(*batch_shape, kv_heads, max_len, head_dim)`` for keys
+        and ``(*batch_shape, kv_heads, max_len, v_dim)`` for values (``v_dim``: ``head_dim``).
+
+        ``dtype``: a dtype name or a ``torch.dtype``; ``device``: a ``torch.device`` (or its
+        name), ``None`` for torch's default device.
+        """
+        fn = "KVCache.empty"
+        kv_heads = _checks.check_int(fn, "kv_heads", kv_heads, minimum=1)
+        max_len = _checks.check_int(fn, "max_len", max_len)
+        head_dim = _checks.check_int(fn, "head_dim", head_dim)
+        v_dim = head_dim if v_dim is None else _checks.check_int(fn, "v_dim", v_dim)
+        dtype = _dtype(dtype)
+        _checks.check_float_inputs(fn, dtype=str(dtype).removeprefix("torch."))
+        shape = tuple(batch_shape) + (kv_heads, max_len)
+        like = {"dtype": dtype, "device": device}  # torch: the device of the buffers
+        return cls(torch.zeros(shape + (head_dim,), **like), torch.zeros(shape + (v_dim,), **like),
+                   0)
+
+    @property
+    def length(self) -> int:
+        """Number of filled positions."""
+        return self._length
+
+    @property
+    def max_len(self) -> int:
+        """Capacity in positions."""
+        return self.key_buffer.shape[-2]
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """``(..., kv_heads, length, head_dim)``: a view of the filled part."""
+        return self.key_buffer[..., : self._length, :]
+
+    @property
+    def values(self) -> torch.Tensor:
+        """``(..., kv_heads, length, v_dim)``: a view of the filled part."""
+        return self.value_buffer[..., : self._length, :]
+
+    def append(self, key: Any, value: Any) -> KVCache:
+        """Add ``key (..., kv_heads, n, head_dim)`` and ``value (..., kv_heads, n, v_dim)``
+        (cast to the cache's dtype); returns the cache, updated in place."""
+        fn = "KVCache.append"
+        key, value = _as_tensor(key), _as_tensor(value)
+        _check_append(fn, tuple(key.shape), tuple(value.shape), tuple(self.key_buffer.shape),
+                      tuple(self.value_buffer.shape))
+        start, stop = self._length, self._length + key.shape[-2]
+        _check_room(fn, start, stop, self.max_len)
+        self.key_buffer[..., start:stop, :] = key  # in place, cast to the cache's dtype/device
+        self.value_buffer[..., start:stop, :] = value
+        self._length = stop
+        return self
+
+
+def _check_append(
+    fn: str,
+    k_shape: tuple[int, ...],
+    v_shape: tuple[int, ...],
+    k_buffer: tuple[int, ...],
+    v_buffer: tuple[int, ...],
+) -> None:
+    """Key and value match the cache in every axis but the sequence axis."""
+    _checks.check_key_value(fn, k_shape, v_shape)
+    same = len(k_shape) == len(k_buffer) and k_shape[:-2] == k_buffer[:-2]
+    if not (same and k_shape[-1] == k_buffer[-1] and v_shape[-1] == v_buffer[-1]):
+        raise ValueError(
+            f"{fn}: key and value must match the cache's (..., kv_heads, *, head_dim | v_dim) = "
+            f"{k_buffer[:-2] + (k_buffer[-1],)} | {v_buffer[-1]}; "
+            f"got key.shape={k_shape}, value.shape={v_shape}"
+        )
+
+
+def _check_room(fn: str, start: int, stop: int, max_len: int) -> None:
+    """``stop <= max_len`` (ValueError naming max_len otherwise)."""
+    if stop > max_len:
+        raise ValueError(
+            f"{fn}: the cache is full; {stop - start} new positions after {start} exceed "
+            f"max_len={max_len}"
+        )
