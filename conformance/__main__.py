@@ -71,14 +71,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(report.missing_section(result), file=sys.stderr)
         print("error: no backend to run", file=sys.stderr)
         return 2
-    print(report.text(result))
     if args.json:
         report.write_json(result, args.json)
     if args.markdown:
         report.write_markdown(result, args.markdown)
     if args.plot:
         written = report.write_plots(result, args.plot)
-        print(f"plots: {len(written)} PNG files in {args.plot}")
+        print(f"plots: {len(written)} PNG files in {args.plot}", file=sys.stderr)
+    print(report.text(result))
     return 0 if result.ok else 1
 
 
