@@ -240,6 +240,139 @@ def _fast_attention(
 
 
 # ------------------------------------------------------------------------------------------
+# Blocked path (private): the same pipeline over blocks of queries, for large inputs on CPU
+# ------------------------------------------------------------------------------------------
+
+_BLOCK_Q = 128  # query rows per lax.map step: the block's scores stay in the CPU caches
+_BLOCKED_SEGMENTS = 4  # causal rule / window: static key ranges (more: slower compile, no faster)
+_BLOCKED_MIN_SCORES = 1 << 20  # below this many score entries the explicit path is as fast
+_BLOCKED_BACKENDS = ("cpu",)
+
+
+def _use_blocked_path(
+    q_shape: tuple[int, ...],
+    k_shape: tuple[int, ...],
+    v_shape: tuple[int, ...],
+    dropout_p: float,
+    return_weights: bool,
+    backend: str | None = None,
+) -> bool:
+    """Whether ``scaled_dot_product_attention`` runs ``_blocked_attention`` (static arguments)."""
+    backend = jax.default_backend() if backend is None else backend
+    if backend not in _BLOCKED_BACKENDS or return_weights or dropout_p > 0.0:
+        return False
+    if 0 in q_shape or 0 in k_shape or 0 in v_shape or q_shape[-2] < 2 * _BLOCK_Q:
+        return False
+    scores = 1
+    for n in q_shape[:-1]:  # (..., heads, q_len) × kv_len
+        scores *= n
+    return scores * k_shape[-2] >= _BLOCKED_MIN_SCORES
+
+
+def _key_range(
+    i0: int, i1: int, kv_len: int, offset: int, lo: int | None, hi: int | None
+) -> tuple[int, int, int, int]:
+    """Keys seen by query rows ``[i0, i1)`` when ``lo <= j - (i + offset) <= hi`` (None:
+    unbounded): ``(k0, k1, a, b)`` with every allowed key in ``[k0, k1)`` and the columns
+    ``[a, b)`` allowed for every row of the block (``a == b``: none is)."""
+    k0 = 0 if lo is None else min(max(0, i0 + offset + lo), kv_len)
+    k1 = kv_len if hi is None else max(min(kv_len, i1 - 1 + offset + hi + 1), 0)
+    k1 = max(k1, k0)
+    a = k0 if lo is None else min(max(k0, i1 - 1 + offset + lo), k1)
+    b = k1 if hi is None else max(min(k1, i0 + offset + hi + 1), a)
+    return k0, k1, a, b
+
+
+def _blocked_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    mask: jax.Array | None,
+    bias: jax.Array | None,
+    is_causal: bool,
+    causal_alignment: str,
+    window: tuple[int | None, int | None] | None,
+    scale: float,
+    softcap: float | None,
+) -> jax.Array:
+    """``scaled_dot_product_attention``'s output in the compute dtype, ``_BLOCK_Q`` queries at a
+    time under ``lax.map`` (XLA keeps a block's scores in cache and spreads each op over the
+    cores), normalising after ``@ value``. With the causal rule or a window the queries are cut
+    into at most ``_BLOCKED_SEGMENTS`` static segments, each against only the keys it can see."""
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    offset = _checks.causal_offset(causal_alignment, q_len, kv_len)
+    lo = hi = None  # allowed: lo <= j - (i + offset) <= hi
+    if window is not None:
+        lo = None if window[0] is None else -window[0]
+        hi = window[1]
+    if is_causal:
+        hi = 0 if hi is None else min(hi, 0)
+    if bias is not None:
+        bias = bias.astype(_checks.compute_dtype(query.dtype.name))
+
+    def rows(x: jax.Array | None, i0: Any, n: int) -> jax.Array | None:
+        """Rows ``i0 : i0 + n`` of a mask or bias whose query axis is not broadcast."""
+        if x is None or x.ndim < 2 or x.shape[-2] == 1:
+            return x
+        return jax.lax.dynamic_slice_in_dim(x, i0, n, axis=-2)
+
+    def cols(x: jax.Array | None, k0: int, k1: int) -> jax.Array | None:
+        if x is None or x.shape[-1] == 1:
+            return x
+        return x[..., k0:k1]
+
+    def block(q_blk, i0, k0, k_seg, v_seg, mask_seg, bias_seg):  # (..., heads, n, head_dim)
+        n, kw = q_blk.shape[-2], k_seg.shape[-2]
+        scores = _scores(q_blk, k_seg, scale, softcap)  # (..., heads, n, kw)
+        if bias_seg is not None:
+            scores = scores + rows(bias_seg, i0, n)
+        allowed = rows(mask_seg, i0, n)
+        if lo is not None or hi is not None:  # j - (i + offset), with global positions
+            distance = (k0 + jnp.arange(kw, dtype=jnp.int32))[None, :] - (
+                i0 + offset + jnp.arange(n, dtype=jnp.int32)
+            )[:, None]
+            structural = jnp.ones((n, kw), dtype=bool)
+            if lo is not None:
+                structural &= distance >= lo
+            if hi is not None:
+                structural &= distance <= hi
+            allowed = structural if allowed is None else allowed & structural
+        if allowed is not None:
+            scores = jnp.where(allowed, scores, NEG_INF)
+        row_max = jax.lax.stop_gradient(scores.max(axis=-1, keepdims=True, initial=NEG_INF))
+        row_max = jnp.where(row_max == NEG_INF, 0.0, row_max)  # fully masked: exp(-inf) = 0
+        unnormalised = jnp.exp(scores - row_max)
+        row_sum = unnormalised.sum(axis=-1, keepdims=True)  # (..., heads, n, 1)
+        row_sum = jnp.where(row_sum == 0.0, 1.0, row_sum)
+        return _output(unnormalised, v_seg) / row_sum  # (..., heads, n, v_dim)
+
+    n_blocks = q_len // _BLOCK_Q
+    segments = 1 if lo is None and hi is None else min(_BLOCKED_SEGMENTS, n_blocks)
+    bounds = [n_blocks * s // segments * _BLOCK_Q for s in range(segments)] + [q_len]
+    outputs = []
+    for r0, r1 in zip(bounds[:-1], bounds[1:], strict=True):  # static segments of query rows
+        k0, k1, _, _ = _key_range(r0, r1, kv_len, offset, lo, hi)
+        shape = query.shape[:-2] + (r1 - r0, value.shape[-1])
+        if k1 == k0:  # no row of the segment sees a key: fully masked
+            outputs.append(jnp.zeros(shape, _checks.compute_dtype(query.dtype.name)))
+            continue
+        segment = (k0, key[..., k0:k1, :], value[..., k0:k1, :],
+                   cols(mask, k0, k1), cols(bias, k0, k1))
+        full = (r1 - r0) // _BLOCK_Q * _BLOCK_Q  # rows in whole blocks; the rest is one block
+        q_seg = query[..., r0 : r0 + full, :]
+        q_seg = q_seg.reshape(q_seg.shape[:-2] + (-1, _BLOCK_Q, q_seg.shape[-1]))
+        starts = r0 + _BLOCK_Q * jnp.arange(full // _BLOCK_Q, dtype=jnp.int32)
+        out = jax.lax.map(
+            lambda xs, segment=segment: block(xs[0], xs[1], *segment),
+            (jnp.moveaxis(q_seg, -3, 0), starts),
+        )  # (blocks, ..., heads, _BLOCK_Q, v_dim)
+        outputs.append(jnp.moveaxis(out, 0, -3).reshape(shape[:-2] + (full, shape[-1])))
+        if r0 + full < r1:
+            outputs.append(block(query[..., r0 + full : r1, :], r0 + full, *segment))
+    return jnp.concatenate(outputs, axis=-2)  # (..., heads, q_len, v_dim)
+
+
+# ------------------------------------------------------------------------------------------
 # Validation helpers
 # ------------------------------------------------------------------------------------------
 
@@ -502,6 +635,11 @@ def scaled_dot_product_attention(
             ).astype(dtype)
         except (ValueError, NotImplementedError, RuntimeError):
             pass
+
+    if _use_blocked_path(query.shape, key.shape, value.shape, dropout_p, return_weights):
+        return _blocked_attention(
+            query, key, value, mask, bias, is_causal, causal_alignment, window, scale, softcap
+        ).astype(dtype)  # large inputs on CPU: the same steps per block of queries
 
     scores = _scores(query, key, scale, softcap)  # (..., heads, q_len, kv_len)
     scores = _mask_scores(scores, mask, bias, is_causal, causal_alignment, window)

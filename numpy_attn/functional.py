@@ -10,10 +10,10 @@ only, never NumPy float64 scalars, so nothing is promoted); float64 stays float6
 Fast path. The steps above are the code to read: each makes the whole ``(..., heads, q_len,
 kv_len)`` score array, and NumPy's elementwise functions (``max``, ``exp``, ``sum``) run on one
 core while only the matrix products use every core. For large inputs
-``scaled_dot_product_attention`` therefore runs the same pipeline as ``_fast_attention`` (the
-private section at the end of this file) when ``_use_fast_path`` allows it: no
-``return_weights``, no dropout, no empty axis, and at least ``_FAST_MIN_SCORES`` score entries
-with ``q_len >= _FAST_MIN_Q_LEN``. It cuts the queries into blocks of ``_FAST_BLOCK_Q`` rows and,
+``scaled_dot_product_attention`` therefore runs the same pipeline as ``_blocked_attention`` (the
+private section at the end of this file) when ``_use_blocked_path`` allows it: no
+``return_weights``, no dropout, no empty axis, and at least ``_BLOCKED_MIN_SCORES`` score entries
+with ``q_len >= _BLOCKED_MIN_Q_LEN``. It cuts the queries into blocks of ``_BLOCK_Q`` rows and,
 per (batch, head, query block), computes the scores against the keys that block can see (the
 causal rule and the window give a key range; fully masked blocks are skipped, and the rule is
 applied only to the diagonal strips), then softmax in place and ``(exp(s - max) @ value) / sum``;
@@ -412,8 +412,8 @@ def scaled_dot_product_attention(
     dropout_p = _checks.check_dropout(fn, dropout_p, dropout_mask is not None)
     dropout_mask = _check_dropout_mask(fn, dropout_mask, target)
 
-    if _use_fast_path(query.shape, key.shape, value.shape, dropout_p, return_weights):
-        return _fast_attention(
+    if _use_blocked_path(query.shape, key.shape, value.shape, dropout_p, return_weights):
+        return _blocked_attention(
             query, key, value, mask, bias, is_causal, causal_alignment, window, scale, softcap
         ).astype(dtype, copy=False)  # large inputs: the same steps, blocked (see the docstring)
 
@@ -432,57 +432,28 @@ def scaled_dot_product_attention(
 # docstring for when it runs; the explicit steps above are the definition it must equal.
 # ------------------------------------------------------------------------------------------
 
-_FAST_BLOCK_Q = 128  # query rows per block: a float32 block of scores stays in the L2 cache
-_FAST_MIN_SCORES = 1 << 20  # below this many score entries the plain path is as fast
-_FAST_MIN_Q_LEN = 64  # decoding-like shapes (few queries) are one batched matmul in the plain path
-_fast_lock = threading.Lock()  # one fast-path call at a time uses the pool and the BLAS limit
-_fast_state: dict[str, Any] = {}  # the threadpoolctl controller and the pool, made on first use
+_BLOCK_Q = 128  # query rows per block: a float32 block of scores stays in the L2 cache
+_BLOCKED_MIN_SCORES = 1 << 20  # below this many score entries the plain path is as fast
+_BLOCKED_MIN_Q_LEN = 64  # few queries (decoding): one batched matmul in the plain path is faster
+# The threads of the fast path, made on first use (so ``import numpy_attn`` starts none and does
+# not import threadpoolctl): "controller" is threadpoolctl's controller of the BLAS libraries
+# (None without threadpoolctl), "pool" a persistent ThreadPoolExecutor made for "pool_key"
+# (process id, workers), and "lock" lets one call at a time use them.
+_blocked_threads: dict[str, Any] = {"lock": threading.Lock()}
 
 
-def _use_fast_path(
+def _use_blocked_path(
     q_shape: tuple[int, ...],
     k_shape: tuple[int, ...],
     v_shape: tuple[int, ...],
     dropout_p: float,
     return_weights: bool,
 ) -> bool:
-    """Whether ``scaled_dot_product_attention`` runs ``_fast_attention`` (validated inputs)."""
+    """Whether ``scaled_dot_product_attention`` runs ``_blocked_attention`` (validated inputs)."""
     if return_weights or dropout_p > 0.0 or 0 in q_shape or 0 in k_shape or 0 in v_shape:
         return False
     scores = math.prod(q_shape[:-1]) * k_shape[-2]  # (..., heads, q_len) × kv_len
-    return scores >= _FAST_MIN_SCORES and q_shape[-2] >= _FAST_MIN_Q_LEN
-
-
-def _fast_workers() -> tuple[Any, int]:
-    """``(blas_controller, workers)``: threadpoolctl's controller of the BLAS libraries (None
-    without threadpoolctl) and the number of threads to run blocks on (the BLAS thread count,
-    at most the usable cores; 1 without threadpoolctl)."""
-    if "controller" not in _fast_state:
-        try:
-            from threadpoolctl import ThreadpoolController  # optional: see the module docstring
-        except ImportError:
-            controller = None
-        else:  # scanning the loaded libraries is slow: do it once
-            controller = ThreadpoolController().select(user_api="blas")
-            controller = controller if controller.lib_controllers else None
-        _fast_state["controller"] = controller
-    controller = _fast_state["controller"]
-    if controller is None:
-        return None, 1
-    blas_threads = max(lib.num_threads for lib in controller.lib_controllers)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return controller, max(1, min(blas_threads, cores or 1))
-
-
-def _fast_pool(workers: int) -> Any:
-    """A persistent pool of ``workers - 1`` threads (the caller is the last worker)."""
-    pool = _fast_state.get("pool")
-    if pool is None or _fast_state.get("pool_key") != (os.getpid(), workers):
-        from concurrent.futures import ThreadPoolExecutor
-
-        pool = ThreadPoolExecutor(workers - 1, thread_name_prefix="numpy_attn")
-        _fast_state["pool"], _fast_state["pool_key"] = pool, (os.getpid(), workers)
-    return pool
+    return scores >= _BLOCKED_MIN_SCORES and q_shape[-2] >= _BLOCKED_MIN_Q_LEN
 
 
 def _key_range(
@@ -499,7 +470,7 @@ def _key_range(
     return k0, k1, a, b
 
 
-def _fast_attention(
+def _blocked_attention(
     query: np.ndarray,
     key: np.ndarray,
     value: np.ndarray,
@@ -532,8 +503,8 @@ def _fast_attention(
 
     tasks = []  # (batch-and-head index, query rows i0:i1, key range)
     for index in np.ndindex(query.shape[:-2]):
-        for i0 in range(0, q_len, _FAST_BLOCK_Q):
-            i1 = min(i0 + _FAST_BLOCK_Q, q_len)
+        for i0 in range(0, q_len, _BLOCK_Q):
+            i1 = min(i0 + _BLOCK_Q, q_len)
             tasks.append((index, i0, i1, _key_range(i0, i1, kv_len, offset, lo, hi)))
     tasks.sort(key=lambda task: task[3][0] - task[3][1])  # longest key range first
 
@@ -574,7 +545,7 @@ def _fast_attention(
         out /= row_sum
 
     def work(queue: Any, lock: threading.Lock) -> None:
-        buffer = np.empty(_FAST_BLOCK_Q * kv_len, dtype=compute)  # this worker's scores
+        buffer = np.empty(_BLOCK_Q * kv_len, dtype=compute)  # this worker's scores
         while True:
             with lock:
                 task = next(queue, None)
@@ -583,17 +554,38 @@ def _fast_attention(
             block(*task, buffer)
 
     queue, queue_lock = iter(tasks), threading.Lock()
-    if not _fast_lock.acquire(blocking=False):  # another thread is using the pool
+    if not _blocked_threads["lock"].acquire(blocking=False):  # another thread is using the pool
         work(queue, queue_lock)
         return output
     try:
-        controller, workers = _fast_workers()
-        workers = min(workers, len(tasks))
+        if "controller" not in _blocked_threads:
+            try:
+                from threadpoolctl import ThreadpoolController  # optional: see the docstring
+            except ImportError:
+                controller = None
+            else:  # scanning the loaded libraries takes milliseconds: do it once
+                controller = ThreadpoolController().select(user_api="blas")
+                controller = controller if controller.lib_controllers else None
+            _blocked_threads["controller"] = controller
+        controller, workers = _blocked_threads["controller"], 1
+        if controller is not None:  # one worker per BLAS thread, at most one per usable core
+            workers = max(lib.num_threads for lib in controller.lib_controllers)
+            if hasattr(os, "sched_getaffinity"):
+                workers = min(workers, len(os.sched_getaffinity(0)))
+            workers = max(1, min(workers, len(tasks)))
         if workers == 1:
             work(queue, queue_lock)
             return output
+        if _blocked_threads.get("pool_key") != (os.getpid(), workers):  # new, resized or forked
+            from concurrent.futures import ThreadPoolExecutor
+
+            old = _blocked_threads.get("pool")
+            if old is not None and _blocked_threads["pool_key"][0] == os.getpid():
+                old.shutdown(wait=False)  # resized: its idle threads exit
+            _blocked_threads["pool"] = ThreadPoolExecutor(workers - 1, "numpy_attn")
+            _blocked_threads["pool_key"] = (os.getpid(), workers)
         with controller.limit(limits=1):  # BLAS single-threaded while the blocks run in parallel
-            pool = _fast_pool(workers)
+            pool = _blocked_threads["pool"]  # workers - 1 threads; the caller is the last worker
             futures = [pool.submit(work, queue, queue_lock) for _ in range(workers - 1)]
             try:
                 work(queue, queue_lock)
@@ -601,5 +593,5 @@ def _fast_attention(
                 for future in futures:
                     future.result()
     finally:
-        _fast_lock.release()
+        _blocked_threads["lock"].release()
     return output
