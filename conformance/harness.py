@@ -100,6 +100,63 @@ def naive_attention(arrays: dict[str, np.ndarray], options: dict[str, Any],
     return reference.Steps(scores=scores, masked_scores=masked, weights=weights, output=output)
 
 
+def naive_attention_vjp(arrays: dict[str, np.ndarray], options: dict[str, Any],
+                        r: Callable[[np.ndarray], np.ndarray]) -> reference.Grads:
+    """The backward pass (FlashAttention's formulas) as a straightforward low-precision
+    implementation: sums accumulate in the compute dtype (float32 for float32 and the half
+    types), every intermediate is rounded by ``r``. The error baseline of the gradient steps."""
+    steps = naive_attention(arrays, options, r)
+    acc = np.float64 if r(np.float64(1 + 2**-40)) != 1.0 else np.float32
+
+    def mm(subscripts: str, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return r(np.einsum(subscripts, a.astype(acc), b.astype(acc)).astype(np.float64))
+
+    q, k, v = (_f64(arrays[n]) for n in ("query", "key", "value"))
+    d_out = _f64(arrays["grad_output"])
+    heads = q.shape[-3] if q.ndim >= 3 else 1
+    k_rep, v_rep = reference._repeat_kv(k, heads), reference._repeat_kv(v, heads)
+    scale = options.get("scale")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    weights, kept, keep = steps.weights, steps.weights, 1.0
+    dropout_p = options.get("dropout_p", 0.0)
+    if dropout_p > 0:
+        keep = np.asarray(arrays["dropout_mask"], bool) / (1.0 - dropout_p)
+        kept = r(weights * keep)
+    grad_v = mm("...qk,...qd->...kd", kept, d_out)
+    grad_w = r(mm("...qd,...kd->...qk", d_out, v_rep) * keep)
+    row = r((d_out.astype(acc) * steps.output.astype(acc)).sum(-1, keepdims=True))  # rowsum(dO⊙O)
+    grad_s = r(weights * r(grad_w - row))
+    bias = arrays.get("bias")
+    grad_bias = None if bias is None else r(reference._unbroadcast(grad_s, np.shape(bias)))
+    softcap = options.get("softcap")
+    if softcap is not None:
+        grad_s = r(grad_s * r(1.0 - r(r(steps.scores / softcap) ** 2)))
+    grad_s = r(grad_s * scale)
+    grad_q = mm("...qk,...kd->...qd", grad_s, k_rep)
+    grad_k = mm("...qk,...qd->...kd", grad_s, q)
+    return reference.Grads(query=grad_q, key=r(reference._fold_kv(grad_k, k.shape)),
+                           value=r(reference._fold_kv(grad_v, v.shape)), bias=grad_bias)
+
+
+def _reference_attention_vjp(arrays: dict[str, np.ndarray], options: dict[str, Any],
+                             r: Callable[[np.ndarray], np.ndarray]) -> reference.Grads:
+    sdpa = _sdpa_arrays(arrays)
+    extra = {n: sdpa[n] for n in ("mask", "bias", "dropout_mask") if n in sdpa}
+    return reference.attention_vjp(sdpa["query"], sdpa["key"], sdpa["value"],
+                                   arrays["grad_output"], **extra, **_sdpa_options(options))
+
+
+def grad_output_for(arrays: dict[str, np.ndarray], dtype: str) -> np.ndarray:
+    """The output cotangent of a case: seeded, shaped like the output, in ``dtype``."""
+    q, v = arrays["query"], arrays["value"]
+    shape = q.shape[:-1] + v.shape[-1:]
+    return np.random.default_rng(GRAD_SEED).standard_normal(shape).astype(numpy_dtype(dtype))
+
+
+GRAD_SEED = 20261130
+GRAD_STEPS = ("grad_query", "grad_key", "grad_value", "grad_bias")
+
+
 def _reference_attention(arrays: dict[str, np.ndarray], options: dict[str, Any],
                          r: Callable[[np.ndarray], np.ndarray]) -> reference.Steps:
     return reference.attention(**_sdpa_arrays(arrays), **_sdpa_options(options))
@@ -167,8 +224,16 @@ def pipeline(data: CaseData, kind: str, dtype: str, naive: bool) -> dict[str, np
     if kind == "module":
         return _module_forward(data, r, attention)
     steps = attention(data.arrays, data.options, r)
-    return {"scores": steps.scores, "masked_scores": steps.masked_scores,
-            "weights": steps.weights, "output": steps.output, "output_weights": steps.weights}
+    values = {"scores": steps.scores, "masked_scores": steps.masked_scores,
+              "weights": steps.weights, "output": steps.output, "output_weights": steps.weights}
+    if "grad_output" in data.arrays:
+        vjp = naive_attention_vjp if naive else _reference_attention_vjp
+        grads = vjp(data.arrays, data.options, r)
+        for name in GRAD_STEPS:
+            value = getattr(grads, name.removeprefix("grad_"))
+            if value is not None:
+                values[name] = value
+    return values
 
 
 # ------------------------------------------------------------------------------ expectations
@@ -203,6 +268,9 @@ def _baseline_error(naive: np.ndarray, ref: np.ndarray, r: Callable[[np.ndarray]
 
 def expected_for(data: CaseData, kind: str, dtype: str, case: str = "") -> Expected:
     """Reference values, baseline errors and required zeros for dtype-cast inputs ``data``."""
+    if kind == "sdpa" and "grad_output" not in data.arrays:  # a new CaseData: callers keep theirs
+        grad_output = grad_output_for(data.arrays, dtype)
+        data = CaseData({**data.arrays, "grad_output": grad_output}, data.options)
     with np.errstate(all="ignore"):
         values = pipeline(data, kind, dtype, naive=False)
         naive = pipeline(data, kind, dtype, naive=True)
@@ -214,6 +282,7 @@ def expected_for(data: CaseData, kind: str, dtype: str, case: str = "") -> Expec
         zeros["weights"] = zeros["output_weights"] = masked
         empty = masked.all(-1, keepdims=True)
         zeros["output"] = np.broadcast_to(empty, values["output"].shape)
+        zeros["grad_query"] = np.broadcast_to(empty, values["grad_query"].shape)
     return Expected(case, kind, dtype, data, values, baseline, zeros)
 
 
@@ -268,6 +337,18 @@ class Execution:
                 "scaled_dot_product_attention", a["query"], a["key"], a["value"],
                 **extra, **_sdpa_options(o), return_weights=True)
         return self._cache["sdpa"]
+
+    def vjp(self) -> tuple[np.ndarray | None, ...]:
+        """``scaled_dot_product_attention_vjp(...)`` against the case's grad_output, once."""
+        if "vjp" not in self._cache:
+            a, o = self.exp.data.arrays, self.exp.data.options
+            extra = {k: v for k, v in a.items() if k in ("mask", "bias", "dropout_mask")}
+            grads = self.module.scaled_dot_product_attention_vjp(
+                *(self.to_backend(a[n]) for n in ("query", "key", "value", "grad_output")),
+                **{k: self.to_backend(v) for k, v in extra.items()}, **_sdpa_options(o))
+            self._cache["vjp"] = tuple(
+                None if g is None else self.backend.to_numpy(g) for g in grads)
+        return self._cache["vjp"]
 
     def module_forward(self) -> tuple[np.ndarray, np.ndarray | None]:
         """Build the case's module in the backend, load its weights, run forward, once."""
@@ -336,6 +417,16 @@ def _run_output_weights(exe: Execution) -> np.ndarray:
     return exe.sdpa()[1]
 
 
+def _grad_step(index: int) -> Callable[[Execution], np.ndarray]:
+    def run(exe: Execution) -> np.ndarray:
+        grad = exe.vjp()[index]
+        if grad is None:
+            raise ValueError(f"scaled_dot_product_attention_vjp returned no {GRAD_STEPS[index]}")
+        return grad
+
+    return run
+
+
 STEPS: dict[str, Step] = {
     s.name: s
     for s in (
@@ -349,6 +440,9 @@ STEPS: dict[str, Step] = {
              "scaled_dot_product_attention(...) output, or the module's forward"),
         Step("output_weights", ("sdpa", "module"), _run_output_weights, "input",
              "the weights scaled_dot_product_attention(..., return_weights=True) returns"),
+        *(Step(name, ("sdpa",), _grad_step(i), "input",
+               f"scaled_dot_product_attention_vjp(..., grad_output) -> {name}")
+          for i, name in enumerate(GRAD_STEPS)),
     )
 }
 

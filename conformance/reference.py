@@ -110,3 +110,81 @@ def attention(
         kept = weights * np.asarray(dropout_mask, dtype=bool) / (1.0 - dropout_p)
     output = np.einsum("...qk,...kd->...qd", kept, v)
     return Steps(scores=scores, masked_scores=masked, weights=weights, output=output)
+
+
+@dataclass
+class Grads:
+    """Gradients of a loss with respect to the inputs, float64."""
+
+    query: np.ndarray
+    key: np.ndarray
+    value: np.ndarray
+    bias: np.ndarray | None
+
+
+def _unbroadcast(grad: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Sum ``grad`` down to ``shape`` (the shape an operand had before broadcasting)."""
+    while grad.ndim > len(shape):
+        grad = grad.sum(axis=0)
+    for axis, size in enumerate(shape):
+        if size == 1 and grad.shape[axis] != 1:
+            grad = grad.sum(axis=axis, keepdims=True)
+    return grad
+
+
+def _fold_kv(grad: np.ndarray, kv_shape: tuple[int, ...]) -> np.ndarray:
+    """Undo ``_repeat_kv``: add the gradients of the repeated copies of each kv head."""
+    if len(kv_shape) < 3 or grad.shape[-3] == kv_shape[-3]:
+        return grad
+    kv_heads = kv_shape[-3]
+    split = grad.reshape(grad.shape[:-3] + (kv_heads, grad.shape[-3] // kv_heads) + grad.shape[-2:])
+    return split.sum(axis=-3)
+
+
+def attention_vjp(
+    query: Any,
+    key: Any,
+    value: Any,
+    grad_output: Any,
+    **options: Any,
+) -> Grads:
+    """Gradients of ``attention(...).output`` against ``grad_output``, in float64.
+
+    Independent of the backends' backward passes: the softmax is differentiated through its
+    Jacobian ``diag(w) - w wᵀ`` row by row (``np.einsum``), kv heads are repeated and their
+    gradients folded back, and the soft-cap derivative is ``sech²``.
+    """
+    q, k, v = _f64(query), _f64(key), _f64(value)
+    d_out = _f64(grad_output)
+    heads = q.shape[-3] if q.ndim >= 3 else 1
+    k_rep, v_rep = _repeat_kv(k, heads), _repeat_kv(v, heads)
+    steps = attention(q, k_rep, v_rep, **options)
+    scale = q.shape[-1] ** -0.5 if options.get("scale") is None else float(options["scale"])
+    weights = steps.weights
+    kept = weights
+    dropout_p = options.get("dropout_p", 0.0)
+    if dropout_p > 0:
+        keep = np.asarray(options["dropout_mask"], dtype=bool) / (1.0 - dropout_p)
+        kept = weights * keep
+    grad_v = np.einsum("...qk,...qd->...kd", kept, d_out)
+    grad_kept = np.einsum("...qd,...kd->...qk", d_out, v_rep)
+    grad_weights = grad_kept * keep if dropout_p > 0 else grad_kept
+    # softmax Jacobian, row by row: J = diag(w) - w wᵀ
+    jacobian = np.einsum("...k,kl->...kl", weights, np.eye(weights.shape[-1])) - np.einsum(
+        "...k,...l->...kl", weights, weights
+    )
+    grad_scores = np.einsum("...kl,...l->...k", jacobian, grad_weights)
+    bias = options.get("bias")
+    grad_bias = None if bias is None else _unbroadcast(grad_scores, np.shape(bias))
+    softcap = options.get("softcap")
+    if softcap is not None:
+        raw = np.einsum("...qd,...kd->...qk", q, k_rep) * scale
+        grad_scores = grad_scores / np.cosh(raw / softcap) ** 2
+    grad_q = np.einsum("...qk,...kd->...qd", grad_scores, k_rep) * scale
+    grad_k = np.einsum("...qk,...qd->...kd", grad_scores, q) * scale
+    return Grads(
+        query=grad_q,
+        key=_fold_kv(grad_k, k.shape),
+        value=_fold_kv(grad_v, v.shape),
+        bias=grad_bias,
+    )

@@ -231,3 +231,17 @@ def test_numpy_optimisers_match_torch():
     after = numpy_attn.sgd_step(module, grads, 0.1).export_weights()
     for k in before:
         np.testing.assert_allclose(after[k], before[k] - 0.1)
+
+
+@pytest.mark.parametrize("feature", ["mask_bias", "softcap", "gqa", "dropout_mask",
+                                     "fully_masked_rows", "causal_bottom_right", "two_d"])
+def test_reference_vjp_matches_finite_differences(feature):
+    """The harness's float64 gradient reference is itself right."""
+    q, k, v, grad_out, kw = _inputs(feature)
+    if feature not in _FD_CACHE:
+        _FD_CACHE[feature] = _reference_grads(q, k, v, grad_out, kw)
+    expected = _FD_CACHE[feature]
+    grads = reference.attention_vjp(q, k, v, grad_out, **kw)
+    for name in expected:
+        np.testing.assert_allclose(getattr(grads, name), expected[name], rtol=1e-6, atol=1e-7,
+                                   err_msg=f"reference d{name}, feature={feature}")
