@@ -7,6 +7,8 @@ Subcommands (``run`` is the default)::
     python -m conformance export DIR            # golden vectors (.npz + manifest)
     python -m conformance check DIR --backend B # check an implementation against them
     python -m conformance spec [...]            # the generated spec document
+    python -m conformance walkthrough [--backend numpy|jax|torch|all]  # the article, step by step
+    python -m conformance pictures DIR          # attention-weight heatmaps (PNG)
 
 ``--backend`` takes ``numpy``, ``jax``, ``torch``, a peer (``torch.sdpa``,
 ``torch.MHA``, ``jax.nn``) or the dotted path of your own module
@@ -122,6 +124,28 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0 if result.ok and result.columns else 1
 
 
+def _add_walkthrough(p: argparse.ArgumentParser) -> None:
+    from . import walkthrough
+
+    walkthrough.add_arguments(p)
+
+
+def _cmd_walkthrough(args: argparse.Namespace) -> int:
+    from . import walkthrough
+
+    return walkthrough.main(args)
+
+
+def _add_pictures(p: argparse.ArgumentParser) -> None:
+    p.add_argument("directory", help="where to write the PNG files")
+
+
+def _cmd_pictures(args: argparse.Namespace) -> int:
+    from . import pictures
+
+    return pictures.main(args)
+
+
 def _cmd_spec(argv: list[str]) -> int:
     from . import specdoc
 
@@ -134,6 +158,8 @@ COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
     "run": (_add_run, _cmd_run),
     "export": (_add_export, _cmd_export),
     "check": (_add_check, _cmd_check),
+    "walkthrough": (_add_walkthrough, _cmd_walkthrough),
+    "pictures": (_add_pictures, _cmd_pictures),
 }
 #: Subcommands that own their argument parsing: name → handler(argv).
 RAW_COMMANDS: dict[str, Callable[[list[str]], int]] = {"spec": _cmd_spec}
@@ -143,6 +169,8 @@ HELP = {
     "export": "write golden vectors (.npz, float64 expected values, checksums)",
     "check": "check an implementation against golden vectors (needs only NumPy)",
     "spec": "print or write the generated spec document",
+    "walkthrough": "the seed article's worked example, step by step, backends side by side",
+    "pictures": "write attention-weight heatmaps (PNG) for every mask type (needs matplotlib)",
 }
 
 
