@@ -1,0 +1,318 @@
+"""The blocked paths for large inputs equal the explicit step-by-step path.
+
+numpy_attn (threads over query blocks) and jax_attn (``lax.map`` over query blocks) select a
+blocked computation for large inputs (``_use_blocked_path``). These tests shrink the block size
+and the size threshold so small inputs exercise several blocks, causal/window segments and
+skipped blocks, then compare the blocked output with the explicit path (``return_weights=True``
+always takes it) and with the float64 ``conformance.reference``, for every feature the blocked
+paths handle. They also check which inputs stay on the explicit path.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from conformance import reference
+
+BACKENDS = ("numpy", "jax")
+
+# (query, key, value) shapes: batch axes, heads (GQA), 2-D inputs, q_len != kv_len both ways
+SHAPES = {
+    "4d": ((2, 2, 40, 8), (2, 2, 40, 8), (2, 2, 40, 8)),
+    "gqa_q_longer": ((1, 4, 45, 8), (1, 2, 37, 8), (1, 2, 37, 5)),
+    "kv_longer": ((3, 29, 8), (3, 70, 8), (3, 70, 6)),
+    "2d": ((50, 8), (33, 8), (33, 8)),
+    "batch_axes": ((2, 1, 2, 34, 4), (2, 1, 1, 34, 4), (2, 1, 1, 34, 4)),
+}
+
+STRUCTURE = [
+    {},
+    {"is_causal": True},
+    {"is_causal": True, "causal_alignment": "bottom_right"},
+    {"window": (3, 2)},
+    {"window": (5, 0), "causal_alignment": "bottom_right"},
+    {"window": (None, 4)},
+    {"window": (7, None), "causal_alignment": "bottom_right"},
+    {"window": (0, 0)},
+    {"is_causal": True, "window": (6, 3)},
+]
+
+
+def _module(name: str):
+    if name == "jax":
+        pytest.importorskip("jax")
+        import jax_attn
+
+        return jax_attn
+    import numpy_attn
+
+    return numpy_attn
+
+
+@pytest.fixture(params=BACKENDS)
+def small_blocks(request, monkeypatch):
+    """The backend module, with its blocked path taken by every input of at least 2 blocks."""
+    module = _module(request.param)
+    functional = module.functional
+    monkeypatch.setattr(functional, "_BLOCK_Q", 8)
+    monkeypatch.setattr(functional, "_BLOCKED_MIN_SCORES", 0)
+    if hasattr(functional, "_BLOCKED_MIN_Q_LEN"):
+        monkeypatch.setattr(functional, "_BLOCKED_MIN_Q_LEN", 1)
+    calls = []
+    blocked = functional._blocked_attention
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return blocked(*args, **kwargs)
+
+    monkeypatch.setattr(functional, "_blocked_attention", spy)
+    module.blocked_calls = calls
+    return module
+
+
+def _inputs(shape_name: str, dtype=np.float32, seed: int = 0):
+    gen = np.random.default_rng(seed)
+    return [gen.standard_normal(s).astype(dtype) for s in SHAPES[shape_name]]
+
+
+def _target(q, k) -> tuple[int, ...]:
+    return q.shape[:-1] + (k.shape[-2],)
+
+
+def _compare(module, q, k, v, rtol=2e-5, atol=2e-6, with_reference=True, **options):
+    """Blocked output vs the explicit path vs the float64 reference; returns the output."""
+    module.blocked_calls.clear()
+    fast = np.asarray(module.scaled_dot_product_attention(q, k, v, **options))
+    assert module.blocked_calls, "the blocked path did not run"
+    module.blocked_calls.clear()
+    plain, _ = module.scaled_dot_product_attention(q, k, v, return_weights=True, **options)
+    assert not module.blocked_calls, "return_weights must take the explicit path"
+    plain = np.asarray(plain)
+    assert fast.dtype == plain.dtype and fast.shape == plain.shape
+    scale = np.abs(plain).max() + 1e-30
+    np.testing.assert_allclose(fast, plain, rtol=rtol, atol=atol * scale)
+    if with_reference:
+        ref = reference.attention(q, k, v, **options).output
+        np.testing.assert_allclose(fast.astype(np.float64), ref, rtol=rtol, atol=atol * scale)
+    assert not np.isnan(fast).any()
+    return fast
+
+
+@pytest.mark.parametrize("shape_name", sorted(SHAPES))
+@pytest.mark.parametrize("structure", STRUCTURE, ids=str)
+def test_blocked_equals_plain_and_reference(small_blocks, shape_name, structure):
+    q, k, v = _inputs(shape_name)
+    out = _compare(small_blocks, q, k, v, **structure)
+    allowed = reference.structural_mask(q.shape[-2], k.shape[-2], **structure)
+    empty = ~allowed.any(axis=-1)  # fully masked rows (e.g. bottom-right with q_len > kv_len)
+    assert np.all(out[..., empty, :] == 0.0)
+
+
+MASK_SHAPES = {  # every way a mask or bias broadcasts to (batch, heads, q_len, kv_len)
+    "full": (2, 4, 45, 37),
+    "keys": (37,),
+    "rows_keys": (45, 37),
+    "padding": (2, 1, 1, 37),
+    "per_query": (2, 4, 45, 1),
+    "per_head": (4, 1, 37),
+    "kv_head_row": (1, 4, 45, 37),
+    "scalar_like": (1, 1),
+}
+
+
+@pytest.mark.parametrize("mask_shape", sorted(MASK_SHAPES))
+@pytest.mark.parametrize("structure", [{}, {"is_causal": True}, {"window": (4, 4)}], ids=str)
+def test_blocked_mask_and_bias_broadcasts(small_blocks, mask_shape, structure):
+    gen = np.random.default_rng(1)
+    q = gen.standard_normal((2, 4, 45, 8)).astype(np.float32)
+    k = gen.standard_normal((2, 2, 37, 8)).astype(np.float32)
+    v = gen.standard_normal((2, 2, 37, 6)).astype(np.float32)
+    shape = MASK_SHAPES[mask_shape]
+    mask = gen.random(shape) > 0.3
+    bias = gen.standard_normal(shape).astype(np.float32)
+    _compare(small_blocks, q, k, v, mask=mask, **structure)
+    _compare(small_blocks, q, k, v, bias=bias, **structure)
+    _compare(small_blocks, q, k, v, mask=mask, bias=bias, softcap=2.5, scale=0.3, **structure)
+
+
+def test_blocked_fully_masked_rows_are_exactly_zero(small_blocks):
+    q, k, v = _inputs("gqa_q_longer")
+    mask = np.ones(_target(q, k), dtype=bool)
+    mask[0, 1, 3] = False  # one row
+    mask[0, :, 16:24] = False  # a whole block of rows in every head
+    mask[0, 2, :, :] = False  # a whole head
+    out = _compare(small_blocks, q, k, v, mask=mask)
+    assert np.all(out[0, 1, 3] == 0.0)
+    assert np.all(out[0, :, 16:24] == 0.0)
+    assert np.all(out[0, 2] == 0.0)
+    # a window that leaves the first queries nothing: whole blocks skipped, exactly 0
+    out = _compare(small_blocks, q, k, v, window=(0, 0), causal_alignment="bottom_right")
+    assert np.all(out[..., :8, :] == 0.0)
+
+
+def test_blocked_bias_with_minus_inf_and_softcap(small_blocks):
+    q, k, v = _inputs("4d")
+    bias = np.zeros(_target(q, k), dtype=np.float32)
+    bias[..., ::3] = -np.inf  # an additive mask
+    bias[1, 0, 5, :] = -np.inf  # a fully masked row through the bias alone
+    # (the float64 reference treats a row masked by the bias alone as NaN: explicit path only)
+    out = _compare(small_blocks, q, k, v, bias=bias, softcap=1.5, is_causal=True,
+                   with_reference=False)
+    assert np.all(out[1, 0, 5] == 0.0)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float16", "bfloat16"])
+def test_blocked_dtypes(small_blocks, dtype):
+    if small_blocks.__name__ == "jax_attn" and dtype == "float64":
+        pytest.skip("float64 in JAX needs jax_enable_x64 (covered by the float32 tests)")
+    import ml_dtypes
+
+    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    q, k, v = _inputs("gqa_q_longer", dtype=np_dtype)
+    tol = {"float64": (1e-12, 1e-12), "float16": (2e-3, 2e-3), "bfloat16": (2e-2, 2e-2)}[dtype]
+    small_blocks.blocked_calls.clear()
+    fast = small_blocks.scaled_dot_product_attention(q, k, v, is_causal=True)
+    plain, _ = small_blocks.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                         return_weights=True)
+    assert small_blocks.blocked_calls
+    assert np.asarray(fast).dtype == np_dtype
+    np.testing.assert_allclose(np.asarray(fast, dtype=np.float64),
+                               np.asarray(plain, dtype=np.float64), rtol=tol[0], atol=tol[1])
+
+
+def test_small_inputs_dropout_and_weights_take_the_explicit_path(small_blocks, monkeypatch):
+    functional = small_blocks.functional
+    q, k, v = _inputs("4d")
+
+    def calls(**options):
+        small_blocks.blocked_calls.clear()
+        small_blocks.scaled_dot_product_attention(q, k, v, **options)
+        return len(small_blocks.blocked_calls)
+
+    assert calls() == 1
+    assert calls(return_weights=True) == 0
+    if small_blocks.__name__ == "jax_attn":
+        import jax
+
+        assert calls(dropout_p=0.5, rng=jax.random.key(0)) == 0
+    else:
+        assert calls(dropout_p=0.5, rng=np.random.default_rng(0)) == 0
+    assert calls(dropout_p=0.5, dropout_mask=np.ones(_target(q, k), dtype=bool)) == 0
+    monkeypatch.setattr(functional, "_BLOCKED_MIN_SCORES", q.size // q.shape[-1] * k.shape[-2] + 1)
+    assert calls() == 0  # below the size threshold
+    monkeypatch.setattr(functional, "_BLOCKED_MIN_SCORES", 0)
+    empty = np.zeros((2, 2, 0, 8), dtype=np.float32)
+    small_blocks.blocked_calls.clear()
+    out = small_blocks.scaled_dot_product_attention(empty, k, v)
+    assert np.asarray(out).shape == (2, 2, 0, 8) and not small_blocks.blocked_calls
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_default_rule(name):
+    functional = _module(name).functional
+    use = functional._use_blocked_path
+    extra = {"backend": "cpu"} if name == "jax" else {}
+    big = (1, 8, 2048, 64)
+    assert use(big, big, big, 0.0, False, **extra)
+    assert not use(big, big, big, 0.0, True, **extra)
+    assert not use(big, big, big, 0.1, False, **extra)
+    assert not use((1, 8, 64, 64), (1, 8, 64, 64), (1, 8, 64, 64), 0.0, False, **extra)
+    assert not use((1, 8, 1, 64), (1, 8, 65536, 64), (1, 8, 65536, 64), 0.0, False, **extra)
+    if name == "jax":
+        assert not use(big, big, big, 0.0, False, backend="gpu")
+
+
+def test_numpy_large_default_blocks_match_plain():
+    """Default block size and threshold, threads and all: 2 heads of 1024 tokens, causal."""
+    import numpy_attn
+
+    gen = np.random.default_rng(3)
+    q, k, v = (gen.standard_normal((1, 2, 1024, 32)).astype(np.float32) for _ in range(3))
+    for options in ({}, {"is_causal": True}, {"window": (100, 10)}):
+        fast = numpy_attn.scaled_dot_product_attention(q, k, v, **options)
+        plain, _ = numpy_attn.scaled_dot_product_attention(q, k, v, return_weights=True,
+                                                           **options)
+        np.testing.assert_allclose(fast, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_numpy_restores_blas_threads_and_is_thread_safe(small_blocks):
+    if small_blocks.__name__ != "numpy_attn":
+        pytest.skip("numpy_attn only")
+    threadpoolctl = pytest.importorskip("threadpoolctl")
+    before = [lib["num_threads"] for lib in threadpoolctl.threadpool_info()
+              if lib["user_api"] == "blas"]
+    q, k, v = _inputs("4d")
+    expected = small_blocks.scaled_dot_product_attention(q, k, v, is_causal=True)
+    after = [lib["num_threads"] for lib in threadpoolctl.threadpool_info()
+             if lib["user_api"] == "blas"]
+    assert after == before
+    results = [None] * 4
+
+    def run(i):
+        results[i] = small_blocks.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for result in results:
+        np.testing.assert_array_equal(result, expected)
+
+
+def test_numpy_without_threadpoolctl_runs_in_the_calling_thread(small_blocks, monkeypatch):
+    if small_blocks.__name__ != "numpy_attn":
+        pytest.skip("numpy_attn only")
+    functional = small_blocks.functional
+    monkeypatch.setitem(sys.modules, "threadpoolctl", None)  # import fails
+    monkeypatch.setattr(functional, "_blocked_threads", {"lock": threading.Lock()})
+    q, k, v = _inputs("gqa_q_longer")
+    _compare(small_blocks, q, k, v, is_causal=True)
+    assert functional._blocked_threads["controller"] is None
+    assert "pool" not in functional._blocked_threads
+
+
+def test_import_numpy_attn_imports_no_threadpoolctl_and_starts_no_thread():
+    code = (
+        "import sys, threading, numpy_attn; "
+        "print('threadpoolctl' in sys.modules, threading.active_count())"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True)
+    assert result.stdout.split() == ["False", "1"]
+
+
+def test_jax_blocked_path_under_jit_vmap_and_grad(small_blocks):
+    if small_blocks.__name__ != "jax_attn":
+        pytest.skip("jax_attn only")
+    import jax
+    import jax.numpy as jnp
+
+    q, k, v = _inputs("gqa_q_longer")
+    mask = np.random.default_rng(2).random(_target(q, k)) > 0.2
+    options = {"is_causal": True, "causal_alignment": "bottom_right", "softcap": 3.0}
+
+    def loss(q, k, v, blocked):
+        if blocked:
+            out = small_blocks.scaled_dot_product_attention(q, k, v, mask=mask, **options)
+        else:
+            out, _ = small_blocks.scaled_dot_product_attention(
+                q, k, v, mask=mask, return_weights=True, **options)
+        return jnp.sum(jnp.sin(out))
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)
+    small_blocks.blocked_calls.clear()
+    fast = grads(q, k, v, True)
+    assert small_blocks.blocked_calls
+    plain = grads(q, k, v, False)
+    for f, p in zip(fast, plain, strict=True):
+        assert not np.isnan(np.asarray(f)).any()
+        np.testing.assert_allclose(np.asarray(f), np.asarray(p), rtol=1e-4, atol=1e-5)
+    batched = jax.vmap(lambda q: small_blocks.scaled_dot_product_attention(q, k[0], v[0]))(q)
+    single = small_blocks.scaled_dot_product_attention(q[0], k[0], v[0])
+    np.testing.assert_allclose(np.asarray(batched[0]), np.asarray(single), rtol=1e-5, atol=1e-6)
