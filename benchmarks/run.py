@@ -48,6 +48,9 @@ import numpy as np
 BATCH, HEADS, HEAD_DIM = 1, 8, 64
 LENGTHS = (512, 1024, 2048, 4096)
 QUICK_LENGTHS = (512, 1024)
+# OpenMP (torch), Eigen (XLA) and OpenBLAS threads spin for a while after each call; on 2 cores
+# the next framework's threads then wait for a core (10x slower small NumPy GEMMs were seen).
+PAUSE_S = 0.1
 
 # (mode, dtype, name) for every variant; the first of each (mode, dtype) group is the baseline
 VARIANTS = {
@@ -179,6 +182,7 @@ def time_group(names: list[str], mode: str, T: int, causal: bool, dtype: str, re
     deadline = time.perf_counter() + budget_s
     for r in range(repeats):
         for name, fn in runs.items():
+            time.sleep(PAUSE_S)  # let the previous framework's spinning threads go to sleep
             start = time.perf_counter()
             fn()
             results[name]["times"].append(time.perf_counter() - start)
