@@ -191,8 +191,8 @@ def test_numpy_extra_memory_is_a_few_tiles():
 
 # ------------------------------------------------------------------------------ gradients
 
-GRAD_FEATURES = ("plain", "causal_bottom_right_q_longer", "window_causal", "softcap",
-                 "bias_broadcast", "kv_lengths_empty", "mqa", "all_features")
+GRAD_FEATURES = ("causal_bottom_right_q_longer", "window_causal", "bias_broadcast",
+                 "kv_lengths_empty", "mqa", "all_features")  # all_features: softcap, scale…
 _FD_CACHE: dict = {}
 
 
@@ -255,7 +255,7 @@ def test_vjp_matches_finite_differences(backend, feature):
                                    err_msg=f"{backend.name} d{name}, {feature}")
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("dtype", ["float32"])  # float64: finite differences above
 def test_vjp_matches_plain_vjp(backend, dtype):
     q, k, v, kw, ref_kw = _inputs("all_features", dtype)
     grad_out = np.random.default_rng(3).standard_normal(q.shape[:-1] + v.shape[-1:])
