@@ -53,8 +53,7 @@ def _panel(ax: Any, weights: np.ndarray, title: str, xlabels: list[str] | None =
     import matplotlib.pyplot as plt
 
     shown = np.ma.masked_where(weights == 0, weights)  # masked positions: white
-    cmap = plt.get_cmap("viridis").copy()
-    cmap.set_bad("white")
+    cmap = plt.get_cmap("viridis").with_extremes(bad="white")
     image = ax.imshow(shown, cmap=cmap, vmin=0, vmax=max(float(weights.max()), 1e-12))
     q_len, kv_len = weights.shape
     ax.set_xticks(range(kv_len), xlabels or [str(j) for j in range(kv_len)],

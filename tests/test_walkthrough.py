@@ -1,0 +1,90 @@
+"""``python -m conformance walkthrough`` and ``python -m conformance pictures``."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from conformance import backends, seed_example, walkthrough
+from conformance.__main__ import main
+from conformance.seed_example import ARTICLE_INCONSISTENT
+
+INSTALLED = [n for n in backends.SPEC_BACKENDS if backends.get(n).available()]
+
+
+@pytest.fixture(scope="module")
+def printed() -> tuple[str, bool]:
+    lines, ok = walkthrough.walkthrough(INSTALLED, width=120)
+    return "\n".join(lines), ok
+
+
+def test_every_backend_agrees_and_reproduces_the_article(printed):
+    text, ok = printed
+    assert ok, text
+    assert "✗ every step" not in text
+    for name in INSTALLED:
+        assert f"{name} ✓ 36/36" in text  # ω, weights and both causal methods: 36 numbers
+        assert f"{name} ✓ 24/24" in text  # module outputs
+    for heading in ("嵌入", "交叉注意力", "因果自注意力", "renormalized_causal_weights",
+                    "mask_scores(attention_scores(queries, keys), is_causal=True)"):
+        assert heading in text
+
+
+def test_the_article_inconsistencies_are_pointed_out(printed):
+    text, _ = printed
+    for key, entry in ARTICLE_INCONSISTENT.items():
+        assert f"why ({key})" in text
+        assert f"{entry['printed'][0]:.4f}" in text
+    assert seed_example.CODE_SENTENCE in text and seed_example.SENTENCE in text
+    assert "-0.2627" in text  # the one printed value that is a rounding off
+
+
+@pytest.mark.skipif("torch" not in INSTALLED, reason="torch not installed (pip install torch)")
+def test_torch_draws_the_article_weights_itself(printed):
+    text, _ = printed
+    assert "17/17 arrays bit-identical to seed_example" in text
+    drawn = walkthrough.run_backend("torch")
+    for name, value in walkthrough.article_inputs().items():
+        np.testing.assert_array_equal(drawn[name], value, err_msg=name)
+
+
+def test_values_match_the_float64_computation_in_numpy():
+    got = walkthrough.run_backend("numpy")
+    expected, _ = walkthrough.expected_values()
+    for name, value in expected.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    np.testing.assert_allclose(got["self_attention"], seed_example.ARTICLE["self_attention"],
+                               atol=1.5e-4)
+
+
+def test_narrow_and_wide_layouts_show_the_same_marks():
+    narrow, ok_narrow = walkthrough.walkthrough(["numpy", "numpy"], width=60)
+    wide, ok_wide = walkthrough.walkthrough(["numpy"], width=200)
+    assert ok_narrow and ok_wide
+    rows = re.compile(r"^\s+(Life|is|short,|eat|dessert|first)\s")
+    one_each = [line for line in narrow if re.match(r"^\s+Life\s+numpy\s", line)]
+    side_by_side = [line for line in wide if rows.match(line) and "numpy" not in line]
+    assert one_each and side_by_side
+    for lines in (narrow, wide):
+        assert not [line for line in lines if rows.match(line) and "✗" in line]
+
+
+def test_missing_backend_is_reported_with_its_install_command(monkeypatch, capsys):
+    monkeypatch.setattr(backends.Backend, "available", lambda self: self.name == "numpy")
+    assert main(["walkthrough", "--backend", "numpy", "--backend", "jax", "--width", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "jax: not installed — pip install jax" in out
+    assert "numpy ✓" in out
+
+
+def test_pictures_command_writes_every_png(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from conformance import pictures
+
+    assert main(["pictures", str(tmp_path)]) == 0
+    for name in pictures.PICTURES:
+        data = (tmp_path / name).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 10_000, name
+    assert len(capsys.readouterr().out.splitlines()) == len(pictures.PICTURES)
