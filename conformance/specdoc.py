@@ -47,7 +47,7 @@ def render() -> str:
     constants = [
         "MASK_TRUE_MEANS", "CAUSAL_ALIGNMENTS", "DEFAULT_CAUSAL_ALIGNMENT", "FULLY_MASKED_ROW",
         "COMPUTE_DTYPE", "PRECISION", "DROPOUT", "ERRORS", "TOLERANCES", "WEIGHTS",
-        "INITIALISATION", "BACKEND_EXTRAS", "KNOWN_DIFFERENCES",
+        "INITIALISATION", "DECODING", "BACKEND_EXTRAS", "KNOWN_DIFFERENCES",
     ]
     for name in constants:
         if hasattr(spec, name):
@@ -67,6 +67,19 @@ def render() -> str:
         forward_doc = _doc(cls.forward)
         if forward_doc:
             parts += [f"`forward`: {forward_doc}", ""]
+    decode = spec.DecodingModule.decode
+    parts += ["### `decode`", "", f"Method of {', '.join(spec.DECODING_MODULES)}.", "",
+              "```python", _signature(decode, "decode"), "```", "", _doc(decode), ""]
+    parts += ["## Classes", ""]
+    for name in spec.CLASSES:
+        cls = getattr(spec, name)
+        parts += [f"### `{name}`", "", _doc(cls), "", "```python"]
+        methods = [m for m, v in vars(cls).items() if not m.startswith("_")]
+        for method in methods:
+            parts.append(_signature(getattr(cls, method), f"{name}.{method}"))
+        parts += ["```", ""]
+        for method in methods:
+            parts += [f"`{method}`: {_doc(getattr(cls, method))}", ""]
     return "\n".join(parts).rstrip() + "\n"
 
 
