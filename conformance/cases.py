@@ -14,7 +14,14 @@ Two kinds of case exist:
 ``module``
   a spec module (``options["module"]``) with constructor arguments ``options["init"]``, weights
   (arrays named ``w:<weight name>``) loaded into every backend, and forward inputs ``x``
-  (and ``context``/``x_2``, ``mask``), with forward options ``options["forward"]``.
+  (and ``context``/``x_2``, ``mask``), with forward options ``options["forward"]``; with
+  ``options["decode"]`` (chunk sizes) the module also decodes ``x`` with a KV cache, which
+  must equal the causal forward pass.
+
+sdpa cases without a general boolean mask and without dropout also run ``blockwise_attention``
+(and its VJP) with small tiles (``BLOCKWISE_TILES``) that do not divide the lengths;
+``kv_lengths`` (an int array) gives it the padding that the case's ``mask`` gives
+``scaled_dot_product_attention``.
 
 Most sdpa cases share one shape (batch 2, heads 4, q_len 5, kv_len 7, head_dim 8) so JAX compiles
 few programs.
@@ -36,6 +43,7 @@ from .backends import DTYPES, numpy_dtype
 B, H, TQ, TK, D = 2, 4, 5, 7, 8
 
 SDPA_ARRAYS = ("query", "key", "value", "mask", "bias", "dropout_mask")
+BLOCKWISE_TILES = {"block_q": 2, "block_kv": 3}
 SDPA_OPTIONS = ("is_causal", "causal_alignment", "window", "scale", "softcap", "dropout_p")
 
 
@@ -146,10 +154,15 @@ def _seed_projections(rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 
 def _module(module: str, init: dict[str, Any], arrays_fn: Callable[[np.random.Generator], dict],
-            forward: dict[str, Any] | None = None) -> Callable[[np.random.Generator], CaseData]:
+            forward: dict[str, Any] | None = None, decode: tuple[int, ...] | None = None
+            ) -> Callable[[np.random.Generator], CaseData]:
+    """A module case; ``decode`` (chunk sizes) also decodes ``x`` chunk by chunk."""
+
     def build(rng: np.random.Generator) -> CaseData:
-        return CaseData(arrays_fn(rng), {"module": module, "init": init,
-                                         "forward": dict(forward or {})})
+        options = {"module": module, "init": init, "forward": dict(forward or {})}
+        if decode:
+            options["decode"] = decode
+        return CaseData(arrays_fn(rng), options)
 
     return build
 
@@ -209,6 +222,27 @@ def _scaled(factor: float) -> Callable[[np.random.Generator], dict[str, np.ndarr
     return arrays
 
 
+def _kv_lengths(rng: np.random.Generator, base: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    kv_lengths = np.array([4, 0])  # sequence 1 has no key at all: every row fully masked
+    key_ok = np.arange(TK) < kv_lengths[:, None]  # (batch, kv_len)
+    return {"kv_lengths": kv_lengths, "mask": key_ok[:, None, None, :]}  # (B, 1, 1, TK)
+
+
+def _length_one(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return _qkv(rng, q_len=1, kv_len=1)
+
+
+def _single_query(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return _qkv(rng, q_len=1, kv_len=TK)
+
+
+def _mha_self(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    arrays = _mha(rng)
+    del arrays["context"], arrays["mask"]
+    arrays["x"] = _normal(rng, B, 6, 16)
+    return arrays
+
+
 def _dropout(rng: np.random.Generator, base: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {"dropout_mask": rng.random((B, H, TQ, TK)) >= 0.3}
 
@@ -249,6 +283,11 @@ CASES: tuple[Case, ...] = (
          _sdpa(_with(_fully_masked))),
     Case("huge_logits", "logits up to ~1e4 (inputs x30, scale 1): softmax must subtract the max",
          _sdpa(_scaled(30.0), scale=1.0)),
+    Case("kv_lengths", "padding from kv_lengths [4, 0]: sequence 1 has no key (blockwise too)",
+         _sdpa(_with(_kv_lengths))),
+    Case("length_one", "q_len = kv_len = 1", _sdpa(_length_one)),
+    Case("single_query_causal", "one query over 7 keys, causal bottom-right (a decoding step)",
+         _sdpa(_single_query, is_causal=True, causal_alignment="bottom_right")),
     Case("two_d", "2-D inputs (seq, head_dim), as in the seed article", _sdpa(_two_d)),
     Case("three_d_gqa_causal", "3-D inputs (heads, seq, head_dim), 4 over 2 heads, causal",
          _sdpa(_three_d, is_causal=True)),
@@ -273,6 +312,16 @@ CASES: tuple[Case, ...] = (
          "MultiHeadAttention(16, 4 heads, 2 kv heads, bias) cross-attention with padding mask",
          _module("MultiHeadAttention", {"d_model": 16, "num_heads": 4, "num_kv_heads": 2},
                  _mha, {"return_weights": True}),
+         kind="module"),
+    Case("module_causal_decode",
+         "CausalSelfAttention(3, 2, 4) decoding the article's 6 tokens one by one",
+         _module("CausalSelfAttention", {"d_in": 3, "d_out_kq": 2, "d_out_v": 4}, _seed_self,
+                 decode=(1, 1, 1, 1, 1, 1)),
+         kind="module"),
+    Case("module_multihead_decode",
+         "MultiHeadAttention(16, 4 heads, 2 kv heads) causal, decoded in chunks of 1, 2, 3",
+         _module("MultiHeadAttention", {"d_model": 16, "num_heads": 4, "num_kv_heads": 2},
+                 _mha_self, {"is_causal": True}, decode=(1, 2, 3)),
          kind="module"),
 )
 

@@ -222,7 +222,10 @@ def pipeline(data: CaseData, kind: str, dtype: str, naive: bool) -> dict[str, np
     r = rounder(dtype) if naive else rounder("float64")
     attention = naive_attention if naive else _reference_attention
     if kind == "module":
-        return _module_forward(data, r, attention)
+        result = _module_forward(data, r, attention)
+        if data.options.get("decode"):
+            result["decode_output"] = result["output"]  # decoding equals the causal forward
+        return result
     steps = attention(data.arrays, data.options, r)
     values = {"scores": steps.scores, "masked_scores": steps.masked_scores,
               "weights": steps.weights, "output": steps.output, "output_weights": steps.weights}
@@ -233,7 +236,19 @@ def pipeline(data: CaseData, kind: str, dtype: str, naive: bool) -> dict[str, np
             value = getattr(grads, name.removeprefix("grad_"))
             if value is not None:
                 values[name] = value
+    if blockwise_applies(data):
+        values["blockwise_output"] = values["output"]
+        for name in GRAD_STEPS:
+            if name in values:
+                values[f"blockwise_{name}"] = values[name]
     return values
+
+
+def blockwise_applies(data: CaseData) -> bool:
+    """``blockwise_attention`` expresses the case: masks only as structure or ``kv_lengths``,
+    no dropout."""
+    a = data.arrays
+    return ("mask" not in a or "kv_lengths" in a) and "dropout_mask" not in a
 
 
 # ------------------------------------------------------------------------------ expectations
@@ -283,6 +298,9 @@ def expected_for(data: CaseData, kind: str, dtype: str, case: str = "") -> Expec
         empty = masked.all(-1, keepdims=True)
         zeros["output"] = np.broadcast_to(empty, values["output"].shape)
         zeros["grad_query"] = np.broadcast_to(empty, values["grad_query"].shape)
+        for name in ("output", "grad_query"):
+            if f"blockwise_{name}" in values:
+                zeros[f"blockwise_{name}"] = zeros[name]
     return Expected(case, kind, dtype, data, values, baseline, zeros)
 
 
@@ -350,16 +368,59 @@ class Execution:
                 None if g is None else self.backend.to_numpy(g) for g in grads)
         return self._cache["vjp"]
 
+    def _blockwise_args(self) -> tuple[list[Any], dict[str, Any]]:
+        a, o = self.exp.data.arrays, self.exp.data.options
+        options = _sdpa_options(o)
+        options.update({k: a[k] for k in ("bias", "kv_lengths") if k in a})
+        options.update(cases_mod.BLOCKWISE_TILES)
+        return [a["query"], a["key"], a["value"]], options
+
+    def blockwise(self) -> np.ndarray:
+        """``blockwise_attention(...)`` with small tiles, once."""
+        if "blockwise" not in self._cache:
+            args, options = self._blockwise_args()
+            self._cache["blockwise"] = self.call("blockwise_attention", *args, **options)
+        return self._cache["blockwise"]
+
+    def blockwise_vjp(self) -> tuple[np.ndarray | None, ...]:
+        """``blockwise_attention_vjp(...)`` against the case's grad_output, once."""
+        if "blockwise_vjp" not in self._cache:
+            args, options = self._blockwise_args()
+            grads = self.module.blockwise_attention_vjp(
+                *(self.to_backend(x) for x in args + [self.exp.data.arrays["grad_output"]]),
+                **{k: self.to_backend(v) for k, v in options.items()})
+            self._cache["blockwise_vjp"] = tuple(
+                None if g is None else self.backend.to_numpy(g) for g in grads)
+        return self._cache["blockwise_vjp"]
+
+    def _build_module(self) -> Any:
+        a, o = self.exp.data.arrays, self.exp.data.options
+        cls = getattr(self.module, o["module"])
+        m = cls(**o["init"], rng=self.backend.rng(cases_mod.get(self.exp.case).seed)
+                if self.exp.case in cases_mod.CASE_NAMES else self.backend.rng(0))
+        if hasattr(m, "eval"):
+            m = m.eval() or m
+        return m.load_weights({n[2:]: x for n, x in a.items() if n.startswith("w:")})
+
+    def module_decode(self) -> np.ndarray:
+        """Decode ``x`` chunk by chunk with the module's ``decode`` and a KV cache, once."""
+        if "decode" not in self._cache:
+            m = self._build_module()
+            x = self.exp.data.arrays["x"]
+            cache, outputs, start = None, [], 0
+            for n in self.exp.data.options["decode"]:
+                chunk = self.to_backend(np.ascontiguousarray(x[..., start:start + n, :]))
+                out, cache = m.decode(chunk, cache, max_len=x.shape[-2])
+                outputs.append(self.backend.to_numpy(out))
+                start += n
+            self._cache["decode"] = np.concatenate(outputs, axis=-2)
+        return self._cache["decode"]
+
     def module_forward(self) -> tuple[np.ndarray, np.ndarray | None]:
         """Build the case's module in the backend, load its weights, run forward, once."""
         if "module" not in self._cache:
             a, o = self.exp.data.arrays, self.exp.data.options
-            cls = getattr(self.module, o["module"])
-            m = cls(**o["init"], rng=self.backend.rng(cases_mod.get(self.exp.case).seed)
-                    if self.exp.case in cases_mod.CASE_NAMES else self.backend.rng(0))
-            if hasattr(m, "eval"):
-                m = m.eval() or m
-            m = m.load_weights({n[2:]: x for n, x in a.items() if n.startswith("w:")})
+            m = self._build_module()
             inputs = [a[n] for n in ("x", "x_1", "x_2", "context") if n in a]
             kwargs = {"mask": a["mask"]} if "mask" in a else {}
             kwargs.update(o["forward"])
@@ -427,6 +488,16 @@ def _grad_step(index: int) -> Callable[[Execution], np.ndarray]:
     return run
 
 
+def _blockwise_grad_step(index: int) -> Callable[[Execution], np.ndarray]:
+    def run(exe: Execution) -> np.ndarray:
+        grad = exe.blockwise_vjp()[index]
+        if grad is None:
+            raise ValueError(f"blockwise_attention_vjp returned no {GRAD_STEPS[index]}")
+        return grad
+
+    return run
+
+
 STEPS: dict[str, Step] = {
     s.name: s
     for s in (
@@ -443,6 +514,13 @@ STEPS: dict[str, Step] = {
         *(Step(name, ("sdpa",), _grad_step(i), "input",
                f"scaled_dot_product_attention_vjp(..., grad_output) -> {name}")
           for i, name in enumerate(GRAD_STEPS)),
+        Step("blockwise_output", ("sdpa",), lambda exe: exe.blockwise(), "input",
+             "blockwise_attention(..., block_q=2, block_kv=3): online softmax in tiles"),
+        *(Step(f"blockwise_{name}", ("sdpa",), _blockwise_grad_step(i), "input",
+               f"blockwise_attention_vjp(..., grad_output) -> {name}, recomputed per tile")
+          for i, name in enumerate(GRAD_STEPS)),
+        Step("decode_output", ("module",), lambda exe: exe.module_decode(), "input",
+             "module.decode(x chunk, cache) chunk by chunk: equals the causal forward"),
     )
 }
 
