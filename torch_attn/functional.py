@@ -121,9 +121,13 @@ def _mask_scores(
     return scores
 
 
-def _softmax(scores: torch.Tensor) -> torch.Tensor:
+def _softmax(scores: torch.Tensor, rows_may_be_empty: bool = True) -> torch.Tensor:
     """Softmax over the last axis; rows that are all ``-inf`` become exactly 0 (so do their
-    gradients: no ``-inf - -inf``, no ``0 / 0``)."""
+    gradients: no ``-inf - -inf``, no ``0 / 0``). Without ``rows_may_be_empty`` (no mask, bias,
+    causal rule or window could empty a row) torch's fused softmax computes the same weights
+    in one pass instead of five."""
+    if not rows_may_be_empty and scores.shape[-1] > 0:
+        return torch.softmax(scores, dim=-1)
     if scores.shape[-1] == 0:  # no key at all: amax of an empty axis is an error in torch
         return scores.clone()
     row_max = scores.detach().amax(dim=-1, keepdim=True)  # (..., q_len, 1); shift, no gradient
@@ -486,7 +490,8 @@ def scaled_dot_product_attention(
 
     scores = _scores(query, key, scale, softcap)  # (..., heads, q_len, kv_len)
     scores = _mask_scores(scores, mask, bias, is_causal, causal_alignment, window)
-    weights = _softmax(scores)  # (..., heads, q_len, kv_len)
+    may_be_empty = mask is not None or bias is not None or is_causal or window is not None
+    weights = _softmax(scores, may_be_empty)  # (..., heads, q_len, kv_len)
     kept = _dropout(weights, dropout_p, dropout_mask, rng) if dropout_p > 0 else weights
     output = _output(kept, value).to(getattr(torch, dtype))  # (..., heads, q_len, v_dim)
     if return_weights:
