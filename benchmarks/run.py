@@ -204,8 +204,9 @@ def _rss_kib(field: str) -> int:
 def measure_memory(name: str, mode: str, dtype: str, lengths: list[int]) -> dict[str, float]:
     """In this (fresh) process: peak RSS growth of one call, per (T, causal), in MiB.
 
-    The inputs are made (and JAX's executable compiled) first; then the kernel's peak RSS
-    (``VmHWM``, reset through ``/proc/self/clear_refs``) minus the RSS just before the call.
+    The inputs are made (and JAX's executable compiled) first; then the peak RSS of the first
+    call (``VmHWM``, reset through ``/proc/self/clear_refs``) minus the RSS just before it (a
+    warm-up call would leave XLA's and the allocators' buffers behind for the next to reuse).
     The parent sets ``MALLOC_MMAP_THRESHOLD_`` so that glibc returns large blocks to the system
     when they are freed, and memory kept from an earlier call is not counted as reused.
     """
@@ -215,9 +216,7 @@ def measure_memory(name: str, mode: str, dtype: str, lengths: list[int]) -> dict
             built = build(name, mode, T, causal, dtype)
             if built is None:
                 continue
-            fn, _ = built
-            if FRAMEWORK[name] == "jax" or "numpy_attn" == name:
-                fn()  # JAX: load the executable's buffers; numpy_attn: start the thread pool
+            fn, _ = built  # JAX: compiled already, so the compiler's memory is not counted
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset VmHWM to the current RSS
             before = _rss_kib("VmRSS")
