@@ -98,6 +98,7 @@ def attention(
     )
     if mask is not None:
         allowed = allowed & np.asarray(mask, dtype=bool)
+    allowed = allowed & (masked != -np.inf)  # a bias of -inf masks its position too
     masked = np.where(allowed, masked, -np.inf)
     keeps_any = allowed.any(axis=-1, keepdims=True)  # (..., q_len, 1)
     safe = np.where(allowed, masked, 0.0)

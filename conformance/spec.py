@@ -87,6 +87,17 @@ PRECISION = (
     "compute dtype; scaled_dot_product_attention returns output and weights in the input dtype."
 )
 
+#: How large inputs are computed, in words.
+BLOCKED_COMPUTATION = (
+    "Backends may compute large inputs in blocks (numpy_attn: blocks of 128 queries on a "
+    "thread pool, one thread per core, with BLAS limited to one thread during the call through "
+    "the optional threadpoolctl — without it the blocks run in the calling thread; jax_attn on "
+    "CPU: lax.map over query blocks; torch_attn: torch's fused SDPA). Results equal the "
+    "explicit pipeline within the dtype's rounding, fully masked rows stay exactly 0, and "
+    "causal or window blocks that are fully masked are skipped. The step functions and "
+    "return_weights=True always run the explicit pipeline."
+)
+
 #: Dropout rule, in words.
 DROPOUT = (
     "dropout_p in [0, 1). With dropout_p > 0 the weights are multiplied by a keep-mask and "
@@ -769,9 +780,10 @@ BACKEND_EXTRAS = {
 # --------------------------------------------------------------------------------------------
 
 _BOTTOM_RIGHT = [
-    "causal_bottom_right", "causal_bottom_right_q_longer", "window_causal_bottom_right"
+    "causal_bottom_right", "causal_bottom_right_q_longer", "window_causal_bottom_right",
+    "single_query_causal",
 ]
-_EMPTY_ROWS = ["fully_masked_rows", "padding"]
+_EMPTY_ROWS = ["fully_masked_rows", "padding", "kv_lengths"]
 
 KNOWN_DIFFERENCES = {
     "torch.sdpa": [

@@ -12,7 +12,8 @@ them ``static_argnames`` when you jit a wrapper). Fully masked rows give weights
 exactly 0, and their gradients are exactly 0 (never NaN).
 
 Precision: float16 and bfloat16 are upcast to float32 before the matmuls (scores, softmax and
-weighted sum in float32; XLA on CPU also refuses half matmuls that accumulate in float32) and
+weighted sum in float32, as the spec says; this also sidesteps XLA:CPU builds that refuse half
+matmuls accumulating in float32 — jax 0.10.2 accepts them, see docs/backend_differences.md) and
 the result is cast back; float32 stays float32 (Python floats are weakly typed, nothing is
 promoted); float64 stays float64 but needs ``jax.config.update("jax_enable_x64", True)``
 (otherwise JAX turns float64 inputs into float32 on entry, as everywhere in JAX).
