@@ -57,7 +57,23 @@ def _module(name: str):
 @pytest.fixture(params=BACKENDS)
 def small_blocks(request, monkeypatch):
     """The backend module, with its blocked path taken by every input of at least 2 blocks."""
-    module = _module(request.param)
+    return _small_blocks(request.param, monkeypatch)
+
+
+@pytest.fixture
+def numpy_small_blocks(monkeypatch):
+    """numpy_attn with small blocks (tests of its thread pool)."""
+    return _small_blocks("numpy", monkeypatch)
+
+
+@pytest.fixture
+def jax_small_blocks(monkeypatch):
+    """jax_attn with small blocks (tests of jit, vmap and grad)."""
+    return _small_blocks("jax", monkeypatch)
+
+
+def _small_blocks(name, monkeypatch):
+    module = _module(name)
     functional = module.functional
     monkeypatch.setattr(functional, "_BLOCK_Q", 8)
     monkeypatch.setattr(functional, "_BLOCKED_MIN_SCORES", 0)
@@ -169,7 +185,9 @@ def test_blocked_bias_with_minus_inf_and_softcap(small_blocks):
 @pytest.mark.parametrize("dtype", ["float64", "float16", "bfloat16"])
 def test_blocked_dtypes(small_blocks, dtype):
     if small_blocks.__name__ == "jax_attn" and dtype == "float64":
-        pytest.skip("float64 in JAX needs jax_enable_x64 (covered by the float32 tests)")
+        import jax
+
+        jax.config.update("jax_enable_x64", True)  # float64 in JAX needs x64, as documented
     import ml_dtypes
 
     np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
@@ -240,9 +258,8 @@ def test_numpy_large_default_blocks_match_plain():
         np.testing.assert_allclose(fast, plain, rtol=1e-5, atol=1e-6)
 
 
-def test_numpy_restores_blas_threads_and_is_thread_safe(small_blocks):
-    if small_blocks.__name__ != "numpy_attn":
-        pytest.skip("numpy_attn only")
+def test_numpy_restores_blas_threads_and_is_thread_safe(numpy_small_blocks):
+    small_blocks = numpy_small_blocks
     threadpoolctl = pytest.importorskip("threadpoolctl")
     before = [lib["num_threads"] for lib in threadpoolctl.threadpool_info()
               if lib["user_api"] == "blas"]
@@ -265,9 +282,8 @@ def test_numpy_restores_blas_threads_and_is_thread_safe(small_blocks):
         np.testing.assert_array_equal(result, expected)
 
 
-def test_numpy_without_threadpoolctl_runs_in_the_calling_thread(small_blocks, monkeypatch):
-    if small_blocks.__name__ != "numpy_attn":
-        pytest.skip("numpy_attn only")
+def test_numpy_without_threadpoolctl_runs_in_the_calling_thread(numpy_small_blocks, monkeypatch):
+    small_blocks = numpy_small_blocks
     functional = small_blocks.functional
     monkeypatch.setitem(sys.modules, "threadpoolctl", None)  # import fails
     monkeypatch.setattr(functional, "_blocked_threads", {"lock": threading.Lock()})
@@ -287,9 +303,8 @@ def test_import_numpy_attn_imports_no_threadpoolctl_and_starts_no_thread():
     assert result.stdout.split() == ["False", "1"]
 
 
-def test_jax_blocked_path_under_jit_vmap_and_grad(small_blocks):
-    if small_blocks.__name__ != "jax_attn":
-        pytest.skip("jax_attn only")
+def test_jax_blocked_path_under_jit_vmap_and_grad(jax_small_blocks):
+    small_blocks = jax_small_blocks
     import jax
     import jax.numpy as jnp
 
