@@ -12,6 +12,7 @@ import tracemalloc
 
 import numpy as np
 import pytest
+from numerics import finite_differences
 
 from conformance import reference
 
@@ -206,19 +207,6 @@ def _small(feature):
     return q, k, v, grad_out, kw, ref_kw
 
 
-def _finite_differences(loss, x, eps=1e-6):
-    grad = np.zeros_like(x)
-    for index in np.ndindex(x.shape):
-        old = x[index]
-        x[index] = old + eps
-        up = loss()
-        x[index] = old - eps
-        down = loss()
-        x[index] = old
-        grad[index] = (up - down) / (2 * eps)
-    return grad
-
-
 def _reference_grads(feature):
     if feature not in _FD_CACHE:
         q, k, v, grad_out, kw, ref_kw = _small(feature)
@@ -229,7 +217,7 @@ def _reference_grads(feature):
         arrays = {"query": q, "key": k, "value": v}
         if "bias" in ref_kw:
             arrays["bias"] = ref_kw["bias"]
-        _FD_CACHE[feature] = {name: _finite_differences(loss, x) for name, x in arrays.items()}
+        _FD_CACHE[feature] = {name: finite_differences(loss, x) for name, x in arrays.items()}
     return _FD_CACHE[feature]
 
 
@@ -241,7 +229,7 @@ def _blockwise_vjp(backend, q, k, v, grad_out, kw, **blocks):
 
 
 @pytest.mark.parametrize("feature", GRAD_FEATURES)
-def test_vjp_matches_finite_differences(backend, feature):
+def test_vjp_matchesfinite_differences(backend, feature):
     q, k, v, grad_out, kw, _ = _small(feature)
     expected = _reference_grads(feature)
     grads = _blockwise_vjp(backend, q, k, v, grad_out, kw, block_q=2, block_kv=3)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from numerics import finite_differences
 
 from conformance import reference
 
@@ -58,19 +59,6 @@ def _inputs(feature):
     return q, k, v, grad_out, kw
 
 
-def _finite_differences(loss, x, eps=1e-6):
-    grad = np.zeros_like(x)
-    for index in np.ndindex(x.shape):
-        old = x[index]
-        x[index] = old + eps
-        up = loss()
-        x[index] = old - eps
-        down = loss()
-        x[index] = old
-        grad[index] = (up - down) / (2 * eps)
-    return grad
-
-
 def _reference_grads(q, k, v, grad_out, kw):
     def loss():
         return float((reference.attention(q, k, v, **kw).output * grad_out).sum())
@@ -78,14 +66,14 @@ def _reference_grads(q, k, v, grad_out, kw):
     arrays = {"query": q, "key": k, "value": v}
     if "bias" in kw:
         arrays["bias"] = kw["bias"]
-    return {name: _finite_differences(loss, x) for name, x in arrays.items()}
+    return {name: finite_differences(loss, x) for name, x in arrays.items()}
 
 
 _FD_CACHE: dict = {}
 
 
 @pytest.mark.parametrize("feature", sorted(FEATURES))
-def test_vjp_matches_finite_differences(backend, feature):
+def test_vjp_matchesfinite_differences(backend, feature):
     q, k, v, grad_out, kw = _inputs(feature)
     if feature not in _FD_CACHE:
         _FD_CACHE[feature] = _reference_grads(q, k, v, grad_out, kw)
@@ -156,7 +144,7 @@ MODULE_CASES = [(name, {}) for name in sorted(MODULES)] + [
     "name, forward_kwargs", MODULE_CASES,
     ids=[f"{n}-{'-'.join(kw) or 'plain'}" for n, kw in MODULE_CASES],
 )
-def test_numpy_module_backward_matches_finite_differences(name, forward_kwargs):
+def test_numpy_module_backward_matchesfinite_differences(name, forward_kwargs):
     import numpy_attn
 
     forward_kwargs = dict(forward_kwargs)
@@ -185,7 +173,7 @@ def test_numpy_module_backward_matches_finite_differences(name, forward_kwargs):
         module.load_weights(weights)
         return float((module.forward(*inputs, **forward_kwargs) * grad_out).sum())
 
-    expected = {n: _finite_differences(loss, w) for n, w in weights.items()}
+    expected = {n: finite_differences(loss, w) for n, w in weights.items()}
     module.load_weights(weights)
     if name == "MultiHeadAttention":
         context_arg = inputs[1] if len(inputs) == 2 else None
@@ -235,7 +223,7 @@ def test_numpy_optimisers_match_torch():
 
 @pytest.mark.parametrize("feature", ["mask_bias", "softcap", "gqa", "dropout_mask",
                                      "fully_masked_rows", "causal_bottom_right", "two_d"])
-def test_reference_vjp_matches_finite_differences(feature):
+def test_reference_vjp_matchesfinite_differences(feature):
     """The harness's float64 gradient reference is itself right."""
     q, k, v, grad_out, kw = _inputs(feature)
     if feature not in _FD_CACHE:
