@@ -519,14 +519,18 @@ MODULES = (
 )
 
 #: Methods every module has, beyond its constructor.
-MODULE_METHODS = ("forward", "export_weights", "load_weights")
+MODULE_METHODS = ("forward", "backward", "export_weights", "load_weights")
 
 WEIGHTS = (
     "Each module's weights export to a flat dict of NumPy arrays (export_weights) and load from "
     "one (load_weights), with the same keys and shapes in every backend. load_weights returns "
     "the module holding the new weights: numpy_attn and torch_attn update the module in place "
     "and return it; jax_attn modules are immutable pytrees and return a new module. Write "
-    "`module = module.load_weights(weights)` to be portable."
+    "`module = module.load_weights(weights)` to be portable. backward(inputs..., grad_output) "
+    "returns the gradient of every weight as a dict of NumPy arrays with the same keys: "
+    "numpy_attn derives it by hand (backward.py), jax_attn with jax.vjp and torch_attn with "
+    "torch.autograd; it never applies dropout (numpy_attn and torch_attn raise ValueError while "
+    "dropout is active in training mode)."
 )
 
 INITIALISATION = (
@@ -551,6 +555,9 @@ class SelfAttention:
     def forward(self, x: Any) -> Any:
         """``x: (..., seq, d_in)`` → ``(..., seq, d_out_v)``."""
 
+    def backward(self, x: Any, grad_output: Any) -> dict:
+        """Weight gradients: ``grad_output: (..., seq, d_out_v)`` → name → NumPy array."""
+
     def export_weights(self) -> dict:
         """Flat dict name → NumPy array."""
 
@@ -569,6 +576,9 @@ class CrossAttention:
 
     def forward(self, x_1: Any, x_2: Any) -> Any:
         """``x_1: (..., q_len, d_in)``, ``x_2: (..., kv_len, d_in)`` → ``(..., q_len, d_out_v)``."""
+
+    def backward(self, x_1: Any, x_2: Any, grad_output: Any) -> dict:
+        """Weight gradients: ``grad_output: (..., q_len, d_out_v)`` → name → NumPy array."""
 
     def export_weights(self) -> dict:
         """Flat dict name → NumPy array."""
@@ -592,6 +602,9 @@ class CausalSelfAttention:
     def forward(self, x: Any, *, rng: Any = None) -> Any:
         """``x: (..., seq, d_in)`` → ``(..., seq, d_out_v)``; ``rng`` feeds dropout."""
 
+    def backward(self, x: Any, grad_output: Any) -> dict:
+        """Weight gradients (no dropout): ``grad_output: (..., seq, d_out_v)``."""
+
     def export_weights(self) -> dict:
         """Flat dict name → NumPy array."""
 
@@ -613,6 +626,9 @@ class MultiHeadAttentionWrapper:
 
     def forward(self, x: Any) -> Any:
         """``x: (..., seq, d_in)`` → ``(..., seq, num_heads * d_out_v)``."""
+
+    def backward(self, x: Any, grad_output: Any) -> dict:
+        """Weight gradients ``heads.{h}.W_*``: ``grad_output: (..., seq, num_heads * d_out_v)``."""
 
     def export_weights(self) -> dict:
         """Flat dict name → NumPy array."""
@@ -668,6 +684,22 @@ class MultiHeadAttention:
 
         Returns:
           ``(..., q_len, d_model)`` (and the weights).
+        """
+
+    def backward(
+        self,
+        x: Any,
+        grad_output: Any,
+        context: Any = None,
+        *,
+        mask: Any = None,
+        is_causal: bool = False,
+        causal_alignment: str = "top_left",
+        window: tuple | None = None,
+    ) -> dict:
+        """Weight gradients of ``forward(x, context, ...)`` (no dropout).
+
+        ``grad_output: (..., q_len, d_model)``; returns name → NumPy array for every weight.
         """
 
     def export_weights(self) -> dict:

@@ -120,6 +120,17 @@ def _check_weight_dict(fn: str, expected: dict[str, Any], weights: dict[str, Any
             )
 
 
+def _weight_grads(module: _Module, forward: Any, grad_output: Any) -> dict[str, np.ndarray]:
+    """Gradient of every weight: ``jax.vjp`` of ``forward(module)`` against ``grad_output``.
+
+    numpy_attn's modules write this backward pass out by hand; here the module is a pytree, so
+    its gradient is a module of the same structure whose "weights" are the gradients.
+    """
+    _, pullback = jax.vjp(forward, module)
+    (grads,) = pullback(jnp.asarray(grad_output))
+    return grads.export_weights()
+
+
 @jax.tree_util.register_pytree_node_class
 class SelfAttention(_Module):
     """The article's self-attention: one head, ``softmax(q kᵀ / sqrt(d_out_kq)) v``.
@@ -145,6 +156,10 @@ class SelfAttention(_Module):
         values = _matmul(x, self.W_value)  # (..., seq, d_out_v)
         return scaled_dot_product_attention(queries, keys, values)
 
+    def backward(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
+        """Weight gradients for ``x: (..., seq, d_in)``, ``grad_output: (..., seq, d_out_v)``."""
+        return _weight_grads(self, lambda m: m.forward(x), grad_output)
+
 
 @jax.tree_util.register_pytree_node_class
 class CrossAttention(_Module):
@@ -166,6 +181,10 @@ class CrossAttention(_Module):
         keys_2 = _matmul(x_2, self.W_key)  # (..., kv_len, d_out_kq)
         values_2 = _matmul(x_2, self.W_value)  # (..., kv_len, d_out_v)
         return scaled_dot_product_attention(queries_1, keys_2, values_2)
+
+    def backward(self, x_1: Any, x_2: Any, grad_output: Any) -> dict[str, np.ndarray]:
+        """Weight gradients; ``grad_output: (..., q_len, d_out_v)``."""
+        return _weight_grads(self, lambda m: m.forward(x_1, x_2), grad_output)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -197,6 +216,10 @@ class CausalSelfAttention(_Module):
         return scaled_dot_product_attention(
             queries, keys, values, is_causal=True, dropout_p=dropout_p, rng=rng
         )
+
+    def backward(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
+        """Weight gradients, without dropout (``forward`` without a key)."""
+        return _weight_grads(self, lambda m: m.forward(x), grad_output)
 
     def decode(
         self, x: Any, cache: KVCache | None = None, *, max_len: int | None = None
@@ -274,6 +297,10 @@ class MultiHeadAttentionWrapper(_Module):
     def forward(self, x: Any) -> jax.Array:
         """``x: (..., seq, d_in)`` → ``(..., seq, num_heads * d_out_v)``."""
         return jnp.concatenate([head(x) for head in self.heads], axis=-1)
+
+    def backward(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
+        """Weight gradients ``heads.{h}.W_*``; ``grad_output: (..., seq, num_heads * d_out_v)``."""
+        return _weight_grads(self, lambda m: m.forward(x), grad_output)
 
     def export_weights(self) -> dict[str, np.ndarray]:
         """Flat dict ``heads.{h}.W_*`` → NumPy array."""
@@ -396,6 +423,34 @@ class MultiHeadAttention(_Module):
         if "b_out" in self._weight_names:
             output = output + self.b_out
         return (output, weights) if return_weights else output
+
+    def backward(
+        self,
+        x: Any,
+        grad_output: Any,
+        context: Any = None,
+        *,
+        mask: Any = None,
+        is_causal: bool = False,
+        causal_alignment: str = "top_left",
+        window: tuple | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Weight gradients of ``forward(x, context, ...)`` (without dropout).
+
+        Args:
+          x: ``(..., q_len, d_model)``.
+          grad_output: ``(..., q_len, d_model)``.
+          context, mask, is_causal, causal_alignment, window: as in ``forward``.
+
+        Returns:
+          weight name → gradient, for every weight.
+        """
+
+        def forward(m: MultiHeadAttention) -> jax.Array:
+            return m.forward(x, context, mask=mask, is_causal=is_causal,
+                             causal_alignment=causal_alignment, window=window)
+
+        return _weight_grads(self, forward, grad_output)
 
     def decode(
         self, x: Any, cache: KVCache | None = None, *, max_len: int | None = None

@@ -229,7 +229,7 @@ def _blockwise_vjp(backend, q, k, v, grad_out, kw, **blocks):
 
 
 @pytest.mark.parametrize("feature", GRAD_FEATURES)
-def test_vjp_matchesfinite_differences(backend, feature):
+def test_vjp_matches_finite_differences(backend, feature):
     q, k, v, grad_out, kw, _ = _small(feature)
     expected = _reference_grads(feature)
     grads = _blockwise_vjp(backend, q, k, v, grad_out, kw, block_q=2, block_kv=3)

@@ -73,7 +73,7 @@ _FD_CACHE: dict = {}
 
 
 @pytest.mark.parametrize("feature", sorted(FEATURES))
-def test_vjp_matchesfinite_differences(backend, feature):
+def test_vjp_matches_finite_differences(backend, feature):
     q, k, v, grad_out, kw = _inputs(feature)
     if feature not in _FD_CACHE:
         _FD_CACHE[feature] = _reference_grads(q, k, v, grad_out, kw)
@@ -140,11 +140,15 @@ MODULE_CASES = [(name, {}) for name in sorted(MODULES)] + [
 ]
 
 
-@pytest.mark.parametrize(
-    "name, forward_kwargs", MODULE_CASES,
-    ids=[f"{n}-{'-'.join(kw) or 'plain'}" for n, kw in MODULE_CASES],
-)
-def test_numpy_module_backward_matchesfinite_differences(name, forward_kwargs):
+_MODULE_FD: dict = {}
+
+
+def _module_problem(name, forward_kwargs):
+    """Weights, inputs, forward options, grad_output and finite-difference weight gradients of
+    numpy_attn's float64 module (computed once per case)."""
+    key = (name, tuple(sorted(forward_kwargs)))
+    if key in _MODULE_FD:
+        return _MODULE_FD[key]
     import numpy_attn
 
     forward_kwargs = dict(forward_kwargs)
@@ -155,15 +159,10 @@ def test_numpy_module_backward_matchesfinite_differences(name, forward_kwargs):
          for k, w in module.export_weights().items()}
     )
     rng = np.random.default_rng(2)
-    d_in = args[0]
-    x = rng.standard_normal((2, 5, d_in))
-    context = rng.standard_normal((2, 6, d_in))
-    if name == "CrossAttention":
-        inputs = (x, context)
-    elif forward_kwargs.pop("cross", False):
-        inputs = (x, context)
-    else:
-        inputs = (x,)
+    x = rng.standard_normal((2, 5, args[0]))
+    context = rng.standard_normal((2, 6, args[0]))
+    cross = name == "CrossAttention" or forward_kwargs.pop("cross", False)
+    inputs = (x, context) if cross else (x,)
     if forward_kwargs.pop("mask", False):
         forward_kwargs["mask"] = rng.random((2, 1, 5, 5)) < 0.8
     grad_out = rng.standard_normal(module.forward(*inputs, **forward_kwargs).shape)
@@ -174,25 +173,46 @@ def test_numpy_module_backward_matchesfinite_differences(name, forward_kwargs):
         return float((module.forward(*inputs, **forward_kwargs) * grad_out).sum())
 
     expected = {n: finite_differences(loss, w) for n, w in weights.items()}
-    module.load_weights(weights)
+    _MODULE_FD[key] = (weights, inputs, forward_kwargs, grad_out, expected)
+    return _MODULE_FD[key]
+
+
+@pytest.mark.parametrize(
+    "name, forward_kwargs", MODULE_CASES,
+    ids=[f"{n}-{'-'.join(kw) or 'plain'}" for n, kw in MODULE_CASES],
+)
+def test_module_backward_matches_finite_differences(backend, name, forward_kwargs):
+    """numpy_attn's hand-written module backward, jax.vjp and torch.autograd, each against
+    finite differences of the float64 forward pass."""
+    weights, inputs, forward_kwargs, grad_out, expected = _module_problem(name, forward_kwargs)
+    args, kwargs = MODULES[name]
+    module = getattr(backend.module, name)(*args, rng=backend.rng(0), **kwargs)
+    module = module.load_weights(weights)
+    inputs = [backend.asarray(x) for x in inputs]
+    options = {k: backend.asarray(v) if isinstance(v, np.ndarray) else v
+               for k, v in forward_kwargs.items()}
     if name == "MultiHeadAttention":
-        context_arg = inputs[1] if len(inputs) == 2 else None
-        grads = module.backward(x, grad_out, context_arg, **forward_kwargs)
+        context = inputs[1] if len(inputs) == 2 else None
+        grads = module.backward(inputs[0], backend.asarray(grad_out), context, **options)
     else:
-        grads = module.backward(*inputs, grad_out)
+        grads = module.backward(*inputs, backend.asarray(grad_out))
     assert sorted(grads) == sorted(weights)
     for n in weights:
-        np.testing.assert_allclose(grads[n], expected[n], rtol=1e-6, atol=1e-7, err_msg=n)
+        assert isinstance(grads[n], np.ndarray), f"{n}: backward returns NumPy arrays"
+        np.testing.assert_allclose(grads[n], expected[n], rtol=1e-6, atol=1e-7,
+                                   err_msg=f"{backend.name} {name} d{n}")
 
 
-def test_numpy_module_backward_refuses_active_dropout():
-    import numpy_attn
-
-    module = numpy_attn.CausalSelfAttention(4, 3, 2, dropout_p=0.1, rng=np.random.default_rng(0))
-    x = np.ones((5, 4))
-    with pytest.raises(ValueError, match="dropout is active"):
-        module.backward(x, np.ones((5, 2)))
-    assert module.eval().backward(x, np.ones((5, 2)))["W_query"].shape == (4, 3)
+def test_module_backward_never_uses_dropout(backend):
+    module = backend.module.CausalSelfAttention(4, 3, 2, dropout_p=0.1, rng=backend.rng(0))
+    x = backend.asarray(np.ones((5, 4), np.float32))
+    grad_out = backend.asarray(np.ones((5, 2), np.float32))
+    if hasattr(module, "eval"):  # train/eval state (numpy_attn, torch_attn): refused in training
+        with pytest.raises(ValueError, match="dropout is active"):
+            module.backward(x, grad_out)
+        module = module.eval()
+    # jax_attn: dropout only with an rng key, which backward never passes
+    assert module.backward(x, grad_out)["W_query"].shape == (4, 3)
 
 
 def test_numpy_optimisers_match_torch():
@@ -223,7 +243,7 @@ def test_numpy_optimisers_match_torch():
 
 @pytest.mark.parametrize("feature", ["mask_bias", "softcap", "gqa", "dropout_mask",
                                      "fully_masked_rows", "causal_bottom_right", "two_d"])
-def test_reference_vjp_matchesfinite_differences(feature):
+def test_reference_vjp_matches_finite_differences(feature):
     """The harness's float64 gradient reference is itself right."""
     q, k, v, grad_out, kw = _inputs(feature)
     if feature not in _FD_CACHE:

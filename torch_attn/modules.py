@@ -77,6 +77,31 @@ def _check_weight_dict(fn: str, expected: dict[str, Any], weights: dict[str, Any
             )
 
 
+def _weight_grads(module: _Module, output: torch.Tensor, grad_output: Any) -> dict[str, np.ndarray]:
+    """Gradient of every weight: ``torch.autograd.grad`` of ``output`` against ``grad_output``.
+
+    numpy_attn's modules write this backward pass out by hand; here autograd differentiates the
+    forward pass that produced ``output`` (the parameters' ``.grad`` are left untouched).
+    """
+    names = list(module.export_weights())
+    parameters = [module.get_parameter(name) for name in names]
+    grad_output = _as_tensor(grad_output).to(output.device, output.dtype)
+    grads = torch.autograd.grad(output, parameters, grad_outputs=grad_output, allow_unused=True)
+    return {
+        name: _to_numpy(torch.zeros_like(p) if g is None else g)
+        for name, p, g in zip(names, parameters, grads, strict=True)
+    }
+
+
+def _check_no_dropout(module: _Module) -> None:
+    # The gradient would depend on one random keep-mask; numpy_attn refuses it the same way.
+    if module.training and module.dropout_p > 0:
+        raise ValueError(
+            f"{type(module).__name__}.backward: dropout is active; call eval() or use "
+            f"dropout_p=0 (got dropout_p={module.dropout_p})"
+        )
+
+
 class SelfAttention(_Module):
     """The article's self-attention: one head, ``softmax(q kᵀ / sqrt(d_out_kq)) v``.
 
@@ -102,6 +127,11 @@ class SelfAttention(_Module):
         values = x @ self.W_value  # (..., seq, d_out_v)
         return scaled_dot_product_attention(queries, keys, values)
 
+    def backward(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
+        """Weight gradients for ``x: (..., seq, d_in)``, ``grad_output: (..., seq, d_out_v)``."""
+        with torch.enable_grad():
+            return _weight_grads(self, self.forward(x), grad_output)
+
 
 class CrossAttention(_Module):
     """The article's cross-attention: queries from ``x_1``, keys and values from ``x_2``."""
@@ -122,6 +152,11 @@ class CrossAttention(_Module):
         keys_2 = x_2 @ self.W_key  # (..., kv_len, d_out_kq)
         values_2 = x_2 @ self.W_value  # (..., kv_len, d_out_v)
         return scaled_dot_product_attention(queries_1, keys_2, values_2)
+
+    def backward(self, x_1: Any, x_2: Any, grad_output: Any) -> dict[str, np.ndarray]:
+        """Weight gradients; ``grad_output: (..., q_len, d_out_v)``."""
+        with torch.enable_grad():
+            return _weight_grads(self, self.forward(x_1, x_2), grad_output)
 
 
 class CausalSelfAttention(_Module):
@@ -154,6 +189,12 @@ class CausalSelfAttention(_Module):
         return scaled_dot_product_attention(
             queries, keys, values, is_causal=True, dropout_p=dropout_p, rng=rng
         )
+
+    def backward(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
+        """Weight gradients, without dropout (``eval()`` or ``dropout_p=0``)."""
+        _check_no_dropout(self)
+        with torch.enable_grad():
+            return _weight_grads(self, self.forward(x), grad_output)
 
     def decode(
         self, x: Any, cache: KVCache | None = None, *, max_len: int | None = None
@@ -216,6 +257,11 @@ class MultiHeadAttentionWrapper(_Module):
     def forward(self, x: Any) -> torch.Tensor:
         """``x: (..., seq, d_in)`` → ``(..., seq, num_heads * d_out_v)``."""
         return torch.cat([head(x) for head in self.heads], dim=-1)
+
+    def backward(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
+        """Weight gradients ``heads.{h}.W_*``; ``grad_output: (..., seq, num_heads * d_out_v)``."""
+        with torch.enable_grad():
+            return _weight_grads(self, self.forward(x), grad_output)
 
     def export_weights(self) -> dict[str, np.ndarray]:
         """Flat dict ``heads.{h}.W_*`` → NumPy array."""
@@ -333,6 +379,33 @@ class MultiHeadAttention(_Module):
         if "b_out" in self._weight_names:
             output = output + self.b_out
         return (output, weights) if return_weights else output
+
+    def backward(
+        self,
+        x: Any,
+        grad_output: Any,
+        context: Any = None,
+        *,
+        mask: Any = None,
+        is_causal: bool = False,
+        causal_alignment: str = "top_left",
+        window: tuple | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Weight gradients of ``forward(x, context, ...)`` (without dropout).
+
+        Args:
+          x: ``(..., q_len, d_model)``.
+          grad_output: ``(..., q_len, d_model)``.
+          context, mask, is_causal, causal_alignment, window: as in ``forward``.
+
+        Returns:
+          weight name → gradient, for every weight.
+        """
+        _check_no_dropout(self)
+        with torch.enable_grad():
+            output = self.forward(x, context, mask=mask, is_causal=is_causal,
+                                  causal_alignment=causal_alignment, window=window)
+            return _weight_grads(self, output, grad_output)
 
     def decode(
         self, x: Any, cache: KVCache | None = None, *, max_len: int | None = None
