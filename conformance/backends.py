@@ -103,10 +103,22 @@ def _numpy_backend() -> Backend:
 
 
 def _jax_prepare() -> None:
+    import os
+
     import jax
 
     # The harness compares float64 inputs too, which JAX refuses unless x64 is enabled.
     jax.config.update("jax_enable_x64", True)
+    # The harness runs every backend eagerly on many small shapes: most of JAX's time is
+    # compiling them. A persistent compilation cache makes every run after the first fast.
+    # ATTENTION_JAX_CACHE=off turns it off; a path puts it elsewhere.
+    cache = os.environ.get("ATTENTION_JAX_CACHE", os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
+        "attention-three-ways", "jax"))
+    if cache != "off" and jax.config.jax_compilation_cache_dir is None:
+        jax.config.update("jax_compilation_cache_dir", cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _jax_asarray(x: np.ndarray) -> Any:

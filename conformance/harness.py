@@ -217,6 +217,90 @@ def _module_forward(data: CaseData, r: Callable[[np.ndarray], np.ndarray],
     raise KeyError(f"unknown module {name!r}")
 
 
+def _projection_grad(x: np.ndarray, grad: np.ndarray) -> np.ndarray:
+    """Gradient of ``W`` in ``y = x @ W``: ``xᵀ dy`` over every leading axis."""
+    return x.reshape(-1, x.shape[-1]).T @ grad.reshape(-1, grad.shape[-1])
+
+
+def _module_backward(data: CaseData, r: Callable[[np.ndarray], np.ndarray],
+                     attention: Callable[..., reference.Steps],
+                     vjp: Callable[..., reference.Grads]) -> dict[str, np.ndarray]:
+    """Every weight's gradient of a spec module against ``grad_output``, in float64 (reference
+    VJP) or rounded (naive VJP): the projections' chain rule around the attention's VJP."""
+    a, opts = data.arrays, data.options
+    w = {n[2:]: _f64(x) for n, x in a.items() if n.startswith("w:")}
+    g = _f64(a["grad_output"])
+    name = opts["module"]
+
+    def attend_vjp(q: np.ndarray, k: np.ndarray, v: np.ndarray, grad: np.ndarray,
+                   **kw: Any) -> reference.Grads:
+        arrays = {"query": q, "key": k, "value": v, "grad_output": grad}
+        if kw.get("mask") is not None:
+            arrays["mask"] = kw["mask"]
+        kw.pop("mask", None)
+        return vjp(arrays, kw, r)
+
+    def single_head(x1: np.ndarray, x2: np.ndarray, grad: np.ndarray, prefix: str = "",
+                    **kw: Any) -> dict[str, np.ndarray]:
+        q, k, v = (r(x @ w[f"{prefix}W_{n}"]) for x, n in
+                   ((x1, "query"), (x2, "key"), (x2, "value")))
+        grads = attend_vjp(q, k, v, grad, **kw)
+        return {f"{prefix}W_query": r(_projection_grad(x1, grads.query)),
+                f"{prefix}W_key": r(_projection_grad(x2, grads.key)),
+                f"{prefix}W_value": r(_projection_grad(x2, grads.value))}
+
+    if name in ("SelfAttention", "CausalSelfAttention", "CrossAttention"):
+        x1 = _f64(a["x_1"] if name == "CrossAttention" else a["x"])
+        x2 = _f64(a["x_2"]) if name == "CrossAttention" else x1
+        return single_head(x1, x2, g, is_causal=name == "CausalSelfAttention")
+    if name == "MultiHeadAttentionWrapper":
+        x = _f64(a["x"])
+        heads = opts["init"]["num_heads"]
+        result: dict[str, np.ndarray] = {}
+        for h, grad in enumerate(np.split(g, heads, axis=-1)):
+            result.update(single_head(x, x, grad, prefix=f"heads.{h}."))
+        return result
+    init, fwd = opts["init"], opts["forward"]
+    heads, kv_heads = init["num_heads"], init.get("num_kv_heads") or init["num_heads"]
+    head_dim = init["d_model"] // heads
+    x = _f64(a["x"])
+    ctx = _f64(a["context"]) if "context" in a else x
+
+    def project(t: np.ndarray, n: str, nh: int) -> np.ndarray:
+        p = r(t @ w[f"W_{n}"])
+        if f"b_{n}" in w:
+            p = r(p + w[f"b_{n}"])
+        return np.swapaxes(p.reshape(p.shape[:-1] + (nh, head_dim)), -2, -3)
+
+    def join(t: np.ndarray) -> np.ndarray:  # (..., heads, seq, head_dim) → (..., seq, heads·hd)
+        t = np.swapaxes(t, -2, -3)
+        return t.reshape(t.shape[:-2] + (-1,))
+
+    q, k, v = project(x, "query", heads), project(ctx, "key", kv_heads), project(
+        ctx, "value", kv_heads)
+    options = {key: val for key, val in fwd.items() if key != "return_weights"}
+    steps = attention({"query": q, "key": k, "value": v, **(
+        {"mask": a["mask"]} if "mask" in a else {})}, options, r)
+    result = {"W_out": r(_projection_grad(join(steps.output), g))}
+    grad_split = np.swapaxes(r(g @ w["W_out"].T).reshape(g.shape[:-1] + (heads, head_dim)),
+                             -2, -3)
+    grads = attend_vjp(q, k, v, grad_split, mask=a.get("mask"), **options)
+    for n, source, grad in (("query", x, grads.query), ("key", ctx, grads.key),
+                            ("value", ctx, grads.value)):
+        joined = join(grad)
+        result[f"W_{n}"] = r(_projection_grad(source, joined))
+        if f"b_{n}" in w:
+            result[f"b_{n}"] = r(joined.reshape(-1, joined.shape[-1]).sum(axis=0))
+    if "b_out" in w:
+        result["b_out"] = r(g.reshape(-1, g.shape[-1]).sum(axis=0))
+    return result
+
+
+def flatten_weight_grads(grads: dict[str, Any]) -> np.ndarray:
+    """One vector of every weight gradient, in sorted name order (the ``grad_weights`` step)."""
+    return np.concatenate([np.asarray(grads[n], dtype=np.float64).ravel() for n in sorted(grads)])
+
+
 def pipeline(data: CaseData, kind: str, dtype: str, naive: bool) -> dict[str, np.ndarray]:
     """Every step's value: the float64 reference (``naive=False``) or the rounded baseline."""
     r = rounder(dtype) if naive else rounder("float64")
@@ -225,6 +309,10 @@ def pipeline(data: CaseData, kind: str, dtype: str, naive: bool) -> dict[str, np
         result = _module_forward(data, r, attention)
         if data.options.get("decode"):
             result["decode_output"] = result["output"]  # decoding equals the causal forward
+        if "grad_output" in data.arrays:
+            vjp = naive_attention_vjp if naive else _reference_attention_vjp
+            result["grad_weights"] = flatten_weight_grads(
+                _module_backward(data, r, attention, vjp))
         return result
     steps = attention(data.arrays, data.options, r)
     values = {"scores": steps.scores, "masked_scores": steps.masked_scores,
@@ -290,8 +378,15 @@ def _baseline_error(naive: np.ndarray, ref: np.ndarray, r: Callable[[np.ndarray]
 
 def expected_for(data: CaseData, kind: str, dtype: str, case: str = "") -> Expected:
     """Reference values, baseline errors and required zeros for dtype-cast inputs ``data``."""
-    if kind == "sdpa" and "grad_output" not in data.arrays:  # a new CaseData: callers keep theirs
-        grad_output = grad_output_for(data.arrays, dtype)
+    if "grad_output" not in data.arrays:  # a new CaseData: callers keep theirs
+        if kind == "sdpa":
+            grad_output = grad_output_for(data.arrays, dtype)
+        else:
+            with np.errstate(all="ignore"):
+                shape = _module_forward(data, rounder("float64"), _reference_attention)[
+                    "output"].shape
+            grad_output = np.random.default_rng(GRAD_SEED).standard_normal(shape).astype(
+                numpy_dtype(dtype))
         data = CaseData({**data.arrays, "grad_output": grad_output}, data.options)
     with np.errstate(all="ignore"):
         values = pipeline(data, kind, dtype, naive=False)
@@ -408,6 +503,24 @@ class Execution:
         if hasattr(m, "eval"):
             m = m.eval() or m
         return m.load_weights({n[2:]: x for n, x in a.items() if n.startswith("w:")})
+
+    def module_backward(self) -> np.ndarray:
+        """The module's ``backward`` (weight gradients), flattened in sorted name order, once."""
+        if "backward" not in self._cache:
+            a, o = self.exp.data.arrays, self.exp.data.options
+            m = self._build_module()
+            inputs = [self.to_backend(a[n]) for n in ("x", "x_1", "x_2") if n in a]
+            grad_output = self.to_backend(a["grad_output"])
+            if o["module"] == "MultiHeadAttention":
+                kwargs = {k: v for k, v in o["forward"].items() if k != "return_weights"}
+                if "mask" in a:
+                    kwargs["mask"] = self.to_backend(a["mask"])
+                context = self.to_backend(a["context"]) if "context" in a else None
+                grads = m.backward(inputs[0], grad_output, context, **kwargs)
+            else:
+                grads = m.backward(*inputs, grad_output)
+            self._cache["backward"] = flatten_weight_grads(grads)
+        return self._cache["backward"]
 
     def module_decode(self) -> np.ndarray:
         """Decode ``x`` chunk by chunk with the module's ``decode`` and a KV cache, once."""
@@ -528,6 +641,9 @@ STEPS: dict[str, Step] = {
           for i, name in enumerate(GRAD_STEPS)),
         Step("decode_output", ("module",), lambda exe: exe.module_decode(), "input",
              "module.decode(x chunk, cache) chunk by chunk: equals the causal forward"),
+        Step("grad_weights", ("module",), lambda exe: exe.module_backward(), None,
+             "module.backward(inputs, grad_output): every weight's gradient, flattened in "
+             "sorted name order"),
     )
 }
 

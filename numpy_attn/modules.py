@@ -32,6 +32,12 @@ def _xavier(rng: np.random.Generator, fan_in: int, fan_out: int) -> np.ndarray:
     return rng.uniform(-bound, bound, (fan_in, fan_out)).astype(np.float32)
 
 
+def _matmul(x: Any, w: np.ndarray) -> np.ndarray:
+    """``x @ w`` in the inputs' dtype (ml_dtypes' bfloat16 matmul returns float32)."""
+    x = np.asarray(x)
+    return np.matmul(x, w).astype(np.result_type(x, w), copy=False)
+
+
 def _rng(rng: Any) -> np.random.Generator:
     return np.random.default_rng() if rng is None else rng
 
@@ -101,16 +107,17 @@ class SelfAttention(_Module):
 
     def forward(self, x: Any) -> np.ndarray:
         """``x: (..., seq, d_in)`` → context vectors ``(..., seq, d_out_v)``."""
-        queries = x @ self.W_query  # (..., seq, d_out_kq)
-        keys = x @ self.W_key  # (..., seq, d_out_kq)
-        values = x @ self.W_value  # (..., seq, d_out_v)
+        queries = _matmul(x, self.W_query)  # (..., seq, d_out_kq)
+        keys = _matmul(x, self.W_key)  # (..., seq, d_out_kq)
+        values = _matmul(x, self.W_value)  # (..., seq, d_out_v)
         return scaled_dot_product_attention(queries, keys, values)
 
     def backward(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
         """Weight gradients for ``x: (..., seq, d_in)``, ``grad_output: (..., seq, d_out_v)``."""
         x = np.asarray(x)
+        queries, keys, values = (_matmul(x, w) for w in (self.W_query, self.W_key, self.W_value))
         grad_q, grad_k, grad_v, _ = scaled_dot_product_attention_vjp(
-            x @ self.W_query, x @ self.W_key, x @ self.W_value, grad_output
+            queries, keys, values, grad_output
         )
         return {
             "W_query": projection_grads(x, grad_q),
@@ -133,16 +140,17 @@ class CrossAttention(_Module):
 
     def forward(self, x_1: Any, x_2: Any) -> np.ndarray:
         """``x_1: (..., q_len, d_in)``, ``x_2: (..., kv_len, d_in)`` → ``(..., q_len, d_out_v)``."""
-        queries_1 = x_1 @ self.W_query  # (..., q_len, d_out_kq)
-        keys_2 = x_2 @ self.W_key  # (..., kv_len, d_out_kq)
-        values_2 = x_2 @ self.W_value  # (..., kv_len, d_out_v)
+        queries_1 = _matmul(x_1, self.W_query)  # (..., q_len, d_out_kq)
+        keys_2 = _matmul(x_2, self.W_key)  # (..., kv_len, d_out_kq)
+        values_2 = _matmul(x_2, self.W_value)  # (..., kv_len, d_out_v)
         return scaled_dot_product_attention(queries_1, keys_2, values_2)
 
     def backward(self, x_1: Any, x_2: Any, grad_output: Any) -> dict[str, np.ndarray]:
         """Weight gradients; ``grad_output: (..., q_len, d_out_v)``."""
         x_1, x_2 = np.asarray(x_1), np.asarray(x_2)
         grad_q, grad_k, grad_v, _ = scaled_dot_product_attention_vjp(
-            x_1 @ self.W_query, x_2 @ self.W_key, x_2 @ self.W_value, grad_output
+            _matmul(x_1, self.W_query), _matmul(x_2, self.W_key), _matmul(x_2, self.W_value),
+            grad_output,
         )
         return {
             "W_query": projection_grads(x_1, grad_q),
@@ -172,9 +180,9 @@ class CausalSelfAttention(_Module):
 
     def forward(self, x: Any, *, rng: Any = None) -> np.ndarray:
         """``x: (..., seq, d_in)`` → ``(..., seq, d_out_v)``; ``rng`` draws the dropout mask."""
-        queries = x @ self.W_query  # (..., seq, d_out_kq)
-        keys = x @ self.W_key  # (..., seq, d_out_kq)
-        values = x @ self.W_value  # (..., seq, d_out_v)
+        queries = _matmul(x, self.W_query)  # (..., seq, d_out_kq)
+        keys = _matmul(x, self.W_key)  # (..., seq, d_out_kq)
+        values = _matmul(x, self.W_value)  # (..., seq, d_out_v)
         dropout_p = self.dropout_p if self.training else 0.0
         return scaled_dot_product_attention(
             queries, keys, values, is_causal=True, dropout_p=dropout_p, rng=rng
@@ -195,9 +203,9 @@ class CausalSelfAttention(_Module):
           ``(output (..., n, d_out_v), cache)``; no dropout. The cache is updated in place.
         """
         x = np.asarray(x)
-        queries = (x @ self.W_query)[..., None, :, :]  # (..., 1, n, d_out_kq): one head
-        keys = (x @ self.W_key)[..., None, :, :]  # (..., 1, n, d_out_kq)
-        values = (x @ self.W_value)[..., None, :, :]  # (..., 1, n, d_out_v)
+        queries = _matmul(x, self.W_query)[..., None, :, :]  # (..., 1, n, d_out_kq): one head
+        keys = _matmul(x, self.W_key)[..., None, :, :]  # (..., 1, n, d_out_kq)
+        values = _matmul(x, self.W_value)[..., None, :, :]  # (..., 1, n, d_out_v)
         context, cache = _decode(queries, keys, values, cache, max_len)
         return context[..., 0, :, :], cache  # (..., n, d_out_v)
 
@@ -205,8 +213,9 @@ class CausalSelfAttention(_Module):
         """Weight gradients, without dropout (``eval()`` or ``dropout_p=0``)."""
         _check_no_dropout(self)
         x = np.asarray(x)
+        queries, keys, values = (_matmul(x, w) for w in (self.W_query, self.W_key, self.W_value))
         grad_q, grad_k, grad_v, _ = scaled_dot_product_attention_vjp(
-            x @ self.W_query, x @ self.W_key, x @ self.W_value, grad_output, is_causal=True
+            queries, keys, values, grad_output, is_causal=True
         )
         return {
             "W_query": projection_grads(x, grad_q),
@@ -339,7 +348,7 @@ class MultiHeadAttention(_Module):
 
     def _project(self, x: Any, name: str, heads: int) -> np.ndarray:
         """``(..., seq, d_model)`` → ``(..., heads, seq, head_dim)``."""
-        projected = x @ getattr(self, f"W_{name}")  # (..., seq, heads * head_dim)
+        projected = _matmul(x, getattr(self, f"W_{name}"))  # (..., seq, heads * head_dim)
         if f"b_{name}" in self._weight_names:
             projected = projected + getattr(self, f"b_{name}")
         split = projected.reshape(projected.shape[:-1] + (heads, self.head_dim))
@@ -383,7 +392,7 @@ class MultiHeadAttention(_Module):
         context_vec, weights = result if return_weights else (result, None)
         merged = np.swapaxes(context_vec, -2, -3)  # (..., q_len, heads, head_dim)
         merged = merged.reshape(merged.shape[:-2] + (-1,))  # (..., q_len, heads * head_dim)
-        output = merged @ self.W_out  # (..., q_len, d_model)
+        output = _matmul(merged, self.W_out)  # (..., q_len, d_model)
         if "b_out" in self._weight_names:
             output = output + self.b_out
         return (output, weights) if return_weights else output
@@ -409,7 +418,7 @@ class MultiHeadAttention(_Module):
         context_vec, cache = _decode(query, key, value, cache, max_len)
         merged = np.swapaxes(context_vec, -2, -3)  # (..., n, heads, head_dim)
         merged = merged.reshape(merged.shape[:-2] + (-1,))  # (..., n, heads * head_dim)
-        output = merged @ self.W_out  # (..., n, d_model)
+        output = _matmul(merged, self.W_out)  # (..., n, d_model)
         if "b_out" in self._weight_names:
             output = output + self.b_out
         return output, cache
@@ -449,7 +458,7 @@ class MultiHeadAttention(_Module):
         merged = np.swapaxes(context_vec, -2, -3)  # (..., q_len, heads, head_dim)
         merged = merged.reshape(merged.shape[:-2] + (-1,))  # (..., q_len, heads * head_dim)
         grads = {"W_out": projection_grads(merged, grad_output)}
-        grad_merged = grad_output @ self.W_out.T  # (..., q_len, heads * head_dim)
+        grad_merged = _matmul(grad_output, self.W_out.T)  # (..., q_len, heads * head_dim)
         grad_split = grad_merged.reshape(grad_merged.shape[:-1] + (self.num_heads, -1))
         grad_q, grad_k, grad_v, _ = scaled_dot_product_attention_vjp(
             query, key, value, np.swapaxes(grad_split, -2, -3), mask=mask, is_causal=is_causal,

@@ -98,3 +98,29 @@ def test_gradient_tolerance_is_not_vacuous():
         cell = harness.run_cell(fake, _expected("causal_bottom_right", dtype))
         failing = {s.step for s in cell.steps if not s.passed}
         assert cell.status == "FAIL" and failing == {"grad_query"}, (dtype, failing)
+
+
+def test_module_weight_gradients_are_compared():
+    for name in ("module_self_attention", "module_multihead_wrapper", "module_multihead_attention"):
+        exp = _expected(name, "float32")
+        assert "grad_weights" in {s.name for s in harness.steps_for(exp)}, name
+
+
+def test_planted_module_backward_bug_is_caught():
+    """A module backward that forgets the output projection's bias gradient fails."""
+
+    class Forgetful(numpy_attn.MultiHeadAttention):
+        def backward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            grads = super().backward(*args, **kwargs)
+            grads["b_out"] = np.zeros_like(grads["b_out"])
+            return grads
+
+    module = types.ModuleType("fake_module_backward")
+    for fn in spec.FUNCTIONS + spec.MODULES:
+        if hasattr(numpy_attn, fn):
+            setattr(module, fn, getattr(numpy_attn, fn))
+    module.MultiHeadAttention = Forgetful
+    fake = backends.from_module(module, name="fake_module_backward")
+    cell = harness.run_cell(fake, _expected("module_multihead_attention", "float32"))
+    failing = {s.step for s in cell.steps if not s.passed}
+    assert failing == {"grad_weights"}, failing
