@@ -65,10 +65,6 @@ _FAST_PATH_BACKENDS = ("gpu", "cuda")
 _FAST_PATH_IMPLEMENTATION: str | None = "cudnn"
 
 
-def _shape(x: Any) -> tuple[int, ...]:
-    return tuple(jnp.shape(x))
-
-
 def _to_compute(x: jax.Array) -> jax.Array:
     """Half types up to float32; float32 and float64 unchanged (no copy)."""
     return x.astype(_checks.compute_dtype(x.dtype.name))

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from . import _checks
+from .backward import _sum_groups, _sum_to_shape  # NumPy's backward.py has them already
 from .functional import (
     _check_mask_bias,
     _check_structure,
@@ -113,11 +114,6 @@ def _times_value(p: np.ndarray, v_tile: np.ndarray, groups: int) -> np.ndarray:
         return p @ v_tile
     product = _group_heads(p, groups) @ v_tile[..., None, :, :]
     return product.reshape(p.shape[:-1] + (v_tile.shape[-1],))
-
-
-def _sum_groups(x: np.ndarray, groups: int) -> np.ndarray:
-    """``(..., heads, T, D)`` → ``(..., kv_heads, T, D)``: add the query heads sharing a kv head."""
-    return x if groups == 1 else _group_heads(x, groups).sum(axis=-3)
 
 
 def _bias_tile(bias: np.ndarray, q_start: int, q_stop: int, kv_start: int, kv_stop: int) -> Any:
@@ -249,12 +245,6 @@ def _backward(
             grad_k[..., cols, :] += _sum_groups(np.swapaxes(grad_s, -1, -2) @ q[..., rows, :],
                                                 groups)
     return grad_q, grad_k, grad_v, grad_bias
-
-
-def _sum_to_shape(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """Sum ``x`` over the axes where ``shape`` has size 1 (same rank)."""
-    axes = tuple(axis for axis, size in enumerate(shape) if size == 1 and x.shape[axis] != 1)
-    return x.sum(axis=axes, keepdims=True) if axes else x
 
 
 # ------------------------------------------------------------------------------------------

@@ -48,14 +48,6 @@ from .masks import _positions
 NEG_INF = -np.inf
 
 
-def _dtype_name(x: Any) -> str:
-    return np.asarray(x).dtype.name
-
-
-def _shape(x: Any) -> tuple[int, ...]:
-    return tuple(np.shape(x))
-
-
 def _to_compute(x: np.ndarray) -> np.ndarray:
     """Half types up to float32; float32 and float64 unchanged (no copy)."""
     return x.astype(_checks.compute_dtype(x.dtype.name), copy=False)
