@@ -12,7 +12,9 @@ Subcommands (``run`` is the default)::
 
 ``--backend`` takes ``numpy``, ``jax``, ``torch``, a peer (``torch.sdpa``,
 ``torch.MHA``, ``jax.nn``) or the dotted path of your own module
-(``mypkg.attention``). Exit code 0 only when every spec/user backend passes.
+(``mypkg.attention``). Exit code 0 only when every spec/user backend passes, 1 when one fails,
+2 for a mistake in the command (``usage.UsageError``: an unknown case, backend or golden
+directory, printed as one line). Anything else is a bug and shows its traceback.
 
 To add a subcommand, write ``_add_NAME(parser)`` and ``_cmd_NAME(args)`` and list them in
 ``COMMANDS``.
@@ -21,10 +23,12 @@ To add a subcommand, write ``_add_NAME(parser)`` and ``_cmd_NAME(args)`` and lis
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 
 from .backends import DTYPES
+from .usage import UsageError
 
 
 def _add_run(p: argparse.ArgumentParser) -> None:
@@ -39,8 +43,9 @@ def _add_run(p: argparse.ArgumentParser) -> None:
                        help="also run the frameworks' kernels (default without --backend)")
     peers.add_argument("--no-peers", dest="peers", action="store_false")
     p.add_argument("--no-errors", action="store_true", help="skip the bad-input checks")
-    p.add_argument("--hypothesis", type=int, metavar="N", default=0,
-                   help="also run N property-based examples per backend")
+    p.add_argument("--hypothesis", type=int, metavar="N", default=None,
+                   help="N property-based examples per backend (0: none; default: "
+                        "100 in a full run, 0 with --case or --dtype)")
     p.add_argument("--json", metavar="FILE", help="write the full report as JSON")
     p.add_argument("--markdown", metavar="FILE", help="write the full report as Markdown")
     p.add_argument("--plot", metavar="DIR", help="write PNG plots (needs matplotlib)")
@@ -48,27 +53,14 @@ def _add_run(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from . import cases, harness, report
+    from . import cases, report, runner
 
     if args.list:
         for case in cases.CASES:
             print(f"{case.name:<32} {case.kind:<7} {case.description}")
         return 0
-    try:
-        result = harness.run(args.backend, args.case, args.dtype, peers=args.peers,
-                             check_errors=not args.no_errors)
-    except KeyError as exc:
-        print(f"error: {exc.args[0]}", file=sys.stderr)
-        return 2
-    if args.hypothesis:
-        import time
-
-        from . import properties
-
-        start = time.perf_counter()
-        names = [c.backend for c in result.columns if c.backend is not None]
-        result.properties = properties.run(names, args.hypothesis)
-        result.seconds += time.perf_counter() - start
+    result = runner.run(args.backend, args.case, args.dtype, peers=args.peers,
+                        check_errors=not args.no_errors, hypothesis=args.hypothesis)
     if not result.columns:
         print(report.missing_section(result), file=sys.stderr)
         print("error: no backend to run", file=sys.stderr)
@@ -111,11 +103,7 @@ def _add_check(p: argparse.ArgumentParser) -> None:
 def _cmd_check(args: argparse.Namespace) -> int:
     from . import golden, report
 
-    try:
-        result = golden.check(args.directory, args.backend, args.case, args.dtype)
-    except golden.GoldenError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    result = golden.check(args.directory, args.backend, args.case, args.dtype)
     print(report.text(result))
     if args.json:
         report.write_json(result, args.json)
@@ -186,15 +174,31 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit code."""
+    """Entry point; returns the exit code (2 with a one-line message for a ``UsageError``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in RAW_COMMANDS:
-        return RAW_COMMANDS[argv[0]](argv[1:])
-    if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
-        argv = ["run", *argv]
-    args = parser().parse_args(argv)
-    return COMMANDS[args.command][1](args)
+    try:
+        if argv and argv[0] in RAW_COMMANDS:
+            return RAW_COMMANDS[argv[0]](argv[1:])
+        if not argv or (argv[0] not in COMMANDS and argv[0] not in ("-h", "--help")):
+            argv = ["run", *argv]
+        args = parser().parse_args(argv)
+        return COMMANDS[args.command][1](args)
+    except UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _exit_quietly_on_broken_pipe() -> int:
+    """``main()``; a reader that stops early (``| head``) ends the output without a traceback."""
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python's recipe: point stdout at devnull so the interpreter's final flush is quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    return code
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_exit_quietly_on_broken_pipe())

@@ -7,13 +7,17 @@ needed to run anything; JAX and PyTorch are imported the first time their backen
 
 from __future__ import annotations
 
+import ctypes
 import importlib
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
 import numpy as np
+
+from .usage import UsageError
 
 try:  # bfloat16 for NumPy
     import ml_dtypes
@@ -46,6 +50,11 @@ class Backend:
     _rng: Callable[[int], Any]
     _prepare: Callable[[], None] = field(default=lambda: None)
     _module: ModuleType | None = None
+    #: ``(function, static_argnames) -> compiled function``; None runs functions as they are.
+    _compile: Callable[[Callable[..., Any], tuple[str, ...]], Callable[..., Any]] | None = None
+    #: Frees what compiling kept (called between cases); None when nothing is kept.
+    _release: Callable[[], None] | None = None
+    _compiled: dict[Hashable, Callable[..., Any]] = field(default_factory=dict, repr=False)
 
     @property
     def module(self) -> ModuleType:
@@ -84,6 +93,38 @@ class Backend:
         _ = self.module
         return self._rng(seed)
 
+    @property
+    def compiles(self) -> bool:
+        """True when the backend compiles whole calls (JAX): the harness then groups calls."""
+        return self._compile is not None
+
+    def compiled(self, key: Hashable, build: Callable[[], Callable[..., Any]],
+                 static: tuple[str, ...] = ()) -> Callable[..., Any]:
+        """``build()``, compiled once per ``key`` where the backend compiles (``jax.jit`` with
+        ``static`` as its static argument names, one program per input signature); ``build()``
+        itself elsewhere.
+
+        Compiling a whole call once is far cheaper in JAX than running it eagerly, which
+        compiles and dispatches every primitive separately.
+        """
+        if self._compile is None:
+            return build()
+        cached = self._compiled.get(key)
+        if cached is None:
+            cached = self._compiled[key] = self._compile(build(), static)
+        return cached
+
+    def function(self, name: str, static: tuple[str, ...] = ()) -> Callable[..., Any]:
+        """``module.name``, compiled where the backend compiles (see ``compiled``)."""
+        fn = getattr(self.module, name)
+        return self.compiled(("function", name, static, id(fn)), lambda: fn, static)
+
+    def release(self) -> None:
+        """Free compiled programs the harness no longer needs (between cases)."""
+        self._compiled.clear()
+        if self._release is not None:
+            self._release()
+
 
 # ---------------------------------------------------------------------------- numpy
 
@@ -102,9 +143,8 @@ def _numpy_backend() -> Backend:
 # ---------------------------------------------------------------------------- jax
 
 
-def _jax_prepare() -> None:
-    import os
-
+def jax_prepare() -> None:
+    """Configure JAX for the harness: float64 enabled, persistent compilation cache."""
     import jax
 
     # The harness compares float64 inputs too, which JAX refuses unless x64 is enabled.
@@ -137,6 +177,43 @@ def _jax_rng(seed: int) -> Any:
     return jax.random.key(seed)
 
 
+def _jax_compile(fn: Callable[..., Any], static: tuple[str, ...]) -> Callable[..., Any]:
+    import jax
+
+    return jax.jit(fn, static_argnames=static)
+
+
+#: JAX keeps every compiled program (about 1.5 MB each on CPU); above this many MiB of resident
+#: memory the harness drops them between cases (the persistent cache keeps them on disk).
+JAX_RELEASE_ABOVE_MIB = 650
+
+
+def resident_mib() -> float | None:
+    """This process's resident memory in MiB (Linux ``/proc``), or None where unknown."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _jax_release() -> None:
+    import gc
+
+    import jax
+
+    rss = resident_mib()
+    if rss is not None and rss < JAX_RELEASE_ABOVE_MIB:
+        return
+    jax.clear_caches()
+    gc.collect()
+    try:  # glibc keeps freed memory in its arenas: hand it back to the system
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _jax_backend() -> Backend:
     return Backend(
         name="jax",
@@ -145,14 +222,17 @@ def _jax_backend() -> Backend:
         _asarray=_jax_asarray,
         _to_numpy=_jax_to_numpy,
         _rng=_jax_rng,
-        _prepare=_jax_prepare,
+        _prepare=jax_prepare,
+        _compile=_jax_compile,
+        _release=_jax_release,
     )
 
 
 # ---------------------------------------------------------------------------- torch
 
 
-def _torch_asarray(x: np.ndarray) -> Any:
+def torch_asarray(x: np.ndarray) -> Any:
+    """A NumPy array as a CPU torch tensor with the same dtype and bits (bfloat16 too)."""
     import torch
 
     if x.dtype == BFLOAT16:  # torch.from_numpy knows no bfloat16: move the bits
@@ -160,7 +240,8 @@ def _torch_asarray(x: np.ndarray) -> Any:
     return torch.from_numpy(np.ascontiguousarray(x).copy())
 
 
-def _torch_to_numpy(x: Any) -> np.ndarray:
+def torch_to_numpy(x: Any) -> np.ndarray:
+    """A torch tensor as a NumPy array with the same dtype and bits (bfloat16 via ml_dtypes)."""
     import torch
 
     x = x.detach().cpu()
@@ -180,8 +261,8 @@ def _torch_backend() -> Backend:
         name="torch",
         module_name="torch_attn",
         install="pip install torch",
-        _asarray=_torch_asarray,
-        _to_numpy=_torch_to_numpy,
+        _asarray=torch_asarray,
+        _to_numpy=torch_to_numpy,
         _rng=_torch_rng,
     )
 
@@ -196,7 +277,7 @@ SPEC_BACKENDS = tuple(_FACTORIES)
 def get(name: str) -> Backend:
     """The adapter for ``"numpy"``, ``"jax"`` or ``"torch"`` (cached)."""
     if name not in _FACTORIES:
-        raise ValueError(f"unknown backend {name!r}; expected one of {sorted(_FACTORIES)}")
+        raise UsageError(f"unknown backend {name!r}; expected one of {sorted(_FACTORIES)}")
     if name not in _CACHE:
         _CACHE[name] = _FACTORIES[name]()
     return _CACHE[name]
@@ -231,6 +312,17 @@ def from_module(module: ModuleType | str, name: str | None = None) -> Backend:
     backend._to_numpy = hook("to_numpy", np.asarray)
     backend._rng = hook("rng", np.random.default_rng)
     return backend
+
+
+def register(backend: Backend) -> Backend:
+    """Make ``load(backend.name)`` return ``backend`` (e.g. a test's fake implementation)."""
+    _CACHE[backend.name] = backend
+    return backend
+
+
+def unregister(name: str) -> None:
+    """Forget a backend added with ``register``."""
+    _CACHE.pop(name, None)
 
 
 def load(name: str) -> Backend:

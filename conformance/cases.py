@@ -23,8 +23,20 @@ sdpa cases without a general boolean mask and without dropout also run ``blockwi
 ``kv_lengths`` (an int array) gives it the padding that the case's ``mask`` gives
 ``scaled_dot_product_attention``.
 
-Most sdpa cases share one shape (batch 2, heads 4, q_len 5, kv_len 7, head_dim 8) so JAX compiles
-few programs.
+Non-finite inputs (``nan_*``, ``inf_key``) follow the spec's IEEE rule: a NaN in a query row
+makes that output row NaN; a NaN or +Inf in key ``j`` makes every row that attends ``j`` NaN,
+while masking replaces a masked score by ``-inf``, so a NaN key at a masked position reaches
+nothing; a NaN value row reaches every output row with a non-zero weight on it. The reference
+(``conformance.reference``) and the naive baseline compute these in plain IEEE float64; the
+comparison requires NaN exactly where the reference is NaN, and accepts any value where the rule
+leaves the result unspecified (an output row whose weight on a NaN value row is zero: ``0·NaN``
+is NaN in a plain matrix product, while a blocked kernel may never read that tile; the weights of
+masked positions in a NaN row). **Gradients are not compared on these cases** (``CaseData.finite``
+is False): the spec's NaN rule covers the forward pipeline only.
+
+To add a case, append a ``Case`` to ``CASES`` with a builder (``_sdpa(arrays_fn, **options)`` or
+``_module(...)``); every backend, dtype, step and peer then runs it. Most sdpa cases share one
+shape (batch 2, heads 4, q_len 5, kv_len 7, head_dim 8) so JAX compiles few programs.
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ import numpy as np
 
 from . import seed_example
 from .backends import DTYPES, numpy_dtype
+from .usage import UsageError
 
 B, H, TQ, TK, D = 2, 4, 5, 7, 8
 
@@ -53,6 +66,22 @@ class CaseData:
 
     arrays: dict[str, np.ndarray]
     options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def finite(self) -> bool:
+        """True when every floating input is finite (no NaN, no ±Inf)."""
+        return all(np.isfinite(np.asarray(a).astype(np.float64)).all()
+                   for a in self.arrays.values() if np.asarray(a).dtype.kind not in "biu")
+
+
+def sdpa_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The scalar options of ``scaled_dot_product_attention`` among ``options``."""
+    return {k: v for k, v in options.items() if k in SDPA_OPTIONS}
+
+
+def sdpa_arrays(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The array arguments of ``scaled_dot_product_attention`` among ``arrays``."""
+    return {k: v for k, v in arrays.items() if k in SDPA_ARRAYS}
 
 
 @dataclass(frozen=True)
@@ -247,6 +276,37 @@ def _dropout(rng: np.random.Generator, base: dict[str, np.ndarray]) -> dict[str,
     return {"dropout_mask": rng.random((B, H, TQ, TK)) >= 0.3}
 
 
+def _nan_query(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    arrays = _qkv(rng)
+    arrays["query"][0, 1, 2, 3] = np.nan  # one component of query 2, batch 0, head 1
+    return arrays
+
+
+def _nan_key_masked(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    arrays = _qkv(rng)
+    kv_lengths = np.array([7, 5])  # sequence 1: keys 5 and 6 are padding
+    arrays["key"][1, 2, 6, 0] = np.nan  # a padded key: masked, so it must reach nothing
+    arrays["kv_lengths"] = kv_lengths
+    arrays["mask"] = (np.arange(TK) < kv_lengths[:, None])[:, None, None, :]  # (B, 1, 1, TK)
+    return arrays
+
+
+def _inf_key(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    arrays = _qkv(rng)
+    arrays["key"][0, 0, 0, 0] = np.inf  # key 0, which every causal row attends
+    arrays["query"][0, 0, :, 0] = np.abs(arrays["query"][0, 0, :, 0]) + 0.5  # score +inf, not -inf
+    return arrays
+
+
+def _nan_value(row: int) -> Callable[[np.random.Generator], dict[str, np.ndarray]]:
+    def arrays(rng: np.random.Generator) -> dict[str, np.ndarray]:
+        base = _qkv(rng)
+        base["value"][1, 0, row, 2] = np.nan  # one component of value row ``row``, head 0
+        return base
+
+    return arrays
+
+
 CASES: tuple[Case, ...] = (
     Case("self", "self-attention, q_len = kv_len = 5", _sdpa(_self)),
     Case("cross", "cross-attention, q_len 5 != kv_len 7", _sdpa(_with(_noop))),
@@ -291,6 +351,17 @@ CASES: tuple[Case, ...] = (
     Case("two_d", "2-D inputs (seq, head_dim), as in the seed article", _sdpa(_two_d)),
     Case("three_d_gqa_causal", "3-D inputs (heads, seq, head_dim), 4 over 2 heads, causal",
          _sdpa(_three_d, is_causal=True)),
+    Case("nan_query", "a NaN in one query row: that output row is NaN, every other row finite",
+         _sdpa(_nan_query)),
+    Case("nan_key_masked", "a NaN key at a padded (masked) position: every row stays finite",
+         _sdpa(_nan_key_masked)),
+    Case("inf_key", "+Inf in key 0, which every causal row attends (scores +inf): those rows NaN",
+         _sdpa(_inf_key, is_causal=True)),
+    Case("nan_value", "a NaN in value row 2, which every row attends: that column NaN",
+         _sdpa(_nan_value(2))),
+    Case("nan_value_causal",
+         "a NaN in value row 2 with a causal mask: rows 2-4 NaN, rows 0-1 (weight 0) unspecified",
+         _sdpa(_nan_value(2), is_causal=True)),
     Case("seed_example", "the seed article's q, k, v: embedding @ W (6 tokens, d_kq 2, d_v 4)",
          _sdpa(_seed_projections)),
     Case("seed_example_causal", "the seed article's causal weights (6 tokens)",
@@ -329,11 +400,11 @@ CASE_NAMES = tuple(c.name for c in CASES)
 
 
 def get(name: str) -> Case:
-    """The case called ``name`` (KeyError with the known names otherwise)."""
+    """The case called ``name`` (``UsageError`` with the known names otherwise)."""
     for case in CASES:
         if case.name == name:
             return case
-    raise KeyError(f"unknown case {name!r}; known cases: {', '.join(CASE_NAMES)}")
+    raise UsageError(f"unknown case {name!r}; known cases: {', '.join(CASE_NAMES)}")
 
 
 def select(patterns: list[str] | None = None) -> list[Case]:
@@ -342,9 +413,10 @@ def select(patterns: list[str] | None = None) -> list[Case]:
         return list(CASES)
     chosen = [c for c in CASES if any(fnmatch.fnmatchcase(c.name, p) for p in patterns)]
     if not chosen:
-        raise KeyError(f"no case matches {patterns}; known cases: {', '.join(CASE_NAMES)}")
+        raise UsageError(f"no case matches {' '.join(patterns)}; known cases: "
+                         f"{', '.join(CASE_NAMES)}")
     return chosen
 
 
 __all__ = ["CASES", "CASE_NAMES", "Case", "CaseData", "DTYPES", "cast", "get", "prepare_inputs",
-           "select"]
+           "sdpa_arrays", "sdpa_options", "select"]

@@ -3,20 +3,23 @@
 Each ``ErrorCase`` names the rule of ``spec.ERRORS`` it exercises, the public function, its
 arguments (NumPy arrays, converted per backend) and the argument names the message must mention.
 A backend passes a case when it raises exactly the rule's exception type with a message that
-starts with the function's name and names the argument(s).
+starts with the function's name and names the argument(s). ``runner.run`` feeds every case to
+every backend column; the results (``results.ErrorResult``) land in the same report as the cells.
+To add a bad input, append an ``ErrorCase`` to ``ERROR_CASES``.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from . import spec
 from .backends import Backend
+from .results import ErrorResult
 
 FN = "scaled_dot_product_attention"
 
@@ -49,8 +52,6 @@ class ErrorCase:
 
 def _call(*args: Any, **kwargs: Any) -> Callable[[], tuple[tuple, dict]]:
     return lambda: (args, kwargs)
-
-
 
 
 def _rule(prefix: str) -> str:
@@ -106,22 +107,95 @@ ERROR_CASES: tuple[ErrorCase, ...] = (
               lambda: (_qkv(), {"softcap": 0.0}), ("softcap",)),
     ErrorCase("scale_nan", _rule("scale not"),
               lambda: (_qkv(), {"scale": float("nan")}), ("scale",)),
+    # the same rules, other ways to break them
+    ErrorCase("mask_too_many_axes", _rule("mask or bias not broadcastable"),
+              lambda: (_qkv(), {"mask": np.ones((1, 2, 4, 5, 7), bool)}), ("mask",)),
+    ErrorCase("mask_int", _rule("mask that is not boolean"),
+              lambda: (_qkv(), {"mask": np.ones((5, 7), np.int32)}), ("mask",)),
+    ErrorCase("complex_value", _rule("integer, complex"),
+              lambda: ((_n(2, 4, 5, 8), _n(2, 4, 7, 8), _n(2, 4, 7, 8, dtype=np.complex64)), {}),
+              ("value",)),
+    ErrorCase("window_triple", _rule("window not a pair"),
+              lambda: (_qkv(), {"window": (1, 2, 3)}), ("window",)),
+    ErrorCase("window_float", _rule("window not a pair"),
+              lambda: (_qkv(), {"window": (1.5, 2)}), ("window",)),
+    ErrorCase("dropout_p_negative", _rule("dropout_p outside"),
+              lambda: (_qkv(), {"dropout_p": -0.1}), ("dropout_p",)),
+    ErrorCase("dropout_mask_not_broadcastable", _rule("mask or bias not broadcastable"),
+              lambda: (_qkv(), {"dropout_p": 0.5, "dropout_mask": np.ones((3, 7), bool)}),
+              ("dropout_mask",)),
+    ErrorCase("softcap_inf", _rule("softcap not"),
+              lambda: (_qkv(), {"softcap": float("inf")}), ("softcap",)),
+    # arrays, not Python values; bools, not truthy values
+    ErrorCase("query_python_list", _rule("a Python list"),
+              lambda: (([[0.0] * 8] * 5, _n(7, 8), _n(7, 8)), {}), ("query", "list")),
+    ErrorCase("key_python_tuple", _rule("a Python list"),
+              lambda: ((_n(5, 8), tuple([0.0] * 8 for _ in range(7)), _n(7, 8)), {}),
+              ("key", "tuple")),
+    ErrorCase("bias_python_float", _rule("a Python list"),
+              lambda: (_qkv(), {"bias": 0.5}), ("bias", "float")),
+    ErrorCase("mask_python_list", _rule("a Python list"),
+              lambda: (_qkv(), {"mask": [[True] * 7] * 5}), ("mask", "list")),
+    ErrorCase("is_causal_string", _rule("is_causal or return_weights"),
+              lambda: (_qkv(), {"is_causal": "yes"}), ("is_causal",)),
+    ErrorCase("return_weights_int", _rule("is_causal or return_weights"),
+              lambda: (_qkv(), {"return_weights": 1}), ("return_weights",)),
+    # the other public functions
+    ErrorCase("vjp_grad_output_shape", _rule("grad_output not shaped"),
+              lambda: ((*_qkv(), _n(2, 4, 5, 7)), {}), ("grad_output",),
+              fn="scaled_dot_product_attention_vjp"),
+    ErrorCase("vjp_dropout_without_mask", _rule("dropout_p outside"),
+              lambda: ((*_qkv(), _n(2, 4, 5, 8)), {"dropout_p": 0.5}), ("dropout_mask",),
+              fn="scaled_dot_product_attention_vjp"),
+    ErrorCase("blockwise_block_q_zero", _rule("blockwise_attention: block_q"),
+              lambda: (_qkv(), {"block_q": 0}), ("block_q",), fn="blockwise_attention"),
+    ErrorCase("blockwise_kv_lengths_range", _rule("blockwise_attention: block_q"),
+              lambda: (_qkv(), {"kv_lengths": np.array([3, 9])}), ("kv_lengths",),
+              fn="blockwise_attention"),
+    ErrorCase("blockwise_is_causal_int", _rule("is_causal or return_weights"),
+              lambda: (_qkv(), {"is_causal": 1}), ("is_causal",), fn="blockwise_attention"),
+    ErrorCase("scores_head_dim", _rule("query and key with different head_dim"),
+              _call(_n(2, 4, 5, 8), _n(2, 4, 7, 6)), ("query", "key"), fn="attention_scores"),
+    ErrorCase("scores_python_list", _rule("a Python list"),
+              _call([[1.0, 2.0]], _n(3, 2)), ("query", "list"), fn="attention_scores"),
+    ErrorCase("output_kv_len", _rule("key and value with different kv_len"),
+              _call(_n(2, 4, 5, 6), _n(2, 4, 7, 8)), ("weights", "value"),
+              fn="attention_output"),
+    ErrorCase("mask_scores_mask_shape", _rule("mask or bias not broadcastable"),
+              lambda: ((_n(5, 6),), {"mask": np.ones((6, 5), bool)}), ("mask",),
+              fn="mask_scores"),
+    ErrorCase("mask_scores_is_causal_string", _rule("is_causal or return_weights"),
+              lambda: ((_n(5, 6),), {"is_causal": "no"}), ("is_causal",), fn="mask_scores"),
+    ErrorCase("weights_int", _rule("integer, complex"),
+              _call(_n(5, 6, dtype=np.int64)), ("scores",), fn="attention_weights"),
+    ErrorCase("weights_python_scalar", _rule("a Python list"),
+              _call(1.0), ("scores", "float"), fn="attention_weights"),
+    ErrorCase("dropout_p_range", _rule("dropout_p outside"),
+              _call(_n(5, 6), 1.5), ("dropout_p",), fn="apply_dropout"),
+    ErrorCase("renormalize_alignment", _rule("causal_alignment not"),
+              lambda: ((_n(5, 6),), {"causal_alignment": "diagonal"}), ("causal_alignment",),
+              fn="renormalized_causal_weights"),
+    ErrorCase("causal_mask_negative", _rule("mask builders"),
+              _call(-1, 3), ("q_len",), fn="causal_mask"),
+    ErrorCase("causal_mask_float", _rule("mask builders"),
+              _call(3, 2.5), ("kv_len",), fn="causal_mask"),
+    ErrorCase("window_mask_bad", _rule("window not a pair"),
+              _call(3, 3, (1,)), ("window",), fn="sliding_window_mask"),
+    ErrorCase("padding_lengths_range", _rule("mask builders"),
+              _call(np.array([2, 5]), 4), ("kv_lengths",), fn="padding_mask"),
+    ErrorCase("padding_lengths_2d", _rule("mask builders"),
+              _call(np.array([[2]]), 4), ("kv_lengths",), fn="padding_mask"),
+    ErrorCase("padding_lengths_float", _rule("mask builders"),
+              _call(np.array([1.0, 2.0]), 4), ("kv_lengths",), fn="padding_mask"),
+    ErrorCase("padding_q_len_missing", _rule("mask builders"),
+              lambda: ((np.array([2]), 4), {"q_lengths": np.array([1])}), ("q_len",),
+              fn="padding_mask"),
+    ErrorCase("combine_not_bool", _rule("mask that is not boolean"),
+              _call(np.ones((2, 2), np.float32)), ("masks[0]",), fn="combine_masks"),
+    ErrorCase("combine_shapes", _rule("masks given to combine_masks"),
+              _call(np.ones((2, 3), bool), np.ones((3, 2), bool)), ("masks",),
+              fn="combine_masks"),
 )
-
-
-@dataclass
-class ErrorResult:
-    """One error case on one backend."""
-
-    case: str
-    backend: str
-    expected: str
-    raised: str  # exception type name, or "" when nothing was raised
-    message: str
-    passed: bool
-    problem: str = ""
-    spec_backend: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def check(backend: Backend, case: ErrorCase) -> ErrorResult:

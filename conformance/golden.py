@@ -8,33 +8,39 @@
 * ``expected:<step>``: the float64 reference value of every step;
 * ``baseline:<step>``: the measured error of the naive implementation in that dtype;
 * ``zeros:<step>``: positions that must be exactly 0;
+* ``any:<step>``: positions where the spec's NaN rule allows any value (format 2);
 * ``meta``: JSON (case, dtype, kind, scalar options, input dtypes).
 
 Everything loads with ``numpy.load(..., allow_pickle=False)``. ``check(DIR, backends)`` verifies
-the checksums and runs the same comparison as ``python -m conformance run``, needing nothing but
-NumPy and the implementation under test.
+the checksums and runs the loaded expectations through the runner (``runner.run_expectations``),
+exactly as ``python -m conformance run`` does, needing nothing but NumPy and the implementation
+under test.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from . import cases as cases_mod
-from . import harness, spec
-from .backends import BFLOAT16, DTYPES, numpy_dtype
+from . import runner, spec
+from .backends import BFLOAT16, DTYPES
 from .cases import CaseData
+from .expected import Expected, expected
+from .results import RunResult
+from .usage import UsageError
 
-FORMAT = 1
+FORMAT = 2
+READABLE_FORMATS = (1, 2)  # format 1: no ``any:`` arrays
 MANIFEST = "manifest.json"
 
 
-class GoldenError(Exception):
+class GoldenError(UsageError):
     """A golden directory that is missing, incomplete or altered."""
 
 
@@ -51,7 +57,7 @@ def _restore(x: np.ndarray, dtype: str) -> np.ndarray:
     return x.view(BFLOAT16) if dtype == "bfloat16" else x.astype(np.dtype(dtype), copy=False)
 
 
-def save(exp: harness.Expected, path: str | Path) -> None:
+def save(exp: Expected, path: str | Path) -> None:
     """One case × dtype to ``path`` (.npz, no pickles)."""
     arrays: dict[str, np.ndarray] = {}
     input_dtypes = {}
@@ -63,6 +69,8 @@ def save(exp: harness.Expected, path: str | Path) -> None:
         arrays[f"baseline:{step}"] = np.asarray(exp.baseline[step], np.float64)
     for step, zeros in exp.zeros.items():
         arrays[f"zeros:{step}"] = np.ascontiguousarray(zeros)
+    for step, free in exp.unspecified.items():
+        arrays[f"any:{step}"] = np.ascontiguousarray(free)
     meta = {"case": exp.case, "dtype": exp.dtype, "kind": exp.kind,
             "options": exp.data.options, "input_dtypes": input_dtypes, "format": FORMAT}
     arrays["meta"] = np.array(json.dumps(meta))
@@ -70,12 +78,12 @@ def save(exp: harness.Expected, path: str | Path) -> None:
         np.savez_compressed(f, **arrays)
 
 
-def load(path: str | Path) -> harness.Expected:
+def load(path: str | Path) -> Expected:
     """A file written by ``save`` (``allow_pickle=False``)."""
     with np.load(path, allow_pickle=False) as z:
         meta = json.loads(str(z["meta"]))
         data = CaseData({}, dict(meta["options"]))
-        values, baseline, zeros = {}, {}, {}
+        values, baseline, zeros, unspecified = {}, {}, {}, {}
         for key in z.files:
             kind, _, name = key.partition(":")
             if kind == "in":
@@ -86,10 +94,12 @@ def load(path: str | Path) -> harness.Expected:
                 baseline[name] = float(z[key])
             elif kind == "zeros":
                 zeros[name] = z[key]
+            elif kind == "any":
+                unspecified[name] = z[key]
     if data.options.get("window") is not None:
         data.options["window"] = tuple(data.options["window"])
-    return harness.Expected(meta["case"], meta["kind"], meta["dtype"], data, values, baseline,
-                            zeros)
+    return Expected(meta["case"], meta["kind"], meta["dtype"], data, values, baseline, zeros,
+                    unspecified)
 
 
 def export(directory: str | Path, case_patterns: list[str] | None = None,
@@ -101,7 +111,7 @@ def export(directory: str | Path, case_patterns: list[str] | None = None,
     for case in cases_mod.select(case_patterns):
         for dtype in dtypes or DTYPES:
             path = out / f"{case.name}__{dtype}.npz"
-            save(harness.expected(case, dtype), path)
+            save(expected(case, dtype), path)
             files.append(path)
             digests[path.name] = _sha256(path)
     manifest = {"format": FORMAT, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -117,9 +127,13 @@ def verify(directory: str | Path) -> list[Path]:
     if not manifest_path.is_file():
         raise GoldenError(f"{root} has no {MANIFEST}; write one with "
                           f"`python -m conformance export {root}`")
-    manifest = json.loads(manifest_path.read_text())
-    if manifest.get("format") != FORMAT:
-        raise GoldenError(f"{manifest_path}: format {manifest.get('format')}, expected {FORMAT}")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise GoldenError(f"{manifest_path} is not valid JSON ({exc})") from exc
+    if manifest.get("format") not in READABLE_FORMATS:
+        raise GoldenError(f"{manifest_path}: format {manifest.get('format')}, expected one of "
+                          f"{READABLE_FORMATS}")
     paths = []
     for name, digest in manifest["files"].items():
         path = root / name
@@ -133,32 +147,25 @@ def verify(directory: str | Path) -> list[Path]:
 
 def check(directory: str | Path, backend_names: list[str],
           case_patterns: list[str] | None = None,
-          dtypes: list[str] | None = None) -> harness.RunResult:
-    """Check implementations against a golden directory; same report as a normal run."""
-    import fnmatch
-
-    start = time.perf_counter()
-    columns, missing = harness.resolve_backends(backend_names)
+          dtypes: list[str] | None = None) -> RunResult:
+    """Check implementations against a golden directory; the same report as a normal run."""
+    columns, missing = runner.resolve_backends(backend_names)
     columns = [c for c in columns if c.backend is not None]
-    cells: list[harness.Cell] = []
-    rows: list[tuple[str, str]] = []
-    expectations: dict[tuple[str, str], Any] = {}
+    selected = []
     for path in verify(directory):
-        exp = load(path)
-        if case_patterns and not any(fnmatch.fnmatchcase(exp.case, p) for p in case_patterns):
+        case, _, dtype = path.stem.rpartition("__")
+        if case_patterns and not any(fnmatch.fnmatchcase(case, p) for p in case_patterns):
             continue
-        if dtypes and exp.dtype not in dtypes:
+        if dtypes and dtype not in dtypes:
             continue
-        rows.append((exp.case, exp.dtype))
-        expectations[(exp.case, exp.dtype)] = exp
-        for col in columns:
-            cell = harness.run_cell(col.backend, exp, column=col.name)
-            cell.rerun = (f"python -m conformance check {directory} --backend {col.name} "
-                          f"--case {exp.case} --dtype {exp.dtype}")
-            cells.append(cell)
-    result = harness.RunResult(columns, cells, missing, rows, expectations)
-    result.seconds = time.perf_counter() - start
-    return result
+        selected.append(path)
+
+    def rerun(case: str, dtype: str, column: str) -> str:
+        return (f"python -m conformance check {directory} --backend {column} --case {case} "
+                f"--dtype {dtype}")
+
+    return runner.run_expectations(columns, (load(p) for p in selected), missing,
+                                   total=len(selected), rerun=rerun)
 
 
-__all__ = ["GoldenError", "check", "export", "load", "save", "verify", "numpy_dtype"]
+__all__ = ["GoldenError", "check", "export", "load", "save", "verify"]

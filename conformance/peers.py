@@ -16,13 +16,17 @@ the framework's conventions require:
   ``jax.nn.dot_product_attention``: layout ``(batch, seq, heads, head_dim)`` (BTNH);
   ``is_causal`` and ``local_window_size`` as given (both aligned top-left).
 
+A peer is only an adapter: ``compute(exp)`` returns the steps it can give (``output``, sometimes
+``output_weights``) as NumPy arrays, and ``runner.run_peer_cell`` compares them like a backend's.
 A peer that cannot express a case raises ``NotApplicable`` (shown as "n/a"). Where a peer
 differs from the spec on purpose, ``spec.KNOWN_DIFFERENCES`` says so and why; the report then
-shows "known: …" instead of a failure. Peers never decide the exit code.
+shows "known: …" instead of a failure. Peers never decide the exit code. To add a peer, write
+its ``compute`` function and add a ``Peer`` to ``PEERS``.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +35,9 @@ from typing import Any
 import numpy as np
 
 from . import backends
-from .harness import Cell, Expected, NotApplicable, StepResult, _finish, compare, rerun_command
+from .expected import Expected
+from .results import NotApplicable
+from .usage import UsageError
 
 
 def _need(condition: bool, reason: str) -> None:
@@ -47,14 +53,6 @@ def _common_checks(exp: Expected, peer: str) -> tuple[dict[str, np.ndarray], dic
     return a, o
 
 
-def _full_mask(a: dict[str, np.ndarray], shape: tuple[int, ...]) -> np.ndarray | None:
-    return None if a.get("mask") is None else np.broadcast_to(np.asarray(a["mask"], bool), shape)
-
-
-def _scores_shape(a: dict[str, np.ndarray]) -> tuple[int, ...]:
-    return tuple(a["query"].shape[:-1]) + (a["key"].shape[-2],)
-
-
 # ------------------------------------------------------------------------------ torch SDPA
 
 
@@ -63,7 +61,7 @@ def _torch_sdpa(exp: Expected) -> dict[str, np.ndarray]:
 
     a, o = _common_checks(exp, "torch SDPA")
     _need(o.get("window") is None, "torch SDPA has no sliding window")
-    t = backends._torch_asarray
+    t = backends.torch_asarray
     q, k, v = (t(a[n]) for n in ("query", "key", "value"))
     attn_mask = None
     if a.get("bias") is not None:
@@ -80,7 +78,7 @@ def _torch_sdpa(exp: Expected) -> dict[str, np.ndarray]:
         kwargs["enable_gqa"] = True
     with torch.no_grad():
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
-    return {"output": backends._torch_to_numpy(out)}
+    return {"output": backends.torch_to_numpy(out)}
 
 
 # ------------------------------------------------------------------------------ torch MHA
@@ -119,26 +117,24 @@ def _torch_mha(exp: Expected) -> dict[str, np.ndarray]:
         if a.get("bias") is not None:
             bias = np.broadcast_to(np.asarray(a["bias"], np.float64), allowed.shape)
             float_mask = np.where(allowed, bias, -np.inf).reshape(flat.shape)
-            attn_mask = backends._torch_asarray(float_mask.astype(a["query"].dtype))
+            attn_mask = backends.torch_asarray(float_mask.astype(a["query"].dtype))
         else:
             attn_mask = torch.from_numpy(~flat)  # MultiheadAttention: True = masked out
         if q.ndim == 3:
             attn_mask = attn_mask if attn_mask.shape[0] == heads else attn_mask[0]
-    dtype = backends._torch_asarray(a["query"][..., :1]).dtype
+    dtype = backends.torch_asarray(a["query"][..., :1]).dtype
     mha = torch.nn.MultiheadAttention(embed, heads, bias=False, batch_first=True, dtype=dtype)
     with torch.no_grad():
         mha.in_proj_weight.copy_(torch.eye(embed, dtype=dtype).repeat(3, 1))
         mha.out_proj.weight.copy_(torch.eye(embed, dtype=dtype))
         mha.eval()
-        t = backends._torch_asarray
+        t = backends.torch_asarray
         qm, km, vm = t(merge(q)), t(merge(k)), t(merge(v))
-        if q.ndim == 3:  # unbatched (T, E)
-            pass
         out, weights = mha(qm, km, vm, attn_mask=attn_mask, need_weights=True,
                            average_attn_weights=False)
-    out_np = backends._torch_to_numpy(out)  # (..., q_len, heads·D)
+    out_np = backends.torch_to_numpy(out)  # (..., q_len, heads·D)
     out_np = np.swapaxes(out_np.reshape(out_np.shape[:-1] + (heads, head_dim)), -2, -3)
-    w_np = backends._torch_to_numpy(weights)
+    w_np = backends.torch_to_numpy(weights)
     shape = exp.values["output"].shape
     return {"output": out_np.reshape(shape),
             "output_weights": w_np.reshape(exp.values["output_weights"].shape)}
@@ -147,8 +143,19 @@ def _torch_mha(exp: Expected) -> dict[str, np.ndarray]:
 # ------------------------------------------------------------------------------ jax.nn
 
 
+@functools.cache
+def _jax_nn_compiled() -> Callable[..., Any]:
+    """``jax.nn.dot_product_attention`` under ``jax.jit``: one program per case and dtype
+    (eagerly, every primitive is a program of its own). Eager where jit fails: float16 on CPU,
+    whose jitted dot products XLA rejects."""
+    import jax
+
+    return jax.jit(jax.nn.dot_product_attention,
+                   static_argnames=("is_causal", "scale", "local_window_size"))
+
+
 def _jax_nn(exp: Expected) -> dict[str, np.ndarray]:
-    backends._jax_prepare()
+    backends.jax_prepare()
     import jax
     import jax.numpy as jnp
 
@@ -176,7 +183,10 @@ def _jax_nn(exp: Expected) -> dict[str, np.ndarray]:
         big = max(q.shape[-2], k.shape[-2])
         kwargs["local_window_size"] = (big if left is None else left,
                                        big if right is None else right)
-    out = jax.nn.dot_product_attention(btnh(q), btnh(k), btnh(v), **kwargs)
+    try:
+        out = _jax_nn_compiled()(btnh(q), btnh(k), btnh(v), **kwargs)
+    except ValueError:  # jitted float16 on CPU: "precision 'F16_F16_F32' is not supported"
+        out = jax.nn.dot_product_attention(btnh(q), btnh(k), btnh(v), **kwargs)
     out_np = np.swapaxes(np.asarray(out), -2, -3)
     return {"output": out_np[0] if squeeze else out_np}
 
@@ -197,31 +207,6 @@ class Peer:
         """True when the framework is installed (found without importing it)."""
         return importlib.util.find_spec(self.framework) is not None
 
-    def run_cell(self, exp: Expected) -> Cell:
-        """Run the peer on one case × dtype and compare what it returns with the reference."""
-        cell = Cell(exp.case, exp.dtype, self.name, "ok", 0.0, spec_backend=False,
-                    rerun=rerun_command(exp.case, exp.dtype, self.name))
-        try:
-            with np.errstate(all="ignore"):
-                results = self.compute(exp)
-        except NotApplicable as exc:
-            cell.status, cell.detail, cell.ratio = "n/a", str(exc), None
-            return cell
-        except Exception as exc:  # noqa: BLE001 - a peer failing is a result
-            cell.status, cell.detail, cell.ratio = "error", f"{type(exc).__name__}: {exc}", None
-            cell.detail = cell.detail.splitlines()[0][:300]
-            return cell
-        for step, actual in results.items():
-            try:
-                with np.errstate(all="ignore"):
-                    res = compare(step, actual, exp.values[step], exp.baseline[step], exp.dtype,
-                                  exp.zeros.get(step), "input")
-            except Exception as exc:  # noqa: BLE001
-                res = StepResult(step, float("inf"), False, error=f"{type(exc).__name__}: {exc}")
-            cell.steps.append(res)
-        _finish(cell)
-        return cell
-
 
 PEERS: tuple[Peer, ...] = (
     Peer("torch.sdpa", "torch", "pip install torch", _torch_sdpa),
@@ -235,4 +220,4 @@ def get(name: str) -> Peer:
     for peer in PEERS:
         if peer.name == name:
             return peer
-    raise KeyError(f"unknown peer {name!r}; known: {', '.join(p.name for p in PEERS)}")
+    raise UsageError(f"unknown peer {name!r}; known: {', '.join(p.name for p in PEERS)}")

@@ -1,84 +1,110 @@
-"""Property-based mode (``--hypothesis N``): Hypothesis draws problems, every backend must agree.
+"""Property checks (``--hypothesis N``): Hypothesis draws problems, every backend must conform.
 
-Hypothesis draws shapes (including 1 and odd sizes; from small fixed sets, so JAX compiles a
-bounded number of programs), dtype, rank, grouped heads, a mask (none, random, key padding, or
-with a fully masked row), a bias, causal settings, and the magnitude of the values (from 1e-3 to
-100, i.e. logits up to ~1e5). For each problem a backend must
+A problem's structure — shapes, mask kind, bias, causal rule — is one of ``LAYOUTS`` (ranks 2-4,
+lengths 1-5, odd head sizes, grouped heads, fully masked rows, both causal alignments), its dtype
+one of the four; its data is drawn freely (values of magnitude 1e-3 to 100, i.e. logits up to
+~1e5, mask contents, a seed). A backend that compiles (JAX: ``Backend.function``) thus compiles
+at most ``len(LAYOUTS) × 4`` programs, however many examples run. For each problem a backend must
 
-* match the float64 reference (output and weights) under ``spec.TOLERANCES``;
-* give rows of weights that sum to 1 or are all 0, and exactly 0 where masked;
-* give an output that does not change when the values of keys no query may attend change;
-* give the same output (within tolerance) when keys, values, mask and bias are permuted along
-  the keys (without causal rule, where positions carry no meaning).
+* conform: ``output`` and ``weights`` pass ``compare`` against the float64 reference, with the
+  naive baseline measured on the same example — the harness's one rule (``spec.TOLERANCES``);
+* ignore keys no query may attend: changing their values leaves the output bit-identical;
+* conform on the same problem with keys, values, mask and bias permuted along the keys (without
+  a causal rule, where positions carry no meaning), whose reference is the same output.
 
-A failure is shrunk by Hypothesis to a minimal problem and printed as runnable code.
+Rows of weights summing to 1 (or all 0) follow from the comparison of the weights. A failure is
+shrunk by Hypothesis to a minimal problem and printed as runnable code.
 """
 
 from __future__ import annotations
 
+import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .backends import DTYPES, Backend, numpy_dtype
 from .cases import CaseData
-from .harness import compare, expected_for, tolerance
+from .compare import compare_step
+from .expected import Expected, expected_for
+from .results import BackendProperties, PropertyResult
 
-SEQ = (1, 2, 3, 5)
-HEAD_DIM = (1, 3, 8)
 MAGNITUDES = (1.0, 1e-3, 10.0, 100.0)
-SUM_TOL = {"float64": 1e-12, "float32": 1e-5, "bfloat16": 3e-2, "float16": 4e-3}
 
 
-@dataclass
-class Problem:
-    """One drawn problem; inputs are generated from ``seed``."""
+@dataclass(frozen=True)
+class Layout:
+    """The structure of a problem: everything that decides a compiled program's signature."""
 
-    dtype: str
     batch: tuple[int, ...]
-    heads: int | None  # None for 2-D inputs
+    heads: int | None  # None: 2-D inputs (seq, head_dim)
     kv_heads: int | None
     q_len: int
     kv_len: int
     head_dim: int
     v_dim: int
+    mask: str  # none | full (..., heads, q_len, kv_len) | keys (q_len, kv_len)
+    bias: bool  # a (q_len, kv_len) bias
+    causal: str | None  # None | top_left | bottom_right
+
+
+LAYOUTS: tuple[Layout, ...] = (
+    Layout((), None, None, 1, 1, 1, 1, "none", False, None),
+    Layout((), None, None, 5, 3, 8, 8, "keys", True, None),
+    Layout((), None, None, 3, 5, 3, 3, "none", False, "bottom_right"),
+    Layout((), 2, 1, 3, 5, 8, 3, "full", False, "top_left"),
+    Layout((), 4, 2, 5, 2, 3, 3, "none", True, "bottom_right"),  # q_len > kv_len: empty rows
+    Layout((), 4, 4, 2, 2, 1, 3, "keys", False, None),
+    Layout((1,), 4, 4, 5, 5, 8, 8, "full", True, None),
+    Layout((2,), 4, 2, 3, 3, 8, 8, "none", False, "top_left"),
+    Layout((2,), 2, 2, 1, 5, 3, 8, "full", False, "bottom_right"),  # one decoding step
+    Layout((1,), 4, 1, 5, 3, 1, 3, "keys", True, "top_left"),
+    Layout((2,), 1, 1, 5, 1, 8, 1, "none", True, None),
+    Layout((1,), 2, 1, 2, 3, 3, 3, "full", True, "bottom_right"),
+    Layout((2,), 4, 2, 5, 5, 3, 3, "keys", False, "bottom_right"),
+    Layout((), 2, 2, 5, 5, 8, 8, "full", False, None),
+)
+
+
+@dataclass
+class Problem:
+    """One drawn problem: a layout, a dtype, and data generated from ``seed``."""
+
+    layout: Layout
+    dtype: str
     magnitude: float
-    mask: str  # none | random | keys | empty_row
-    bias: bool
-    is_causal: bool
-    causal_alignment: str
+    empty_row: bool  # a "full" mask with its first query row fully masked
     seed: int
 
     def arrays(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """The inputs, in ``dtype``, and the scalar options."""
+        lay = self.layout
         rng = np.random.default_rng(self.seed)
-        lead_q = self.batch + ((self.heads,) if self.heads else ())
-        lead_kv = self.batch + ((self.kv_heads,) if self.kv_heads else ())
+        lead_q = lay.batch + ((lay.heads,) if lay.heads else ())
+        lead_kv = lay.batch + ((lay.kv_heads,) if lay.kv_heads else ())
         dt = numpy_dtype(self.dtype)
         a: dict[str, np.ndarray] = {
-            "query": (rng.standard_normal(lead_q + (self.q_len, self.head_dim))
+            "query": (rng.standard_normal(lead_q + (lay.q_len, lay.head_dim))
                       * self.magnitude).astype(dt),
-            "key": (rng.standard_normal(lead_kv + (self.kv_len, self.head_dim))
+            "key": (rng.standard_normal(lead_kv + (lay.kv_len, lay.head_dim))
                     * self.magnitude).astype(dt),
-            "value": rng.standard_normal(lead_kv + (self.kv_len, self.v_dim)).astype(dt),
+            "value": rng.standard_normal(lead_kv + (lay.kv_len, lay.v_dim)).astype(dt),
         }
-        scores = lead_q + (self.q_len, self.kv_len)
-        if self.mask == "random":
-            a["mask"] = rng.random(scores) < 0.6
-        elif self.mask == "keys":
-            a["mask"] = np.broadcast_to(rng.random(self.kv_len) < 0.6, (self.q_len, self.kv_len)
-                                        ).copy()
-        elif self.mask == "empty_row":
-            m = rng.random(scores) < 0.7
-            m[..., 0, :] = False
-            a["mask"] = m
-        if self.bias:
-            a["bias"] = rng.standard_normal((self.q_len, self.kv_len)).astype(dt)
+        if lay.mask == "full":
+            mask = rng.random(lead_q + (lay.q_len, lay.kv_len)) < 0.65
+            if self.empty_row:
+                mask[..., 0, :] = False
+            a["mask"] = mask
+        elif lay.mask == "keys":
+            keys = rng.random(lay.kv_len) < 0.6
+            a["mask"] = np.broadcast_to(keys, (lay.q_len, lay.kv_len)).copy()
+        if lay.bias:
+            a["bias"] = rng.standard_normal((lay.q_len, lay.kv_len)).astype(dt)
         o: dict[str, Any] = {}
-        if self.is_causal:
-            o = {"is_causal": True, "causal_alignment": self.causal_alignment}
+        if lay.causal:
+            o = {"is_causal": True, "causal_alignment": lay.causal}
         return a, o
 
 
@@ -86,86 +112,74 @@ def problems() -> Any:
     """The Hypothesis strategy of problems."""
     from hypothesis import strategies as st
 
-    @st.composite
-    def draw_problem(draw: Any) -> Problem:
-        rank = draw(st.sampled_from((2, 3, 4)))
-        heads = kv_heads = None
-        if rank >= 3:
-            heads = draw(st.sampled_from((1, 2, 4)))
-            kv_heads = draw(st.sampled_from(tuple(d for d in (1, 2, 4) if heads % d == 0)))
-        head_dim = draw(st.sampled_from(HEAD_DIM))
-        return Problem(
-            dtype=draw(st.sampled_from(DTYPES)),
-            batch=(draw(st.sampled_from((1, 2))),) if rank == 4 else (),
-            heads=heads, kv_heads=kv_heads,
-            q_len=draw(st.sampled_from(SEQ)), kv_len=draw(st.sampled_from(SEQ)),
-            head_dim=head_dim, v_dim=draw(st.sampled_from((head_dim, 3))),
-            magnitude=draw(st.sampled_from(MAGNITUDES)),
-            mask=draw(st.sampled_from(("none", "random", "keys", "empty_row"))),
-            bias=draw(st.booleans()),
-            is_causal=draw(st.booleans()),
-            causal_alignment=draw(st.sampled_from(("top_left", "bottom_right"))),
-            seed=draw(st.integers(0, 2**16)),
-        )
-
-    return draw_problem()
+    return st.builds(
+        Problem,
+        layout=st.sampled_from(LAYOUTS),
+        dtype=st.sampled_from(DTYPES),
+        magnitude=st.sampled_from(MAGNITUDES),
+        empty_row=st.booleans(),
+        seed=st.integers(0, 2**16),
+    )
 
 
 def _sdpa(backend: Backend, a: dict[str, np.ndarray], o: dict[str, Any]
           ) -> tuple[np.ndarray, np.ndarray]:
+    """``scaled_dot_product_attention(..., return_weights=True)``, compiled where it compiles."""
+    fn = backend.function("scaled_dot_product_attention", tuple(sorted([*o, "return_weights"])))
     conv = {k: backend.asarray(v) for k, v in a.items()}
     with warnings.catch_warnings(), np.errstate(all="ignore"):
         warnings.simplefilter("ignore")
-        out, w = backend.module.scaled_dot_product_attention(
-            conv.pop("query"), conv.pop("key"), conv.pop("value"), **conv, **o,
-            return_weights=True)
+        out, w = fn(conv.pop("query"), conv.pop("key"), conv.pop("value"), **conv, **o,
+                    return_weights=True)
     return backend.to_numpy(out), backend.to_numpy(w)
 
 
-def check_problem(backend: Backend, problem: Problem) -> None:
-    """Every property on one backend; AssertionError with a plain-words message otherwise."""
-    a, o = problem.arrays()
-    exp = expected_for(CaseData(a, o), "sdpa", problem.dtype)
-    out, w = _sdpa(backend, a, o)
+def _conform(exp: Expected, out: np.ndarray, w: np.ndarray, what: str = "") -> float:
+    worst = 0.0
     for step, actual in (("output", out), ("output_weights", w)):
-        res = compare(step, actual, exp.values[step], exp.baseline[step], problem.dtype,
-                      exp.zeros.get(step), "input")
+        res = compare_step(exp, step, actual, "input")
         assert res.passed, (
-            f"{step} differs from the float64 reference: worst {res.ratio:.3g}x tolerance at "
-            f"{res.index}: actual {res.actual}, expected {res.expected}"
-            + (f" ({res.note})" if res.note else ""))
-    w64 = w.astype(np.float64)
-    sums = w64.sum(-1)
-    ok = (np.abs(sums - 1) <= SUM_TOL[problem.dtype]) | (w64 == 0).all(-1)
-    assert ok.all(), (f"a row of weights sums to {sums[~ok].flat[0]!r}, neither 1 nor all 0")
+            f"{step}{what} differs from the float64 reference: worst {res.ratio:.3g}x tolerance "
+            f"at {res.index}: actual {res.actual}, expected {res.expected}, tolerance "
+            f"{res.bound:.3g}" + (f" ({res.note})" if res.note else ""))
+        worst = max(worst, res.ratio)
+    return worst
+
+
+def _unused_keys(exp: Expected, value: np.ndarray) -> np.ndarray:
+    """Keys no query of any head of their kv group may attend: ``(..., [kv_heads,] kv_len)``."""
     allowed = ~np.isneginf(exp.values["masked_scores"])  # (..., heads, q_len, kv_len)
-    value = a["value"]
-    if value.ndim >= 3:  # keys that no query of any head of a kv group attends
-        groups = allowed.shape[-3] // value.shape[-3]
-        per_kv = allowed.reshape(allowed.shape[:-3] + (value.shape[-3], groups)
-                                 + allowed.shape[-2:])
-        unused = ~per_kv.any(axis=(-3, -2))  # (..., kv_heads, kv_len)
-    else:
-        unused = ~allowed.any(-2)
+    if value.ndim < 3:
+        return ~allowed.any(-2)
+    groups = allowed.shape[-3] // value.shape[-3]
+    per_kv = allowed.reshape(allowed.shape[:-3] + (value.shape[-3], groups) + allowed.shape[-2:])
+    return ~per_kv.any(axis=(-3, -2))
+
+
+def check_problem(backend: Backend, problem: Problem) -> float:
+    """Every property on one backend; the worst ratio, or AssertionError in plain words."""
+    a, o = problem.arrays()
+    exp = expected_for(CaseData(a, o), "sdpa", problem.dtype, gradients=False)
+    out, w = _sdpa(backend, a, o)
+    worst = _conform(exp, out, w)
+    unused = _unused_keys(exp, a["value"])
     if unused.any():
-        poisoned = value.copy()
-        poisoned[unused] = np.asarray(1e3, dtype=value.dtype)
+        poisoned = a["value"].copy()
+        poisoned[unused] = np.asarray(1e3, dtype=poisoned.dtype)
         out2, _ = _sdpa(backend, {**a, "value": poisoned}, o)
         assert np.array_equal(out2, out, equal_nan=True), (
             "changing the values of keys that no query may attend changed the output")
-    if not problem.is_causal and problem.kv_len > 1:
-        perm = np.random.default_rng(problem.seed + 1).permutation(problem.kv_len)
+    if not problem.layout.causal and problem.layout.kv_len > 1:
+        perm = np.random.default_rng(problem.seed + 1).permutation(problem.layout.kv_len)
         b = dict(a)
         b["key"], b["value"] = a["key"][..., perm, :], a["value"][..., perm, :]
         for n in ("mask", "bias"):
             if n in a:
                 b[n] = a[n][..., perm]
-        out3, _ = _sdpa(backend, b, o)
-        tol = tolerance(problem.dtype)
-        bound = tol["atol"] + tol["k"] * exp.baseline["output"] + tol["rtol"] * np.abs(out)
-        diff = np.abs(out3.astype(np.float64) - out.astype(np.float64))
-        assert (diff <= bound).all(), (
-            f"permuting the keys changed the output by up to {float(np.max(diff)):.3g}")
+        permuted = expected_for(CaseData(b, o), "sdpa", problem.dtype, gradients=False)
+        out3, w3 = _sdpa(backend, b, o)
+        worst = max(worst, _conform(permuted, out3, w3, " (keys permuted)"))
+    return worst
 
 
 def reproducer(backend: Backend, problem: Problem, message: str) -> str:
@@ -197,54 +211,13 @@ def reproducer(backend: Backend, problem: Problem, message: str) -> str:
     return "\n".join(lines)
 
 
-@dataclass
-class BackendProperties:
-    """The outcome of the property run on one backend."""
-
-    backend: str
-    examples: int = 0
-    failure: str = ""
-    reproducer: str = ""
-
-
-@dataclass
-class PropertyResult:
-    """The outcome of ``--hypothesis N``."""
-
-    n: int
-    backends: list[BackendProperties] = field(default_factory=list)
-
-    @property
-    def passed(self) -> bool:
-        """True when no backend failed a property."""
-        return not any(b.failure for b in self.backends)
-
-    def summary(self) -> str:
-        """A short part of the summary line."""
-        bad = [b.backend for b in self.backends if b.failure]
-        total = sum(b.examples for b in self.backends)
-        return f"hypothesis: {total} examples, " + (f"FAIL on {', '.join(bad)}" if bad else "ok")
-
-    def text(self) -> str:
-        """Failures with their minimal reproducers."""
-        lines = []
-        for b in self.backends:
-            if b.failure:
-                lines.append(f"FAIL hypothesis · {b.backend}: {b.failure}\n"
-                             f"  minimal reproducer (runnable):\n\n{b.reproducer}\n")
-        return "\n".join(lines) or self.summary()
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data for the JSON report."""
-        return {"n": self.n, "backends": [vars(b) for b in self.backends]}
-
-
 def run_backend(backend: Backend, n: int) -> BackendProperties:
     """``n`` drawn problems on one backend, shrinking the first failure."""
     from hypothesis import HealthCheck, Verbosity, given, settings
 
     outcome = BackendProperties(backend.name)
     last: dict[str, Any] = {}
+    start = time.perf_counter()
 
     @settings(max_examples=n, deadline=None, database=None, derandomize=True,
               verbosity=Verbosity.quiet, print_blob=False,
@@ -253,26 +226,31 @@ def run_backend(backend: Backend, n: int) -> BackendProperties:
     def prop(problem: Problem) -> None:
         outcome.examples += 1
         try:
-            check_problem(backend, problem)
+            ratio = check_problem(backend, problem)
         except Exception as exc:
             last["problem"], last["message"] = problem, f"{type(exc).__name__}: {exc}"
             raise
+        outcome.worst_ratio = max(outcome.worst_ratio, ratio)
 
     try:
         prop()
     except Exception:  # noqa: BLE001 - Hypothesis re-raises the minimal failure
-        if "problem" in last:
-            outcome.failure = last["message"]
-            outcome.reproducer = reproducer(backend, last["problem"], last["message"])
-        else:
+        if "problem" not in last:
             raise
+        outcome.failure = last["message"]
+        outcome.reproducer = reproducer(backend, last["problem"], last["message"])
+    outcome.seconds = time.perf_counter() - start
     return outcome
 
 
 def run(backend_list: list[Backend], n: int) -> PropertyResult:
     """``--hypothesis N``: N examples per backend."""
-    return PropertyResult(n, [run_backend(b, n) for b in backend_list])
+    result = PropertyResult(n)
+    for backend in backend_list:
+        result.backends.append(run_backend(backend, n))
+        backend.release()  # the programs compiled for these layouts
+    return result
 
 
-__all__ = ["Problem", "PropertyResult", "check_problem", "problems", "reproducer", "run"]
-
+__all__ = ["LAYOUTS", "Layout", "Problem", "check_problem", "problems", "reproducer",
+           "run", "run_backend"]

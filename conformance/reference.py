@@ -4,6 +4,13 @@ Written differently from every backend on purpose: key/value heads are repeated 
 the causal and window rules come from ``np.tril``/``np.triu`` (not from position differences),
 the softmax normalises only the rows that keep a key, and everything is float64. It returns
 every intermediate of the pipeline, so each step can be compared on its own.
+
+Non-finite inputs follow plain IEEE arithmetic, as the spec requires: a NaN in a query row gives
+a NaN row of scores, weights and output; a NaN or ``+inf`` score at an allowed position makes its
+row NaN (the row maximum is NaN or ``+inf`` and ``inf - inf`` is NaN); masking *replaces* a
+score by ``-inf``, so a NaN at a masked position reaches nothing; ``weights @ value`` carries a
+NaN value row into every output row (``0·NaN`` is NaN), including rows whose weight on it is 0,
+which the spec leaves unspecified (``conformance.expected`` marks those positions).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ def _f64(x: Any) -> np.ndarray:
     return np.asarray(x).astype(np.float64)
 
 
-def _repeat_kv(x: np.ndarray, heads: int) -> np.ndarray:
+def repeat_kv(x: np.ndarray, heads: int) -> np.ndarray:
     """``(..., kv_heads, T, D)`` → ``(..., heads, T, D)`` by repeating each kv head."""
     if x.ndim < 3 or x.shape[-3] == heads:
         return x
@@ -81,7 +88,7 @@ def attention(
     """
     q, k, v = _f64(query), _f64(key), _f64(value)
     heads = q.shape[-3] if q.ndim >= 3 else 1
-    k, v = _repeat_kv(k, heads), _repeat_kv(v, heads)
+    k, v = repeat_kv(k, heads), repeat_kv(v, heads)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     scores = np.einsum("...qd,...kd->...qk", q, k) * scale
     if softcap is not None:
@@ -123,7 +130,7 @@ class Grads:
     bias: np.ndarray | None
 
 
-def _unbroadcast(grad: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+def unbroadcast(grad: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """Sum ``grad`` down to ``shape`` (the shape an operand had before broadcasting)."""
     while grad.ndim > len(shape):
         grad = grad.sum(axis=0)
@@ -133,8 +140,8 @@ def _unbroadcast(grad: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return grad
 
 
-def _fold_kv(grad: np.ndarray, kv_shape: tuple[int, ...]) -> np.ndarray:
-    """Undo ``_repeat_kv``: add the gradients of the repeated copies of each kv head."""
+def fold_kv(grad: np.ndarray, kv_shape: tuple[int, ...]) -> np.ndarray:
+    """Undo ``repeat_kv``: add the gradients of the repeated copies of each kv head."""
     if len(kv_shape) < 3 or grad.shape[-3] == kv_shape[-3]:
         return grad
     kv_heads = kv_shape[-3]
@@ -158,7 +165,7 @@ def attention_vjp(
     q, k, v = _f64(query), _f64(key), _f64(value)
     d_out = _f64(grad_output)
     heads = q.shape[-3] if q.ndim >= 3 else 1
-    k_rep, v_rep = _repeat_kv(k, heads), _repeat_kv(v, heads)
+    k_rep, v_rep = repeat_kv(k, heads), repeat_kv(v, heads)
     steps = attention(q, k_rep, v_rep, **options)
     scale = q.shape[-1] ** -0.5 if options.get("scale") is None else float(options["scale"])
     weights = steps.weights
@@ -176,7 +183,7 @@ def attention_vjp(
     )
     grad_scores = np.einsum("...kl,...l->...k", jacobian, grad_weights)
     bias = options.get("bias")
-    grad_bias = None if bias is None else _unbroadcast(grad_scores, np.shape(bias))
+    grad_bias = None if bias is None else unbroadcast(grad_scores, np.shape(bias))
     softcap = options.get("softcap")
     if softcap is not None:
         raw = np.einsum("...qd,...kd->...qk", q, k_rep) * scale
@@ -185,7 +192,7 @@ def attention_vjp(
     grad_k = np.einsum("...qk,...qd->...kd", grad_scores, q) * scale
     return Grads(
         query=grad_q,
-        key=_fold_kv(grad_k, k.shape),
-        value=_fold_kv(grad_v, v.shape),
+        key=fold_kv(grad_k, k.shape),
+        value=fold_kv(grad_v, v.shape),
         bias=grad_bias,
     )

@@ -2,21 +2,24 @@
 
 Cells read ``ok 0.31`` (passed; worst error is 0.31 of the tolerance), ``FAIL 2e+03``,
 ``known: …`` (a peer's documented difference, ``spec.KNOWN_DIFFERENCES``), ``n/a`` (the column
-cannot express the case) or ``error`` (the implementation raised). Only spec/user backends decide
-the exit code; peers are context.
+cannot express the case) or ``error`` (the implementation raised); ``legend`` says so under the
+table. Only spec/user backends decide the exit code; peers are context. The report only reads
+``results.RunResult``.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import textwrap
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from . import spec
-from .harness import Cell, RunResult, StepResult
+from .compare import StepResult
+from .results import Cell, RunResult
 
 CELL_WIDTH = 18
 
@@ -63,6 +66,16 @@ def table(result: RunResult) -> str:
         lines.append(f"{case} {dtype}".ljust(label_width) + " "
                      + " ".join(t.ljust(w) for t, w in zip(cells, widths, strict=True)).rstrip())
     return "\n".join(lines)
+
+
+def legend() -> str:
+    """What the number after ``ok``/``FAIL`` means, with the tolerance formula."""
+    return textwrap.fill(
+        "legend: ok/FAIL r: r = worst |actual - expected| / bound over the cell's steps (r <= 1 "
+        "passes), bound = atol + rtol·|expected| + k·e, e = the error of a naive implementation "
+        "in the same dtype on the same inputs (spec.TOLERANCES); NaN, ±inf and required zeros "
+        "must match exactly (r = inf: they do not). known: a peer's documented difference; n/a: "
+        "the column cannot express the case.", width=100, subsequent_indent="  ")
 
 
 def _fmt_value(x: float | None) -> str:
@@ -165,7 +178,7 @@ def missing_section(result: RunResult) -> str:
 
 def text(result: RunResult) -> str:
     """The whole terminal report."""
-    parts = [table(result)]
+    parts = [table(result), legend()] if result.cells else []
     for section in (failures(result), known_section(result), errors_section(result),
                     result.properties.text() if result.properties is not None else "",
                     missing_section(result), summary(result)):

@@ -84,6 +84,15 @@ def cross_second_input(d_in: int = 3, kv_len: int = 8) -> list[list[float]]:
     return take(2 * d_in * 2 + d_in * 4, kv_len, d_in)
 
 
+#: The article prints 4 decimals.
+PRINTED_DECIMALS = 4
+#: A float64 value matches a printed number when they differ by at most half a unit in the 4th
+#: decimal plus the article's own float32 rounding.
+PRINTED_ATOL = 6e-5
+#: A float32 result matches a printed number when its own rounding to 4 decimals is within one
+#: unit of it (a float32 value just across a rounding boundary rounds the other way).
+PRINTED_ATOL_FLOAT32 = 1.5e-4
+
 #: Numbers the article prints, to 4 decimals.
 ARTICLE = {
     "embedding": [

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import inspect
 import json
 import sys
@@ -31,6 +32,26 @@ def _constant(name: str, value: object) -> str:
     return f"### `{name}`\n\n```json\n{json.dumps(value, indent=2, ensure_ascii=False)}\n```\n"
 
 
+#: Public names of ``spec`` that are not rules to print: they index the sections below.
+STRUCTURE = ("FUNCTIONS", "MODULES", "MODULE_METHODS", "CLASSES", "DECODING_MODULES",
+             "MASKED_SCORE")
+
+
+def constants() -> list[str]:
+    """Every public constant of ``spec`` (an upper-case name) except the lists that index the
+    sections (``STRUCTURE``), so a new rule is never left out of the document: those the spec
+    defines in their order, then those it imports (``FAST_PATHS``)."""
+    tree = ast.parse(Path(inspect.getfile(spec)).read_text(encoding="utf-8"))
+    defined = [t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+               for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+               if isinstance(t, ast.Name)]
+    public = [name for name, value in vars(spec).items()
+              if name.isupper() and not name.startswith("_") and name not in STRUCTURE
+              and isinstance(value, (str, dict, tuple, list))]
+    return ([n for n in defined if n in public]
+            + [n for n in public if n not in defined])
+
+
 def render() -> str:
     """The whole spec as Markdown."""
     parts = [
@@ -44,14 +65,8 @@ def render() -> str:
         "## Semantic constants",
         "",
     ]
-    constants = [
-        "MASK_TRUE_MEANS", "CAUSAL_ALIGNMENTS", "DEFAULT_CAUSAL_ALIGNMENT", "FULLY_MASKED_ROW",
-        "COMPUTE_DTYPE", "PRECISION", "BLOCKED_COMPUTATION", "DROPOUT", "ERRORS", "TOLERANCES",
-        "WEIGHTS", "INITIALISATION", "DECODING", "BACKEND_EXTRAS", "KNOWN_DIFFERENCES",
-    ]
-    for name in constants:
-        if hasattr(spec, name):
-            parts.append(_constant(name, getattr(spec, name)))
+    for name in constants():
+        parts.append(_constant(name, getattr(spec, name)))
     parts += ["## Functions", ""]
     for name in spec.FUNCTIONS:
         fn = getattr(spec, name)

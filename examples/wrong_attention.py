@@ -12,7 +12,8 @@ Run the conformance suite against it from the repository root::
     python -m conformance --backend examples.wrong_attention
 
 Every case with a mask or a bottom-right causal rule fails, and the report says why ("mask
-polarity flipped", "wrong causal alignment"). Any module that defines the spec's function names
+polarity flipped", "wrong causal alignment"); every other case passes. Any module that defines
+the spec's function names
 and takes NumPy arrays can be checked the same way; a module working on another array type adds
 ``asarray(np_array)`` and ``to_numpy(x)`` (and ``rng(seed)`` for its random source).
 """
@@ -27,6 +28,7 @@ import numpy_attn
 from numpy_attn import (  # noqa: F401 - re-exported: the parts this module gets right
     CausalSelfAttention,
     CrossAttention,
+    KVCache,
     MultiHeadAttention,
     MultiHeadAttentionWrapper,
     SelfAttention,
@@ -58,3 +60,21 @@ def mask_scores(scores: Any, **kwargs: Any) -> np.ndarray:
 def scaled_dot_product_attention(query: Any, key: Any, value: Any, **kwargs: Any) -> Any:
     """numpy_attn.scaled_dot_product_attention with both bugs."""
     return numpy_attn.scaled_dot_product_attention(query, key, value, **_wrong(kwargs))
+
+
+def scaled_dot_product_attention_vjp(query: Any, key: Any, value: Any, grad_output: Any,
+                                     **kwargs: Any) -> Any:
+    """numpy_attn.scaled_dot_product_attention_vjp with both bugs."""
+    return numpy_attn.scaled_dot_product_attention_vjp(query, key, value, grad_output,
+                                                       **_wrong(kwargs))
+
+
+def blockwise_attention(query: Any, key: Any, value: Any, **kwargs: Any) -> Any:
+    """numpy_attn.blockwise_attention with the alignment bug (it takes no boolean mask)."""
+    return numpy_attn.blockwise_attention(query, key, value, **_wrong(kwargs))
+
+
+def blockwise_attention_vjp(query: Any, key: Any, value: Any, grad_output: Any,
+                            **kwargs: Any) -> Any:
+    """numpy_attn.blockwise_attention_vjp with the alignment bug."""
+    return numpy_attn.blockwise_attention_vjp(query, key, value, grad_output, **_wrong(kwargs))

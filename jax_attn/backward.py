@@ -1,7 +1,7 @@
 """The backward pass of attention: ``jax.vjp`` of the forward composition.
 
 numpy_attn writes this derivation out by hand (FlashAttention's backward); here JAX's autodiff
-differentiates ``functional.scaled_dot_product_attention`` itself, so the conformance harness
+differentiates the forward pipeline (``functional._attention``) itself, so the conformance harness
 compares two independent gradient computations (three with torch_attn's autograd). The
 forward's safe softmax keeps gradients of masked positions and fully masked rows at exactly 0.
 """
@@ -13,14 +13,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _checks
-from .functional import (
-    _check_dropout_mask,
-    _check_mask_bias,
-    _check_structure,
-    scaled_dot_product_attention,
-)
-from .masks import _dtype_name
+import attention_rules as rules
+
+from .functional import HIGHEST, _array, _attention, _describe, _group_heads
 
 
 def scaled_dot_product_attention_vjp(
@@ -56,39 +51,18 @@ def scaled_dot_product_attention_vjp(
       value and bias; ``grad_bias`` is None without a bias.
     """
     fn = "scaled_dot_product_attention_vjp"
-    _checks.check_float_inputs(
-        fn, query=_dtype_name(query), key=_dtype_name(key), value=_dtype_name(value),
-        grad_output=_dtype_name(grad_output),
-    )
-    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-    grad_output = jnp.asarray(grad_output)
-    _checks.check_query_key(fn, query.shape, key.shape)
-    _checks.check_key_value(fn, key.shape, value.shape)
-    out_shape = query.shape[:-1] + value.shape[-1:]
-    if grad_output.shape != out_shape:
-        raise ValueError(
-            f"{fn}: grad_output must have the output's shape {out_shape}; "
-            f"got grad_output.shape={grad_output.shape}"
-        )
-    target = _checks.scores_shape(query.shape, key.shape)
-    mask, bias = _check_mask_bias(fn, mask, bias, target)
-    window = _check_structure(fn, is_causal, causal_alignment, window)
-    scale = _checks.check_scale(fn, scale, query.shape[-1])
-    softcap = _checks.check_softcap(fn, softcap)
-    dropout_p = _checks.check_dropout(fn, dropout_p, dropout_mask is not None)
-    if dropout_p > 0 and dropout_mask is None:
-        raise ValueError(
-            f"{fn}: dropout needs the forward pass's dropout_mask; got dropout_p={dropout_p!r}, "
-            f"dropout_mask=None"
-        )
-    dropout_mask = _check_dropout_mask(fn, dropout_mask, target)
+    args = rules.attention_arguments(
+        fn, _describe(fn, "query", query), _describe(fn, "key", key),
+        _describe(fn, "value", value), grad_output=_describe(fn, "grad_output", grad_output),
+        mask=_describe(fn, "mask", mask), bias=_describe(fn, "bias", bias), is_causal=is_causal,
+        causal_alignment=causal_alignment, window=window, scale=scale, softcap=softcap,
+        dropout_p=dropout_p, dropout_mask=_describe(fn, "dropout_mask", dropout_mask),
+    )  # every rule of the spec, once
+    query, key, value, grad_output = _array(query), _array(key), _array(value), _array(grad_output)
+    mask, bias, dropout_mask = _array(mask), _array(bias), _array(dropout_mask)
 
     def attend(q: jax.Array, k: jax.Array, v: jax.Array, b: jax.Array | None) -> jax.Array:
-        return scaled_dot_product_attention(
-            q, k, v, mask=mask, bias=b, is_causal=is_causal, causal_alignment=causal_alignment,
-            window=window, scale=scale, softcap=softcap, dropout_p=dropout_p,
-            dropout_mask=dropout_mask,
-        )
+        return _attention(q, k, v, mask, b, dropout_mask, None, args)  # validated above
 
     # jax.vjp differentiates the forward pass; bias joins the primals only when given.
     if bias is None:
@@ -96,3 +70,32 @@ def scaled_dot_product_attention_vjp(
         return pullback(grad_output) + (None,)
     _, pullback = jax.vjp(attend, query, key, value, bias)
     return pullback(grad_output)
+
+
+# ------------------------------------------------------------------------------------------
+# Helpers of the hand-written backward passes (blockwise.py's here; numpy_attn's backward.py
+# too): the same names and contracts in every backend
+# ------------------------------------------------------------------------------------------
+
+
+def _sum_to_shape(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Sum ``x`` over the axes along which an array of ``shape`` was broadcast to ``x.shape``."""
+    leading = x.ndim - len(shape)
+    x = x.sum(axis=tuple(range(leading))) if leading else x
+    stretched = tuple(axis for axis, size in enumerate(shape) if size == 1 and x.shape[axis] != 1)
+    return x.sum(axis=stretched, keepdims=True) if stretched else x
+
+
+def _sum_groups(x: jax.Array, groups: int) -> jax.Array:
+    """``(..., heads, T, D)`` → ``(..., kv_heads, T, D)``: add the query heads sharing a kv head."""
+    if groups == 1:
+        return x
+    return _group_heads(x, groups).sum(axis=-3)
+
+
+def _matmul_grouped(a: jax.Array, b: jax.Array, groups: int) -> jax.Array:
+    """``a (..., heads, T, S) @ b (..., kv_heads, S, D)`` with the grouped-query head mapping."""
+    if groups == 1:
+        return jnp.matmul(a, b, precision=HIGHEST)
+    product = jnp.matmul(_group_heads(a, groups), b[..., None, :, :], precision=HIGHEST)
+    return product.reshape(a.shape[:-1] + (b.shape[-1],))  # (..., heads, T, D)

@@ -29,7 +29,6 @@ tile has a static shape. Everything jits to one program; ``kv_lengths`` may be t
 
 from __future__ import annotations
 
-import math
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -37,173 +36,118 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _checks
-from .functional import (
-    HIGHEST,
-    _check_mask_bias,
-    _check_structure,
-    _group_heads,
-    _groups,
-    _merged,
-    _to_compute,
-)
+import attention_rules as rules
+
+from .backward import _matmul_grouped, _sum_groups, _sum_to_shape
+from .functional import HIGHEST, _array, _describe, _groups, _in_band, _softcap, _to_compute
 from .masks import _dtype_name
 
 NEG_INF = -jnp.inf
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_KV = 1024
 
-Window = tuple[int | None, int | None] | None
-
 
 # ------------------------------------------------------------------------------------------
-# The plan: which tiles keep at least one position (pure Python on ints, identical in every
-# backend)
+# Public functions
 # ------------------------------------------------------------------------------------------
 
 
-def _band(
-    q_len: int, kv_len: int, is_causal: bool, causal_alignment: str, window: Window
-) -> tuple[float, float]:
-    """Allowed range ``lo <= j - i <= hi`` of key ``j`` minus query ``i`` (causal and window)."""
-    offset = _checks.causal_offset(causal_alignment, q_len, kv_len)
-    lo, hi = -math.inf, math.inf
-    if is_causal:
-        hi = offset
-    if window is not None:
-        left, right = window
-        if left is not None:
-            lo = offset - left
-        if right is not None:
-            hi = min(hi, offset + right)
-    return lo, hi
-
-
-def _plan(
-    q_len: int, kv_len: int, block_q: int, block_kv: int, lo: float, hi: float
-) -> list[tuple[int, int, list[tuple[int, int, bool]]]]:
-    """Per query block ``(q_start, q_stop)``, the key blocks ``(kv_start, kv_stop, partial)``
-    that keep at least one position; ``partial``: the band cuts the tile (it needs a mask)."""
-    plan = []
-    for q_start in range(0, q_len, block_q):
-        q_stop = min(q_start + block_q, q_len)
-        blocks = []
-        for kv_start in range(0, kv_len, block_kv):
-            kv_stop = min(kv_start + block_kv, kv_len)
-            d_min, d_max = kv_start - (q_stop - 1), (kv_stop - 1) - q_start  # j - i in the tile
-            if max(lo, d_min) > min(hi, d_max):
-                continue  # fully masked by the causal rule or the window: never computed
-            blocks.append((kv_start, kv_stop, d_min < lo or d_max > hi))
-        plan.append((q_start, q_stop, blocks))
-    return plan
-
-
-class _Config(NamedTuple):
-    """jax only: the static part of a call (hashable, for ``custom_vjp``'s nondiff argument)."""
-
-    q_len: int
-    kv_len: int
-    block_q: int
-    block_kv: int
-    starts: tuple[tuple[int, int], ...]  # (q_start, kv_start) of every tile that is computed
-    lo: float
-    hi: float
-    scale: float
-    softcap: float | None
-
-
-# ------------------------------------------------------------------------------------------
-# Tiles
-# ------------------------------------------------------------------------------------------
-
-
-def _tile_scores(
-    q_tile: jax.Array, k_tile: jax.Array, groups: int, softcap: float | None
+def blockwise_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    bias: Any = None,
+    kv_lengths: Any = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    window: tuple | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    block_q: int = DEFAULT_BLOCK_Q,
+    block_kv: int = DEFAULT_BLOCK_KV,
 ) -> jax.Array:
-    """``(..., heads, bq, head_dim) @ (..., kv_heads, bk, head_dim)ᵀ`` → ``(..., heads, bq, bk)``,
-    soft-capped; ``q_tile`` is already scaled."""
-    if groups > 1:  # grouped-query: (..., kv_heads, groups, bq, head_dim)
-        q_tile = _group_heads(q_tile, groups)
-        k_tile = k_tile[..., None, :, :]
-    scores = jnp.matmul(q_tile, jnp.swapaxes(k_tile, -1, -2), precision=HIGHEST)
-    scores = scores.reshape(_merged(scores.shape, groups))  # (..., heads, bq, bk)
-    if softcap is not None:
-        scores = jnp.tanh(scores * (1.0 / softcap)) * softcap  # no in-place ops in JAX
-    return scores
+    """Scaled dot-product attention in ``(block_q, block_kv)`` tiles, with the online softmax.
+
+    Equal to ``scaled_dot_product_attention(query, key, value, mask=padding_mask(kv_lengths,
+    kv_len), bias=bias, ...)`` (no dropout, no weights), using a few tiles of extra memory
+    instead of the ``(q_len, kv_len)`` matrix; tiles that the causal rule or the window mask
+    entirely are skipped. One ``lax.scan``; differentiable through ``jax.custom_vjp``, whose
+    backward pass recomputes each tile. ``is_causal``, ``causal_alignment``, ``window``,
+    ``scale``, ``softcap``, ``block_q`` and ``block_kv`` must be static.
+
+    Args:
+      query: ``(..., heads, q_len, head_dim)`` or ``(q_len, head_dim)``.
+      key: ``(..., kv_heads, kv_len, head_dim)`` or ``(kv_len, head_dim)``.
+      value: ``(..., kv_heads, kv_len, v_dim)`` or ``(kv_len, v_dim)``.
+      bias: floating point, broadcastable to ``(..., heads, q_len, kv_len)``; sliced per tile.
+      kv_lengths: ints shaped like the batch axes ``(...)`` (``(batch,)`` for 4-D inputs), each
+        in ``[0, kv_len]``: key ``j`` of sequence ``b`` is attended only if
+        ``j < kv_lengths[b]`` (may be traced; then its range is not checked).
+      is_causal, causal_alignment, window, scale, softcap: as in
+        ``scaled_dot_product_attention``.
+      block_q: queries per tile (``>= 1``).
+      block_kv: keys per tile (``>= 1``).
+
+    Returns:
+      ``(..., heads, q_len, v_dim)`` in the input dtype; fully masked rows give 0.
+    """
+    fn = "blockwise_attention"
+    args = _arguments(fn, query, key, value, None, bias, kv_lengths, is_causal, causal_alignment,
+                      window, scale, softcap, block_q, block_kv)  # every rule of the spec, once
+    query, key, value, bias = _array(query), _array(key), _array(value), _array(bias)
+    bias, kv_lengths, cfg = _prepare(fn, query, key, bias, kv_lengths, args)
+    return _blockwise(cfg, query, key, value, bias, kv_lengths)
 
 
-def _times_value(p: jax.Array, v_tile: jax.Array, groups: int) -> jax.Array:
-    """``(..., heads, bq, bk) @ (..., kv_heads, bk, v_dim)`` → ``(..., heads, bq, v_dim)``."""
-    if groups == 1:
-        return jnp.matmul(p, v_tile, precision=HIGHEST)
-    product = jnp.matmul(_group_heads(p, groups), v_tile[..., None, :, :], precision=HIGHEST)
-    return product.reshape(p.shape[:-1] + (v_tile.shape[-1],))
+def blockwise_attention_vjp(
+    query: Any,
+    key: Any,
+    value: Any,
+    grad_output: Any,
+    *,
+    bias: Any = None,
+    kv_lengths: Any = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    window: tuple | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    block_q: int = DEFAULT_BLOCK_Q,
+    block_kv: int = DEFAULT_BLOCK_KV,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """Gradients of ``blockwise_attention``, tile by tile, from the saved log-sum-exp.
 
+    Through ``jax.vjp``: ``blockwise_attention`` is a ``jax.custom_vjp`` whose backward pass
+    is a scan recomputing each tile's weights as ``exp(s - lse)`` (numpy_attn's derivation).
 
-def _sum_groups(x: jax.Array, groups: int) -> jax.Array:
-    """``(..., heads, T, D)`` → ``(..., kv_heads, T, D)``: add the query heads sharing a kv head."""
-    return x if groups == 1 else _group_heads(x, groups).sum(axis=-3)
+    Args:
+      query: ``(..., heads, q_len, head_dim)``.
+      key: ``(..., kv_heads, kv_len, head_dim)``.
+      value: ``(..., kv_heads, kv_len, v_dim)``.
+      grad_output: ``(..., heads, q_len, v_dim)``.
+      bias, kv_lengths, is_causal, causal_alignment, window, scale, softcap, block_q,
+        block_kv: as in ``blockwise_attention``.
 
-
-def _slice(x: jax.Array, start: Any, size: int, axis: int) -> jax.Array:
-    """jax only: ``x[..., start:start + size, ...]`` along ``axis`` with a traced ``start``."""
-    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=x.ndim + axis)
-
-
-def _add_at(x: jax.Array, update: jax.Array, start: Any, axis: int) -> jax.Array:
-    """jax only: ``x[..., start:start + n, ...] += update`` along ``axis``, functionally."""
-    current = _slice(x, start, update.shape[axis], axis)
-    return jax.lax.dynamic_update_slice_in_dim(x, current + update, start, axis=x.ndim + axis)
-
-
-def _tile_starts(x: jax.Array, q_start: Any, kv_start: Any) -> list:
-    """jax only: start indices of a tile of a full-rank bias; broadcast axes start at 0."""
-    zero = jnp.zeros((), jnp.int32)
-    starts = [zero] * x.ndim
-    starts[-2] = q_start if x.shape[-2] != 1 else zero
-    starts[-1] = kv_start if x.shape[-1] != 1 else zero
-    return starts
-
-
-def _bias_tile(bias: jax.Array, q_start: Any, kv_start: Any, cfg: _Config) -> jax.Array:
-    """The tile of a full-rank bias; broadcast (size-1) query or key axes are kept whole."""
-    sizes = bias.shape[:-2] + (min(bias.shape[-2], cfg.block_q), min(bias.shape[-1], cfg.block_kv))
-    return jax.lax.dynamic_slice(bias, _tile_starts(bias, q_start, kv_start), sizes)
-
-
-def _add_bias_tile(grad_bias: jax.Array, grad_s: jax.Array, q_start: Any,
-                   kv_start: Any) -> jax.Array:
-    """``grad_bias[tile] += grad_s`` summed over the axes the bias was broadcast along."""
-    starts = _tile_starts(grad_bias, q_start, kv_start)
-    sizes = grad_bias.shape[:-2] + tuple(
-        1 if grad_bias.shape[axis] == 1 else grad_s.shape[axis] for axis in (-2, -1))
-    current = jax.lax.dynamic_slice(grad_bias, starts, sizes)
-    update = current + _sum_to_shape(grad_s, current.shape)
-    return jax.lax.dynamic_update_slice(grad_bias, update, starts)
-
-
-def _mask_tile(
-    scores: jax.Array,
-    bias: jax.Array | None,
-    kv_lengths: jax.Array | None,
-    q_start: Any,
-    kv_start: Any,
-    cfg: _Config,
-) -> jax.Array:
-    """Add the bias tile, then ``-inf`` where the band, ``kv_lengths`` or padding forbid."""
-    if bias is not None:
-        scores = scores + _bias_tile(bias, q_start, kv_start, cfg).astype(scores.dtype)
-    key_pos = kv_start + jnp.arange(cfg.block_kv)  # (bk,)
-    distance = key_pos[None, :] - (q_start + jnp.arange(cfg.block_q))[:, None]  # (bq, bk): j - i
-    allowed = key_pos[None, :] < cfg.kv_len  # padded keys; jax: one body for every tile
-    if cfg.lo > -math.inf:
-        allowed &= distance >= cfg.lo
-    if cfg.hi < math.inf:
-        allowed &= distance <= cfg.hi
-    if kv_lengths is not None:  # (batch..., 1, 1, bk): key j < kv_lengths[b]
-        lengths = kv_lengths.reshape(kv_lengths.shape + (1,) * (scores.ndim - kv_lengths.ndim))
-        allowed = allowed & (key_pos < lengths)
-    return jnp.where(allowed, scores, NEG_INF)
+    Returns:
+      ``(grad_query, grad_key, grad_value, grad_bias)`` shaped like query, key, value and bias
+      (``grad_bias`` is None without a bias), in their dtypes.
+    """
+    fn = "blockwise_attention_vjp"
+    args = _arguments(fn, query, key, value, grad_output, bias, kv_lengths, is_causal,
+                      causal_alignment, window, scale, softcap, block_q, block_kv)
+    query, key, value, bias = _array(query), _array(key), _array(value), _array(bias)
+    grad_output, bias_shape = _array(grad_output), None if bias is None else bias.shape
+    bias, kv_lengths, cfg = _prepare(fn, query, key, bias, kv_lengths, args)
+    # jax.vjp through the custom_vjp (a second scan); bias joins the primals only when given.
+    if bias is None:
+        _, pullback = jax.vjp(lambda q, k, v: _blockwise(cfg, q, k, v, None, kv_lengths),
+                              query, key, value)
+        return pullback(grad_output) + (None,)
+    _, pullback = jax.vjp(lambda q, k, v, b: _blockwise(cfg, q, k, v, b, kv_lengths),
+                          query, key, value, bias)
+    grad_q, grad_k, grad_v, grad_bias = pullback(grad_output)
+    return grad_q, grad_k, grad_v, grad_bias.reshape(bias_shape)
 
 
 # ------------------------------------------------------------------------------------------
@@ -270,7 +214,7 @@ def _forward(
         p = jnp.exp(scores - shift)  # the tile's unnormalised weights
         correction = jnp.exp(row_max - shift)  # rescales earlier tiles; 0 at first
         row_sum = _slice(all_sum, q_start, cfg.block_q, -2) * correction + p.sum(-1, keepdims=True)
-        acc = _slice(all_acc, q_start, cfg.block_q, -2) * correction + _times_value(
+        acc = _slice(all_acc, q_start, cfg.block_q, -2) * correction + _matmul_grouped(
             p, _slice(v, kv_start, cfg.block_kv, -2), groups)
         update = partial(jax.lax.dynamic_update_slice_in_dim, start_index=q_start,
                          axis=q.ndim - 2)
@@ -325,7 +269,7 @@ def _backward(
             jnp.matmul(jnp.swapaxes(p, -1, -2), d_out_tile, precision=HIGHEST), groups),
             kv_start, -2)
         # dP = dO Vᵀ
-        grad_p = _times_value(d_out_tile, jnp.swapaxes(v_tile, -1, -2), groups)
+        grad_p = _matmul_grouped(d_out_tile, jnp.swapaxes(v_tile, -1, -2), groups)
         # dS = P ⊙ (dP - rowsum(dO ⊙ O))
         grad_s = p * (grad_p - _slice(row_dot, q_start, cfg.block_q, -2))
         if grad_bias is not None:
@@ -334,7 +278,7 @@ def _backward(
             grad_s = grad_s * (1.0 - jnp.square(capped * (1.0 / cfg.softcap)))
         grad_s = grad_s * cfg.scale
         # dQ = dS K · scale, dK = dSᵀ Q · scale
-        grad_q = _add_at(grad_q, _times_value(grad_s, k_tile, groups), q_start, -2)
+        grad_q = _add_at(grad_q, _matmul_grouped(grad_s, k_tile, groups), q_start, -2)
         grad_k = _add_at(grad_k, _sum_groups(jnp.matmul(
             jnp.swapaxes(grad_s, -1, -2), _slice(q, q_start, cfg.block_q, -2),
             precision=HIGHEST), groups), kv_start, -2)
@@ -347,12 +291,6 @@ def _backward(
         grad_bias = grad_bias[..., : bias.shape[-2], : bias.shape[-1]]
     return (grad_q[..., : cfg.q_len, :], grad_k[..., : cfg.kv_len, :],
             grad_v[..., : cfg.kv_len, :], grad_bias)
-
-
-def _sum_to_shape(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """Sum ``x`` over the axes where ``shape`` has size 1 (same rank)."""
-    axes = tuple(axis for axis, size in enumerate(shape) if size == 1 and x.shape[axis] != 1)
-    return x.sum(axis=axes, keepdims=True) if axes else x
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -383,189 +321,137 @@ _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
 
 
 # ------------------------------------------------------------------------------------------
-# Validation
+# Arguments and the plan of tiles
 # ------------------------------------------------------------------------------------------
 
 
-def _batch_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The leading batch axes of ``(..., heads, seq, dim)``; none for ``(seq, dim)``."""
-    return tuple(shape[:-3])
+def _arguments(
+    fn: str, query: Any, key: Any, value: Any, grad_output: Any, bias: Any, kv_lengths: Any,
+    is_causal: Any, causal_alignment: Any, window: Any, scale: Any, softcap: Any, block_q: Any,
+    block_kv: Any,
+) -> rules.Arguments:
+    """``rules.attention_arguments`` for the forward pass (``grad_output`` None) and the VJP."""
+    return rules.attention_arguments(
+        fn, _describe(fn, "query", query), _describe(fn, "key", key),
+        _describe(fn, "value", value),
+        grad_output=None if grad_output is None else _describe(fn, "grad_output", grad_output),
+        bias=_describe(fn, "bias", bias), is_causal=is_causal, causal_alignment=causal_alignment,
+        window=window, scale=scale, softcap=softcap, kv_lengths=_describe_lengths(kv_lengths),
+        block_q=block_q, block_kv=block_kv,
+    )
 
 
-def _check_kv_lengths(fn: str, kv_lengths: Any, batch: tuple[int, ...], kv_len: int) -> Any:
+def _describe_lengths(kv_lengths: Any) -> rules.ArrayInfo | None:
+    """``(shape, dtype name)`` of ``kv_lengths`` (a list of ints is welcome)."""
     if kv_lengths is None:
         return None
-    dtype = _dtype_name(kv_lengths)
-    kv_lengths = jnp.asarray(kv_lengths)
-    if tuple(kv_lengths.shape) != batch or not np.issubdtype(np.dtype(dtype), np.integer):
-        raise ValueError(
-            f"{fn}: kv_lengths must be ints shaped like the batch axes {batch}; "
-            f"got kv_lengths.shape={tuple(kv_lengths.shape)}, "
-            f"kv_lengths.dtype={dtype}"
-        )
-    if isinstance(kv_lengths, jax.core.Tracer):  # jax: traced values are checked by nobody
-        return kv_lengths
-    if kv_lengths.size and (kv_lengths.min() < 0 or kv_lengths.max() > kv_len):
-        raise ValueError(
-            f"{fn}: kv_lengths must lie in [0, {kv_len}]; got kv_lengths={kv_lengths.tolist()}"
-        )
-    return kv_lengths
+    return tuple(np.shape(kv_lengths)), _dtype_name(kv_lengths)  # jax: the dtype as given
 
 
-def _validate(
-    fn: str,
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    bias: Any,
-    kv_lengths: Any,
-    is_causal: bool,
-    causal_alignment: str,
-    window: Any,
-    scale: Any,
-    softcap: Any,
-    block_q: Any,
-    block_kv: Any,
+class _Config(NamedTuple):
+    """jax only: the static part of a call (hashable, for ``custom_vjp``'s nondiff argument)."""
+
+    q_len: int
+    kv_len: int
+    block_q: int
+    block_kv: int
+    starts: tuple[tuple[int, int], ...]  # (q_start, kv_start) of every tile that is computed
+    lo: float
+    hi: float
+    scale: float
+    softcap: float | None
+
+
+def _prepare(
+    fn: str, query: jax.Array, key: jax.Array, bias: jax.Array | None, kv_lengths: Any,
+    args: rules.Arguments,
 ) -> tuple:
-    """Checks shared by the forward pass and the VJP; returns the normalised arguments."""
-    _checks.check_query_key(fn, query.shape, key.shape)
-    _checks.check_key_value(fn, key.shape, value.shape)
-    target = _checks.scores_shape(query.shape, key.shape)
-    _, bias = _check_mask_bias(fn, None, bias, target)
-    window = _check_structure(fn, is_causal, causal_alignment, window)
-    scale = _checks.check_scale(fn, scale, query.shape[-1])
-    softcap = _checks.check_softcap(fn, softcap)
-    block_q = _checks.check_int(fn, "block_q", block_q, minimum=1)
-    block_kv = _checks.check_int(fn, "block_kv", block_kv, minimum=1)
+    """The full-rank bias, the checked ``kv_lengths`` and the static configuration: the tiles
+    to compute (jax: every one of them in one scan) with their band."""
     q_len, kv_len = query.shape[-2], key.shape[-2]
-    kv_lengths = _check_kv_lengths(fn, kv_lengths, _batch_shape(query.shape), kv_len)
+    if kv_lengths is not None:  # the range needs the values: checked here when concrete
+        kv_lengths = jnp.asarray(kv_lengths)
+        if not isinstance(kv_lengths, jax.core.Tracer):  # jax: traced values are checked by nobody
+            rules.check_lengths(fn, "kv_lengths", np.asarray(kv_lengths).tolist(), kv_len)
     if bias is not None:  # full rank, so tiles slice the last two axes
-        bias = bias.reshape((1,) * (len(target) - bias.ndim) + bias.shape)
-    lo, hi = _band(q_len, kv_len, is_causal, causal_alignment, window)
-    block_q, block_kv = min(block_q, max(q_len, 1)), min(block_kv, max(kv_len, 1))  # less padding
-    plan = _plan(q_len, kv_len, block_q, block_kv, lo, hi)
+        bias = bias.reshape((1,) * (len(args.scores_shape) - bias.ndim) + bias.shape)
+    lo, hi = rules.band(q_len, kv_len, args.is_causal, args.causal_alignment, args.window)
+    block_q, block_kv = min(args.block_q, max(q_len, 1)), min(args.block_kv, max(kv_len, 1))
+    plan = rules.plan(q_len, kv_len, block_q, block_kv, lo, hi)  # jax: less padding above
     # jax: kv_lengths may be traced, so key blocks past every length are masked, not skipped
     starts = tuple((q_start, kv_start) for q_start, _, blocks in plan for kv_start, _, _ in blocks)
-    cfg = _Config(q_len, kv_len, block_q, block_kv, starts, lo, hi, scale, softcap)
+    cfg = _Config(q_len, kv_len, block_q, block_kv, starts, lo, hi, args.scale, args.softcap)
     return bias, kv_lengths, cfg
 
 
 # ------------------------------------------------------------------------------------------
-# Public
+# Tiles
 # ------------------------------------------------------------------------------------------
 
 
-def blockwise_attention(
-    query: Any,
-    key: Any,
-    value: Any,
-    *,
-    bias: Any = None,
-    kv_lengths: Any = None,
-    is_causal: bool = False,
-    causal_alignment: str = "top_left",
-    window: tuple | None = None,
-    scale: float | None = None,
-    softcap: float | None = None,
-    block_q: int = DEFAULT_BLOCK_Q,
-    block_kv: int = DEFAULT_BLOCK_KV,
+def _tile_scores(
+    q_tile: jax.Array, k_tile: jax.Array, groups: int, softcap: float | None
 ) -> jax.Array:
-    """Scaled dot-product attention in ``(block_q, block_kv)`` tiles, with the online softmax.
-
-    Equal to ``scaled_dot_product_attention(query, key, value, mask=padding_mask(kv_lengths,
-    kv_len), bias=bias, ...)`` (no dropout, no weights), using a few tiles of extra memory
-    instead of the ``(q_len, kv_len)`` matrix; tiles that the causal rule or the window mask
-    entirely are skipped. One ``lax.scan``; differentiable through ``jax.custom_vjp``, whose
-    backward pass recomputes each tile. ``is_causal``, ``causal_alignment``, ``window``,
-    ``scale``, ``softcap``, ``block_q`` and ``block_kv`` must be static.
-
-    Args:
-      query: ``(..., heads, q_len, head_dim)`` or ``(q_len, head_dim)``.
-      key: ``(..., kv_heads, kv_len, head_dim)`` or ``(kv_len, head_dim)``.
-      value: ``(..., kv_heads, kv_len, v_dim)`` or ``(kv_len, v_dim)``.
-      bias: floating point, broadcastable to ``(..., heads, q_len, kv_len)``; sliced per tile.
-      kv_lengths: ints shaped like the batch axes ``(...)`` (``(batch,)`` for 4-D inputs), each
-        in ``[0, kv_len]``: key ``j`` of sequence ``b`` is attended only if
-        ``j < kv_lengths[b]`` (may be traced; then its range is not checked).
-      is_causal, causal_alignment, window, scale, softcap: as in
-        ``scaled_dot_product_attention``.
-      block_q: queries per tile (``>= 1``).
-      block_kv: keys per tile (``>= 1``).
-
-    Returns:
-      ``(..., heads, q_len, v_dim)`` in the input dtype; fully masked rows give 0.
-    """
-    fn = "blockwise_attention"
-    _checks.check_float_inputs(
-        fn, query=_dtype_name(query), key=_dtype_name(key), value=_dtype_name(value)
-    )
-    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-    bias, kv_lengths, cfg = _validate(
-        fn, query, key, value, bias, kv_lengths, is_causal, causal_alignment, window, scale,
-        softcap, block_q, block_kv,
-    )
-    return _blockwise(cfg, query, key, value, bias, kv_lengths)
+    """``(..., heads, bq, head_dim) @ (..., kv_heads, bk, head_dim)ᵀ`` → ``(..., heads, bq, bk)``,
+    soft-capped; ``q_tile`` is already scaled."""
+    scores = _matmul_grouped(q_tile, jnp.swapaxes(k_tile, -1, -2), groups)
+    return _softcap(scores, softcap)
 
 
-def blockwise_attention_vjp(
-    query: Any,
-    key: Any,
-    value: Any,
-    grad_output: Any,
-    *,
-    bias: Any = None,
-    kv_lengths: Any = None,
-    is_causal: bool = False,
-    causal_alignment: str = "top_left",
-    window: tuple | None = None,
-    scale: float | None = None,
-    softcap: float | None = None,
-    block_q: int = DEFAULT_BLOCK_Q,
-    block_kv: int = DEFAULT_BLOCK_KV,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-    """Gradients of ``blockwise_attention``, tile by tile, from the saved log-sum-exp.
+def _slice(x: jax.Array, start: Any, size: int, axis: int) -> jax.Array:
+    """jax only: ``x[..., start:start + size, ...]`` along ``axis`` with a traced ``start``."""
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=x.ndim + axis)
 
-    Through ``jax.vjp``: ``blockwise_attention`` is a ``jax.custom_vjp`` whose backward pass
-    is a scan recomputing each tile's weights as ``exp(s - lse)`` (numpy_attn's derivation).
 
-    Args:
-      query: ``(..., heads, q_len, head_dim)``.
-      key: ``(..., kv_heads, kv_len, head_dim)``.
-      value: ``(..., kv_heads, kv_len, v_dim)``.
-      grad_output: ``(..., heads, q_len, v_dim)``.
-      bias, kv_lengths, is_causal, causal_alignment, window, scale, softcap, block_q,
-        block_kv: as in ``blockwise_attention``.
+def _add_at(x: jax.Array, update: jax.Array, start: Any, axis: int) -> jax.Array:
+    """jax only: ``x[..., start:start + n, ...] += update`` along ``axis``, functionally."""
+    current = _slice(x, start, update.shape[axis], axis)
+    return jax.lax.dynamic_update_slice_in_dim(x, current + update, start, axis=x.ndim + axis)
 
-    Returns:
-      ``(grad_query, grad_key, grad_value, grad_bias)`` shaped like query, key, value and bias
-      (``grad_bias`` is None without a bias), in their dtypes.
-    """
-    fn = "blockwise_attention_vjp"
-    _checks.check_float_inputs(
-        fn, query=_dtype_name(query), key=_dtype_name(key), value=_dtype_name(value),
-        grad_output=_dtype_name(grad_output),
-    )
-    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-    grad_output = jnp.asarray(grad_output)
-    _validate(fn, query, key, value, bias, kv_lengths, is_causal, causal_alignment, window,
-              scale, softcap, block_q, block_kv)
-    out_shape = query.shape[:-1] + value.shape[-1:]
-    if grad_output.shape != out_shape:
-        raise ValueError(
-            f"{fn}: grad_output must have the output's shape {out_shape}; "
-            f"got grad_output.shape={grad_output.shape}"
-        )
 
-    def attend(q: jax.Array, k: jax.Array, v: jax.Array, b: jax.Array | None) -> jax.Array:
-        return blockwise_attention(
-            q, k, v, bias=b, kv_lengths=kv_lengths, is_causal=is_causal,
-            causal_alignment=causal_alignment, window=window, scale=scale, softcap=softcap,
-            block_q=block_q, block_kv=block_kv,
-        )
+def _tile_starts(x: jax.Array, q_start: Any, kv_start: Any) -> list:
+    """jax only: start indices of a tile of a full-rank bias; broadcast axes start at 0."""
+    zero = jnp.zeros((), jnp.int32)
+    starts = [zero] * x.ndim
+    starts[-2] = q_start if x.shape[-2] != 1 else zero
+    starts[-1] = kv_start if x.shape[-1] != 1 else zero
+    return starts
 
-    # jax.vjp differentiates the forward pass; bias joins the primals only when given.
-    if bias is None:
-        _, pullback = jax.vjp(lambda q, k, v: attend(q, k, v, None), query, key, value)
-        return pullback(grad_output) + (None,)
-    _, pullback = jax.vjp(attend, query, key, value, jnp.asarray(bias))
-    return pullback(grad_output)
+
+def _bias_tile(bias: jax.Array, q_start: Any, kv_start: Any, cfg: _Config) -> jax.Array:
+    """The tile of a full-rank bias; broadcast (size-1) query or key axes are kept whole."""
+    sizes = bias.shape[:-2] + (min(bias.shape[-2], cfg.block_q), min(bias.shape[-1], cfg.block_kv))
+    return jax.lax.dynamic_slice(bias, _tile_starts(bias, q_start, kv_start), sizes)
+
+
+def _add_bias_tile(grad_bias: jax.Array, grad_s: jax.Array, q_start: Any,
+                   kv_start: Any) -> jax.Array:
+    """``grad_bias[tile] += grad_s`` summed over the axes the bias was broadcast along."""
+    starts = _tile_starts(grad_bias, q_start, kv_start)
+    sizes = grad_bias.shape[:-2] + tuple(
+        1 if grad_bias.shape[axis] == 1 else grad_s.shape[axis] for axis in (-2, -1))
+    current = jax.lax.dynamic_slice(grad_bias, starts, sizes)
+    update = current + _sum_to_shape(grad_s, current.shape)
+    return jax.lax.dynamic_update_slice(grad_bias, update, starts)
+
+
+def _mask_tile(
+    scores: jax.Array,
+    bias: jax.Array | None,
+    kv_lengths: jax.Array | None,
+    q_start: Any,
+    kv_start: Any,
+    cfg: _Config,
+) -> jax.Array:
+    """Add the bias tile, then ``-inf`` where the band, ``kv_lengths`` or padding forbid."""
+    if bias is not None:
+        scores = scores + _bias_tile(bias, q_start, kv_start, cfg).astype(scores.dtype)
+    key_pos = kv_start + jnp.arange(cfg.block_kv)  # (bk,)
+    allowed = key_pos[None, :] < cfg.kv_len  # padded keys; jax: one body for every tile
+    allowed &= _in_band(q_start, cfg.block_q, kv_start, cfg.block_kv, cfg.lo, cfg.hi)  # (bq, bk)
+    if kv_lengths is not None:  # (batch..., 1, 1, bk): key j < kv_lengths[b]
+        lengths = kv_lengths.reshape(kv_lengths.shape + (1,) * (scores.ndim - kv_lengths.ndim))
+        allowed = allowed & (key_pos < lengths)
+    return jnp.where(allowed, scores, NEG_INF)
+
+

@@ -16,7 +16,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _checks
+import attention_rules as rules
+
 from .masks import _check_device, _place
 
 
@@ -65,13 +66,13 @@ class KVCache:
         or ``None`` for JAX's default placement.
         """
         fn = "KVCache.empty"
-        kv_heads = _checks.check_int(fn, "kv_heads", kv_heads, minimum=1)
-        max_len = _checks.check_int(fn, "max_len", max_len)
-        head_dim = _checks.check_int(fn, "head_dim", head_dim)
-        v_dim = head_dim if v_dim is None else _checks.check_int(fn, "v_dim", v_dim)
+        kv_heads = rules.check_int(fn, "kv_heads", kv_heads, minimum=1)
+        max_len = rules.check_int(fn, "max_len", max_len)
+        head_dim = rules.check_int(fn, "head_dim", head_dim)
+        v_dim = head_dim if v_dim is None else rules.check_int(fn, "v_dim", v_dim)
         device = _check_device(fn, device)  # jax: a device or a platform name
         dtype = _dtype(dtype)
-        _checks.check_float_inputs(fn, dtype=dtype.name)
+        rules.check_float_inputs(fn, dtype=dtype.name)
         shape = tuple(batch_shape) + (kv_heads, max_len)
         return cls(_place(jnp.zeros(shape + (head_dim,), dtype), device),
                    _place(jnp.zeros(shape + (v_dim,), dtype), device), 0)
@@ -101,11 +102,11 @@ class KVCache:
         (cast to the cache's dtype); returns a new cache (jax: immutable)."""
         fn = "KVCache.append"
         key, value = jnp.asarray(key), jnp.asarray(value)
-        _check_append(fn, tuple(key.shape), tuple(value.shape), tuple(self.key_buffer.shape),
-                      tuple(self.value_buffer.shape))
+        rules.check_cache_append(fn, tuple(key.shape), tuple(value.shape),
+                                 tuple(self.key_buffer.shape), tuple(self.value_buffer.shape))
         start, stop = self._length, self._length + key.shape[-2]
         if not isinstance(start, jax.core.Tracer):  # jax: checkable only when concrete
-            _check_room(fn, int(start), int(stop), self.max_len)
+            rules.check_cache_room(fn, int(start), int(stop), self.max_len)
         axis = self.key_buffer.ndim - 2
         key_buffer = jax.lax.dynamic_update_slice_in_dim(
             self.key_buffer, key.astype(self.key_buffer.dtype), start, axis)
@@ -113,29 +114,3 @@ class KVCache:
             self.value_buffer, value.astype(self.value_buffer.dtype), start, axis)
         return KVCache(key_buffer, value_buffer, stop)
 
-
-def _check_append(
-    fn: str,
-    k_shape: tuple[int, ...],
-    v_shape: tuple[int, ...],
-    k_buffer: tuple[int, ...],
-    v_buffer: tuple[int, ...],
-) -> None:
-    """Key and value match the cache in every axis but the sequence axis."""
-    _checks.check_key_value(fn, k_shape, v_shape)
-    same = len(k_shape) == len(k_buffer) and k_shape[:-2] == k_buffer[:-2]
-    if not (same and k_shape[-1] == k_buffer[-1] and v_shape[-1] == v_buffer[-1]):
-        raise ValueError(
-            f"{fn}: key and value must match the cache's (..., kv_heads, *, head_dim | v_dim) = "
-            f"{k_buffer[:-2] + (k_buffer[-1],)} | {v_buffer[-1]}; "
-            f"got key.shape={k_shape}, value.shape={v_shape}"
-        )
-
-
-def _check_room(fn: str, start: int, stop: int, max_len: int) -> None:
-    """``stop <= max_len`` (ValueError naming max_len otherwise)."""
-    if stop > max_len:
-        raise ValueError(
-            f"{fn}: the cache is full; {stop - start} new positions after {start} exceed "
-            f"max_len={max_len}"
-        )

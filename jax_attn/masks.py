@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _checks
+import attention_rules as rules
 
 
 def _dtype_name(x: Any) -> str:
@@ -56,9 +56,9 @@ def causal_mask(q_len: int, kv_len: int, *, offset: int = 0, device: Any = None)
       ``(q_len, kv_len)`` bool, True = may attend.
     """
     fn = "causal_mask"
-    q_len = _checks.check_int(fn, "q_len", q_len)
-    kv_len = _checks.check_int(fn, "kv_len", kv_len)
-    offset = _checks.check_int(fn, "offset", offset, minimum=None)
+    q_len = rules.check_int(fn, "q_len", q_len)
+    kv_len = rules.check_int(fn, "kv_len", kv_len)
+    offset = rules.check_int(fn, "offset", offset, minimum=None)
     device = _check_device(fn, device)
     return _place(_positions(q_len, kv_len, offset) <= 0, device)
 
@@ -79,10 +79,10 @@ def sliding_window_mask(
       ``(q_len, kv_len)`` bool, True = may attend.
     """
     fn = "sliding_window_mask"
-    q_len = _checks.check_int(fn, "q_len", q_len)
-    kv_len = _checks.check_int(fn, "kv_len", kv_len)
-    offset = _checks.check_int(fn, "offset", offset, minimum=None)
-    left, right = _checks.check_window(fn, window)
+    q_len = rules.check_int(fn, "q_len", q_len)
+    kv_len = rules.check_int(fn, "kv_len", kv_len)
+    offset = rules.check_int(fn, "offset", offset, minimum=None)
+    left, right = rules.check_window(fn, window)
     device = _check_device(fn, device)
     distance = _positions(q_len, kv_len, offset)  # (q_len, kv_len): j - (i + offset)
     allowed = jnp.ones((q_len, kv_len), dtype=bool)
@@ -98,17 +98,9 @@ def _lengths(fn: str, name: str, lengths: Any, max_len: int) -> jax.Array:
     # messages match numpy_attn; the range is checked only on concrete values (not under jit).
     dtype = _dtype_name(lengths)
     lengths = jnp.asarray(lengths)
-    if lengths.ndim != 1 or not np.issubdtype(dtype, np.integer):
-        raise ValueError(
-            f"{fn}: {name} must be a 1-D array of ints; "
-            f"got {name}.shape={tuple(lengths.shape)}, {name}.dtype={dtype}"
-        )
-    if lengths.size and not isinstance(lengths, jax.core.Tracer):
-        values = np.asarray(lengths)
-        if values.min() < 0 or values.max() > max_len:
-            raise ValueError(
-                f"{fn}: {name} must lie in [0, {max_len}]; got {name}={values.tolist()}"
-            )
+    rules.check_lengths_1d(fn, name, (lengths.shape, dtype))
+    if not isinstance(lengths, jax.core.Tracer):
+        rules.check_lengths(fn, name, np.asarray(lengths).tolist(), max_len)
     return lengths
 
 
@@ -138,7 +130,7 @@ def padding_mask(
       ``(batch, 1, 1, kv_len)`` bool, or ``(batch, 1, q_len, kv_len)`` with ``q_lengths``.
     """
     fn = "padding_mask"
-    kv_len = _checks.check_int(fn, "kv_len", kv_len)
+    kv_len = rules.check_int(fn, "kv_len", kv_len)
     device = _check_device(fn, device)
     kv_lengths = _lengths(fn, "kv_lengths", kv_lengths, kv_len)
     key_ok = jnp.arange(kv_len, dtype=jnp.int32) < kv_lengths[:, None]  # (batch, kv_len)
@@ -147,7 +139,7 @@ def padding_mask(
         return _place(mask, device)
     if q_len is None:
         raise ValueError(f"{fn}: q_lengths needs q_len; got q_len=None")
-    q_len = _checks.check_int(fn, "q_len", q_len)
+    q_len = rules.check_int(fn, "q_len", q_len)
     q_lengths = _lengths(fn, "q_lengths", q_lengths, q_len)
     if q_lengths.shape != kv_lengths.shape:
         raise ValueError(
@@ -171,11 +163,11 @@ def combine_masks(*masks: Any) -> jax.Array | None:
     fn = "combine_masks"
     given = [m for m in masks if m is not None]
     for index, m in enumerate(given):
-        _checks.check_bool(fn, f"masks[{index}]", _dtype_name(m))
+        rules.check_bool(fn, f"masks[{index}]", _dtype_name(m))
     present = [jnp.asarray(m) for m in given]
     if not present:
         return None
-    if _checks.broadcast_shapes(*(tuple(m.shape) for m in present)) is None:
+    if rules.broadcast_shapes(*(tuple(m.shape) for m in present)) is None:
         shapes = ", ".join(str(tuple(m.shape)) for m in present)
         raise ValueError(f"{fn}: masks must broadcast together; got shapes {shapes}")
     combined = present[0]

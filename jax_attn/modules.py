@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _checks
+import attention_rules as rules
+
 from .functional import HIGHEST, scaled_dot_product_attention
 from .kv_cache import KVCache
 
@@ -108,16 +109,10 @@ class _Module:
 
 
 def _check_weight_dict(fn: str, expected: dict[str, Any], weights: dict[str, Any]) -> None:
-    missing = sorted(set(expected) - set(weights))
-    extra = sorted(set(weights) - set(expected))
-    if missing or extra:
-        raise ValueError(f"{fn}: weight names differ; missing {missing}, unexpected {extra}")
-    for name, array in expected.items():
-        got = tuple(np.shape(weights[name]))
-        if got != tuple(np.shape(array)):
-            raise ValueError(
-                f"{fn}: {name} must have shape {tuple(np.shape(array))}; got {name}.shape={got}"
-            )
+    rules.check_weight_shapes(  # the shapes of any backend's arrays, as plain tuples
+        fn, {n: tuple(np.shape(a)) for n, a in expected.items()},
+        {n: tuple(np.shape(w)) for n, w in weights.items()},
+    )
 
 
 def _weight_grads(module: _Module, forward: Any, grad_output: Any) -> dict[str, np.ndarray]:
@@ -200,7 +195,7 @@ class CausalSelfAttention(_Module):
     def __init__(
         self, d_in: int, d_out_kq: int, d_out_v: int, *, dropout_p: float = 0.0, rng: Any = None
     ) -> None:
-        _checks.check_dropout("CausalSelfAttention", dropout_p, False)
+        rules.check_dropout("CausalSelfAttention", dropout_p, False)
         rng_q, rng_k, rng_v = _rng("CausalSelfAttention", rng, 3)
         self._set(d_out_kq=d_out_kq, dropout_p=float(dropout_p))
         self._set(W_query=_uniform(rng_q, (d_in, d_out_kq)))
@@ -344,17 +339,8 @@ class MultiHeadAttention(_Module):
     ) -> None:
         fn = "MultiHeadAttention"
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if num_heads <= 0 or d_model % num_heads != 0:
-            raise ValueError(
-                f"{fn}: d_model must be a multiple of num_heads; "
-                f"got d_model={d_model}, num_heads={num_heads}"
-            )
-        if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
-            raise ValueError(
-                f"{fn}: num_heads must be a multiple of num_kv_heads; "
-                f"got num_heads={num_heads}, num_kv_heads={num_kv_heads}"
-            )
-        _checks.check_dropout(fn, dropout_p, False)
+        rules.check_module_heads(fn, d_model, num_heads, num_kv_heads)
+        rules.check_dropout(fn, dropout_p, False)
         rng_q, rng_k, rng_v, rng_o = _rng(fn, rng, 4)
         self._set(d_model=d_model, num_heads=num_heads, num_kv_heads=num_kv_heads)
         self._set(head_dim=d_model // num_heads)

@@ -30,11 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from . import _checks
+import attention_rules as rules
+
 from .functional import (
-    _check_dropout_mask,
-    _check_mask_bias,
-    _check_structure,
+    _array,
+    _describe,
     _group_heads,
     _groups,
     _mask_scores,
@@ -43,29 +43,6 @@ from .functional import (
     _softmax,
     _to_compute,
 )
-
-
-def _sum_to_shape(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """Sum ``x`` over the axes along which an array of ``shape`` was broadcast to ``x.shape``."""
-    leading = x.ndim - len(shape)
-    x = x.sum(axis=tuple(range(leading))) if leading else x
-    stretched = tuple(axis for axis, size in enumerate(shape) if size == 1 and x.shape[axis] != 1)
-    return x.sum(axis=stretched, keepdims=True) if stretched else x
-
-
-def _sum_groups(x: np.ndarray, groups: int) -> np.ndarray:
-    """``(..., heads, T, D)`` → ``(..., kv_heads, T, D)``: add the query heads sharing a kv head."""
-    if groups == 1:
-        return x
-    return _group_heads(x, groups).sum(axis=-3)
-
-
-def _matmul_grouped(a: np.ndarray, b: np.ndarray, groups: int) -> np.ndarray:
-    """``a (..., heads, T, S) @ b (..., kv_heads, S, D)`` with the grouped-query head mapping."""
-    if groups == 1:
-        return a @ b
-    product = _group_heads(a, groups) @ b[..., None, :, :]  # (..., kv_heads, groups, T, D)
-    return product.reshape(a.shape[:-1] + (b.shape[-1],))  # (..., heads, T, D)
 
 
 def scaled_dot_product_attention_vjp(
@@ -101,36 +78,21 @@ def scaled_dot_product_attention_vjp(
       value and bias; ``grad_bias`` is None without a bias.
     """
     fn = "scaled_dot_product_attention_vjp"
-    query, key, value = np.asarray(query), np.asarray(key), np.asarray(value)
-    grad_output = np.asarray(grad_output)
-    dtype = _checks.check_float_inputs(
-        fn, query=query.dtype.name, key=key.dtype.name, value=value.dtype.name,
-        grad_output=grad_output.dtype.name,
-    )
-    _checks.check_query_key(fn, query.shape, key.shape)
-    _checks.check_key_value(fn, key.shape, value.shape)
-    out_shape = query.shape[:-1] + value.shape[-1:]
-    if grad_output.shape != out_shape:
-        raise ValueError(
-            f"{fn}: grad_output must have the output's shape {out_shape}; "
-            f"got grad_output.shape={grad_output.shape}"
-        )
-    target = _checks.scores_shape(query.shape, key.shape)
-    mask, bias = _check_mask_bias(fn, mask, bias, target)
-    window = _check_structure(fn, is_causal, causal_alignment, window)
-    scale = _checks.check_scale(fn, scale, query.shape[-1])
-    softcap = _checks.check_softcap(fn, softcap)
-    dropout_p = _checks.check_dropout(fn, dropout_p, dropout_mask is not None)
-    if dropout_p > 0 and dropout_mask is None:
-        raise ValueError(
-            f"{fn}: dropout needs the forward pass's dropout_mask; got dropout_p={dropout_p!r}, "
-            f"dropout_mask=None"
-        )
-    dropout_mask = _check_dropout_mask(fn, dropout_mask, target)
+    args = rules.attention_arguments(
+        fn, _describe(fn, "query", query), _describe(fn, "key", key),
+        _describe(fn, "value", value), grad_output=_describe(fn, "grad_output", grad_output),
+        mask=_describe(fn, "mask", mask), bias=_describe(fn, "bias", bias), is_causal=is_causal,
+        causal_alignment=causal_alignment, window=window, scale=scale, softcap=softcap,
+        dropout_p=dropout_p, dropout_mask=_describe(fn, "dropout_mask", dropout_mask),
+    )  # every rule of the spec, once
+    query, key, value, grad_output = _array(query), _array(key), _array(value), _array(grad_output)
+    mask, bias, dropout_mask = _array(mask), _array(bias), _array(dropout_mask)
+    scale, softcap, dropout_p = args.scale, args.softcap, args.dropout_p
 
     # Forward again, keeping what the backward pass needs.
     capped = _scores(query, key, scale, softcap)  # S1: (..., heads, q_len, kv_len)
-    weights = _mask_scores(capped.copy(), mask, bias, is_causal, causal_alignment, window)
+    weights = _mask_scores(capped.copy(), mask, bias, args.is_causal, args.causal_alignment,
+                           args.window)
     weights = _softmax(weights)  # P
     keep = 1.0 if dropout_p == 0 else dropout_mask * (1.0 / (1.0 - dropout_p))  # Z / (1 - p)
     dropped = weights * keep if dropout_p > 0 else weights  # P̃
@@ -153,8 +115,43 @@ def scaled_dot_product_attention_vjp(
     grad_scores *= scale
     grad_query = _matmul_grouped(grad_scores, k, groups)  # (..., heads, q_len, head_dim)
     grad_key = _sum_groups(np.swapaxes(grad_scores, -1, -2) @ q, groups)
+    dtype = query.dtype
     grads = (grad_query.astype(dtype), grad_key.astype(dtype), grad_value.astype(dtype))
     return grads + (None if grad_bias is None else grad_bias.astype(bias.dtype),)
+
+
+# ------------------------------------------------------------------------------------------
+# Helpers of the hand-written backward passes (this file's and blockwise.py's): the same names
+# and contracts in every backend
+# ------------------------------------------------------------------------------------------
+
+
+def _sum_to_shape(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Sum ``x`` over the axes along which an array of ``shape`` was broadcast to ``x.shape``."""
+    leading = x.ndim - len(shape)
+    x = x.sum(axis=tuple(range(leading))) if leading else x
+    stretched = tuple(axis for axis, size in enumerate(shape) if size == 1 and x.shape[axis] != 1)
+    return x.sum(axis=stretched, keepdims=True) if stretched else x
+
+
+def _sum_groups(x: np.ndarray, groups: int) -> np.ndarray:
+    """``(..., heads, T, D)`` → ``(..., kv_heads, T, D)``: add the query heads sharing a kv head."""
+    if groups == 1:
+        return x
+    return _group_heads(x, groups).sum(axis=-3)
+
+
+def _matmul_grouped(a: np.ndarray, b: np.ndarray, groups: int) -> np.ndarray:
+    """``a (..., heads, T, S) @ b (..., kv_heads, S, D)`` with the grouped-query head mapping."""
+    if groups == 1:
+        return a @ b
+    product = _group_heads(a, groups) @ b[..., None, :, :]  # (..., kv_heads, groups, T, D)
+    return product.reshape(a.shape[:-1] + (b.shape[-1],))  # (..., heads, T, D)
+
+
+# ------------------------------------------------------------------------------------------
+# NumPy only: no autodiff, so the modules' backward passes and a minimal optimiser live here
+# ------------------------------------------------------------------------------------------
 
 
 def projection_grads(x: np.ndarray, grad_projected: np.ndarray) -> np.ndarray:

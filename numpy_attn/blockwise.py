@@ -21,128 +21,123 @@ of each row and recomputes every tile's weights as ``exp(s - lse)``.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
-from . import _checks
-from .backward import _sum_groups, _sum_to_shape  # NumPy's backward.py has them already
-from .functional import (
-    _check_mask_bias,
-    _check_structure,
-    _group_heads,
-    _groups,
-    _merged,
-    _to_compute,
-)
+import attention_rules as rules
+
+from .backward import _matmul_grouped, _sum_groups, _sum_to_shape
+from .functional import _array, _describe, _groups, _in_band, _softcap, _to_compute
 
 NEG_INF = -np.inf
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_KV = 1024
 
-Window = tuple[int | None, int | None] | None
-
 
 # ------------------------------------------------------------------------------------------
-# The plan: which tiles keep at least one position (pure Python on ints, identical in every
-# backend)
+# Public functions
 # ------------------------------------------------------------------------------------------
 
 
-def _band(
-    q_len: int, kv_len: int, is_causal: bool, causal_alignment: str, window: Window
-) -> tuple[float, float]:
-    """Allowed range ``lo <= j - i <= hi`` of key ``j`` minus query ``i`` (causal and window)."""
-    offset = _checks.causal_offset(causal_alignment, q_len, kv_len)
-    lo, hi = -math.inf, math.inf
-    if is_causal:
-        hi = offset
-    if window is not None:
-        left, right = window
-        if left is not None:
-            lo = offset - left
-        if right is not None:
-            hi = min(hi, offset + right)
-    return lo, hi
-
-
-def _plan(
-    q_len: int, kv_len: int, block_q: int, block_kv: int, lo: float, hi: float
-) -> list[tuple[int, int, list[tuple[int, int, bool]]]]:
-    """Per query block ``(q_start, q_stop)``, the key blocks ``(kv_start, kv_stop, partial)``
-    that keep at least one position; ``partial``: the band cuts the tile (it needs a mask)."""
-    plan = []
-    for q_start in range(0, q_len, block_q):
-        q_stop = min(q_start + block_q, q_len)
-        blocks = []
-        for kv_start in range(0, kv_len, block_kv):
-            kv_stop = min(kv_start + block_kv, kv_len)
-            d_min, d_max = kv_start - (q_stop - 1), (kv_stop - 1) - q_start  # j - i in the tile
-            if max(lo, d_min) > min(hi, d_max):
-                continue  # fully masked by the causal rule or the window: never computed
-            blocks.append((kv_start, kv_stop, d_min < lo or d_max > hi))
-        plan.append((q_start, q_stop, blocks))
-    return plan
-
-
-# ------------------------------------------------------------------------------------------
-# Tiles
-# ------------------------------------------------------------------------------------------
-
-
-def _tile_scores(
-    q_tile: np.ndarray, k_tile: np.ndarray, groups: int, softcap: float | None
+def blockwise_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    bias: Any = None,
+    kv_lengths: Any = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    window: tuple | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    block_q: int = DEFAULT_BLOCK_Q,
+    block_kv: int = DEFAULT_BLOCK_KV,
 ) -> np.ndarray:
-    """``(..., heads, bq, head_dim) @ (..., kv_heads, bk, head_dim)ᵀ`` → ``(..., heads, bq, bk)``,
-    soft-capped; ``q_tile`` is already scaled."""
-    if groups > 1:  # grouped-query: (..., kv_heads, groups, bq, head_dim)
-        q_tile = _group_heads(q_tile, groups)
-        k_tile = k_tile[..., None, :, :]
-    scores = q_tile @ np.swapaxes(k_tile, -1, -2)
-    scores = scores.reshape(_merged(scores.shape, groups))  # (..., heads, bq, bk)
-    if softcap is not None:
-        scores *= 1.0 / softcap
-        np.tanh(scores, out=scores)
-        scores *= softcap
-    return scores
+    """Scaled dot-product attention in ``(block_q, block_kv)`` tiles, with the online softmax.
+
+    Equal to ``scaled_dot_product_attention(query, key, value, mask=padding_mask(kv_lengths,
+    kv_len), bias=bias, ...)`` (no dropout, no weights), using a few tiles of extra memory
+    instead of the ``(q_len, kv_len)`` matrix; tiles that the causal rule or the window mask
+    entirely are skipped.
+
+    Args:
+      query: ``(..., heads, q_len, head_dim)`` or ``(q_len, head_dim)``.
+      key: ``(..., kv_heads, kv_len, head_dim)`` or ``(kv_len, head_dim)``.
+      value: ``(..., kv_heads, kv_len, v_dim)`` or ``(kv_len, v_dim)``.
+      bias: floating point, broadcastable to ``(..., heads, q_len, kv_len)``; sliced per tile.
+      kv_lengths: ints shaped like the batch axes ``(...)`` (``(batch,)`` for 4-D inputs), each
+        in ``[0, kv_len]``: key ``j`` of sequence ``b`` is attended only if
+        ``j < kv_lengths[b]``.
+      is_causal, causal_alignment, window, scale, softcap: as in
+        ``scaled_dot_product_attention``.
+      block_q: queries per tile (``>= 1``).
+      block_kv: keys per tile (``>= 1``).
+
+    Returns:
+      ``(..., heads, q_len, v_dim)`` in the input dtype; fully masked rows give 0.
+    """
+    fn = "blockwise_attention"
+    args = _arguments(fn, query, key, value, None, bias, kv_lengths, is_causal, causal_alignment,
+                      window, scale, softcap, block_q, block_kv)  # every rule of the spec, once
+    query, key, value, bias = _array(query), _array(key), _array(value), _array(bias)
+    bias, kv_lengths, plan, lo, hi = _prepare(fn, query, key, bias, kv_lengths, args)
+    output, _ = _forward(query, key, value, bias, kv_lengths, plan, lo, hi, args.scale,
+                         args.softcap)
+    return output.astype(query.dtype, copy=False)
 
 
-def _times_value(p: np.ndarray, v_tile: np.ndarray, groups: int) -> np.ndarray:
-    """``(..., heads, bq, bk) @ (..., kv_heads, bk, v_dim)`` → ``(..., heads, bq, v_dim)``."""
-    if groups == 1:
-        return p @ v_tile
-    product = _group_heads(p, groups) @ v_tile[..., None, :, :]
-    return product.reshape(p.shape[:-1] + (v_tile.shape[-1],))
+def blockwise_attention_vjp(
+    query: Any,
+    key: Any,
+    value: Any,
+    grad_output: Any,
+    *,
+    bias: Any = None,
+    kv_lengths: Any = None,
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    window: tuple | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    block_q: int = DEFAULT_BLOCK_Q,
+    block_kv: int = DEFAULT_BLOCK_KV,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """Gradients of ``blockwise_attention``, tile by tile, from the saved log-sum-exp.
 
+    Written by hand (``backward.py``'s derivation per tile): the forward pass keeps only the
+    output and ``lse`` per row; each tile's weights are recomputed as ``exp(s - lse)``.
 
-def _bias_tile(bias: np.ndarray, q_start: int, q_stop: int, kv_start: int, kv_stop: int) -> Any:
-    """The tile of a full-rank bias; broadcast (size-1) query or key axes are kept whole."""
-    q_slice = slice(q_start, q_stop) if bias.shape[-2] != 1 else slice(None)
-    kv_slice = slice(kv_start, kv_stop) if bias.shape[-1] != 1 else slice(None)
-    return (..., q_slice, kv_slice)
+    Args:
+      query: ``(..., heads, q_len, head_dim)``.
+      key: ``(..., kv_heads, kv_len, head_dim)``.
+      value: ``(..., kv_heads, kv_len, v_dim)``.
+      grad_output: ``(..., heads, q_len, v_dim)``.
+      bias, kv_lengths, is_causal, causal_alignment, window, scale, softcap, block_q,
+        block_kv: as in ``blockwise_attention``.
 
-
-def _mask_tile(
-    scores: np.ndarray,
-    bias: np.ndarray | None,
-    kv_lengths: np.ndarray | None,
-    tile: tuple[int, int, int, int],
-    partial: bool,
-    lo: float,
-    hi: float,
-) -> np.ndarray:
-    """Add the bias tile, then ``-inf`` where the band or ``kv_lengths`` forbid (in place)."""
-    q_start, q_stop, kv_start, kv_stop = tile
-    if bias is not None:
-        scores += bias[_bias_tile(bias, *tile)].astype(scores.dtype, copy=False)
-    if partial:  # (bq, bk): j - i inside [lo, hi]
-        distance = np.arange(kv_start, kv_stop)[None, :] - np.arange(q_start, q_stop)[:, None]
-        np.copyto(scores, NEG_INF, where=(distance < lo) | (distance > hi))
-    if kv_lengths is not None:  # (batch..., 1, 1, bk): key j < kv_lengths[b]
-        lengths = kv_lengths.reshape(kv_lengths.shape + (1,) * (scores.ndim - kv_lengths.ndim))
-        np.copyto(scores, NEG_INF, where=np.arange(kv_start, kv_stop) >= lengths)
-    return scores
+    Returns:
+      ``(grad_query, grad_key, grad_value, grad_bias)`` shaped like query, key, value and bias
+      (``grad_bias`` is None without a bias), in their dtypes.
+    """
+    fn = "blockwise_attention_vjp"
+    args = _arguments(fn, query, key, value, grad_output, bias, kv_lengths, is_causal,
+                      causal_alignment, window, scale, softcap, block_q, block_kv)
+    query, key, value, bias = _array(query), _array(key), _array(value), _array(bias)
+    grad_output, bias_shape = _array(grad_output), None if bias is None else bias.shape
+    bias, kv_lengths, plan, lo, hi = _prepare(fn, query, key, bias, kv_lengths, args)
+    output, lse = _forward(query, key, value, bias, kv_lengths, plan, lo, hi, args.scale,
+                           args.softcap)
+    grad_q, grad_k, grad_v, grad_bias = _backward(  # numpy: by hand, tile by tile
+        query, key, value, bias, kv_lengths, plan, lo, hi, args.scale, args.softcap, output, lse,
+        grad_output,
+    )
+    dtype = query.dtype
+    grads = (grad_q.astype(dtype), grad_k.astype(dtype), grad_v.astype(dtype))
+    if grad_bias is None:
+        return grads + (None,)
+    return grads + (grad_bias.reshape(bias_shape).astype(bias.dtype),)
 
 
 # ------------------------------------------------------------------------------------------
@@ -185,7 +180,7 @@ def _forward(
             p = np.exp(scores, out=scores)  # in place: the tile's unnormalised weights
             correction = np.exp(row_max - shift)  # rescales earlier tiles; 0 at first
             row_sum = row_sum * correction + p.sum(axis=-1, keepdims=True)
-            acc = acc * correction + _times_value(p, v[..., kv_start:kv_stop, :], groups)
+            acc = acc * correction + _matmul_grouped(p, v[..., kv_start:kv_stop, :], groups)
             row_max = new_max
         kept = row_sum > 0  # (..., heads, bq, 1); False: a fully masked row
         safe_sum = np.where(kept, row_sum, 1.0).astype(q.dtype)
@@ -231,7 +226,7 @@ def _backward(
             # dV = Pᵀ dO
             grad_v[..., cols, :] += _sum_groups(np.swapaxes(p, -1, -2) @ d_out_tile, groups)
             # dP = dO Vᵀ
-            grad_p = _times_value(d_out_tile, np.swapaxes(v[..., cols, :], -1, -2), groups)
+            grad_p = _matmul_grouped(d_out_tile, np.swapaxes(v[..., cols, :], -1, -2), groups)
             # dS = P ⊙ (dP - rowsum(dO ⊙ O))
             grad_s = p * (grad_p - row_dot[..., rows, :])
             if grad_bias is not None:
@@ -241,189 +236,98 @@ def _backward(
                 grad_s *= 1.0 - np.square(capped * (1.0 / softcap))
             grad_s *= scale
             # dQ = dS K · scale, dK = dSᵀ Q · scale
-            grad_q[..., rows, :] += _times_value(grad_s, k[..., cols, :], groups)
+            grad_q[..., rows, :] += _matmul_grouped(grad_s, k[..., cols, :], groups)
             grad_k[..., cols, :] += _sum_groups(np.swapaxes(grad_s, -1, -2) @ q[..., rows, :],
                                                 groups)
     return grad_q, grad_k, grad_v, grad_bias
 
 
 # ------------------------------------------------------------------------------------------
-# Validation
+# Arguments and the plan of tiles
 # ------------------------------------------------------------------------------------------
 
 
-def _batch_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The leading batch axes of ``(..., heads, seq, dim)``; none for ``(seq, dim)``."""
-    return tuple(shape[:-3])
+def _arguments(
+    fn: str, query: Any, key: Any, value: Any, grad_output: Any, bias: Any, kv_lengths: Any,
+    is_causal: Any, causal_alignment: Any, window: Any, scale: Any, softcap: Any, block_q: Any,
+    block_kv: Any,
+) -> rules.Arguments:
+    """``rules.attention_arguments`` for the forward pass (``grad_output`` None) and the VJP."""
+    return rules.attention_arguments(
+        fn, _describe(fn, "query", query), _describe(fn, "key", key),
+        _describe(fn, "value", value),
+        grad_output=None if grad_output is None else _describe(fn, "grad_output", grad_output),
+        bias=_describe(fn, "bias", bias), is_causal=is_causal, causal_alignment=causal_alignment,
+        window=window, scale=scale, softcap=softcap, kv_lengths=_describe_lengths(kv_lengths),
+        block_q=block_q, block_kv=block_kv,
+    )
 
 
-def _check_kv_lengths(fn: str, kv_lengths: Any, batch: tuple[int, ...], kv_len: int) -> Any:
+def _describe_lengths(kv_lengths: Any) -> rules.ArrayInfo | None:
+    """``(shape, dtype name)`` of ``kv_lengths`` (a list of ints is welcome)."""
     if kv_lengths is None:
         return None
     kv_lengths = np.asarray(kv_lengths)
-    if tuple(kv_lengths.shape) != batch or not np.issubdtype(kv_lengths.dtype, np.integer):
-        raise ValueError(
-            f"{fn}: kv_lengths must be ints shaped like the batch axes {batch}; "
-            f"got kv_lengths.shape={tuple(kv_lengths.shape)}, "
-            f"kv_lengths.dtype={kv_lengths.dtype.name}"
-        )
-    if kv_lengths.size and (kv_lengths.min() < 0 or kv_lengths.max() > kv_len):
-        raise ValueError(
-            f"{fn}: kv_lengths must lie in [0, {kv_len}]; got kv_lengths={kv_lengths.tolist()}"
-        )
-    return kv_lengths
+    return tuple(kv_lengths.shape), kv_lengths.dtype.name
 
 
-def _validate(
-    fn: str,
-    query: np.ndarray,
-    key: np.ndarray,
-    value: np.ndarray,
-    bias: Any,
-    kv_lengths: Any,
-    is_causal: bool,
-    causal_alignment: str,
-    window: Any,
-    scale: Any,
-    softcap: Any,
-    block_q: Any,
-    block_kv: Any,
+def _prepare(
+    fn: str, query: np.ndarray, key: np.ndarray, bias: np.ndarray | None, kv_lengths: Any,
+    args: rules.Arguments,
 ) -> tuple:
-    """Checks shared by the forward pass and the VJP; returns the normalised arguments."""
-    _checks.check_query_key(fn, query.shape, key.shape)
-    _checks.check_key_value(fn, key.shape, value.shape)
-    target = _checks.scores_shape(query.shape, key.shape)
-    _, bias = _check_mask_bias(fn, None, bias, target)
-    window = _check_structure(fn, is_causal, causal_alignment, window)
-    scale = _checks.check_scale(fn, scale, query.shape[-1])
-    softcap = _checks.check_softcap(fn, softcap)
-    block_q = _checks.check_int(fn, "block_q", block_q, minimum=1)
-    block_kv = _checks.check_int(fn, "block_kv", block_kv, minimum=1)
+    """The full-rank bias, the checked ``kv_lengths`` and the tiles to compute with their band."""
     q_len, kv_len = query.shape[-2], key.shape[-2]
-    kv_lengths = _check_kv_lengths(fn, kv_lengths, _batch_shape(query.shape), kv_len)
+    if kv_lengths is not None:  # the range needs the values: checked here
+        kv_lengths = np.asarray(kv_lengths)
+        rules.check_lengths(fn, "kv_lengths", kv_lengths.tolist(), kv_len)
     if bias is not None:  # full rank, so tiles slice the last two axes
-        bias = bias.reshape((1,) * (len(target) - bias.ndim) + bias.shape)
-    lo, hi = _band(q_len, kv_len, is_causal, causal_alignment, window)
-    plan = _plan(q_len, kv_len, block_q, block_kv, lo, hi)
+        bias = bias.reshape((1,) * (len(args.scores_shape) - bias.ndim) + bias.shape)
+    lo, hi = rules.band(q_len, kv_len, args.is_causal, args.causal_alignment, args.window)
+    plan = rules.plan(q_len, kv_len, args.block_q, args.block_kv, lo, hi)
     if kv_lengths is not None and kv_lengths.size:  # key blocks past every length: skipped
         longest = int(kv_lengths.max())
         plan = [(a, b, [t for t in blocks if t[0] < longest]) for a, b, blocks in plan]
-    return bias, kv_lengths, plan, lo, hi, scale, softcap
+    return bias, kv_lengths, plan, lo, hi
 
 
 # ------------------------------------------------------------------------------------------
-# Public
+# Tiles
 # ------------------------------------------------------------------------------------------
 
 
-def blockwise_attention(
-    query: Any,
-    key: Any,
-    value: Any,
-    *,
-    bias: Any = None,
-    kv_lengths: Any = None,
-    is_causal: bool = False,
-    causal_alignment: str = "top_left",
-    window: tuple | None = None,
-    scale: float | None = None,
-    softcap: float | None = None,
-    block_q: int = DEFAULT_BLOCK_Q,
-    block_kv: int = DEFAULT_BLOCK_KV,
+def _tile_scores(
+    q_tile: np.ndarray, k_tile: np.ndarray, groups: int, softcap: float | None
 ) -> np.ndarray:
-    """Scaled dot-product attention in ``(block_q, block_kv)`` tiles, with the online softmax.
-
-    Equal to ``scaled_dot_product_attention(query, key, value, mask=padding_mask(kv_lengths,
-    kv_len), bias=bias, ...)`` (no dropout, no weights), using a few tiles of extra memory
-    instead of the ``(q_len, kv_len)`` matrix; tiles that the causal rule or the window mask
-    entirely are skipped.
-
-    Args:
-      query: ``(..., heads, q_len, head_dim)`` or ``(q_len, head_dim)``.
-      key: ``(..., kv_heads, kv_len, head_dim)`` or ``(kv_len, head_dim)``.
-      value: ``(..., kv_heads, kv_len, v_dim)`` or ``(kv_len, v_dim)``.
-      bias: floating point, broadcastable to ``(..., heads, q_len, kv_len)``; sliced per tile.
-      kv_lengths: ints shaped like the batch axes ``(...)`` (``(batch,)`` for 4-D inputs), each
-        in ``[0, kv_len]``: key ``j`` of sequence ``b`` is attended only if
-        ``j < kv_lengths[b]``.
-      is_causal, causal_alignment, window, scale, softcap: as in
-        ``scaled_dot_product_attention``.
-      block_q: queries per tile (``>= 1``).
-      block_kv: keys per tile (``>= 1``).
-
-    Returns:
-      ``(..., heads, q_len, v_dim)`` in the input dtype; fully masked rows give 0.
-    """
-    fn = "blockwise_attention"
-    query, key, value = np.asarray(query), np.asarray(key), np.asarray(value)
-    dtype = _checks.check_float_inputs(
-        fn, query=query.dtype.name, key=key.dtype.name, value=value.dtype.name
-    )
-    bias, kv_lengths, plan, lo, hi, scale, softcap = _validate(
-        fn, query, key, value, bias, kv_lengths, is_causal, causal_alignment, window, scale,
-        softcap, block_q, block_kv,
-    )
-    output, _ = _forward(query, key, value, bias, kv_lengths, plan, lo, hi, scale, softcap)
-    return output.astype(dtype, copy=False)
+    """``(..., heads, bq, head_dim) @ (..., kv_heads, bk, head_dim)ᵀ`` → ``(..., heads, bq, bk)``,
+    soft-capped; ``q_tile`` is already scaled."""
+    scores = _matmul_grouped(q_tile, np.swapaxes(k_tile, -1, -2), groups)
+    return _softcap(scores, softcap)
 
 
-def blockwise_attention_vjp(
-    query: Any,
-    key: Any,
-    value: Any,
-    grad_output: Any,
-    *,
-    bias: Any = None,
-    kv_lengths: Any = None,
-    is_causal: bool = False,
-    causal_alignment: str = "top_left",
-    window: tuple | None = None,
-    scale: float | None = None,
-    softcap: float | None = None,
-    block_q: int = DEFAULT_BLOCK_Q,
-    block_kv: int = DEFAULT_BLOCK_KV,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    """Gradients of ``blockwise_attention``, tile by tile, from the saved log-sum-exp.
+def _bias_tile(bias: np.ndarray, q_start: int, q_stop: int, kv_start: int, kv_stop: int) -> Any:
+    """The tile of a full-rank bias; broadcast (size-1) query or key axes are kept whole."""
+    q_slice = slice(q_start, q_stop) if bias.shape[-2] != 1 else slice(None)
+    kv_slice = slice(kv_start, kv_stop) if bias.shape[-1] != 1 else slice(None)
+    return (..., q_slice, kv_slice)
 
-    Written by hand (``backward.py``'s derivation per tile): the forward pass keeps only the
-    output and ``lse`` per row; each tile's weights are recomputed as ``exp(s - lse)``.
 
-    Args:
-      query: ``(..., heads, q_len, head_dim)``.
-      key: ``(..., kv_heads, kv_len, head_dim)``.
-      value: ``(..., kv_heads, kv_len, v_dim)``.
-      grad_output: ``(..., heads, q_len, v_dim)``.
-      bias, kv_lengths, is_causal, causal_alignment, window, scale, softcap, block_q,
-        block_kv: as in ``blockwise_attention``.
-
-    Returns:
-      ``(grad_query, grad_key, grad_value, grad_bias)`` shaped like query, key, value and bias
-      (``grad_bias`` is None without a bias), in their dtypes.
-    """
-    fn = "blockwise_attention_vjp"
-    query, key, value = np.asarray(query), np.asarray(key), np.asarray(value)
-    grad_output = np.asarray(grad_output)
-    dtype = _checks.check_float_inputs(
-        fn, query=query.dtype.name, key=key.dtype.name, value=value.dtype.name,
-        grad_output=grad_output.dtype.name,
-    )
-    bias_shape = None if bias is None else np.shape(bias)
-    bias, kv_lengths, plan, lo, hi, scale, softcap = _validate(
-        fn, query, key, value, bias, kv_lengths, is_causal, causal_alignment, window, scale,
-        softcap, block_q, block_kv,
-    )
-    out_shape = query.shape[:-1] + value.shape[-1:]
-    if grad_output.shape != out_shape:
-        raise ValueError(
-            f"{fn}: grad_output must have the output's shape {out_shape}; "
-            f"got grad_output.shape={grad_output.shape}"
-        )
-    output, lse = _forward(query, key, value, bias, kv_lengths, plan, lo, hi, scale, softcap)
-    grad_q, grad_k, grad_v, grad_bias = _backward(
-        query, key, value, bias, kv_lengths, plan, lo, hi, scale, softcap, output, lse,
-        grad_output,
-    )
-    grads = (grad_q.astype(dtype), grad_k.astype(dtype), grad_v.astype(dtype))
-    if grad_bias is None:
-        return grads + (None,)
-    return grads + (grad_bias.reshape(bias_shape).astype(bias.dtype),)
+def _mask_tile(
+    scores: np.ndarray,
+    bias: np.ndarray | None,
+    kv_lengths: np.ndarray | None,
+    tile: tuple[int, int, int, int],
+    partial: bool,
+    lo: float,
+    hi: float,
+) -> np.ndarray:
+    """Add the bias tile, then ``-inf`` where the band or ``kv_lengths`` forbid (in place)."""
+    q_start, q_stop, kv_start, kv_stop = tile
+    if bias is not None:
+        scores += bias[_bias_tile(bias, *tile)].astype(scores.dtype, copy=False)
+    if partial:  # (bq, bk): j - i inside [lo, hi]
+        allowed = _in_band(q_start, q_stop - q_start, kv_start, kv_stop - kv_start, lo, hi)
+        np.copyto(scores, NEG_INF, where=~allowed)
+    if kv_lengths is not None:  # (batch..., 1, 1, bk): key j < kv_lengths[b]
+        lengths = kv_lengths.reshape(kv_lengths.shape + (1,) * (scores.ndim - kv_lengths.ndim))
+        np.copyto(scores, NEG_INF, where=np.arange(kv_start, kv_stop) >= lengths)
+    return scores

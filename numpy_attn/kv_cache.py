@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _checks
+import attention_rules as rules
+
 from .masks import _check_device
 
 
@@ -51,13 +52,13 @@ class KVCache:
         ``dtype``: a dtype name or a NumPy dtype; ``device``: ``None`` or ``"cpu"``.
         """
         fn = "KVCache.empty"
-        kv_heads = _checks.check_int(fn, "kv_heads", kv_heads, minimum=1)
-        max_len = _checks.check_int(fn, "max_len", max_len)
-        head_dim = _checks.check_int(fn, "head_dim", head_dim)
-        v_dim = head_dim if v_dim is None else _checks.check_int(fn, "v_dim", v_dim)
+        kv_heads = rules.check_int(fn, "kv_heads", kv_heads, minimum=1)
+        max_len = rules.check_int(fn, "max_len", max_len)
+        head_dim = rules.check_int(fn, "head_dim", head_dim)
+        v_dim = head_dim if v_dim is None else rules.check_int(fn, "v_dim", v_dim)
         _check_device(fn, device)  # numpy: the CPU only
         dtype = _dtype(dtype)
-        _checks.check_float_inputs(fn, dtype=dtype.name)
+        rules.check_float_inputs(fn, dtype=dtype.name)
         shape = tuple(batch_shape) + (kv_heads, max_len)
         return cls(np.zeros(shape + (head_dim,), dtype), np.zeros(shape + (v_dim,), dtype), 0)
 
@@ -86,38 +87,12 @@ class KVCache:
         (cast to the cache's dtype); returns the cache, updated in place."""
         fn = "KVCache.append"
         key, value = np.asarray(key), np.asarray(value)
-        _check_append(fn, tuple(key.shape), tuple(value.shape), tuple(self.key_buffer.shape),
-                      tuple(self.value_buffer.shape))
+        rules.check_cache_append(fn, tuple(key.shape), tuple(value.shape),
+                                 tuple(self.key_buffer.shape), tuple(self.value_buffer.shape))
         start, stop = self._length, self._length + key.shape[-2]
-        _check_room(fn, start, stop, self.max_len)
+        rules.check_cache_room(fn, start, stop, self.max_len)
         self.key_buffer[..., start:stop, :] = key  # numpy: in place
         self.value_buffer[..., start:stop, :] = value
         self._length = stop
         return self
 
-
-def _check_append(
-    fn: str,
-    k_shape: tuple[int, ...],
-    v_shape: tuple[int, ...],
-    k_buffer: tuple[int, ...],
-    v_buffer: tuple[int, ...],
-) -> None:
-    """Key and value match the cache in every axis but the sequence axis."""
-    _checks.check_key_value(fn, k_shape, v_shape)
-    same = len(k_shape) == len(k_buffer) and k_shape[:-2] == k_buffer[:-2]
-    if not (same and k_shape[-1] == k_buffer[-1] and v_shape[-1] == v_buffer[-1]):
-        raise ValueError(
-            f"{fn}: key and value must match the cache's (..., kv_heads, *, head_dim | v_dim) = "
-            f"{k_buffer[:-2] + (k_buffer[-1],)} | {v_buffer[-1]}; "
-            f"got key.shape={k_shape}, value.shape={v_shape}"
-        )
-
-
-def _check_room(fn: str, start: int, stop: int, max_len: int) -> None:
-    """``stop <= max_len`` (ValueError naming max_len otherwise)."""
-    if stop > max_len:
-        raise ValueError(
-            f"{fn}: the cache is full; {stop - start} new positions after {start} exceed "
-            f"max_len={max_len}"
-        )

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _checks
+import attention_rules as rules
 
 
 def _check_device(fn: str, device: Any) -> None:
@@ -35,9 +35,9 @@ def causal_mask(q_len: int, kv_len: int, *, offset: int = 0, device: Any = None)
       ``(q_len, kv_len)`` bool, True = may attend.
     """
     fn = "causal_mask"
-    q_len = _checks.check_int(fn, "q_len", q_len)
-    kv_len = _checks.check_int(fn, "kv_len", kv_len)
-    offset = _checks.check_int(fn, "offset", offset, minimum=None)
+    q_len = rules.check_int(fn, "q_len", q_len)
+    kv_len = rules.check_int(fn, "kv_len", kv_len)
+    offset = rules.check_int(fn, "offset", offset, minimum=None)
     _check_device(fn, device)
     return _positions(q_len, kv_len, offset) <= 0
 
@@ -58,10 +58,10 @@ def sliding_window_mask(
       ``(q_len, kv_len)`` bool, True = may attend.
     """
     fn = "sliding_window_mask"
-    q_len = _checks.check_int(fn, "q_len", q_len)
-    kv_len = _checks.check_int(fn, "kv_len", kv_len)
-    offset = _checks.check_int(fn, "offset", offset, minimum=None)
-    left, right = _checks.check_window(fn, window)
+    q_len = rules.check_int(fn, "q_len", q_len)
+    kv_len = rules.check_int(fn, "kv_len", kv_len)
+    offset = rules.check_int(fn, "offset", offset, minimum=None)
+    left, right = rules.check_window(fn, window)
     _check_device(fn, device)
     distance = _positions(q_len, kv_len, offset)  # (q_len, kv_len): j - (i + offset)
     allowed = np.ones((q_len, kv_len), dtype=bool)
@@ -74,13 +74,8 @@ def sliding_window_mask(
 
 def _lengths(fn: str, name: str, lengths: Any, max_len: int) -> np.ndarray:
     lengths = np.asarray(lengths)
-    if lengths.ndim != 1 or not np.issubdtype(lengths.dtype, np.integer):
-        raise ValueError(
-            f"{fn}: {name} must be a 1-D array of ints; "
-            f"got {name}.shape={tuple(lengths.shape)}, {name}.dtype={lengths.dtype.name}"
-        )
-    if lengths.size and (lengths.min() < 0 or lengths.max() > max_len):
-        raise ValueError(f"{fn}: {name} must lie in [0, {max_len}]; got {name}={lengths.tolist()}")
+    rules.check_lengths_1d(fn, name, (lengths.shape, lengths.dtype.name))
+    rules.check_lengths(fn, name, lengths.tolist(), max_len)
     return lengths
 
 
@@ -107,7 +102,7 @@ def padding_mask(
       ``(batch, 1, 1, kv_len)`` bool, or ``(batch, 1, q_len, kv_len)`` with ``q_lengths``.
     """
     fn = "padding_mask"
-    kv_len = _checks.check_int(fn, "kv_len", kv_len)
+    kv_len = rules.check_int(fn, "kv_len", kv_len)
     _check_device(fn, device)
     kv_lengths = _lengths(fn, "kv_lengths", kv_lengths, kv_len)
     key_ok = np.arange(kv_len) < kv_lengths[:, None]  # (batch, kv_len)
@@ -116,7 +111,7 @@ def padding_mask(
         return mask
     if q_len is None:
         raise ValueError(f"{fn}: q_lengths needs q_len; got q_len=None")
-    q_len = _checks.check_int(fn, "q_len", q_len)
+    q_len = rules.check_int(fn, "q_len", q_len)
     q_lengths = _lengths(fn, "q_lengths", q_lengths, q_len)
     if q_lengths.shape != kv_lengths.shape:
         raise ValueError(
@@ -140,10 +135,10 @@ def combine_masks(*masks: Any) -> np.ndarray | None:
     fn = "combine_masks"
     present = [np.asarray(m) for m in masks if m is not None]
     for index, m in enumerate(present):
-        _checks.check_bool(fn, f"masks[{index}]", m.dtype.name)
+        rules.check_bool(fn, f"masks[{index}]", m.dtype.name)
     if not present:
         return None
-    if _checks.broadcast_shapes(*(tuple(m.shape) for m in present)) is None:
+    if rules.broadcast_shapes(*(tuple(m.shape) for m in present)) is None:
         shapes = ", ".join(str(tuple(m.shape)) for m in present)
         raise ValueError(f"{fn}: masks must broadcast together; got shapes {shapes}")
     combined = present[0]

@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _checks
+import attention_rules as rules
+
 from .backward import projection_grads, scaled_dot_product_attention_vjp
 from .functional import scaled_dot_product_attention
 from .kv_cache import KVCache
@@ -77,16 +78,16 @@ class _Module:
 
 
 def _check_weight_dict(fn: str, expected: dict[str, Any], weights: dict[str, Any]) -> None:
-    missing = sorted(set(expected) - set(weights))
-    extra = sorted(set(weights) - set(expected))
-    if missing or extra:
-        raise ValueError(f"{fn}: weight names differ; missing {missing}, unexpected {extra}")
-    for name, array in expected.items():
-        got = tuple(np.shape(weights[name]))
-        if got != tuple(np.shape(array)):
-            raise ValueError(
-                f"{fn}: {name} must have shape {tuple(np.shape(array))}; got {name}.shape={got}"
-            )
+    rules.check_weight_shapes(  # the shapes of any backend's arrays, as plain tuples
+        fn, {n: tuple(np.shape(a)) for n, a in expected.items()},
+        {n: tuple(np.shape(w)) for n, w in weights.items()},
+    )
+
+
+def _check_no_dropout(module: _Module) -> None:
+    rules.check_backward_without_dropout(
+        type(module).__name__, module.training and module.dropout_p > 0, module.dropout_p
+    )
 
 
 class SelfAttention(_Module):
@@ -170,7 +171,7 @@ class CausalSelfAttention(_Module):
     def __init__(
         self, d_in: int, d_out_kq: int, d_out_v: int, *, dropout_p: float = 0.0, rng: Any = None
     ) -> None:
-        _checks.check_dropout("CausalSelfAttention", dropout_p, False)
+        rules.check_dropout("CausalSelfAttention", dropout_p, False)
         rng = _rng(rng)
         self.d_out_kq = d_out_kq
         self.dropout_p = float(dropout_p)
@@ -187,6 +188,20 @@ class CausalSelfAttention(_Module):
         return scaled_dot_product_attention(
             queries, keys, values, is_causal=True, dropout_p=dropout_p, rng=rng
         )
+
+    def backward(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
+        """Weight gradients, without dropout (``eval()`` or ``dropout_p=0``)."""
+        _check_no_dropout(self)
+        x = np.asarray(x)
+        queries, keys, values = (_matmul(x, w) for w in (self.W_query, self.W_key, self.W_value))
+        grad_q, grad_k, grad_v, _ = scaled_dot_product_attention_vjp(
+            queries, keys, values, grad_output, is_causal=True
+        )
+        return {
+            "W_query": projection_grads(x, grad_q),
+            "W_key": projection_grads(x, grad_k),
+            "W_value": projection_grads(x, grad_v),
+        }
 
     def decode(
         self, x: Any, cache: KVCache | None = None, *, max_len: int | None = None
@@ -208,29 +223,6 @@ class CausalSelfAttention(_Module):
         values = _matmul(x, self.W_value)[..., None, :, :]  # (..., 1, n, d_out_v)
         context, cache = _decode(queries, keys, values, cache, max_len)
         return context[..., 0, :, :], cache  # (..., n, d_out_v)
-
-    def backward(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
-        """Weight gradients, without dropout (``eval()`` or ``dropout_p=0``)."""
-        _check_no_dropout(self)
-        x = np.asarray(x)
-        queries, keys, values = (_matmul(x, w) for w in (self.W_query, self.W_key, self.W_value))
-        grad_q, grad_k, grad_v, _ = scaled_dot_product_attention_vjp(
-            queries, keys, values, grad_output, is_causal=True
-        )
-        return {
-            "W_query": projection_grads(x, grad_q),
-            "W_key": projection_grads(x, grad_k),
-            "W_value": projection_grads(x, grad_v),
-        }
-
-
-def _check_no_dropout(module: _Module) -> None:
-    # The backward pass must see the forward pass's keep-mask, which a module does not keep.
-    if module.training and module.dropout_p > 0:
-        raise ValueError(
-            f"{type(module).__name__}.backward: dropout is active; call eval() or use "
-            f"dropout_p=0 (got dropout_p={module.dropout_p})"
-        )
 
 
 def _decode(
@@ -317,17 +309,8 @@ class MultiHeadAttention(_Module):
     ) -> None:
         fn = "MultiHeadAttention"
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if num_heads <= 0 or d_model % num_heads != 0:
-            raise ValueError(
-                f"{fn}: d_model must be a multiple of num_heads; "
-                f"got d_model={d_model}, num_heads={num_heads}"
-            )
-        if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
-            raise ValueError(
-                f"{fn}: num_heads must be a multiple of num_kv_heads; "
-                f"got num_heads={num_heads}, num_kv_heads={num_kv_heads}"
-            )
-        _checks.check_dropout(fn, dropout_p, False)
+        rules.check_module_heads(fn, d_model, num_heads, num_kv_heads)
+        rules.check_dropout(fn, dropout_p, False)
         rng = _rng(rng)
         self.d_model, self.num_heads, self.num_kv_heads = d_model, num_heads, num_kv_heads
         self.head_dim = d_model // num_heads
@@ -397,32 +380,6 @@ class MultiHeadAttention(_Module):
             output = output + self.b_out
         return (output, weights) if return_weights else output
 
-    def decode(
-        self, x: Any, cache: KVCache | None = None, *, max_len: int | None = None
-    ) -> tuple[np.ndarray, KVCache]:
-        """Incremental decoding: the next tokens ``x: (..., n, d_model)`` attend the cached ones.
-
-        Args:
-          x: ``(..., n, d_model)``.
-          cache: a ``KVCache`` of ``num_kv_heads`` heads from an earlier call, or None.
-          max_len: capacity of the new cache when ``cache`` is None (default ``n``).
-
-        Returns:
-          ``(output (..., n, d_model), cache)``; equals ``forward(x_all, is_causal=True)`` at
-          these positions. No dropout. The cache is updated in place.
-        """
-        x = np.asarray(x)
-        query = self._project(x, "query", self.num_heads)  # (..., heads, n, head_dim)
-        key = self._project(x, "key", self.num_kv_heads)  # (..., kv_heads, n, head_dim)
-        value = self._project(x, "value", self.num_kv_heads)
-        context_vec, cache = _decode(query, key, value, cache, max_len)
-        merged = np.swapaxes(context_vec, -2, -3)  # (..., n, heads, head_dim)
-        merged = merged.reshape(merged.shape[:-2] + (-1,))  # (..., n, heads * head_dim)
-        output = _matmul(merged, self.W_out)  # (..., n, d_model)
-        if "b_out" in self._weight_names:
-            output = output + self.b_out
-        return output, cache
-
     def backward(
         self,
         x: Any,
@@ -474,3 +431,29 @@ class MultiHeadAttention(_Module):
         if "b_out" in self._weight_names:
             grads["b_out"] = grad_output.reshape(-1, grad_output.shape[-1]).sum(axis=0)
         return grads
+
+    def decode(
+        self, x: Any, cache: KVCache | None = None, *, max_len: int | None = None
+    ) -> tuple[np.ndarray, KVCache]:
+        """Incremental decoding: the next tokens ``x: (..., n, d_model)`` attend the cached ones.
+
+        Args:
+          x: ``(..., n, d_model)``.
+          cache: a ``KVCache`` of ``num_kv_heads`` heads from an earlier call, or None.
+          max_len: capacity of the new cache when ``cache`` is None (default ``n``).
+
+        Returns:
+          ``(output (..., n, d_model), cache)``; equals ``forward(x_all, is_causal=True)`` at
+          these positions. No dropout. The cache is updated in place.
+        """
+        x = np.asarray(x)
+        query = self._project(x, "query", self.num_heads)  # (..., heads, n, head_dim)
+        key = self._project(x, "key", self.num_kv_heads)  # (..., kv_heads, n, head_dim)
+        value = self._project(x, "value", self.num_kv_heads)
+        context_vec, cache = _decode(query, key, value, cache, max_len)
+        merged = np.swapaxes(context_vec, -2, -3)  # (..., n, heads, head_dim)
+        merged = merged.reshape(merged.shape[:-2] + (-1,))  # (..., n, heads * head_dim)
+        output = _matmul(merged, self.W_out)  # (..., n, d_model)
+        if "b_out" in self._weight_names:
+            output = output + self.b_out
+        return output, cache

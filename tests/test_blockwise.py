@@ -164,7 +164,8 @@ def test_validation(backend):
 
 
 def test_plan_skips_masked_tiles():
-    from numpy_attn.blockwise import _band, _plan
+    from attention_rules import band as _band
+    from attention_rules import plan as _plan
 
     lo, hi = _band(1024, 1024, True, "top_left", None)
     tiles = sum(len(blocks) for *_, blocks in _plan(1024, 1024, 128, 128, lo, hi))

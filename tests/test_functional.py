@@ -1,7 +1,10 @@
 """Behaviour of the functional API, on every backend, against hand goldens and float64.
 
 Expected values come from hand computation (goldens) or from ``conformance.reference``, an
-independent float64 implementation; never from the backend under test.
+independent float64 implementation; never from the backend under test. The inputs of the
+pipeline tests are the conformance case catalogue (``conformance.cases``) and their tolerance
+is the harness's one rule (``conformance.compare``: ``spec.TOLERANCES`` scaled by a naive
+implementation's error in the same dtype).
 """
 
 from __future__ import annotations
@@ -12,17 +15,10 @@ import warnings
 import numpy as np
 import pytest
 
-from conformance import backends, reference
+from conformance import backends, cases, compare, expected, reference
 
-# Absolute/relative tolerance of a backend result against the float64 reference, per dtype.
-# float32 and the half types are dominated by rounding the result to that dtype.
-TOL = {
-    "float64": 1e-10,
-    "float32": 2e-5,
-    "bfloat16": 2e-2,
-    "float16": 3e-3,
-}
-DTYPES = tuple(TOL)
+DTYPES = backends.DTYPES
+SDPA_CASES = [case for case in cases.CASES if case.kind == "sdpa"]
 
 
 def _call(backend, fn_name, *arrays, **kwargs):
@@ -34,16 +30,17 @@ def _call(backend, fn_name, *arrays, **kwargs):
     }
     result = fn(*converted, **kwargs)
     if isinstance(result, tuple):
-        return tuple(backend.to_numpy(r) for r in result)
+        return tuple(None if r is None else backend.to_numpy(r) for r in result)
     return None if result is None else backend.to_numpy(result)
 
 
-def _close(actual, expected, dtype, what=""):
-    tol = TOL[dtype]
-    actual = np.asarray(actual, dtype=np.float64)
-    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
-    assert not np.isnan(actual).any(), f"{what}: NaN in result"
-    np.testing.assert_allclose(actual, expected, rtol=tol, atol=tol, err_msg=what)
+def _passes(exp, step, actual, what, result_dtype=None):
+    """``compare.compare_step`` with a failure message that names the case and the place."""
+    result = compare.compare_step(exp, step, actual, result_dtype)
+    assert result.passed, (
+        f"{step}: |diff| {result.ratio:.3g} × tolerance at {result.index} (got {result.actual}, "
+        f"expected {result.expected}, bound {result.bound}) {result.note} [{what}]"
+    )
 
 
 # ------------------------------------------------------------------------------ mask builders
@@ -160,14 +157,14 @@ def test_apply_dropout_from_rng(backend):
 
 def test_renormalized_causal_weights_equals_masking(backend, rng):
     scores = rng.standard_normal((2, 5, 7))
-    weights = _call(backend, "attention_weights", scores)
+    weights = reference.attention(scores, np.eye(7), np.eye(7), scale=1.0).weights  # softmax
     for alignment in ("top_left", "bottom_right"):
         got = _call(backend, "renormalized_causal_weights", weights, causal_alignment=alignment)
-        masked = _call(
-            backend, "mask_scores", scores, is_causal=True, causal_alignment=alignment
-        )
-        expected = _call(backend, "attention_weights", masked)
-        np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-15)
+        # the reference's causal softmax of the same scores (identity keys: q @ kᵀ = scores)
+        expected_weights = reference.attention(
+            scores, np.eye(7), np.eye(7), scale=1.0, is_causal=True, causal_alignment=alignment
+        ).weights
+        np.testing.assert_allclose(got, expected_weights, rtol=1e-12, atol=1e-15)
     # 3 queries over 1 key, bottom-right (offset -2): rows 0 and 1 keep nothing → 0, not 0/0
     got = _call(
         backend, "renormalized_causal_weights", np.ones((3, 1)), causal_alignment="bottom_right"
@@ -177,131 +174,47 @@ def test_renormalized_causal_weights_equals_masking(backend, rng):
 
 # ------------------------------------------------------------------------------ full pipeline
 
-B, H, TQ, TK, D = 2, 4, 5, 7, 8
-
-
-def _case(name, rng):
-    """Named inputs for scaled_dot_product_attention: (q, k, v, kwargs)."""
-    q = rng.standard_normal((B, H, TQ, D))
-    k = rng.standard_normal((B, H, TK, D))
-    v = rng.standard_normal((B, H, TK, D))
-    kw: dict = {}
-    if name == "self":
-        k = rng.standard_normal((B, H, TQ, D))
-        v = rng.standard_normal((B, H, TQ, D))
-    elif name == "cross":
-        pass
-    elif name == "causal_top_left":
-        kw = {"is_causal": True}
-    elif name == "causal_bottom_right":
-        kw = {"is_causal": True, "causal_alignment": "bottom_right"}
-    elif name == "causal_bottom_right_q_longer":  # q_len > kv_len: first rows are empty
-        q, k, v = k, q, rng.standard_normal((B, H, TQ, D))
-        kw = {"is_causal": True, "causal_alignment": "bottom_right"}
-    elif name == "causal_top_left_q_longer":
-        q, k, v = k, q, rng.standard_normal((B, H, TQ, D))
-        kw = {"is_causal": True}
-    elif name == "window":
-        kw = {"window": (2, 1)}
-    elif name == "window_causal":
-        kw = {"window": (3, None), "is_causal": True, "causal_alignment": "bottom_right"}
-    elif name == "mask":
-        kw = {"mask": rng.random((B, 1, TQ, TK)) < 0.7}
-    elif name == "padding":
-        lengths = np.array([3, 7])
-        kw = {"mask": (np.arange(TK) < lengths[:, None])[:, None, None, :]}
-    elif name == "bias":
-        kw = {"bias": rng.standard_normal((1, H, TQ, TK))}
-    elif name == "mask_and_bias":
-        kw = {"bias": rng.standard_normal((TQ, TK)), "mask": rng.random((TQ, TK)) < 0.6,
-              "is_causal": True}
-    elif name == "softcap":
-        q = q * 5
-        kw = {"softcap": 2.5}
-    elif name == "gqa":
-        k, v = k[:, :2], v[:, :2]
-    elif name == "mqa":
-        k, v = k[:, :1], v[:, :1]
-    elif name == "v_dim":
-        v = rng.standard_normal((B, H, TK, 3))
-    elif name == "scale":
-        kw = {"scale": 0.3}
-    elif name == "dropout_mask":
-        kw = {"dropout_p": 0.3, "dropout_mask": rng.random((B, H, TQ, TK)) >= 0.3}
-    elif name == "fully_masked_rows":
-        mask = rng.random((B, H, TQ, TK)) < 0.6
-        mask[0, 1, 2] = False
-        mask[1, :, 0] = False
-        mask[1, 3] = False  # a fully masked head
-        kw = {"mask": mask}
-    elif name == "huge_logits":
-        q = q * 1e2
-        k = k * 1e2
-        kw = {"scale": 1.0}
-    elif name == "two_d":
-        q, k, v = q[0, 0], k[0, 0], v[0, 0]
-    elif name == "three_d":
-        q, k, v = q[0], k[0, :2], v[0, :2]
-        kw = {"is_causal": True}
-    else:  # pragma: no cover
-        raise KeyError(name)
-    return q, k, v, kw
-
-
-CASES = (
-    "self", "cross", "causal_top_left", "causal_bottom_right", "causal_bottom_right_q_longer",
-    "causal_top_left_q_longer", "window", "window_causal", "mask", "padding", "bias",
-    "mask_and_bias", "softcap", "gqa", "mqa", "v_dim", "scale", "dropout_mask",
-    "fully_masked_rows", "huge_logits", "two_d", "three_d",
-)
-
-
-def _cast(x, dtype):
-    floating = isinstance(x, np.ndarray) and x.dtype.kind == "f"
-    return x.astype(backends.numpy_dtype(dtype)) if floating else x
-
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", SDPA_CASES, ids=lambda c: c.name)
 def test_sdpa_matches_float64_reference(backend, case, dtype):
-    rng = np.random.default_rng(sum(map(ord, case)))
-    q, k, v, kw = _case(case, rng)
-    q, k, v = (_cast(x, dtype) for x in (q, k, v))
-    if "bias" in kw:
-        kw["bias"] = _cast(kw["bias"], dtype)
-    # the reference sees exactly the bits the backend sees, upcast to float64
-    ref = reference.attention(q, k, v, **kw)
+    data = cases.prepare_inputs(case, dtype)  # the reference sees exactly the backend's bits
+    exp = expected.expected_for(data, "sdpa", dtype, case.name, gradients=False)
+    arrays, options = cases.sdpa_arrays(data.arrays), cases.sdpa_options(data.options)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)
+        if data.finite:  # finite inputs compute without a floating-point warning
+            warnings.simplefilter("error", RuntimeWarning)
+        else:  # NaN and inf - inf: IEEE arithmetic, as the spec says
+            warnings.simplefilter("ignore", RuntimeWarning)
         out, weights = _call(
-            backend, "scaled_dot_product_attention", q, k, v, return_weights=True, **kw
+            backend, "scaled_dot_product_attention", **arrays, return_weights=True, **options
         )
-    assert out.dtype == backends.numpy_dtype(dtype), f"output dtype {out.dtype} for {dtype} input"
-    assert weights.dtype == backends.numpy_dtype(dtype)
-    _close(out, ref.output, dtype, f"{backend.name} output, case={case}, dtype={dtype}")
-    _close(weights, ref.weights, dtype, f"{backend.name} weights, case={case}, dtype={dtype}")
-    if case == "fully_masked_rows":
-        empty = ~np.asarray(kw["mask"]).any(-1)
-        assert (out[empty] == 0).all() and (weights[empty] == 0).all()
+        fast = _call(backend, "scaled_dot_product_attention", **arrays, **options)
+    what = f"{backend.name}, case={case.name}, dtype={dtype}"
+    _passes(exp, "output", out, f"{what}, return_weights=True", result_dtype="input")
+    _passes(exp, "output_weights", weights, what, result_dtype="input")
+    _passes(exp, "output", fast, f"{what}, default path (fast where selected)", "input")
 
 
-@pytest.mark.parametrize("case", ("causal_bottom_right", "mask_and_bias", "softcap", "gqa"))
-def test_steps_match_reference(backend, case):
-    rng = np.random.default_rng(sum(map(ord, case)))
-    q, k, v, kw = _case(case, rng)
-    ref = reference.attention(q, k, v, **kw)
-    scores = _call(backend, "attention_scores", q, k, softcap=kw.get("softcap"))
-    _close(scores, ref.scores, "float64", f"{backend.name} scores, case={case}")
-    structure = {n: kw[n] for n in ("mask", "bias", "is_causal", "causal_alignment", "window")
-                 if n in kw}
+@pytest.mark.parametrize(
+    "name", ["causal_bottom_right", "mask_and_bias", "softcap", "gqa", "nan_key_masked"]
+)
+def test_steps_match_reference(backend, name):
+    data = cases.prepare_inputs(cases.get(name), "float64")
+    exp = expected.expected_for(data, "sdpa", "float64", name, gradients=False)
+    arrays, options = cases.sdpa_arrays(data.arrays), cases.sdpa_options(data.options)
+    what = f"{backend.name}, case={name}"
+    scores = _call(backend, "attention_scores", arrays["query"], arrays["key"],
+                   scale=options.get("scale"), softcap=options.get("softcap"))
+    _passes(exp, "scores", scores, what, result_dtype="compute")
+    structure = {n: v for n, v in {**arrays, **options}.items()
+                 if n in ("mask", "bias", "is_causal", "causal_alignment", "window")}
     masked = _call(backend, "mask_scores", scores, **structure)
-    finite = np.isfinite(ref.masked_scores)
-    np.testing.assert_array_equal(np.isfinite(masked), finite)
-    _close(masked[finite], ref.masked_scores[finite], "float64", f"masked scores, case={case}")
+    _passes(exp, "masked_scores", masked, what, result_dtype="compute")  # -inf exactly
     weights = _call(backend, "attention_weights", masked)
-    _close(weights, ref.weights, "float64", f"{backend.name} weights, case={case}")
-    out = _call(backend, "attention_output", weights, v)
-    _close(out, ref.output, "float64", f"{backend.name} output, case={case}")
+    _passes(exp, "weights", weights, what, result_dtype="compute")
+    out = _call(backend, "attention_output", weights, arrays["value"])
+    _passes(exp, "output", out, what, result_dtype="compute")
 
 
 def test_empty_sequences(backend):
@@ -332,3 +245,71 @@ def test_half_steps_compute_in_float32(backend, rng):
     scores = _call(backend, "attention_scores", q, q)
     assert scores.dtype == np.float32
     assert _call(backend, "attention_weights", scores).dtype == np.float32
+
+
+# ------------------------------------------------------------------------------ edge rules
+
+
+def test_head_dim_zero_gives_the_mean_of_value_over_allowed_keys(backend):
+    """``spec.EMPTY_HEAD_DIM``: every score 0, default scale 1.0: uniform weights."""
+    q, k = np.zeros((2, 3, 0), np.float32), np.zeros((2, 4, 0), np.float32)
+    v = np.arange(16, dtype=np.float32).reshape(2, 4, 2)
+    mask = np.array([[1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]], bool)  # row 2 fully masked
+    mean = v.mean(axis=-2, keepdims=True)  # (2, 1, 2)
+    got = _call(backend, "scaled_dot_product_attention", q, k, v)
+    np.testing.assert_allclose(got, np.broadcast_to(mean, (2, 3, 2)), rtol=1e-6)
+    got = _call(backend, "scaled_dot_product_attention", q, k, v, mask=mask)
+    np.testing.assert_allclose(got[:, 0], v[:, :2].mean(axis=-2), rtol=1e-6)
+    np.testing.assert_allclose(got[:, 1], v[:, 0], rtol=1e-6)
+    assert (got[:, 2] == 0).all()
+    causal = _call(backend, "scaled_dot_product_attention", q, k, v, is_causal=True, softcap=2.0)
+    expected_rows = [v[:, : i + 1].mean(axis=-2) for i in range(3)]  # row i: keys 0..i
+    np.testing.assert_allclose(causal, np.stack(expected_rows, axis=-2), rtol=1e-6)
+    scores = _call(backend, "attention_scores", q, k)  # scale 1.0, not 0 ** -0.5
+    assert scores.shape == (2, 3, 4) and (scores == 0).all()
+    blockwise = _call(backend, "blockwise_attention", q, k, v, is_causal=True, block_q=2,
+                      block_kv=3)
+    np.testing.assert_allclose(blockwise, np.stack(expected_rows, axis=-2), rtol=1e-6)
+    grads = _call(backend, "scaled_dot_product_attention_vjp", q, k, v, np.ones_like(got))
+    assert grads[0].shape == q.shape and grads[1].shape == k.shape
+    np.testing.assert_allclose(grads[2], np.full(v.shape, 3 / 4), rtol=1e-6)  # d mean / d v
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN and inf - inf: IEEE arithmetic
+def test_non_finite_inputs_follow_the_ieee_rule(backend):
+    """``spec.NON_FINITE`` with hand-made expectations: which rows become NaN."""
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((2, 4, 3)).astype(np.float32)
+    k = rng.standard_normal((2, 5, 3)).astype(np.float32)
+    v = rng.standard_normal((2, 5, 2)).astype(np.float32)
+    sdpa = "scaled_dot_product_attention"
+    # NaN in query row 1 of sequence 0: that row only
+    q_nan = q.copy()
+    q_nan[0, 1, 2] = np.nan
+    out = _call(backend, sdpa, q_nan, k, v)
+    rows = np.isnan(out).any(-1)
+    np.testing.assert_array_equal(rows, [[0, 1, 0, 0], [0, 0, 0, 0]])
+    # NaN in key 3: causal rows 0-2 do not attend it (masked: replaced by -inf), row 3 does
+    k_nan = k.copy()
+    k_nan[1, 3, 0] = np.nan
+    out = _call(backend, sdpa, q, k_nan, v, is_causal=True)
+    np.testing.assert_array_equal(np.isnan(out).any(-1), [[0, 0, 0, 0], [0, 0, 0, 1]])
+    mask = np.ones((4, 5), bool)
+    mask[:, 3] = False  # nobody attends key 3: nothing is NaN
+    assert not np.isnan(_call(backend, sdpa, q, k_nan, v, mask=mask)).any()
+    # +inf in key 0 against positive query features: score +inf, every row attending it NaN
+    q_pos, k_inf = np.abs(q) + 0.5, k.copy()
+    k_inf[0, 0, :] = np.inf
+    out = _call(backend, sdpa, q_pos, k_inf, v, window=(0, 0))  # row i attends key i only
+    np.testing.assert_array_equal(np.isnan(out).any(-1), [[1, 0, 0, 0], [0, 0, 0, 0]])
+    # -inf in key 4 against positive query features: score -inf, weight 0 (as if masked)
+    k_minf = k.copy()
+    k_minf[0, 4, :] = -np.inf
+    out = _call(backend, sdpa, q_pos, k_minf, v)
+    masked = _call(backend, sdpa, q_pos, k, v, mask=np.array([1, 1, 1, 1, 0], bool))
+    np.testing.assert_allclose(out[0], masked[0], rtol=1e-6)
+    # NaN in value row 2: every row with a non-zero weight on key 2
+    v_nan = v.copy()
+    v_nan[1, 2, 1] = np.nan
+    out = _call(backend, sdpa, q, k, v_nan, is_causal=True)
+    assert np.isnan(out[1, 2:, 1]).all() and not np.isnan(out[0]).any()

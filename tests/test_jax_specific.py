@@ -26,13 +26,14 @@ import jax.numpy as jnp  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+import attention_rules  # noqa: E402
 import jax_attn as ja  # noqa: E402
 import numpy_attn as na  # noqa: E402
-from conformance import reference, seed_example, spec  # noqa: E402
-from jax_attn import functional as jf  # noqa: E402
+from conformance import compare, expected, reference, seed_example, spec  # noqa: E402
+from conformance.cases import CaseData  # noqa: E402
+from jax_attn import _fast  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-TOL = {"float64": 1e-10, "float32": 2e-5, "bfloat16": 2e-2, "float16": 3e-3}
 HALF = ("bfloat16", "float16")
 
 # One set of shapes for most tests: batch 2, 4 query heads over 2 kv heads (GQA), 5 queries,
@@ -80,6 +81,18 @@ def _f64(x):
 def _jitted(static_items):
     """One jitted SDPA per set of static options (cached: compiled once per shape)."""
     return jax.jit(functools.partial(ja.scaled_dot_product_attention, **dict(static_items)))
+
+
+def _assert_matches_reference(actual, step, dtype, arrays, **options):
+    """The harness's one tolerance rule (``conformance.compare``: ``spec.TOLERANCES`` scaled by
+    a naive implementation's error in ``dtype``) against the float64 reference."""
+    data = CaseData({n: np.asarray(a) for n, a in arrays.items()}, options)
+    exp = expected.expected_for(data, "sdpa", dtype, gradients=False)
+    result = compare.compare_step(exp, step, np.asarray(actual), "input")
+    assert result.passed, (
+        f"{step}: |diff| {result.ratio:.3g} × tolerance at {result.index} {result.note} "
+        f"[dtype={dtype}, options={options}]"
+    )
 
 
 def _assert_no_nan(*arrays):
@@ -274,9 +287,9 @@ def test_dtypes_under_jit(dtype):
         *arrays, mask=MASK, bias=bias
     )
     assert out.dtype == jnp.dtype(dtype) and weights.dtype == jnp.dtype(dtype)
-    expected = _ref(*arrays, mask=MASK, bias=bias, is_causal=True)
-    np.testing.assert_allclose(_f64(out), expected.output, rtol=TOL[dtype], atol=TOL[dtype])
-    np.testing.assert_allclose(_f64(weights), expected.weights, rtol=TOL[dtype], atol=TOL[dtype])
+    inputs = {"query": arrays[0], "key": arrays[1], "value": arrays[2], "mask": MASK, "bias": bias}
+    _assert_matches_reference(out, "output", dtype, inputs, is_causal=True)
+    _assert_matches_reference(weights, "output_weights", dtype, inputs, is_causal=True)
     assert np.all(_f64(out)[0, :, 2] == 0.0)
     scores = jax.jit(ja.attention_scores)(arrays[0], arrays[1])
     assert scores.dtype == jnp.dtype("float32" if dtype in HALF else dtype)
@@ -358,37 +371,51 @@ FAST_CASES = [
 ]
 
 
-def _fast_options(options):
-    full = {"has_mask": False, "has_bias": False, "is_causal": False, "window": None,
-            "softcap": None, "dropout_p": 0.0, "return_weights": False}
-    return {**full, **options}
+def _selected(dtype, q_shape, k_shape, v_shape, options, **backend):
+    """What ``_fast.use_fast_path`` selects: shapes and options only (``ShapeDtypeStruct``)."""
+    options = dict(options)
+    has_mask, has_bias = options.pop("has_mask", False), options.pop("has_bias", False)
+    dropout_p = options.get("dropout_p", 0.0)
+    args = attention_rules.attention_arguments(
+        "test", (q_shape, dtype), (k_shape, dtype), (v_shape, dtype),
+        dropout_mask=((), "bool") if dropout_p > 0 else None, **options,
+    )
+    arrays = [jax.ShapeDtypeStruct(s, jnp.dtype(dtype)) for s in (q_shape, k_shape, v_shape)]
+    mask = jnp.ones((), bool) if has_mask else None
+    bias = jnp.zeros((), dtype) if has_bias else None
+    return _fast.use_fast_path(*arrays, mask, bias, args, **backend)
 
 
 @pytest.mark.parametrize("case", FAST_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[4]}-{c[5]}")
 def test_fast_path_selection(case):
     dtype, q_shape, k_shape, v_shape, options, backend, expected = case
-    got = jf._use_fast_path(
-        dtype, q_shape, k_shape, v_shape, backend=backend, **_fast_options(options)
-    )
-    assert got is expected
-    assert jf._use_fast_path(dtype, q_shape, k_shape, v_shape, **_fast_options(options)) is (
-        expected and jax.default_backend() in jf._FAST_PATH_BACKENDS
-    )
+    got = _selected(dtype, q_shape, k_shape, v_shape, options, backend=backend)
+    assert (got == "cudnn") is expected
+    here = _selected(dtype, q_shape, k_shape, v_shape, options)
+    assert (here == "cudnn") is (expected and jax.default_backend() in _fast.CUDNN_PLATFORMS)
+
+
+def test_fast_path_numbers_are_the_rules():
+    numbers = attention_rules.FAST_PATHS["jax_attn"]
+    assert _fast.CUDNN_PLATFORMS == numbers["cudnn"]["platforms"]
+    assert _fast.CUDNN_DTYPES == numbers["cudnn"]["dtypes"]
+    assert _fast.BLOCKED_PLATFORMS == numbers["blocked"]["platforms"]
+    assert _fast.SEGMENTS == numbers["blocked"]["segments"]
 
 
 @pytest.fixture
 def forced_fast_path(monkeypatch):
     """Select the fast path on this backend, with jax.nn's XLA implementation; record calls."""
     calls = []
-    real = jf._fast_attention
+    real = _fast._cudnn_attention
 
     def spy(*args):
         calls.append(args[3:])
         return real(*args)
 
-    monkeypatch.setattr(jf, "_FAST_PATH_BACKENDS", (jax.default_backend(),))
-    monkeypatch.setattr(jf, "_FAST_PATH_IMPLEMENTATION", "xla")
-    monkeypatch.setattr(jf, "_fast_attention", spy)
+    monkeypatch.setattr(_fast, "CUDNN_PLATFORMS", (jax.default_backend(),))
+    monkeypatch.setattr(_fast, "CUDNN_IMPLEMENTATION", "xla")
+    monkeypatch.setattr(_fast, "_cudnn_attention", spy)
     return calls
 
 
@@ -400,12 +427,13 @@ def test_forced_fast_path_matches_reference_where_selected(case, forced_fast_pat
     out = ja.scaled_dot_product_attention(q, k, v, **options)
     assert len(forced_fast_path) == 1, "the fast path was not taken"
     assert out.dtype == jnp.dtype(dtype) and out.shape == q_shape[:-1] + v_shape[-1:]
-    expected = _ref(q, k, v, **options).output
-    np.testing.assert_allclose(_f64(out), expected, rtol=TOL[dtype], atol=TOL[dtype])
-    # the weights (not available from jax.nn) force the explicit path, with the same output
+    _assert_matches_reference(out, "output", dtype, {"query": q, "key": k, "value": v},
+                              **options)
+    # the weights (not available from jax.nn) force the explicit path, within the same rule
     explicit, _ = ja.scaled_dot_product_attention(q, k, v, return_weights=True, **options)
     assert len(forced_fast_path) == 1
-    np.testing.assert_allclose(_f64(out), _f64(explicit), rtol=TOL[dtype], atol=TOL[dtype])
+    _assert_matches_reference(explicit, "output", dtype, {"query": q, "key": k, "value": v},
+                              **options)
 
 
 def test_forced_fast_path_is_skipped_where_a_row_may_be_empty(forced_fast_path):

@@ -1,11 +1,13 @@
 """The blocked paths for large inputs equal the explicit step-by-step path.
 
 numpy_attn (threads over query blocks) and jax_attn (``lax.map`` over query blocks) select a
-blocked computation for large inputs (``_use_blocked_path``). These tests shrink the block size
-and the size threshold so small inputs exercise several blocks, causal/window segments and
-skipped blocks, then compare the blocked output with the explicit path (``return_weights=True``
-always takes it) and with the float64 ``conformance.reference``, for every feature the blocked
-paths handle. They also check which inputs stay on the explicit path.
+blocked computation for large inputs (``_fast.use_fast_path`` returns ``"blocked"``). These
+tests shrink the block size and the size threshold so small inputs exercise several blocks,
+causal/window segments and skipped blocks, then compare the blocked output with the explicit
+path (``return_weights=True`` always takes it) and with the float64 ``conformance.reference``,
+for every feature the blocked paths handle, NaN and infinities included. They also check which
+inputs stay on the explicit path, and that the selection rule's numbers are
+``attention_rules.FAST_PATHS``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import threading
 import numpy as np
 import pytest
 
-from conformance import reference
+import attention_rules
+from conformance import compare, expected, reference
+from conformance.cases import CaseData
 
 BACKENDS = ("numpy", "jax")
 
@@ -74,19 +78,18 @@ def jax_small_blocks(monkeypatch):
 
 def _small_blocks(name, monkeypatch):
     module = _module(name)
-    functional = module.functional
-    monkeypatch.setattr(functional, "_BLOCK_Q", 8)
-    monkeypatch.setattr(functional, "_BLOCKED_MIN_SCORES", 0)
-    if hasattr(functional, "_BLOCKED_MIN_Q_LEN"):
-        monkeypatch.setattr(functional, "_BLOCKED_MIN_Q_LEN", 1)
+    fast = module._fast
+    monkeypatch.setattr(fast, "BLOCK_Q", 8)
+    monkeypatch.setattr(fast, "MIN_SCORES", 0)
+    monkeypatch.setattr(fast, "MIN_Q_LEN", 8)
     calls = []
-    blocked = functional._blocked_attention
+    real = fast.fast_attention
 
-    def spy(*args, **kwargs):
-        calls.append(1)
-        return blocked(*args, **kwargs)
+    def spy(path, *args, **kwargs):
+        calls.append(path)
+        return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(functional, "_blocked_attention", spy)
+    monkeypatch.setattr(fast, "fast_attention", spy)
     module.blocked_calls = calls
     return module
 
@@ -182,6 +185,64 @@ def test_blocked_bias_with_minus_inf_and_softcap(small_blocks):
     assert np.all(out[1, 0, 5] == 0.0)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # NaN and inf - inf: IEEE
+def test_blocked_paths_follow_the_ieee_rule_for_nan_and_inf(small_blocks):
+    """``spec.NON_FINITE`` on the blocked path, which must give the explicit path's NaN rows."""
+    q, k, v = _inputs("4d")  # (2, 2, 40, 8): q_len = kv_len = 40, blocks of 8 queries
+
+    def both(q, k, v, **options):
+        small_blocks.blocked_calls.clear()
+        fast = np.asarray(small_blocks.scaled_dot_product_attention(q, k, v, **options))
+        plain, _ = small_blocks.scaled_dot_product_attention(q, k, v, return_weights=True,
+                                                             **options)
+        assert small_blocks.blocked_calls == ["blocked"]
+        return fast, np.asarray(plain)
+
+    # a NaN in query row 5 of (batch 0, head 1): that output row only
+    q_nan = q.copy()
+    q_nan[0, 1, 5, 3] = np.nan
+    fast, plain = both(q_nan, k, v, is_causal=True)
+    expected = np.zeros(fast.shape[:-1], dtype=bool)
+    expected[0, 1, 5] = True
+    for out in (fast, plain):
+        np.testing.assert_array_equal(np.isnan(out).any(-1), expected)
+        np.testing.assert_array_equal(np.isnan(out).all(-1), expected)
+    np.testing.assert_allclose(fast, plain, rtol=2e-5, atol=2e-6)  # NaN where NaN
+
+    # NaN or +inf in key 20 of (batch 1, kv head 0): rows 0-19 do not attend it (causal)
+    for bad in (np.nan, np.inf):
+        k_bad = k.copy()
+        k_bad[1, 0, 20, :] = bad
+        fast, plain = both(q, k_bad, v, is_causal=True)
+        for out in (fast, plain):
+            assert not np.isnan(out[1, 0, :20]).any(), bad  # masked there: -inf replaces it
+            assert np.isnan(out[1, 0, 20:]).all(), bad  # attended: NaN rows
+            assert not np.isnan(out[0]).any() and not np.isnan(out[1, 1]).any()
+        np.testing.assert_allclose(fast, plain, rtol=2e-5, atol=2e-6)
+        mask = np.ones(_target(q, k), dtype=bool)
+        mask[..., 20] = False  # masked for every query: nothing spreads
+        fast, plain = both(q, k_bad, v, mask=mask)
+        assert not np.isnan(fast).any() and not np.isnan(plain).any()
+        np.testing.assert_allclose(fast, plain, rtol=2e-5, atol=2e-6)
+
+    # -inf in query row 7 against positive key features: every score -inf, a fully masked row
+    k_pos, q_minf = k.copy(), q.copy()
+    k_pos[..., 0] = np.abs(k_pos[..., 0]) + 0.1
+    q_minf[0, 0, 7, 0] = -np.inf
+    fast, plain = both(q_minf, k_pos, v, is_causal=True)
+    assert (fast[0, 0, 7] == 0).all() and (plain[0, 0, 7] == 0).all()
+    np.testing.assert_allclose(fast, plain, rtol=2e-5, atol=2e-6)
+
+    # a NaN in value row 20: every row with a non-zero weight on key 20 is NaN (rows with
+    # weight 0 on it are unspecified: the matmul gives 0 · NaN, a skipped block never reads it)
+    v_nan = v.copy()
+    v_nan[1, 0, 20, 2] = np.nan
+    fast, plain = both(q, k, v_nan, is_causal=True)
+    for out in (fast, plain):
+        assert np.isnan(out[1, 0, 20:, 2]).all()
+        assert not np.isnan(out[0]).any()
+
+
 @pytest.mark.parametrize("dtype", ["float64", "float16", "bfloat16"])
 def test_blocked_dtypes(small_blocks, dtype):
     if small_blocks.__name__ == "jax_attn" and dtype == "float64":
@@ -192,19 +253,22 @@ def test_blocked_dtypes(small_blocks, dtype):
 
     np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
     q, k, v = _inputs("gqa_q_longer", dtype=np_dtype)
-    tol = {"float64": (1e-12, 1e-12), "float16": (2e-3, 2e-3), "bfloat16": (2e-2, 2e-2)}[dtype]
     small_blocks.blocked_calls.clear()
     fast = small_blocks.scaled_dot_product_attention(q, k, v, is_causal=True)
     plain, _ = small_blocks.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                          return_weights=True)
     assert small_blocks.blocked_calls
     assert np.asarray(fast).dtype == np_dtype
-    np.testing.assert_allclose(np.asarray(fast, dtype=np.float64),
-                               np.asarray(plain, dtype=np.float64), rtol=tol[0], atol=tol[1])
+    # both within the harness's one tolerance rule (spec.TOLERANCES) of the float64 reference
+    data = CaseData({"query": q, "key": k, "value": v}, {"is_causal": True})
+    exp = expected.expected_for(data, "sdpa", dtype, gradients=False)
+    for name, out in (("blocked", fast), ("explicit", plain)):
+        result = compare.compare_step(exp, "output", np.asarray(out), "input")
+        assert result.passed, f"{name}: {result.ratio:.3g} × tolerance at {result.index}"
 
 
 def test_small_inputs_dropout_and_weights_take_the_explicit_path(small_blocks, monkeypatch):
-    functional = small_blocks.functional
+    fast = small_blocks._fast
     q, k, v = _inputs("4d")
 
     def calls(**options):
@@ -221,28 +285,54 @@ def test_small_inputs_dropout_and_weights_take_the_explicit_path(small_blocks, m
     else:
         assert calls(dropout_p=0.5, rng=np.random.default_rng(0)) == 0
     assert calls(dropout_p=0.5, dropout_mask=np.ones(_target(q, k), dtype=bool)) == 0
-    monkeypatch.setattr(functional, "_BLOCKED_MIN_SCORES", q.size // q.shape[-1] * k.shape[-2] + 1)
+    monkeypatch.setattr(fast, "MIN_SCORES", q.size // q.shape[-1] * k.shape[-2] + 1)
     assert calls() == 0  # below the size threshold
-    monkeypatch.setattr(functional, "_BLOCKED_MIN_SCORES", 0)
+    monkeypatch.setattr(fast, "MIN_SCORES", 0)
     empty = np.zeros((2, 2, 0, 8), dtype=np.float32)
     small_blocks.blocked_calls.clear()
     out = small_blocks.scaled_dot_product_attention(empty, k, v)
     assert np.asarray(out).shape == (2, 2, 0, 8) and not small_blocks.blocked_calls
 
 
+def _selected(name, q_shape, k_shape, v_shape, dropout_p=0.0, return_weights=False, **extra):
+    """What ``_fast.use_fast_path`` selects for these shapes (float32, no mask or bias)."""
+    args = attention_rules.attention_arguments(
+        "test", (q_shape, "float32"), (k_shape, "float32"), (v_shape, "float32"),
+        dropout_p=dropout_p, return_weights=return_weights,
+        dropout_mask=None if dropout_p == 0 else ((), "bool"),
+    )
+    if name == "jax":
+        import jax
+
+        arrays = [jax.ShapeDtypeStruct(s, np.float32) for s in (q_shape, k_shape, v_shape)]
+    else:  # views of one zero: no memory
+        arrays = [np.broadcast_to(np.float32(0.0), s) for s in (q_shape, k_shape, v_shape)]
+    return _module(name)._fast.use_fast_path(*arrays, None, None, args, **extra)
+
+
 @pytest.mark.parametrize("name", BACKENDS)
 def test_default_rule(name):
-    functional = _module(name).functional
-    use = functional._use_blocked_path
     extra = {"backend": "cpu"} if name == "jax" else {}
     big = (1, 8, 2048, 64)
-    assert use(big, big, big, 0.0, False, **extra)
-    assert not use(big, big, big, 0.0, True, **extra)
-    assert not use(big, big, big, 0.1, False, **extra)
-    assert not use((1, 8, 64, 64), (1, 8, 64, 64), (1, 8, 64, 64), 0.0, False, **extra)
-    assert not use((1, 8, 1, 64), (1, 8, 65536, 64), (1, 8, 65536, 64), 0.0, False, **extra)
+    assert _selected(name, big, big, big, **extra) == "blocked"
+    assert _selected(name, big, big, big, return_weights=True, **extra) is None
+    assert _selected(name, big, big, big, dropout_p=0.1, **extra) is None
+    assert _selected(name, (1, 8, 64, 64), (1, 8, 64, 64), (1, 8, 64, 64), **extra) is None
+    assert _selected(name, (1, 8, 1, 64), (1, 8, 65536, 64), (1, 8, 65536, 64), **extra) is None
+    assert _selected(name, (1, 8, 2048, 0), (1, 8, 2048, 0), big, **extra) is None  # head_dim 0
     if name == "jax":
-        assert not use(big, big, big, 0.0, False, backend="gpu")
+        assert _selected(name, big, big, big, backend="gpu") is None  # float32: not cuDNN
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_rule_numbers_are_the_fast_paths_of_the_rules(name):
+    fast = _module(name)._fast
+    numbers = attention_rules.FAST_PATHS[f"{name}_attn"]["blocked"]
+    assert (fast.BLOCK_Q, fast.MIN_SCORES, fast.MIN_Q_LEN) == (
+        numbers["block_q"], numbers["min_scores"], numbers["min_q_len"]
+    )
+    if name == "jax":
+        assert fast.MIN_Q_LEN >= fast.BLOCK_Q  # lax.map needs at least one whole block
 
 
 def test_numpy_large_default_blocks_match_plain():
@@ -284,13 +374,13 @@ def test_numpy_restores_blas_threads_and_is_thread_safe(numpy_small_blocks):
 
 def test_numpy_without_threadpoolctl_runs_in_the_calling_thread(numpy_small_blocks, monkeypatch):
     small_blocks = numpy_small_blocks
-    functional = small_blocks.functional
+    fast = small_blocks._fast
     monkeypatch.setitem(sys.modules, "threadpoolctl", None)  # import fails
-    monkeypatch.setattr(functional, "_blocked_threads", {"lock": threading.Lock()})
+    monkeypatch.setattr(fast, "_threads", {"lock": threading.Lock()})
     q, k, v = _inputs("gqa_q_longer")
     _compare(small_blocks, q, k, v, is_causal=True)
-    assert functional._blocked_threads["controller"] is None
-    assert "pool" not in functional._blocked_threads
+    assert fast._threads["controller"] is None
+    assert "pool" not in fast._threads
 
 
 def test_import_numpy_attn_imports_no_threadpoolctl_and_starts_no_thread():

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
 import inspect
 from pathlib import Path
 
 import pytest
 
+import attention_rules
 from conformance import spec, specdoc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,13 +71,18 @@ def test_decode_signature(backend, name):
     assert _parameters(impl) == _parameters(spec.DecodingModule.decode)
 
 
-@pytest.mark.parametrize("package", BACKEND_PACKAGES[1:])
-def test_checks_module_is_identical_in_every_backend(package):
-    reference = (ROOT / "numpy_attn" / "_checks.py").read_text()
-    path = ROOT / package / "_checks.py"
-    if not path.exists():
-        pytest.skip(f"{package} has no _checks.py yet")
-    assert path.read_text() == reference, f"{package}/_checks.py differs from numpy_attn's"
+# Rules of the spec that live once, in attention_rules: no backend may define them again.
+RULE_FUNCTIONS = {  # names a backend's own copy would have had (today's or the old ones)
+    "_band", "_plan", "_key_range", "_check_mask_bias", "_check_dropout_mask",
+    "_check_structure", "_check_kv_lengths", "_check_append", "_check_room",
+    "_use_blocked_path", "_blocked_attention_rule",
+}
+RULE_MESSAGES = (  # the words of rule messages: only attention_rules writes them
+    "must be broadcastable", "must have the output's shape", "must be float16, bfloat16",
+    "must share one dtype", "must be a pair (left, right)", "must lie in [0,",
+    "must be ints shaped like the batch axes", "must be a multiple of", "weight names differ",
+    "must be an array (numpy.ndarray", "must be a bool", "dropout needs the forward pass",
+)
 
 
 @pytest.mark.parametrize("package", BACKEND_PACKAGES)
@@ -83,7 +91,73 @@ def test_backends_mirror_file_names(package):
     files = sorted(p.name for p in (ROOT / package).glob("*.py"))
     extras = {"interop.py"} if package == "torch_attn" else set()
     assert sorted(set(files) - extras) == reference
+    for name in ("functional.py", "blockwise.py", "backward.py", "modules.py", "_fast.py"):
+        assert name in files, f"{package} lacks the mirrored {name}"
     assert (ROOT / package / "py.typed").exists()
+
+
+@pytest.mark.parametrize("package", BACKEND_PACKAGES)
+def test_no_backend_defines_its_own_copy_of_a_rule(package):
+    assert not (ROOT / package / "_checks.py").exists(), "the rules live in attention_rules"
+    rules_api = set(attention_rules.__all__)
+    for path in sorted((ROOT / package).glob("*.py")):
+        source = path.read_text(encoding="utf-8")
+        tree = ast.parse(source)
+        defined = {node.name for node in ast.walk(tree)
+                   if isinstance(node, ast.FunctionDef | ast.ClassDef)}
+        copies = defined & (RULE_FUNCTIONS | rules_api | {f"_{n}" for n in rules_api})
+        assert not copies, f"{path.name} defines {sorted(copies)}: use attention_rules"
+        for words in RULE_MESSAGES:
+            assert words not in source, f"{path.name} writes the rule message {words!r}"
+        imports = [node for node in ast.walk(tree) if isinstance(node, ast.Import)]
+        if path.name in ("functional.py", "blockwise.py", "backward.py", "_fast.py"):
+            assert any(a.name == "attention_rules" for node in imports for a in node.names), (
+                f"{path.name} does not use attention_rules"
+            )
+
+
+@pytest.mark.parametrize("pair", ["functional", "blockwise", "backward", "modules", "_fast"])
+def test_mirrored_files_define_the_same_helpers_in_the_same_order(pair):
+    """Same function names in the same order in every backend (library-only extras allowed at
+    their own places): ``diff numpy_attn/X.py jax_attn/X.py`` shows library differences."""
+
+    def names(package):
+        tree = ast.parse((ROOT / package / f"{pair}.py").read_text(encoding="utf-8"))
+        return [node.name for node in tree.body
+                if isinstance(node, ast.FunctionDef | ast.ClassDef)]
+
+    common = set(names("numpy_attn")).intersection(*(names(p) for p in BACKEND_PACKAGES[1:]))
+    orders = {p: [n for n in names(p) if n in common] for p in BACKEND_PACKAGES}
+    assert orders["jax_attn"] == orders["numpy_attn"] == orders["torch_attn"], orders
+    if pair in ("functional", "blockwise", "backward"):  # every helper in every backend
+        numpy_only = set(spec.BACKEND_EXTRAS["numpy_attn"]) | {"projection_grads"}
+        for package in BACKEND_PACKAGES[1:]:
+            missing = set(names("numpy_attn")) - set(names(package)) - numpy_only
+            assert not missing, f"{package}/{pair}.py lacks numpy_attn's {sorted(missing)}"
+    if pair == "_fast":  # the fast paths differ by nature; their entry points do not
+        assert {"use_fast_path", "fast_attention"} <= common
+
+
+def test_module_methods_in_the_same_order():
+    for name in spec.MODULES:
+        orders = []
+        for package in BACKEND_PACKAGES:
+            cls = getattr(importlib.import_module(package), name)
+            methods = [m for m in ("forward", "backward", "decode") if m in vars(cls)]
+            orders.append(methods)
+        assert orders[0] == orders[1] == orders[2], (name, orders)
+
+
+def test_the_spec_and_the_rules_agree():
+    """spec.py restates some of attention_rules' constants in words and dicts: the same."""
+    assert spec.FAST_PATHS is attention_rules.FAST_PATHS  # data of the spec, written once
+    assert tuple(spec.COMPUTE_DTYPE) == attention_rules.SUPPORTED_DTYPES[::-1]
+    for dtype, compute in spec.COMPUTE_DTYPE.items():
+        assert attention_rules.compute_dtype(dtype) == compute
+    assert tuple(spec.CAUSAL_ALIGNMENTS) == attention_rules.CAUSAL_ALIGNMENTS
+    assert spec.DEFAULT_CAUSAL_ALIGNMENT == "top_left"
+    numbers = {key for paths in spec.FAST_PATHS.values() for path in paths.values() for key in path}
+    assert numbers <= set(spec.FAST_PATH_RULES), "a FAST_PATHS key without its meaning"
 
 
 def test_spec_doc_is_generated_from_spec():

@@ -14,10 +14,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+import attention_rules  # noqa: E402
 import numpy_attn  # noqa: E402
 import torch_attn  # noqa: E402
 from conformance import seed_example  # noqa: E402
-from torch_attn import functional  # noqa: E402
+from torch_attn import _fast  # noqa: E402
 
 F64 = torch.float64
 
@@ -129,7 +130,7 @@ GRAD_CASES = {
 @pytest.fixture(params=["fast", "explicit"])
 def path(request, monkeypatch):
     if request.param == "explicit":
-        monkeypatch.setattr(functional, "_use_fast_path", lambda *args: False)
+        monkeypatch.setattr(_fast, "use_fast_path", lambda *args, **kwargs: None)
     return request.param
 
 
@@ -197,6 +198,16 @@ FAST_CASES = [
 ]
 
 
+def _selected(q, k, v, softcap=None, dropout_p=0.0, return_weights=False):
+    """What ``_fast.use_fast_path`` selects for these tensors (no mask, no bias)."""
+    info = [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in (q, k, v)]
+    args = attention_rules.attention_arguments(
+        "test", *info, softcap=softcap, dropout_p=dropout_p, return_weights=return_weights,
+        dropout_mask=None if dropout_p == 0 else ((), "bool"),
+    )
+    return _fast.use_fast_path(q, k, v, None, None, args)
+
+
 def _fast_kwargs(shape_q, shape_kv, kw, dtype):
     kw = dict(kw)
     target = shape_q[:-1] + (shape_kv[-2],)
@@ -214,7 +225,7 @@ def test_fast_path_matches_explicit_path_and_reference(case, dtype):
     shape_q, shape_kv, v_dim, kw = FAST_CASES[case]
     q, k, v = _qkv(shape_q, shape_kv, v_dim, dtype=dtype, seed=case)
     kw = _fast_kwargs(shape_q, shape_kv, kw, dtype)
-    assert functional._use_fast_path(q, k, v, None, 0.0, False)
+    assert _selected(q, k, v) == "sdpa"
     fast = torch_attn.scaled_dot_product_attention(q, k, v, **kw)
     explicit, _ = torch_attn.scaled_dot_product_attention(q, k, v, return_weights=True, **kw)
     ref = _numpy_ref(q, k, v, **kw)
@@ -226,13 +237,21 @@ def test_fast_path_matches_explicit_path_and_reference(case, dtype):
 
 def test_fast_path_selection_rules():
     q, k, v = _qkv((2, 3, 4), (2, 5, 4), dtype=torch.bfloat16)
-    use = functional._use_fast_path
-    assert use(q, k, v, None, 0.0, False)  # half dtypes, as float32 copies
-    assert not use(q, k, v, None, 0.0, True)  # return_weights
-    assert not use(q, k, v, None, 0.1, False)  # dropout: our rng, not SDPA's
-    assert not use(q, k, v, 2.0, 0.0, False)  # softcap
+    assert _selected(q, k, v) == "sdpa"  # half dtypes, as float32 copies
+    assert _selected(q, k, v, return_weights=True) is None  # SDPA returns no weights
+    assert _selected(q, k, v, dropout_p=0.1) is None  # dropout: our rng, not SDPA's
+    assert _selected(q, k, v, softcap=2.0) is None  # softcap
     empty_kv = k[..., :0, :]
-    assert not use(q, empty_kv, v[..., :0, :], None, 0.0, False)  # kv_len == 0
+    assert _selected(q, empty_kv, v[..., :0, :]) is None  # kv_len == 0
+    assert _selected(q[..., :0], k[..., :0], v) is None  # head_dim == 0
+    for bad in (float("nan"), float("inf"), float("-inf")):  # non-finite query or key
+        q_bad, k_bad = q.clone(), k.clone()
+        q_bad[0, 1, 2] = bad
+        k_bad[1, 4, 0] = bad
+        assert _selected(q_bad, k, v) is None and _selected(q, k_bad, v) is None
+    v_nan = v.clone()
+    v_nan[0, 0, 0] = float("nan")
+    assert _selected(q, k, v_nan) == "sdpa"  # SDPA gives NaN wherever the weight is non-zero
 
 
 def test_fast_path_calls_sdpa_with_one_mask_and_is_causal_only_when_square(monkeypatch):
@@ -243,7 +262,7 @@ def test_fast_path_calls_sdpa_with_one_mask_and_is_causal_only_when_square(monke
         calls.append(kwargs)
         return sdpa(*args, **kwargs)
 
-    monkeypatch.setattr(functional.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(_fast.F, "scaled_dot_product_attention", spy)
     q, k, v = _qkv((1, 4, 3, 8), (1, 2, 5, 8))
     torch_attn.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert calls[-1]["is_causal"] is False and calls[-1]["attn_mask"].dtype == torch.bool
@@ -283,7 +302,7 @@ def test_sdpa_is_causal_is_top_left():
 
 def test_non_cpu_route_zeroes_rows_itself(monkeypatch):
     """The route taken off the CPU (rows given every key, output zeroed), exercised here."""
-    monkeypatch.setattr(functional, "_CPU_SDPA_ZEROES_MASKED_ROWS", False)
+    monkeypatch.setattr(_fast, "CPU_SDPA_ZEROES_MASKED_ROWS", False)
     q, k, v = _qkv((2, 4, 6, 8), (2, 2, 9, 8), grad=True)
     mask = torch_attn.padding_mask(torch.tensor([0, 7]), 9)
     bias = torch.randn(2, 4, 6, 9, dtype=F64)
@@ -293,6 +312,52 @@ def test_non_cpu_route_zeroes_rows_itself(monkeypatch):
         q.grad = None
         out.sum().backward()
         assert torch.equal(q.grad[0], torch.zeros_like(q.grad[0]))
+
+
+def test_sdpa_spreads_masked_nan_keys_so_non_finite_inputs_take_the_steps():
+    """What SDPA does with NaN and infinities (torch 2.13, CPU), and why ``use_fast_path``
+    checks ``isfinite``: the spec's rule (``spec.NON_FINITE``) needs the explicit steps."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    q, k, v = _qkv((1, 1, 3, 4), (1, 1, 4, 4), v_dim=2, dtype=torch.float32, seed=3)
+    causal = torch.ones(3, 4, dtype=torch.bool).tril()  # rows 0 and 1 do not attend key 2
+    k_nan = k.clone()
+    k_nan[0, 0, 2, 0] = float("nan")
+    assert sdpa(q, k_nan, v, attn_mask=causal).isnan().all()  # SDPA: every row NaN
+    ours = torch_attn.scaled_dot_product_attention(q, k_nan, v, mask=causal)
+    assert not ours[0, 0, :2].isnan().any() and ours[0, 0, 2].isnan().all()  # the spec
+    # -inf in query row 1: scores -inf at the allowed keys 0-1, +inf at the masked keys 2-3;
+    # SDPA adds the mask (+inf - inf = NaN), the spec masks: a fully masked row, exactly 0
+    k_signs, q_minf = k.clone(), q.clone()
+    k_signs[0, 0, :, 0] = torch.tensor([1.0, 2.0, -1.0, -2.0])
+    q_minf[0, 0, 1, 0] = float("-inf")
+    assert sdpa(q_minf, k_signs, v, attn_mask=causal)[0, 0, 1].isnan().all()
+    ours = torch_attn.scaled_dot_product_attention(q_minf, k_signs, v, mask=causal)
+    assert torch.equal(ours[0, 0, 1], torch.zeros(2))
+    # a NaN query row is NaN in both
+    q_nan = q.clone()
+    q_nan[0, 0, 1, 0] = float("nan")
+    assert sdpa(q_nan, k, v)[0, 0, 1].isnan().all()
+    out = torch_attn.scaled_dot_product_attention(q_nan, k, v)
+    assert out[0, 0, 1].isnan().all() and not out[0, 0, [0, 2]].isnan().any()
+
+
+@pytest.mark.parametrize("where", ["query", "key", "value"])
+def test_non_finite_inputs_equal_numpy_attn(where, path):
+    q, k, v = _qkv((2, 2, 5, 4), (2, 2, 6, 4), v_dim=3, dtype=F64, seed=9)
+    tensor = {"query": q, "key": k, "value": v}[where]
+    tensor[1, 0, 3, 1] = float("nan")
+    tensor[0, 1, 2, 0] = float("inf")
+    mask = torch.rand(5, 6, generator=torch.Generator().manual_seed(1)) > 0.3
+    for kw in ({}, {"is_causal": True}, {"mask": mask, "window": (2, 1)}):
+        out = torch_attn.scaled_dot_product_attention(q, k, v, **kw)
+        with np.errstate(invalid="ignore"):
+            expected = _numpy_ref(q, k, v, **kw)
+        nan = expected.isnan()
+        if where == "value":  # rows with weight 0 on the bad value row are unspecified
+            assert out[nan.all(-1, keepdim=True).expand_as(out)].isnan().all()
+            continue
+        assert torch.equal(out.isnan(), nan), kw
+        torch.testing.assert_close(out[~nan], expected[~nan])
 
 
 # ------------------------------------------------------------------------------------------
@@ -327,7 +392,7 @@ def test_torch_compile():
     mask = torch.tensor([True, False, True, True, True])[None].expand(3, 5).clone()
     mask[1] = False
     eager = torch_attn.scaled_dot_product_attention(q, k, v, mask=mask, is_causal=True)
-    fast = torch.compile(functional._fast_attention, backend="aot_eager", fullgraph=True)
+    fast = torch.compile(_fast._sdpa_attention, backend="aot_eager", fullgraph=True)
     out = fast(q, k, v, mask, None, True, "top_left", None, 0.5)
     torch.testing.assert_close(out, eager)
     assert torch.equal(out[..., 1, :], torch.zeros_like(out[..., 1, :]))

@@ -1,8 +1,9 @@
 """The backward pass of attention: ``torch.autograd`` through the forward composition.
 
 numpy_attn writes this derivation out by hand (FlashAttention's backward); here PyTorch's
-autograd differentiates ``functional.scaled_dot_product_attention`` itself, so the conformance
-harness compares two independent gradient computations (three with jax_attn's ``jax.vjp``).
+autograd differentiates the forward pipeline (``functional._attention``) itself, so the
+conformance harness compares two independent gradient computations (three with jax_attn's
+``jax.vjp``).
 The forward's safe softmax keeps gradients of masked positions and fully masked rows at 0.
 """
 
@@ -12,14 +13,9 @@ from typing import Any
 
 import torch
 
-from . import _checks
-from .functional import (
-    _check_dropout_mask,
-    _check_mask_bias,
-    _check_structure,
-    scaled_dot_product_attention,
-)
-from .masks import _as_tensor, _dtype_name
+import attention_rules as rules
+
+from .functional import _array, _attention, _describe, _group_heads
 
 
 def scaled_dot_product_attention_vjp(
@@ -55,45 +51,55 @@ def scaled_dot_product_attention_vjp(
       value and bias; ``grad_bias`` is None without a bias.
     """
     fn = "scaled_dot_product_attention_vjp"
-    query, key, value = _as_tensor(query), _as_tensor(key), _as_tensor(value)
-    grad_output = _as_tensor(grad_output)
-    _checks.check_float_inputs(
-        fn, query=_dtype_name(query), key=_dtype_name(key), value=_dtype_name(value),
-        grad_output=_dtype_name(grad_output),
-    )
-    _checks.check_query_key(fn, tuple(query.shape), tuple(key.shape))
-    _checks.check_key_value(fn, tuple(key.shape), tuple(value.shape))
-    out_shape = tuple(query.shape[:-1]) + tuple(value.shape[-1:])
-    if tuple(grad_output.shape) != out_shape:
-        raise ValueError(
-            f"{fn}: grad_output must have the output's shape {out_shape}; "
-            f"got grad_output.shape={tuple(grad_output.shape)}"
-        )
-    target = _checks.scores_shape(tuple(query.shape), tuple(key.shape))
-    mask, bias = _check_mask_bias(fn, mask, bias, target)
-    window = _check_structure(fn, is_causal, causal_alignment, window)
-    scale = _checks.check_scale(fn, scale, query.shape[-1])
-    softcap = _checks.check_softcap(fn, softcap)
-    dropout_p = _checks.check_dropout(fn, dropout_p, dropout_mask is not None)
-    if dropout_p > 0 and dropout_mask is None:
-        raise ValueError(
-            f"{fn}: dropout needs the forward pass's dropout_mask; got dropout_p={dropout_p!r}, "
-            f"dropout_mask=None"
-        )
-    dropout_mask = _check_dropout_mask(fn, dropout_mask, target)
+    args = rules.attention_arguments(
+        fn, _describe(fn, "query", query), _describe(fn, "key", key),
+        _describe(fn, "value", value), grad_output=_describe(fn, "grad_output", grad_output),
+        mask=_describe(fn, "mask", mask), bias=_describe(fn, "bias", bias), is_causal=is_causal,
+        causal_alignment=causal_alignment, window=window, scale=scale, softcap=softcap,
+        dropout_p=dropout_p, dropout_mask=_describe(fn, "dropout_mask", dropout_mask),
+    )  # every rule of the spec, once
+    query, key, value, grad_output = _array(query), _array(key), _array(value), _array(grad_output)
+    mask, bias, dropout_mask = _array(mask), _array(bias), _array(dropout_mask)
 
     # autograd differentiates the forward pass; bias joins the inputs only when given.
     inputs = [t.detach().requires_grad_(True) for t in (query, key, value)]
     if bias is not None:
         inputs.append(bias.detach().requires_grad_(True))
     with torch.enable_grad():
-        output = scaled_dot_product_attention(
-            *inputs[:3], mask=mask, bias=inputs[3] if bias is not None else None,
-            is_causal=is_causal, causal_alignment=causal_alignment, window=window, scale=scale,
-            softcap=softcap, dropout_p=dropout_p, dropout_mask=dropout_mask,
+        output = _attention(  # validated above
+            *inputs[:3], mask, inputs[3] if bias is not None else None, dropout_mask, None, args
         )
         grads = torch.autograd.grad(output, inputs, grad_outputs=grad_output, allow_unused=True)
     grads = tuple(
         torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs, strict=True)
     )
     return grads[:3] + ((grads[3] if bias is not None else None),)
+
+
+# ------------------------------------------------------------------------------------------
+# Helpers of the hand-written backward passes (blockwise.py's here; numpy_attn's backward.py
+# too): the same names and contracts in every backend
+# ------------------------------------------------------------------------------------------
+
+
+def _sum_to_shape(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Sum ``x`` over the axes along which an array of ``shape`` was broadcast to ``x.shape``."""
+    leading = x.ndim - len(shape)
+    x = x.sum(dim=tuple(range(leading))) if leading else x
+    stretched = tuple(axis for axis, size in enumerate(shape) if size == 1 and x.shape[axis] != 1)
+    return x.sum(dim=stretched, keepdim=True) if stretched else x
+
+
+def _sum_groups(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """``(..., heads, T, D)`` → ``(..., kv_heads, T, D)``: add the query heads sharing a kv head."""
+    if groups == 1:
+        return x
+    return _group_heads(x, groups).sum(dim=-3)
+
+
+def _matmul_grouped(a: torch.Tensor, b: torch.Tensor, groups: int) -> torch.Tensor:
+    """``a (..., heads, T, S) @ b (..., kv_heads, S, D)`` with the grouped-query head mapping."""
+    if groups == 1:
+        return a @ b
+    product = _group_heads(a, groups) @ b[..., None, :, :]  # (..., kv_heads, groups, T, D)
+    return product.reshape(a.shape[:-1] + (b.shape[-1],))  # (..., heads, T, D)

@@ -2,285 +2,32 @@
 
 The pipeline (``conformance/spec.py``): scores → soft-cap → + bias → mask → softmax → dropout →
 weighted sum of values. Every step is a public function, so every intermediate can be printed
-and compared; ``scaled_dot_product_attention`` validates its inputs once and runs them all, or
-hands them to ``torch.nn.functional.scaled_dot_product_attention`` (see ``_use_fast_path``).
+and compared; ``scaled_dot_product_attention`` validates its inputs once (``attention_rules``)
+and runs them all. The file reads top to bottom: the public steps, then the private helpers
+they share with ``blockwise.py`` and with the fast path.
 
 Precision: float16 and bfloat16 are computed in float32; float32 stays float32; float64 stays
 float64. Every function keeps its inputs' device and supports autograd (fully masked rows have
 a gradient of exactly 0) and ``torch.compile``.
+
+Fast path: ``scaled_dot_product_attention`` hands what torch's fused
+``torch.nn.functional.scaled_dot_product_attention`` computes exactly as the spec says to it
+(``_fast.py``: ``use_fast_path`` says when, ``fast_attention`` how).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 
-from . import _checks
+import attention_rules as rules
+
+from . import _fast
 from .masks import _as_tensor, _dtype_name, _positions
 
 NEG_INF = float("-inf")
-
-# CPU SDPA gives fully masked rows an output and a gradient of exactly 0 (checked on torch 2.13
-# by tests/test_torch_specific.py); other devices and older versions are not relied upon.
-_CPU_SDPA_ZEROES_MASKED_ROWS = torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
-
-
-def _shape(x: Any) -> tuple[int, ...]:
-    return tuple(x.shape)
-
-
-def _to_compute(x: torch.Tensor) -> torch.Tensor:
-    """Half types up to float32; float32 and float64 unchanged (no copy)."""
-    return x.to(getattr(torch, _checks.compute_dtype(_dtype_name(x))))
-
-
-def _group_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """``(..., heads, T, D)`` → ``(..., kv_heads, groups, T, D)``: query head ``h`` is
-    ``(h // groups, h % groups)``, so it meets kv head ``h // groups``."""
-    return x.reshape(x.shape[:-3] + (x.shape[-3] // groups, groups) + x.shape[-2:])
-
-
-def _groups(x_shape: tuple[int, ...], kv_shape: tuple[int, ...]) -> int:
-    return x_shape[-3] // kv_shape[-3] if len(x_shape) >= 3 else 1
-
-
-# ------------------------------------------------------------------------------------------
-# Unchecked steps: the public functions and scaled_dot_product_attention validate, then call
-# these. None works in place, so autograd sees every step.
-# ------------------------------------------------------------------------------------------
-
-
-def _scores(
-    query: torch.Tensor, key: torch.Tensor, scale: float, softcap: float | None
-) -> torch.Tensor:
-    query = _to_compute(query) * scale  # (..., heads, q_len, head_dim); scaling q is cheapest
-    key = _to_compute(key)  # (..., kv_heads, kv_len, head_dim)
-    groups = _groups(query.shape, key.shape)
-    if groups > 1:  # grouped-query: (..., kv_heads, groups, q_len, head_dim)
-        query = _group_heads(query, groups)
-        key = key[..., None, :, :]  # (..., kv_heads, 1, kv_len, head_dim)
-    scores = query @ key.transpose(-1, -2)  # (..., [kv_heads, groups,] q_len, kv_len)
-    scores = scores.reshape(_merged(scores.shape, groups))  # (..., heads, q_len, kv_len)
-    if softcap is not None:
-        scores = scores * (1.0 / softcap)  # out of place: autograd needs the inputs of tanh
-        scores = torch.tanh(scores)
-        scores = scores * softcap
-    return scores
-
-
-def _merged(shape: tuple[int, ...], groups: int) -> tuple[int, ...]:
-    """Undo ``_group_heads``: ``(..., kv_heads, groups, T, S)`` → ``(..., heads, T, S)``."""
-    if groups == 1:
-        return shape
-    return shape[:-4] + (shape[-4] * shape[-3],) + shape[-2:]
-
-
-def _allowed(
-    q_len: int,
-    kv_len: int,
-    mask: torch.Tensor | None,
-    is_causal: bool,
-    causal_alignment: str,
-    window: tuple[int | None, int | None] | None,
-    device: torch.device | None = None,
-) -> torch.Tensor | None:
-    """AND of the boolean mask, the causal rule and the window; None when all are absent."""
-    offset = _checks.causal_offset(causal_alignment, q_len, kv_len)
-    allowed = None if mask is None else mask.to(device)  # built on the inputs' device
-    if is_causal or window is not None:
-        distance = _positions(q_len, kv_len, offset, device)  # (q_len, kv_len): j - (i + offset)
-        structural = torch.ones((q_len, kv_len), dtype=torch.bool, device=device)
-        if is_causal:
-            structural &= distance <= 0
-        if window is not None:
-            left, right = window
-            if left is not None:
-                structural &= distance >= -left
-            if right is not None:
-                structural &= distance <= right
-        allowed = structural if allowed is None else allowed & structural
-    return allowed
-
-
-def _mask_scores(
-    scores: torch.Tensor,
-    mask: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    is_causal: bool,
-    causal_alignment: str,
-    window: tuple[int | None, int | None] | None,
-) -> torch.Tensor:
-    if bias is not None:
-        scores = scores + bias.to(scores.device, scores.dtype)  # (..., heads, q_len, kv_len)
-    q_len, kv_len = scores.shape[-2:]
-    allowed = _allowed(q_len, kv_len, mask, is_causal, causal_alignment, window, scores.device)
-    if allowed is not None:
-        scores = scores.masked_fill(~allowed, NEG_INF)  # gradient 0 where not allowed
-    return scores
-
-
-def _softmax(scores: torch.Tensor, rows_may_be_empty: bool = True) -> torch.Tensor:
-    """Softmax over the last axis; rows that are all ``-inf`` become exactly 0 (so do their
-    gradients: no ``-inf - -inf``, no ``0 / 0``). Without ``rows_may_be_empty`` (no mask, bias,
-    causal rule or window could empty a row) torch's fused softmax computes the same weights
-    in one pass instead of five."""
-    if not rows_may_be_empty and scores.shape[-1] > 0:
-        return torch.softmax(scores, dim=-1)
-    if scores.shape[-1] == 0:  # no key at all: amax of an empty axis is an error in torch
-        return scores.clone()
-    row_max = scores.detach().amax(dim=-1, keepdim=True)  # (..., q_len, 1); shift, no gradient
-    row_max = torch.where(row_max == NEG_INF, 0.0, row_max)  # fully masked row: exp(-inf - 0)
-    scores = torch.exp(scores - row_max)
-    row_sum = scores.sum(dim=-1, keepdim=True)  # (..., q_len, 1)
-    row_sum = torch.where(row_sum == 0.0, 1.0, row_sum)  # 0 / 1 = 0 for fully masked rows
-    return scores / row_sum
-
-
-def _dropout(
-    weights: torch.Tensor, dropout_p: float, dropout_mask: torch.Tensor | None, rng: Any
-) -> torch.Tensor:
-    if dropout_mask is None:  # rng: a torch.Generator on weights' device, None = torch's global
-        uniform = torch.rand(weights.shape, generator=rng, device=weights.device)
-        dropout_mask = uniform >= dropout_p
-    dropout_mask = dropout_mask.to(weights.device)  # a keep-mask made elsewhere joins weights
-    return weights * dropout_mask * (1.0 / (1.0 - dropout_p))
-
-
-def _output(weights: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    value = _to_compute(value)  # (..., kv_heads, kv_len, v_dim)
-    groups = _groups(weights.shape, value.shape)
-    if groups > 1:
-        weights = _group_heads(weights, groups)  # (..., kv_heads, groups, q_len, kv_len)
-        value = value[..., None, :, :]  # (..., kv_heads, 1, kv_len, v_dim)
-    output = weights.to(value.dtype) @ value
-    return output.reshape(_merged(output.shape, groups))  # (..., heads, q_len, v_dim)
-
-
-# ------------------------------------------------------------------------------------------
-# The fast path: torch's fused scaled_dot_product_attention
-# ------------------------------------------------------------------------------------------
-
-
-def _use_fast_path(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    softcap: float | None,
-    dropout_p: float,
-    return_weights: bool,
-) -> bool:
-    """Whether ``scaled_dot_product_attention`` hands validated inputs to torch's fused
-    ``torch.nn.functional.scaled_dot_product_attention`` (SDPA) rather than the composition.
-
-    The explicit composition is used when SDPA cannot follow the spec:
-
-    * ``return_weights=True``: SDPA does not return the weights;
-    * ``dropout_p > 0``: SDPA draws its own keep-mask, not one from ``rng``/``dropout_mask``;
-    * ``softcap``: SDPA has no soft-capping (it would have to come before the bias);
-    * an empty axis (``q_len``, ``kv_len``, ``head_dim``, ``v_dim`` or a batch axis of size 0).
-
-    Everything else takes SDPA (``_fast_attention``): the boolean mask, the causal rule in
-    both alignments and the window become ONE explicit boolean ``attn_mask`` (SDPA's own
-    ``is_causal`` only when ``q_len == kv_len`` with nothing else to combine, where both
-    alignments coincide); a bias becomes one float ``attn_mask``, ``-inf`` where not allowed;
-    grouped-query heads go through ``enable_gqa``; ``v_dim != head_dim`` and 2-D inputs are
-    supported; float16/bfloat16 are given to SDPA as float32 copies (the spec's float32
-    weighted sum: SDPA's half kernels round the weights to the half type before
-    ``weights @ value``). Fully masked rows: on the CPU SDPA gives output and gradient exactly
-    0 (torch >= 2.13, checked by the tests); on other devices they are given every key for
-    the kernel and their output is zeroed afterwards, so no kernel meets an empty row.
-    """
-    if return_weights or dropout_p > 0.0 or softcap is not None:
-        return False
-    return query.numel() > 0 and key.numel() > 0 and value.numel() > 0
-
-
-def _fast_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    is_causal: bool,
-    causal_alignment: str,
-    window: tuple[int | None, int | None] | None,
-    scale: float,
-) -> torch.Tensor:
-    """The whole pipeline in one SDPA call; valid where ``_use_fast_path`` says so."""
-    dtype = query.dtype
-    query, key, value = _to_compute(query), _to_compute(key), _to_compute(value)
-    q_len, kv_len = query.shape[-2], key.shape[-2]
-    sdpa_causal = is_causal and q_len == kv_len and mask is None and bias is None
-    sdpa_causal = sdpa_causal and window is None  # top-left = bottom-right when q_len == kv_len
-    attn_mask = None
-    if not sdpa_causal:
-        attn_mask = _allowed(
-            q_len, kv_len, mask, is_causal, causal_alignment, window, query.device
-        )
-    if bias is not None:  # one float mask: bias where allowed, -inf elsewhere
-        float_mask = bias.to(query.device, query.dtype)
-        attn_mask = float_mask if attn_mask is None else float_mask.masked_fill(~attn_mask, NEG_INF)
-    row_ok = None
-    if attn_mask is not None and not (query.device.type == "cpu" and _CPU_SDPA_ZEROES_MASKED_ROWS):
-        allowed = attn_mask if attn_mask.dtype == torch.bool else attn_mask > NEG_INF
-        row_ok = allowed.any(dim=-1, keepdim=True)  # (..., q_len, 1): the row keeps a key
-        if attn_mask.dtype == torch.bool:
-            attn_mask = attn_mask | ~row_ok  # a fully masked row attends everything...
-        else:
-            attn_mask = torch.where(row_ok, attn_mask, 0.0)
-    output = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attn_mask, is_causal=sdpa_causal, scale=scale,
-        enable_gqa=_groups(query.shape, key.shape) > 1,
-    )  # (..., heads, q_len, v_dim)
-    if row_ok is not None:
-        output = torch.where(row_ok, output, 0.0)  # ...and is zeroed here, gradient 0 too
-    return output.to(dtype)
-
-
-# ------------------------------------------------------------------------------------------
-# Validation helpers
-# ------------------------------------------------------------------------------------------
-
-
-def _check_mask_bias(
-    fn: str, mask: Any, bias: Any, target: tuple[int, ...]
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    if mask is not None:
-        mask = _as_tensor(mask)
-        _checks.check_bool(fn, "mask", _dtype_name(mask))
-        _checks.check_broadcast(fn, "mask", _shape(mask), target, "scores")
-    if bias is not None:
-        bias = _as_tensor(bias)
-        _checks.check_bias_dtype(fn, _dtype_name(bias))
-        _checks.check_broadcast(fn, "bias", _shape(bias), target, "scores")
-    return mask, bias
-
-
-def _check_dropout_mask(
-    fn: str, dropout_mask: Any, target: tuple[int, ...]
-) -> torch.Tensor | None:
-    if dropout_mask is None:
-        return None
-    dropout_mask = _as_tensor(dropout_mask)
-    _checks.check_bool(fn, "dropout_mask", _dtype_name(dropout_mask))
-    _checks.check_broadcast(fn, "dropout_mask", _shape(dropout_mask), target, "weights")
-    return dropout_mask
-
-
-def _check_structure(
-    fn: str, is_causal: bool, causal_alignment: str, window: Any
-) -> tuple[int | None, int | None] | None:
-    _checks.check_alignment(fn, causal_alignment)
-    return None if window is None else _checks.check_window(fn, window)
-
-
-def _check_scores_array(fn: str, name: str, x: Any) -> torch.Tensor:
-    x = _as_tensor(x)
-    _checks.check_float_inputs(fn, **{name: _dtype_name(x)})
-    _checks.check_rank(fn, **{name: _shape(x)})
-    return x
 
 
 # ------------------------------------------------------------------------------------------
@@ -303,12 +50,13 @@ def attention_scores(
       ``(..., heads, q_len, kv_len)`` in the compute dtype.
     """
     fn = "attention_scores"
-    query, key = _as_tensor(query), _as_tensor(key)
-    _checks.check_float_inputs(fn, query=_dtype_name(query), key=_dtype_name(key))
-    _checks.check_query_key(fn, _shape(query), _shape(key))
-    scale = _checks.check_scale(fn, scale, query.shape[-1])
-    softcap = _checks.check_softcap(fn, softcap)
-    return _scores(query, key, scale, softcap)
+    q_shape, q_dtype = _describe(fn, "query", query)
+    k_shape, k_dtype = _describe(fn, "key", key)
+    rules.check_float_inputs(fn, query=q_dtype, key=k_dtype)
+    rules.check_query_key(fn, q_shape, k_shape)
+    scale = rules.check_scale(fn, scale, q_shape[-1])
+    softcap = rules.check_softcap(fn, softcap)
+    return _scores(_array(query), _array(key), scale, softcap)
 
 
 def mask_scores(
@@ -337,11 +85,13 @@ def mask_scores(
       ``(..., heads, q_len, kv_len)`` in the compute dtype.
     """
     fn = "mask_scores"
-    scores = _check_scores_array(fn, "scores", scores)
-    mask, bias = _check_mask_bias(fn, mask, bias, _shape(scores))
-    window = _check_structure(fn, is_causal, causal_alignment, window)
-    scores = _to_compute(scores)  # no copy needed: _mask_scores works out of place
-    return _mask_scores(scores, mask, bias, is_causal, causal_alignment, window)
+    shape, dtype = _check_scores(fn, "scores", scores)
+    rules.check_mask_bias(fn, _describe(fn, "mask", mask), _describe(fn, "bias", bias), shape)
+    is_causal, causal_alignment, window = rules.check_structure(
+        fn, is_causal, causal_alignment, window
+    )
+    scores = _to_compute(_array(scores))  # torch: no copy needed, _mask_scores is out of place
+    return _mask_scores(scores, _array(mask), _array(bias), is_causal, causal_alignment, window)
 
 
 def attention_weights(scores: Any) -> torch.Tensor:
@@ -354,8 +104,8 @@ def attention_weights(scores: Any) -> torch.Tensor:
       ``(..., q_len, kv_len)`` in the compute dtype; rows sum to 1 or are all 0.
     """
     fn = "attention_weights"
-    scores = _check_scores_array(fn, "scores", scores)
-    return _softmax(_to_compute(scores))
+    _check_scores(fn, "scores", scores)
+    return _softmax(_to_compute(_array(scores)))
 
 
 def apply_dropout(
@@ -374,9 +124,10 @@ def apply_dropout(
       ``(..., q_len, kv_len)``, same dtype as ``weights``.
     """
     fn = "apply_dropout"
-    weights = _check_scores_array(fn, "weights", weights)
-    dropout_p = _checks.check_dropout(fn, dropout_p, dropout_mask is not None)
-    dropout_mask = _check_dropout_mask(fn, dropout_mask, _shape(weights))
+    shape, _ = _check_scores(fn, "weights", weights)
+    dropout_p = rules.check_dropout(fn, dropout_p, dropout_mask is not None)
+    rules.check_dropout_mask(fn, _describe(fn, "dropout_mask", dropout_mask), shape)
+    weights, dropout_mask = _array(weights), _array(dropout_mask)
     if dropout_p == 0.0:
         return weights
     return _dropout(weights, dropout_p, dropout_mask, rng).to(weights.dtype)
@@ -393,11 +144,13 @@ def attention_output(weights: Any, value: Any) -> torch.Tensor:
       ``(..., heads, q_len, v_dim)`` in the compute dtype.
     """
     fn = "attention_output"
-    weights, value = _as_tensor(weights), _as_tensor(value)
-    _checks.check_float_inputs(fn, weights=_checks.compute_dtype(_dtype_name(weights)),
-                               value=_checks.compute_dtype(_dtype_name(value)))
-    _checks.check_weights_value(fn, _shape(weights), _shape(value))
-    return _output(_to_compute(weights), value)
+    w_shape, w_dtype = _describe(fn, "weights", weights)
+    v_shape, v_dtype = _describe(fn, "value", value)
+    rules.check_float_inputs(
+        fn, weights=rules.compute_dtype(w_dtype), value=rules.compute_dtype(v_dtype)
+    )
+    rules.check_weights_value(fn, w_shape, v_shape)
+    return _output(_to_compute(_array(weights)), _array(value))
 
 
 def renormalized_causal_weights(
@@ -416,10 +169,11 @@ def renormalized_causal_weights(
       ``(..., q_len, kv_len)``, same dtype as ``weights``.
     """
     fn = "renormalized_causal_weights"
-    weights = _check_scores_array(fn, "weights", weights)
-    _checks.check_alignment(fn, causal_alignment)
+    _check_scores(fn, "weights", weights)
+    rules.check_alignment(fn, causal_alignment)
+    weights = _array(weights)
     q_len, kv_len = weights.shape[-2:]
-    offset = _checks.causal_offset(causal_alignment, q_len, kv_len)
+    offset = rules.causal_offset(causal_alignment, q_len, kv_len)
     masked = weights * (_positions(q_len, kv_len, offset, weights.device) <= 0)  # (..., q, kv)
     row_sum = masked.sum(dim=-1, keepdim=True)  # (..., q_len, 1)
     row_sum = torch.where(row_sum == 0, 1.0, row_sum)  # out of place, for autograd
@@ -445,8 +199,8 @@ def scaled_dot_product_attention(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention: ``softmax(mask(q kᵀ · scale + bias)) @ v``.
 
-    Uses torch's fused ``scaled_dot_product_attention`` when it follows the spec exactly
-    (see ``_use_fast_path``), the explicit step-by-step composition otherwise.
+    Uses torch's fused ``scaled_dot_product_attention`` where it follows the spec exactly
+    (see ``_fast.py``), the explicit step-by-step composition otherwise.
 
     Args:
       query: ``(..., heads, q_len, head_dim)`` or ``(q_len, head_dim)``.
@@ -470,30 +224,209 @@ def scaled_dot_product_attention(
       weights ``(..., heads, q_len, kv_len)`` in the input dtype. Fully masked rows give 0.
     """
     fn = "scaled_dot_product_attention"
-    query, key, value = _as_tensor(query), _as_tensor(key), _as_tensor(value)
-    dtype = _checks.check_float_inputs(
-        fn, query=_dtype_name(query), key=_dtype_name(key), value=_dtype_name(value)
-    )
-    _checks.check_query_key(fn, _shape(query), _shape(key))
-    _checks.check_key_value(fn, _shape(key), _shape(value))
-    target = _checks.scores_shape(_shape(query), _shape(key))
-    mask, bias = _check_mask_bias(fn, mask, bias, target)
-    window = _check_structure(fn, is_causal, causal_alignment, window)
-    scale = _checks.check_scale(fn, scale, query.shape[-1])
-    softcap = _checks.check_softcap(fn, softcap)
-    dropout_p = _checks.check_dropout(fn, dropout_p, dropout_mask is not None)
-    dropout_mask = _check_dropout_mask(fn, dropout_mask, target)
-    if _use_fast_path(query, key, value, softcap, dropout_p, return_weights):  # torch's kernel
-        return _fast_attention(
-            query, key, value, mask, bias, is_causal, causal_alignment, window, scale
-        )
+    args = rules.attention_arguments(
+        fn, _describe(fn, "query", query), _describe(fn, "key", key),
+        _describe(fn, "value", value), mask=_describe(fn, "mask", mask),
+        bias=_describe(fn, "bias", bias), is_causal=is_causal, causal_alignment=causal_alignment,
+        window=window, scale=scale, softcap=softcap, dropout_p=dropout_p,
+        dropout_mask=_describe(fn, "dropout_mask", dropout_mask), return_weights=return_weights,
+    )  # every rule of the spec, on shapes and dtype names: raises, or normalises the options
+    query, key, value = _array(query), _array(key), _array(value)
+    mask, bias, dropout_mask = _array(mask), _array(bias), _array(dropout_mask)
+    return _attention(query, key, value, mask, bias, dropout_mask, rng, args)
 
-    scores = _scores(query, key, scale, softcap)  # (..., heads, q_len, kv_len)
-    scores = _mask_scores(scores, mask, bias, is_causal, causal_alignment, window)
-    may_be_empty = mask is not None or bias is not None or is_causal or window is not None
+
+# ------------------------------------------------------------------------------------------
+# The steps, unchecked: the public functions validate, then call these. None works in place,
+# so autograd sees every step.
+# ------------------------------------------------------------------------------------------
+
+
+def _attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    dropout_mask: torch.Tensor | None,
+    rng: Any,
+    args: rules.Arguments,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The whole pipeline on validated arrays: a fast path where ``_fast.use_fast_path``
+    selects one (it computes the same steps), else the steps one by one."""
+    path = _fast.use_fast_path(query, key, value, mask, bias, args)
+    if path is not None:  # torch's fused kernel, where it computes exactly these steps
+        return _fast.fast_attention(path, query, key, value, mask, bias, args)
+    scores = _scores(query, key, args.scale, args.softcap)  # (..., heads, q_len, kv_len)
+    scores = _mask_scores(scores, mask, bias, args.is_causal, args.causal_alignment, args.window)
+    may_be_empty = mask is not None or bias is not None or args.is_causal or args.window is not None
     weights = _softmax(scores, may_be_empty)  # (..., heads, q_len, kv_len)
-    kept = _dropout(weights, dropout_p, dropout_mask, rng) if dropout_p > 0 else weights
-    output = _output(kept, value).to(getattr(torch, dtype))  # (..., heads, q_len, v_dim)
-    if return_weights:
-        return output, weights.to(getattr(torch, dtype))
+    kept = _dropout(weights, args.dropout_p, dropout_mask, rng) if args.dropout_p > 0 else weights
+    output = _output(kept, value).to(query.dtype)  # (..., heads, q_len, v_dim)
+    if args.return_weights:
+        return output, weights.to(query.dtype)
     return output
+
+
+def _scores(
+    query: torch.Tensor, key: torch.Tensor, scale: float, softcap: float | None
+) -> torch.Tensor:
+    query = _to_compute(query) * scale  # (..., heads, q_len, head_dim); scaling q is cheapest
+    key = _to_compute(key)  # (..., kv_heads, kv_len, head_dim)
+    groups = _groups(query.shape, key.shape)
+    if groups > 1:  # grouped-query: (..., kv_heads, groups, q_len, head_dim)
+        query = _group_heads(query, groups)
+        key = key[..., None, :, :]  # (..., kv_heads, 1, kv_len, head_dim)
+    scores = query @ key.transpose(-1, -2)  # (..., [kv_heads, groups,] q_len, kv_len)
+    scores = scores.reshape(_merged(scores.shape, groups))  # (..., heads, q_len, kv_len)
+    return _softcap(scores, softcap)
+
+
+def _softcap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``softcap · tanh(scores / softcap)``; unchanged for None."""
+    if softcap is not None:
+        scores = torch.tanh(scores * (1.0 / softcap)) * softcap  # out of place, for autograd
+    return scores
+
+
+def _mask_scores(
+    scores: torch.Tensor,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    is_causal: bool,
+    causal_alignment: str,
+    window: tuple[int | None, int | None] | None,
+) -> torch.Tensor:
+    if bias is not None:
+        scores = scores + bias.to(scores.device, scores.dtype)  # (..., heads, q_len, kv_len)
+    q_len, kv_len = scores.shape[-2:]
+    allowed = _allowed(q_len, kv_len, mask, is_causal, causal_alignment, window, scores.device)
+    if allowed is not None:
+        # replaced, not added: a NaN score at a masked position does not spread; gradient 0
+        scores = scores.masked_fill(~allowed, NEG_INF)
+    return scores
+
+
+def _allowed(
+    q_len: int,
+    kv_len: int,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    causal_alignment: str,
+    window: tuple[int | None, int | None] | None,
+    device: torch.device | None = None,
+) -> torch.Tensor | None:
+    """AND of the boolean mask, the causal rule and the window; None when all are absent."""
+    allowed = None if mask is None else mask.to(device)  # torch: built on the inputs' device
+    if is_causal or window is not None:
+        lo, hi = rules.band(q_len, kv_len, is_causal, causal_alignment, window)
+        structural = _in_band(0, q_len, 0, kv_len, lo, hi, device)  # (q_len, kv_len)
+        allowed = structural if allowed is None else allowed & structural
+    return allowed
+
+
+def _in_band(
+    q_start: int, rows: int, kv_start: int, keys: int, lo: float, hi: float,
+    device: torch.device | None = None,
+) -> torch.Tensor:
+    """``(rows, keys)`` bool: ``lo <= j - i <= hi`` for queries ``i`` from ``q_start`` and keys
+    ``j`` from ``kv_start`` (``rules.band``: the causal rule and the window; ±inf unbounded)."""
+    distance = (kv_start + torch.arange(keys, device=device))[None, :] - (
+        q_start + torch.arange(rows, device=device))[:, None]  # torch: on the scores' device
+    return (distance >= lo) & (distance <= hi)  # (rows, keys)
+
+
+def _softmax(scores: torch.Tensor, rows_may_be_empty: bool = True) -> torch.Tensor:
+    """Softmax over the last axis; rows that are all ``-inf`` become exactly 0 (so do their
+    gradients: no ``-inf - -inf``, no ``0 / 0``). Without ``rows_may_be_empty`` (no mask, bias,
+    causal rule or window could empty a row) torch's fused softmax computes the same weights
+    in one pass instead of five."""
+    if not rows_may_be_empty and scores.shape[-1] > 0:
+        return torch.softmax(scores, dim=-1)
+    weights, row_sum = _unnormalised_softmax(scores)  # (..., q_len, kv_len), (..., q_len, 1)
+    return weights / row_sum
+
+
+def _unnormalised_softmax(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``exp(scores - row max)`` and its row sums ``(..., q_len, 1)``; a row that is all
+    ``-inf`` gives 0 and a row sum of 1, so dividing by it gives 0, never NaN."""
+    if scores.shape[-1] == 0:  # no key at all: amax of an empty axis is an error in torch
+        return scores.clone(), scores.new_ones(scores.shape[:-1] + (1,))
+    row_max = scores.detach().amax(dim=-1, keepdim=True)  # (..., q_len, 1); shift, no gradient
+    row_max = torch.where(row_max == NEG_INF, 0.0, row_max)  # fully masked row: exp(-inf - 0)
+    scores = torch.exp(scores - row_max)
+    row_sum = scores.sum(dim=-1, keepdim=True)  # (..., q_len, 1)
+    row_sum = torch.where(row_sum == 0.0, 1.0, row_sum)  # 0 / 1 = 0 for fully masked rows
+    return scores, row_sum
+
+
+def _dropout(
+    weights: torch.Tensor, dropout_p: float, dropout_mask: torch.Tensor | None, rng: Any
+) -> torch.Tensor:
+    if dropout_mask is None:  # rng: a torch.Generator on weights' device, None = torch's global
+        uniform = torch.rand(weights.shape, generator=rng, device=weights.device)
+        dropout_mask = uniform >= dropout_p
+    dropout_mask = dropout_mask.to(weights.device)  # a keep-mask made elsewhere joins weights
+    return weights * dropout_mask * (1.0 / (1.0 - dropout_p))
+
+
+def _output(weights: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    value = _to_compute(value)  # (..., kv_heads, kv_len, v_dim)
+    groups = _groups(weights.shape, value.shape)
+    if groups > 1:
+        weights = _group_heads(weights, groups)  # (..., kv_heads, groups, q_len, kv_len)
+        value = value[..., None, :, :]  # (..., kv_heads, 1, kv_len, v_dim)
+    output = weights.to(value.dtype) @ value
+    return output.reshape(_merged(output.shape, groups))  # (..., heads, q_len, v_dim)
+
+
+# ------------------------------------------------------------------------------------------
+# Arrays, dtypes and heads
+# ------------------------------------------------------------------------------------------
+
+
+def _describe(fn: str, name: str, x: Any) -> rules.ArrayInfo | None:
+    """What the rules see of an input: ``(shape, dtype name)``; None for None. A Python list,
+    tuple or scalar is refused (TypeError): it has no dtype of its own."""
+    if x is None:
+        return None
+    rules.check_array(fn, name, x)
+    if isinstance(x, torch.Tensor):
+        return tuple(x.shape), _dtype_name(x)
+    x = np.asarray(x)  # torch: NumPy arrays are welcome too, named as NumPy names them
+    return tuple(x.shape), x.dtype.name
+
+
+def _array(x: Any) -> torch.Tensor | None:
+    """A validated input as a tensor (a tensor as is); None stays None."""
+    return None if x is None else _as_tensor(x)
+
+
+def _check_scores(fn: str, name: str, x: Any) -> rules.ArrayInfo:
+    """A floating array of rank >= 2 (scores or weights); its ``(shape, dtype name)``."""
+    shape, dtype = _describe(fn, name, x)
+    rules.check_float_inputs(fn, **{name: dtype})
+    rules.check_rank(fn, **{name: shape})
+    return shape, dtype
+
+
+def _to_compute(x: torch.Tensor) -> torch.Tensor:
+    """Half types up to float32; float32 and float64 unchanged (no copy)."""
+    return x.to(getattr(torch, rules.compute_dtype(_dtype_name(x))))
+
+
+def _group_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """``(..., heads, T, D)`` → ``(..., kv_heads, groups, T, D)``: query head ``h`` is
+    ``(h // groups, h % groups)``, so it meets kv head ``h // groups``."""
+    return x.reshape(x.shape[:-3] + (x.shape[-3] // groups, groups) + x.shape[-2:])
+
+
+def _groups(x_shape: tuple[int, ...], kv_shape: tuple[int, ...]) -> int:
+    return x_shape[-3] // kv_shape[-3] if len(x_shape) >= 3 else 1
+
+
+def _merged(shape: tuple[int, ...], groups: int) -> tuple[int, ...]:
+    """Undo ``_group_heads``: ``(..., kv_heads, groups, T, S)`` → ``(..., heads, T, S)``."""
+    if groups == 1:
+        return shape
+    return shape[:-4] + (shape[-4] * shape[-3],) + shape[-2:]

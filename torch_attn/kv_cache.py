@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from . import _checks
+import attention_rules as rules
+
 from .masks import _as_tensor
 
 
@@ -48,12 +49,12 @@ class KVCache:
         name), ``None`` for torch's default device.
         """
         fn = "KVCache.empty"
-        kv_heads = _checks.check_int(fn, "kv_heads", kv_heads, minimum=1)
-        max_len = _checks.check_int(fn, "max_len", max_len)
-        head_dim = _checks.check_int(fn, "head_dim", head_dim)
-        v_dim = head_dim if v_dim is None else _checks.check_int(fn, "v_dim", v_dim)
+        kv_heads = rules.check_int(fn, "kv_heads", kv_heads, minimum=1)
+        max_len = rules.check_int(fn, "max_len", max_len)
+        head_dim = rules.check_int(fn, "head_dim", head_dim)
+        v_dim = head_dim if v_dim is None else rules.check_int(fn, "v_dim", v_dim)
         dtype = _dtype(dtype)
-        _checks.check_float_inputs(fn, dtype=str(dtype).removeprefix("torch."))
+        rules.check_float_inputs(fn, dtype=str(dtype).removeprefix("torch."))
         shape = tuple(batch_shape) + (kv_heads, max_len)
         like = {"dtype": dtype, "device": device}  # torch: the device of the buffers
         return cls(torch.zeros(shape + (head_dim,), **like), torch.zeros(shape + (v_dim,), **like),
@@ -84,38 +85,12 @@ class KVCache:
         (cast to the cache's dtype); returns the cache, updated in place."""
         fn = "KVCache.append"
         key, value = _as_tensor(key), _as_tensor(value)
-        _check_append(fn, tuple(key.shape), tuple(value.shape), tuple(self.key_buffer.shape),
-                      tuple(self.value_buffer.shape))
+        rules.check_cache_append(fn, tuple(key.shape), tuple(value.shape),
+                                 tuple(self.key_buffer.shape), tuple(self.value_buffer.shape))
         start, stop = self._length, self._length + key.shape[-2]
-        _check_room(fn, start, stop, self.max_len)
+        rules.check_cache_room(fn, start, stop, self.max_len)
         self.key_buffer[..., start:stop, :] = key  # in place, cast to the cache's dtype/device
         self.value_buffer[..., start:stop, :] = value
         self._length = stop
         return self
 
-
-def _check_append(
-    fn: str,
-    k_shape: tuple[int, ...],
-    v_shape: tuple[int, ...],
-    k_buffer: tuple[int, ...],
-    v_buffer: tuple[int, ...],
-) -> None:
-    """Key and value match the cache in every axis but the sequence axis."""
-    _checks.check_key_value(fn, k_shape, v_shape)
-    same = len(k_shape) == len(k_buffer) and k_shape[:-2] == k_buffer[:-2]
-    if not (same and k_shape[-1] == k_buffer[-1] and v_shape[-1] == v_buffer[-1]):
-        raise ValueError(
-            f"{fn}: key and value must match the cache's (..., kv_heads, *, head_dim | v_dim) = "
-            f"{k_buffer[:-2] + (k_buffer[-1],)} | {v_buffer[-1]}; "
-            f"got key.shape={k_shape}, value.shape={v_shape}"
-        )
-
-
-def _check_room(fn: str, start: int, stop: int, max_len: int) -> None:
-    """``stop <= max_len`` (ValueError naming max_len otherwise)."""
-    if stop > max_len:
-        raise ValueError(
-            f"{fn}: the cache is full; {stop - start} new positions after {start} exceed "
-            f"max_len={max_len}"
-        )

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import _checks
+import attention_rules as rules
 
 
 def _dtype_name(x: torch.Tensor) -> str:
@@ -46,9 +46,9 @@ def causal_mask(q_len: int, kv_len: int, *, offset: int = 0, device: Any = None)
       ``(q_len, kv_len)`` bool, True = may attend.
     """
     fn = "causal_mask"
-    q_len = _checks.check_int(fn, "q_len", q_len)
-    kv_len = _checks.check_int(fn, "kv_len", kv_len)
-    offset = _checks.check_int(fn, "offset", offset, minimum=None)
+    q_len = rules.check_int(fn, "q_len", q_len)
+    kv_len = rules.check_int(fn, "kv_len", kv_len)
+    offset = rules.check_int(fn, "offset", offset, minimum=None)
     return _positions(q_len, kv_len, offset, device) <= 0
 
 
@@ -68,10 +68,10 @@ def sliding_window_mask(
       ``(q_len, kv_len)`` bool, True = may attend.
     """
     fn = "sliding_window_mask"
-    q_len = _checks.check_int(fn, "q_len", q_len)
-    kv_len = _checks.check_int(fn, "kv_len", kv_len)
-    offset = _checks.check_int(fn, "offset", offset, minimum=None)
-    left, right = _checks.check_window(fn, window)
+    q_len = rules.check_int(fn, "q_len", q_len)
+    kv_len = rules.check_int(fn, "kv_len", kv_len)
+    offset = rules.check_int(fn, "offset", offset, minimum=None)
+    left, right = rules.check_window(fn, window)
     distance = _positions(q_len, kv_len, offset, device)  # (q_len, kv_len): j - (i + offset)
     allowed = torch.ones((q_len, kv_len), dtype=torch.bool, device=distance.device)
     if left is not None:
@@ -83,14 +83,8 @@ def sliding_window_mask(
 
 def _lengths(fn: str, name: str, lengths: Any, max_len: int, device: Any) -> torch.Tensor:
     lengths = _as_tensor(lengths, device)  # a tensor keeps its device when device is None
-    integer = not (lengths.is_floating_point() or lengths.is_complex())
-    if lengths.ndim != 1 or not integer or lengths.dtype == torch.bool:
-        raise ValueError(
-            f"{fn}: {name} must be a 1-D array of ints; "
-            f"got {name}.shape={tuple(lengths.shape)}, {name}.dtype={_dtype_name(lengths)}"
-        )
-    if lengths.numel() and (lengths.min() < 0 or lengths.max() > max_len):
-        raise ValueError(f"{fn}: {name} must lie in [0, {max_len}]; got {name}={lengths.tolist()}")
+    rules.check_lengths_1d(fn, name, (tuple(lengths.shape), _dtype_name(lengths)))
+    rules.check_lengths(fn, name, lengths.tolist(), max_len)
     return lengths
 
 
@@ -118,7 +112,7 @@ def padding_mask(
       ``(batch, 1, 1, kv_len)`` bool, or ``(batch, 1, q_len, kv_len)`` with ``q_lengths``.
     """
     fn = "padding_mask"
-    kv_len = _checks.check_int(fn, "kv_len", kv_len)
+    kv_len = rules.check_int(fn, "kv_len", kv_len)
     kv_lengths = _lengths(fn, "kv_lengths", kv_lengths, kv_len, device)
     device = kv_lengths.device  # every later tensor lives with the lengths
     key_ok = torch.arange(kv_len, device=device) < kv_lengths[:, None]  # (batch, kv_len)
@@ -127,7 +121,7 @@ def padding_mask(
         return mask
     if q_len is None:
         raise ValueError(f"{fn}: q_lengths needs q_len; got q_len=None")
-    q_len = _checks.check_int(fn, "q_len", q_len)
+    q_len = rules.check_int(fn, "q_len", q_len)
     q_lengths = _lengths(fn, "q_lengths", q_lengths, q_len, device)
     if q_lengths.shape != kv_lengths.shape:
         raise ValueError(
@@ -151,10 +145,10 @@ def combine_masks(*masks: Any) -> torch.Tensor | None:
     fn = "combine_masks"
     present = [_as_tensor(m) for m in masks if m is not None]
     for index, m in enumerate(present):
-        _checks.check_bool(fn, f"masks[{index}]", _dtype_name(m))
+        rules.check_bool(fn, f"masks[{index}]", _dtype_name(m))
     if not present:
         return None
-    if _checks.broadcast_shapes(*(tuple(m.shape) for m in present)) is None:
+    if rules.broadcast_shapes(*(tuple(m.shape) for m in present)) is None:
         shapes = ", ".join(str(tuple(m.shape)) for m in present)
         raise ValueError(f"{fn}: masks must broadcast together; got shapes {shapes}")
     combined = present[0]

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import _checks
+import attention_rules as rules
+
 from .functional import scaled_dot_product_attention
 from .kv_cache import KVCache
 from .masks import _as_tensor
@@ -65,16 +66,10 @@ class _Module(nn.Module):
 
 
 def _check_weight_dict(fn: str, expected: dict[str, Any], weights: dict[str, Any]) -> None:
-    missing = sorted(set(expected) - set(weights))
-    extra = sorted(set(weights) - set(expected))
-    if missing or extra:
-        raise ValueError(f"{fn}: weight names differ; missing {missing}, unexpected {extra}")
-    for name, array in expected.items():
-        got = tuple(np.shape(weights[name]))
-        if got != tuple(np.shape(array)):
-            raise ValueError(
-                f"{fn}: {name} must have shape {tuple(np.shape(array))}; got {name}.shape={got}"
-            )
+    rules.check_weight_shapes(  # the shapes of any backend's arrays, as plain tuples
+        fn, {n: tuple(np.shape(a)) for n, a in expected.items()},
+        {n: tuple(np.shape(w)) for n, w in weights.items()},
+    )
 
 
 def _weight_grads(module: _Module, output: torch.Tensor, grad_output: Any) -> dict[str, np.ndarray]:
@@ -94,12 +89,9 @@ def _weight_grads(module: _Module, output: torch.Tensor, grad_output: Any) -> di
 
 
 def _check_no_dropout(module: _Module) -> None:
-    # The gradient would depend on one random keep-mask; numpy_attn refuses it the same way.
-    if module.training and module.dropout_p > 0:
-        raise ValueError(
-            f"{type(module).__name__}.backward: dropout is active; call eval() or use "
-            f"dropout_p=0 (got dropout_p={module.dropout_p})"
-        )
+    rules.check_backward_without_dropout(
+        type(module).__name__, module.training and module.dropout_p > 0, module.dropout_p
+    )
 
 
 class SelfAttention(_Module):
@@ -170,7 +162,7 @@ class CausalSelfAttention(_Module):
     def __init__(
         self, d_in: int, d_out_kq: int, d_out_v: int, *, dropout_p: float = 0.0, rng: Any = None
     ) -> None:
-        _checks.check_dropout("CausalSelfAttention", dropout_p, False)
+        rules.check_dropout("CausalSelfAttention", dropout_p, False)
         super().__init__()
         self.d_out_kq = d_out_kq
         self.dropout_p = float(dropout_p)
@@ -300,17 +292,8 @@ class MultiHeadAttention(_Module):
     ) -> None:
         fn = "MultiHeadAttention"
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if num_heads <= 0 or d_model % num_heads != 0:
-            raise ValueError(
-                f"{fn}: d_model must be a multiple of num_heads; "
-                f"got d_model={d_model}, num_heads={num_heads}"
-            )
-        if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
-            raise ValueError(
-                f"{fn}: num_heads must be a multiple of num_kv_heads; "
-                f"got num_heads={num_heads}, num_kv_heads={num_kv_heads}"
-            )
-        _checks.check_dropout(fn, dropout_p, False)
+        rules.check_module_heads(fn, d_model, num_heads, num_kv_heads)
+        rules.check_dropout(fn, dropout_p, False)
         super().__init__()
         self.d_model, self.num_heads, self.num_kv_heads = d_model, num_heads, num_kv_heads
         self.head_dim = d_model // num_heads

@@ -1,8 +1,7 @@
-"""Input validation shared by the public entry points: pure Python on shapes and dtype names.
+"""One check per rule of the spec's ``ERRORS``: pure Python on shapes, dtype names and numbers.
 
-This file is identical in numpy_attn, jax_attn and torch_attn (a test keeps it so): every
-backend passes plain shape tuples and dtype names (``"float32"``, ``"bfloat16"``, ``"bool"``…),
-so every backend raises the same exception type with the same message for the same bad input.
+Every message is ``"<function>: <rule>; got <name>=<value>, ..."`` with shapes printed as
+plain tuples, so it reads the same whichever backend raised it.
 """
 
 from __future__ import annotations
@@ -15,6 +14,11 @@ HALF_DTYPES = ("float16", "bfloat16")
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 
 Shape = tuple[int, ...]
+#: What the rules see of an array: its shape and its dtype name, e.g. ``((2, 4, 5, 8), "float32")``.
+ArrayInfo = tuple[Shape, str]
+
+# Python's own containers and numbers: refused where the spec asks for an array.
+_PYTHON_TYPES = (list, tuple, int, float, complex, bool)
 
 
 def compute_dtype(dtype: str) -> str:
@@ -32,6 +36,27 @@ def broadcast_shapes(*shapes: Shape) -> Shape | None:
             return None
         result.append(sizes.pop() if sizes else 1)
     return tuple(result)
+
+
+def check_array(fn: str, name: str, x: object) -> None:
+    """An array of some framework, not a Python list, tuple or scalar (TypeError otherwise).
+
+    A Python list has no dtype of its own: NumPy and torch would read ``[[1.0]]`` as float64
+    and JAX as float32, so the spec refuses it rather than guess.
+    """
+    kind = type(x).__name__
+    if type(x) in _PYTHON_TYPES:
+        raise TypeError(
+            f"{fn}: {name} must be an array (numpy.ndarray, jax.Array or torch.Tensor), not a "
+            f"Python {kind}; convert it with an explicit dtype; got type({name})={kind}"
+        )
+
+
+def check_flag(fn: str, name: str, value: object) -> bool:
+    """A Python bool or a NumPy bool (TypeError otherwise); returns it as a Python bool."""
+    if not (isinstance(value, bool) or type(value).__name__ in ("bool_", "bool")):
+        raise TypeError(f"{fn}: {name} must be a bool (True or False); got {name}={value!r}")
+    return bool(value)
 
 
 def check_float_inputs(fn: str, **dtypes: str) -> str:
@@ -112,6 +137,15 @@ def scores_shape(q_shape: Shape, k_shape: Shape) -> Shape:
     return tuple(q_shape[:-1]) + (k_shape[-2],)
 
 
+def check_grad_output(fn: str, shape: Shape, out_shape: Shape) -> None:
+    """``grad_output`` has the output's shape ``(..., heads, q_len, v_dim)`` (ValueError)."""
+    if tuple(shape) != tuple(out_shape):
+        raise ValueError(
+            f"{fn}: grad_output must have the output's shape {tuple(out_shape)}; "
+            f"got grad_output.shape={tuple(shape)}"
+        )
+
+
 def check_broadcast(fn: str, name: str, shape: Shape, target: Shape, target_name: str) -> None:
     """``shape`` broadcasts to ``target`` without enlarging it (ValueError otherwise)."""
     if len(shape) > len(target) or broadcast_shapes(tuple(shape), tuple(target)) != tuple(target):
@@ -134,6 +168,25 @@ def check_bias_dtype(fn: str, dtype: str) -> None:
     """A floating-point bias (TypeError otherwise)."""
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{fn}: bias must be floating point; got bias.dtype={dtype}")
+
+
+def check_mask_bias(
+    fn: str, mask: ArrayInfo | None, bias: ArrayInfo | None, target: Shape
+) -> None:
+    """A boolean ``mask`` and a floating ``bias``, each broadcastable to the scores ``target``."""
+    if mask is not None:
+        check_bool(fn, "mask", mask[1])
+        check_broadcast(fn, "mask", mask[0], target, "scores")
+    if bias is not None:
+        check_bias_dtype(fn, bias[1])
+        check_broadcast(fn, "bias", bias[0], target, "scores")
+
+
+def check_dropout_mask(fn: str, dropout_mask: ArrayInfo | None, target: Shape) -> None:
+    """A boolean keep-mask broadcastable to the weights ``target`` (or None)."""
+    if dropout_mask is not None:
+        check_bool(fn, "dropout_mask", dropout_mask[1])
+        check_broadcast(fn, "dropout_mask", dropout_mask[0], target, "weights")
 
 
 def check_alignment(fn: str, causal_alignment: object) -> None:
@@ -166,6 +219,16 @@ def check_window(fn: str, window: object) -> tuple[int | None, int | None]:
         )
     left, right = window  # type: ignore[misc]
     return (None if left is None else int(left), None if right is None else int(right))
+
+
+def check_structure(
+    fn: str, is_causal: object, causal_alignment: object, window: object
+) -> tuple[bool, str, tuple[int | None, int | None] | None]:
+    """The causal flag, the alignment and the window; returns them normalised."""
+    is_causal = check_flag(fn, "is_causal", is_causal)
+    check_alignment(fn, causal_alignment)
+    window = None if window is None else check_window(fn, window)
+    return is_causal, causal_alignment, window  # type: ignore[return-value]
 
 
 def check_int(fn: str, name: str, value: object, minimum: int | None = 0) -> int:
@@ -205,10 +268,15 @@ def check_softcap(fn: str, softcap: object) -> float | None:
     return c
 
 
+def default_scale(head_dim: int) -> float:
+    """``head_dim ** -0.5``, and 1.0 for ``head_dim == 0`` (every score is then 0 anyway)."""
+    return head_dim**-0.5 if head_dim > 0 else 1.0
+
+
 def check_scale(fn: str, scale: object, head_dim: int) -> float:
-    """A finite number, or ``head_dim ** -0.5`` for None (ValueError otherwise)."""
+    """A finite number, or ``default_scale(head_dim)`` for None (ValueError otherwise)."""
     if scale is None:
-        return head_dim**-0.5 if head_dim > 0 else 1.0
+        return default_scale(head_dim)
     try:
         s = float(scale)  # type: ignore[arg-type]
     except (TypeError, ValueError):
@@ -216,3 +284,108 @@ def check_scale(fn: str, scale: object, head_dim: int) -> float:
     if not math.isfinite(s):
         raise ValueError(f"{fn}: scale must be a finite number; got scale={scale!r}")
     return s
+
+
+# ------------------------------------------------------------------------------------------
+# Lengths, caches and modules
+# ------------------------------------------------------------------------------------------
+
+
+def _is_int_dtype(dtype: str) -> bool:
+    return dtype.startswith(("int", "uint"))
+
+
+def check_kv_lengths(fn: str, kv_lengths: ArrayInfo | None, batch: Shape) -> None:
+    """``blockwise_attention``'s ``kv_lengths``: ints shaped like the batch axes (ValueError)."""
+    if kv_lengths is None:
+        return
+    shape, dtype = kv_lengths
+    if tuple(shape) != tuple(batch) or not _is_int_dtype(dtype):
+        raise ValueError(
+            f"{fn}: kv_lengths must be ints shaped like the batch axes {tuple(batch)}; "
+            f"got kv_lengths.shape={tuple(shape)}, kv_lengths.dtype={dtype}"
+        )
+
+
+def check_lengths_1d(fn: str, name: str, lengths: ArrayInfo) -> None:
+    """The mask builders' per-sequence lengths: a 1-D array of ints (ValueError otherwise)."""
+    shape, dtype = lengths
+    if len(shape) != 1 or not _is_int_dtype(dtype):
+        raise ValueError(
+            f"{fn}: {name} must be a 1-D array of ints; "
+            f"got {name}.shape={tuple(shape)}, {name}.dtype={dtype}"
+        )
+
+
+def _flat(values: object) -> list:
+    if isinstance(values, list):
+        return [v for item in values for v in _flat(item)]
+    return [values]
+
+
+def check_lengths(fn: str, name: str, lengths: object, max_len: int) -> None:
+    """Every length (an int or a nested list of ints, from ``.tolist()``) lies in
+    ``[0, max_len]`` (ValueError otherwise)."""
+    flat = _flat(lengths)
+    if flat and (min(flat) < 0 or max(flat) > max_len):
+        raise ValueError(f"{fn}: {name} must lie in [0, {max_len}]; got {name}={lengths}")
+
+
+def check_cache_append(
+    fn: str, k_shape: Shape, v_shape: Shape, k_buffer: Shape, v_buffer: Shape
+) -> None:
+    """Key and value match the cache in every axis but the sequence axis."""
+    check_key_value(fn, k_shape, v_shape)
+    k_shape, v_shape, k_buffer, v_buffer = map(tuple, (k_shape, v_shape, k_buffer, v_buffer))
+    same = len(k_shape) == len(k_buffer) and k_shape[:-2] == k_buffer[:-2]
+    if not (same and k_shape[-1] == k_buffer[-1] and v_shape[-1] == v_buffer[-1]):
+        raise ValueError(
+            f"{fn}: key and value must match the cache's (..., kv_heads, *, head_dim | v_dim) = "
+            f"{k_buffer[:-2] + (k_buffer[-1],)} | {v_buffer[-1]}; "
+            f"got key.shape={k_shape}, value.shape={v_shape}"
+        )
+
+
+def check_cache_room(fn: str, start: int, stop: int, max_len: int) -> None:
+    """``stop <= max_len`` (ValueError naming max_len otherwise)."""
+    if stop > max_len:
+        raise ValueError(
+            f"{fn}: the cache is full; {stop - start} new positions after {start} exceed "
+            f"max_len={max_len}"
+        )
+
+
+def check_module_heads(fn: str, d_model: int, num_heads: int, num_kv_heads: int) -> None:
+    """``d_model`` a multiple of ``num_heads``, ``num_heads`` of ``num_kv_heads`` (ValueError)."""
+    if num_heads <= 0 or d_model % num_heads != 0:
+        raise ValueError(
+            f"{fn}: d_model must be a multiple of num_heads; "
+            f"got d_model={d_model}, num_heads={num_heads}"
+        )
+    if num_kv_heads <= 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"{fn}: num_heads must be a multiple of num_kv_heads; "
+            f"got num_heads={num_heads}, num_kv_heads={num_kv_heads}"
+        )
+
+
+def check_weight_shapes(fn: str, expected: dict[str, Shape], given: dict[str, Shape]) -> None:
+    """A loaded weight dict has exactly the module's names and shapes (ValueError otherwise)."""
+    missing = sorted(set(expected) - set(given))
+    extra = sorted(set(given) - set(expected))
+    if missing or extra:
+        raise ValueError(f"{fn}: weight names differ; missing {missing}, unexpected {extra}")
+    for name, shape in expected.items():
+        got = tuple(given[name])
+        if got != tuple(shape):
+            raise ValueError(f"{fn}: {name} must have shape {tuple(shape)}; got {name}.shape={got}")
+
+
+def check_backward_without_dropout(module: str, dropout_active: bool, dropout_p: float) -> None:
+    """A module's ``backward`` never applies dropout (ValueError while it is active)."""
+    # The backward pass must see the forward pass's keep-mask, which a module does not keep.
+    if dropout_active:
+        raise ValueError(
+            f"{module}.backward: dropout is active; call eval() or use "
+            f"dropout_p=0 (got dropout_p={dropout_p})"
+        )

@@ -1,0 +1,190 @@
+"""Why a spec backend failed a step, in plain words.
+
+``diagnose(exp, step, actual)`` asks every function of ``DIAGNOSES`` and joins what they say:
+
+* ``planted_mistake`` replays the reference with one classic mistake planted at a time
+  (``HYPOTHESES``: flipped mask polarity, the other causal alignment, ``h % kv_heads``
+  grouping, an ignored argument …) and names the first that reproduces the backend's result;
+* ``non_finite_rows`` explains NaN where the spec gives 0 or a finite value (fully masked rows,
+  softmax overflow), and NaN missing or spreading on the non-finite cases (the spec's IEEE rule);
+* ``mean_of_value`` recognises fully masked rows that give the mean of ``value``.
+
+To add a diagnosis: a hypothesis (a change of the inputs or options that makes the reference
+commit the mistake) to ``HYPOTHESES``, or a function ``(exp, step, actual) -> str`` to
+``DIAGNOSES`` that looks at the result itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import reference
+from .cases import CaseData
+from .compare import compare
+from .expected import Expected, pipeline
+
+#: ``(arrays, options) -> (arrays, options)`` with the mistake planted, or None if the case
+#: cannot show it.
+Hypothesis = Callable[[dict[str, np.ndarray], dict[str, Any]],
+                      "tuple[dict[str, np.ndarray], dict[str, Any]] | None"]
+
+
+def _flip_mask(a: dict, o: dict) -> tuple[dict, dict] | None:
+    return ({**a, "mask": ~np.asarray(a["mask"], bool)}, o) if a.get("mask") is not None else None
+
+
+def _other_alignment(a: dict, o: dict) -> tuple[dict, dict] | None:
+    if not (o.get("is_causal") or o.get("window")):
+        return None
+    bottom_right = o.get("causal_alignment", "top_left") == "bottom_right"
+    return a, {**o, "causal_alignment": "top_left" if bottom_right else "bottom_right"}
+
+
+def _gqa_modulo(a: dict, o: dict) -> tuple[dict, dict] | None:
+    q, k = a["query"], a["key"]
+    if q.ndim < 3 or k.shape[-3] in (1, q.shape[-3]):
+        return None
+    tile = [1] * k.ndim
+    tile[-3] = q.shape[-3] // k.shape[-3]  # query head h meets kv head h % kv_heads
+    return {**a, "key": np.tile(k, tile), "value": np.tile(a["value"], tile)}, o
+
+
+def _drop(name: str, default: Any = None) -> Hypothesis:
+    def hypothesis(a: dict, o: dict) -> tuple[dict, dict] | None:
+        if name in a:
+            return {k: v for k, v in a.items() if k != name}, o
+        if o.get(name) not in (None, default):
+            return a, {k: v for k, v in o.items() if k != name}
+        return None
+
+    return hypothesis
+
+
+def _no_rescale(a: dict, o: dict) -> tuple[dict, dict] | None:
+    if not o.get("dropout_p"):
+        return None
+    return {**a, "value": np.asarray(a["value"], np.float64) * (1 - o["dropout_p"])}, o
+
+
+HYPOTHESES: tuple[tuple[str, Hypothesis], ...] = (
+    ("mask polarity flipped: the implementation treats True as 'masked out'; the spec's True "
+     "means 'may attend'", _flip_mask),
+    ("wrong causal alignment: the result matches the other alignment (top-left is offset 0, "
+     "bottom-right is offset kv_len - q_len)", _other_alignment),
+    ("wrong grouped-query mapping: query head h uses kv head h % kv_heads; the spec uses "
+     "h // (heads // kv_heads)", _gqa_modulo),
+    ("the mask is ignored", _drop("mask")),
+    ("the bias is ignored", _drop("bias")),
+    ("the scale argument is ignored (head_dim ** -0.5 used)", _drop("scale")),
+    ("soft-capping is skipped", _drop("softcap")),
+    ("the dropout keep-mask is ignored", _drop("dropout_mask")),
+    ("the window is ignored", _drop("window")),
+    ("the causal rule is ignored", _drop("is_causal", False)),
+    ("dropout survivors are not rescaled by 1 / (1 - dropout_p)", _no_rescale),
+)
+
+
+def planted_mistake(exp: Expected, step: str, actual: np.ndarray) -> str:
+    """The first hypothesis whose reference result the backend's result matches."""
+    if not exp.data.finite:  # NaN spreads under several mistakes alike: non_finite_rows says
+        return ""
+    for text, hypothesis in HYPOTHESES:
+        variant = hypothesis(exp.data.arrays, exp.data.options)
+        if variant is None:
+            continue
+        try:
+            with np.errstate(all="ignore"):
+                alt = pipeline(CaseData(*variant), "sdpa", exp.dtype, naive=False)
+        except Exception:  # noqa: BLE001 - a hypothesis that cannot run explains nothing
+            continue
+        if step not in alt:
+            continue
+        res = compare(step, actual, alt[step], exp.baseline[step], exp.dtype)
+        if res.passed and not np.array_equal(alt[step], exp.values[step], equal_nan=True):
+            return text
+    return ""
+
+
+def _free(exp: Expected, step: str, shape: tuple[int, ...]) -> np.ndarray:
+    unspecified = exp.unspecified.get(step)
+    return np.zeros(shape, bool) if unspecified is None else np.broadcast_to(unspecified, shape)
+
+
+def non_finite_rows(exp: Expected, step: str, actual: np.ndarray) -> str:
+    """NaN or Inf where the spec says otherwise, or no NaN where its IEEE rule requires one."""
+    ref = exp.values[step]
+    free = _free(exp, step, ref.shape)
+    if not exp.data.finite:
+        spread = np.isnan(actual) & ~np.isnan(ref) & ~free
+        missing = np.isnan(ref) & ~np.isnan(actual) & ~free
+        if spread.any():
+            return ("NaN reached positions the spec keeps finite: masking must replace a masked "
+                    "score by -inf (NaN + -inf is NaN), and a NaN reaches only the rows that "
+                    "attend it")
+        if missing.any():
+            if (actual[missing] == 0).all():
+                return ("a NaN/Inf input gave 0 where the spec's IEEE rule gives NaN (the row "
+                        "was treated like a fully masked row)")
+            return "a NaN/Inf input did not reach positions the spec's IEEE rule makes NaN"
+        return ""
+    if not (step.endswith("output") or step.endswith("weights")) or ref.ndim < 2:
+        return ""
+    empty = np.isneginf(exp.values["masked_scores"]).all(-1)  # (..., q_len)
+    nan_rows = np.isnan(actual).any(-1)  # (..., q_len)
+    if empty.any() and nan_rows.any() and (nan_rows <= np.broadcast_to(empty, nan_rows.shape)
+                                           ).all():
+        return ("fully masked rows give NaN (softmax of a row of -inf, 0 / 0); the spec gives "
+                "exactly 0")
+    if nan_rows.any() or np.isinf(actual[np.isfinite(ref)]).any():
+        masked = exp.values["masked_scores"]
+        big = np.nanmax(np.abs(np.where(np.isfinite(masked), masked, 0)))
+        if big > 80:
+            return (f"non-finite values with logits up to {big:.3g}: the softmax overflows (exp "
+                    "without subtracting the row maximum?)")
+        return "non-finite values where the reference is finite"
+    return ""
+
+
+def mean_of_value(exp: Expected, step: str, actual: np.ndarray) -> str:
+    """Fully masked rows that give the mean of ``value`` (uniform weights) instead of 0."""
+    if not step.endswith("output") or "masked_scores" not in exp.values:
+        return ""
+    ref = exp.values[step]
+    empty = np.isneginf(exp.values["masked_scores"]).all(-1)  # (..., heads, q_len)
+    if not empty.any() or not np.isfinite(actual).all():
+        return ""
+    heads = ref.shape[-3] if ref.ndim >= 3 else 1
+    v = reference.repeat_kv(np.asarray(exp.data.arrays["value"], np.float64), heads)
+    mean_v = np.broadcast_to(v.mean(-2, keepdims=True), ref.shape)
+    rows = np.broadcast_to(empty[..., None], ref.shape)
+    if np.allclose(actual[rows], mean_v[rows], rtol=1e-2, atol=1e-2):
+        return ("fully masked rows give the mean of value (uniform weights); the spec gives "
+                "exactly 0")
+    return ""
+
+
+DIAGNOSES: tuple[Callable[[Expected, str, np.ndarray], str], ...] = (
+    planted_mistake, non_finite_rows, mean_of_value,
+)
+
+
+def diagnose(exp: Expected, step: str, actual: Any) -> str:
+    """Plain-words reasons for a failed step of an sdpa case ("" when none applies)."""
+    if exp.kind != "sdpa" or step not in exp.values:
+        return ""
+    actual = np.asarray(actual).astype(np.float64)
+    if actual.shape != exp.values[step].shape:
+        return ""
+    reasons = []
+    for diagnosis in DIAGNOSES:
+        text = diagnosis(exp, step, actual)
+        if text and text not in reasons:
+            reasons.append(text)
+    return "; ".join(reasons)
+
+
+__all__ = ["DIAGNOSES", "HYPOTHESES", "diagnose", "mean_of_value", "non_finite_rows",
+           "planted_mistake"]

@@ -1,0 +1,213 @@
+"""What one case in one dtype must give: the expected value of every compared step.
+
+For the dtype-cast inputs of a case, ``expected_for`` computes once:
+
+* ``values``: every step in float64 (``conformance.reference``; for modules, the projections in
+  float64 around it, ``conformance.module_pipelines``), gradients against a seeded
+  ``grad_output``;
+* ``baseline``: per step, the largest error of the naive implementation in that dtype
+  (``conformance.naive``), which scales the tolerance (``spec.TOLERANCES``);
+* ``zeros``: positions that must be exactly 0 (masked weights, fully masked rows);
+* ``unspecified``: positions where the spec's NaN rule allows any value.
+
+A step's name is the key in ``values``; ``conformance.steps`` says how a backend computes it. To
+compare a new step, add its value here (``pipeline``) and a ``Step`` there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import cases as cases_mod
+from . import reference
+from .backends import numpy_dtype
+from .cases import Case, CaseData
+from .module_pipelines import flatten_weight_grads, module_backward, module_forward
+from .naive import EXACT, Precision, naive_attention, naive_attention_vjp, rounding_error
+
+GRAD_SEED = 20261130
+GRAD_STEPS = ("grad_query", "grad_key", "grad_value", "grad_bias")
+
+#: The blockwise backward is compared in these dtypes (its half-precision gradients are tested
+#: by tests/test_blockwise.py): each further dtype costs JAX a compile of two scans per case.
+BLOCKWISE_GRAD_DTYPES = ("float64", "float32")
+
+
+def reference_attention(arrays: dict[str, np.ndarray], options: dict[str, Any],
+                        p: Precision = EXACT) -> reference.Steps:
+    """``reference.attention`` on a case's arrays and options (``p`` is ignored: float64)."""
+    return reference.attention(**cases_mod.sdpa_arrays(arrays), **cases_mod.sdpa_options(options))
+
+
+def reference_attention_vjp(arrays: dict[str, np.ndarray], options: dict[str, Any],
+                            p: Precision = EXACT) -> reference.Grads:
+    """``reference.attention_vjp`` against ``arrays["grad_output"]`` (float64)."""
+    sdpa = cases_mod.sdpa_arrays(arrays)
+    extra = {n: sdpa[n] for n in ("mask", "bias", "dropout_mask") if n in sdpa}
+    return reference.attention_vjp(sdpa["query"], sdpa["key"], sdpa["value"],
+                                   arrays["grad_output"], **extra,
+                                   **cases_mod.sdpa_options(options))
+
+
+def grad_output_for(shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """The output cotangent of a case: seeded standard normal of ``shape``, in ``dtype``."""
+    return np.random.default_rng(GRAD_SEED).standard_normal(shape).astype(numpy_dtype(dtype))
+
+
+def blockwise_applies(data: CaseData) -> bool:
+    """``blockwise_attention`` expresses the case: masks only as structure or ``kv_lengths``,
+    no dropout."""
+    a = data.arrays
+    return ("mask" not in a or "kv_lengths" in a) and "dropout_mask" not in a
+
+
+def pipeline(data: CaseData, kind: str, dtype: str, naive: bool) -> dict[str, np.ndarray]:
+    """Every step's value: the float64 reference (``naive=False``) or the naive baseline in
+    ``dtype``; gradients only for finite inputs with a ``grad_output`` (``expected_for`` adds
+    one unless told not to)."""
+    with np.errstate(all="ignore"):  # NaN and inf - inf are the IEEE rule at work
+        return _pipeline(data, kind, dtype, naive)
+
+
+def _pipeline(data: CaseData, kind: str, dtype: str, naive: bool) -> dict[str, np.ndarray]:
+    p = Precision(dtype) if naive else EXACT
+    attend = naive_attention if naive else reference_attention
+    attend_vjp = naive_attention_vjp if naive else reference_attention_vjp
+    grads = "grad_output" in data.arrays and data.finite
+    if kind == "module":
+        values = module_forward(data, p, attend)
+        if data.options.get("decode"):
+            values["decode_output"] = values["output"]  # decoding equals the causal forward
+        if grads:
+            values["grad_weights"] = flatten_weight_grads(
+                module_backward(data, p, attend, attend_vjp))
+        return values
+    steps = attend(data.arrays, data.options, p)
+    values = {"scores": steps.scores, "masked_scores": steps.masked_scores,
+              "weights": steps.weights, "output": steps.output, "output_weights": steps.weights}
+    if grads:
+        g = attend_vjp(data.arrays, data.options, p)
+        for name in GRAD_STEPS:
+            value = getattr(g, name.removeprefix("grad_"))
+            if value is not None:
+                values[name] = value
+    if blockwise_applies(data):
+        values["blockwise_output"] = values["output"]
+        if dtype in BLOCKWISE_GRAD_DTYPES:
+            for name in GRAD_STEPS:
+                if name in values:
+                    values[f"blockwise_{name}"] = values[name]
+    return values
+
+
+@dataclass
+class Expected:
+    """What one case in one dtype must give (see the module docstring)."""
+
+    case: str
+    kind: str
+    dtype: str
+    data: CaseData  # inputs, already in dtype
+    values: dict[str, np.ndarray]
+    baseline: dict[str, float]  # largest error of the naive implementation in dtype
+    zeros: dict[str, np.ndarray] = field(default_factory=dict)  # positions that must be 0
+    unspecified: dict[str, np.ndarray] = field(default_factory=dict)  # any value passes
+
+
+def baseline_error(naive: np.ndarray, ref: np.ndarray, p: Precision) -> float:
+    """Largest error of the naive result where the reference is finite; where the naive
+    implementation overflows there, the error of rounding the reference itself to the dtype."""
+    finite = np.isfinite(ref)
+    if not finite.any():
+        return 0.0
+    if not np.isfinite(naive[finite]).all():
+        rounded = p.round(ref[finite])
+        ok = np.isfinite(rounded)
+        return float(np.max(np.abs(rounded[ok] - ref[finite][ok]), initial=0.0))
+    return float(np.max(np.abs(naive[finite] - ref[finite])))
+
+
+def exact_zeros(values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Positions that must be exactly 0 in an sdpa case: masked weights, and the output (and
+    query gradient) of fully masked rows."""
+    masked = np.isneginf(values["masked_scores"])  # (..., heads, q_len, kv_len)
+    empty = masked.all(-1, keepdims=True)  # (..., heads, q_len, 1)
+    zeros = {"weights": masked, "output_weights": masked}
+    for name in ("output", "grad_query"):
+        if name in values:
+            zeros[name] = np.broadcast_to(empty, values[name].shape)
+            if f"blockwise_{name}" in values:
+                zeros[f"blockwise_{name}"] = zeros[name]
+    return zeros
+
+
+def unspecified_positions(data: CaseData, values: dict[str, np.ndarray]
+                          ) -> dict[str, np.ndarray]:
+    """Where the spec's NaN rule allows any value (sdpa cases with non-finite inputs).
+
+    * weights: masked positions of a row that is NaN (``0 / NaN``, or 0 if a backend zeroes
+      masked positions after normalising);
+    * output: ``(row i, column d)`` where row ``i`` has weight 0 on a key ``j`` whose value
+      ``value[j, d]`` is not finite (``0·NaN`` is NaN in a plain product, a blocked kernel may
+      never read that tile).
+    """
+    weights = values["weights"]  # (..., heads, q_len, kv_len)
+    masked = np.isneginf(values["masked_scores"])
+    weights_any = masked & np.isnan(weights).any(-1, keepdims=True)
+    value = np.asarray(data.arrays["value"]).astype(np.float64)
+    heads = weights.shape[-3] if weights.ndim >= 3 else 1
+    bad_value = ~np.isfinite(reference.repeat_kv(value, heads))  # (..., heads, kv_len, v_dim)
+    unused = weights == 0
+    if "dropout_mask" in data.arrays and data.options.get("dropout_p", 0.0) > 0:
+        unused = unused | ~np.asarray(data.arrays["dropout_mask"], bool)
+    output_any = np.einsum("...qk,...kd->...qd", unused.astype(np.float64),
+                           bad_value.astype(np.float64)) > 0
+    result = {"weights": weights_any, "output_weights": weights_any, "output": output_any}
+    if "blockwise_output" in values:
+        result["blockwise_output"] = output_any
+    return result
+
+
+def expected_for(data: CaseData, kind: str, dtype: str, case: str = "", *,
+                 gradients: bool = True) -> Expected:
+    """Expected values, baseline errors, exact zeros and unspecified positions for dtype-cast
+    inputs ``data`` of a case of ``kind`` (``"sdpa"`` or ``"module"``); with ``gradients``, a
+    seeded ``grad_output`` and the gradient steps."""
+    if gradients and "grad_output" not in data.arrays:  # a new CaseData: callers keep theirs
+        if kind == "sdpa":
+            q, v = data.arrays["query"], data.arrays["value"]
+            shape = q.shape[:-1] + v.shape[-1:]
+        else:
+            with np.errstate(all="ignore"):
+                shape = module_forward(data, EXACT, reference_attention)["output"].shape
+        data = CaseData({**data.arrays, "grad_output": grad_output_for(shape, dtype)},
+                        data.options)
+    with np.errstate(all="ignore"):
+        values = pipeline(data, kind, dtype, naive=False)
+        naive = pipeline(data, kind, dtype, naive=True)
+        p = Precision(dtype)
+        baseline = {n: baseline_error(naive[n], values[n], p) for n in values}
+        if kind == "sdpa":  # never below the first-order effect of rounding each score once
+            steps = reference.Steps(values["scores"], values["masked_scores"], values["weights"],
+                                    values["output"])
+            floor = rounding_error(data.arrays, data.options, p, steps)
+            for name in ("weights", "output_weights", "output", "blockwise_output"):
+                if name in baseline:
+                    baseline[name] = max(baseline[name], floor[name.removeprefix("blockwise_")])
+        zeros = exact_zeros(values) if kind == "sdpa" else {}
+        unspecified = ({} if kind != "sdpa" or data.finite
+                       else unspecified_positions(data, values))
+    return Expected(case, kind, dtype, data, values, baseline, zeros, unspecified)
+
+
+def expected(case: Case, dtype: str) -> Expected:
+    """``expected_for`` the case's inputs cast to ``dtype``."""
+    return expected_for(cases_mod.prepare_inputs(case, dtype), case.kind, dtype, case.name)
+
+
+__all__ = ["BLOCKWISE_GRAD_DTYPES", "GRAD_SEED", "GRAD_STEPS", "Expected", "baseline_error",
+           "blockwise_applies", "expected", "expected_for", "grad_output_for", "pipeline",
+           "reference_attention", "reference_attention_vjp"]

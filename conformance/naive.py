@@ -1,0 +1,183 @@
+"""The naive baseline: the spec's pipeline as a straightforward implementation in a low precision.
+
+Every compared step's tolerance (``spec.TOLERANCES``) scales with the error ``e`` of this
+baseline, measured on the same inputs in the same run (flash-attention's rule): the float64
+pipeline with every intermediate (dot products, scaled scores, exp, row sums, weights, weighted
+sum) rounded to the dtype under test, and every dot product and row sum accumulated in the
+spec's compute dtype (float32 for float32, bfloat16 and float16; float64 for float64), as a plain
+``query @ keyᵀ`` in that dtype does. ``Precision("float64")`` gives the float64 pipeline itself.
+
+Non-finite inputs follow IEEE arithmetic here as in ``conformance.reference``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import reference, spec
+from .backends import numpy_dtype
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How a straightforward implementation in ``dtype`` rounds and accumulates."""
+
+    dtype: str
+
+    @property
+    def accumulate(self) -> np.dtype:
+        """The dtype dot products and sums accumulate in: the spec's compute dtype."""
+        return np.dtype(spec.COMPUTE_DTYPE[self.dtype])
+
+    def round(self, x: Any) -> np.ndarray:
+        """Float64 values rounded to ``dtype`` and back (unchanged for float64)."""
+        x = np.asarray(x, dtype=np.float64)
+        if self.dtype == "float64":
+            return x
+        return x.astype(numpy_dtype(self.dtype)).astype(np.float64)
+
+    def einsum(self, subscripts: str, a: Any, b: Any) -> np.ndarray:
+        """``np.einsum`` of two operands accumulated in the compute dtype, result rounded."""
+        acc = self.accumulate
+        product = np.einsum(subscripts, np.asarray(a).astype(acc), np.asarray(b).astype(acc))
+        return self.round(product)
+
+    def matmul(self, a: Any, b: Any) -> np.ndarray:
+        """``a @ b`` accumulated in the compute dtype, result rounded."""
+        acc = self.accumulate
+        return self.round(np.asarray(a).astype(acc) @ np.asarray(b).astype(acc))
+
+    def sum(self, x: np.ndarray, axis: int = -1) -> np.ndarray:
+        """Sum over ``axis`` (kept) accumulated in the compute dtype, result rounded."""
+        return self.round(np.asarray(x).astype(self.accumulate).sum(axis, keepdims=True))
+
+    @property
+    def unit(self) -> float:
+        """The unit roundoff of ``dtype``: half the distance from 1 to the next number."""
+        if self.dtype == "bfloat16":
+            return 2.0 ** -8
+        return float(np.finfo(np.dtype(self.dtype)).eps) / 2
+
+
+EXACT = Precision("float64")
+
+
+def _f64(x: Any) -> np.ndarray:
+    return np.asarray(x).astype(np.float64)
+
+
+def _scale(q: np.ndarray, options: dict[str, Any]) -> float:
+    scale = options.get("scale")
+    return q.shape[-1] ** -0.5 if scale is None else float(scale)
+
+
+def naive_attention(arrays: dict[str, np.ndarray], options: dict[str, Any],
+                    p: Precision) -> reference.Steps:
+    """The spec's pipeline with every intermediate rounded by ``p``.
+
+    ``arrays``: ``query (..., heads, q_len, head_dim)``, ``key (..., kv_heads, kv_len,
+    head_dim)``, ``value (..., kv_heads, kv_len, v_dim)`` and optional ``mask``, ``bias``,
+    ``dropout_mask``; ``options``: the scalar options of ``scaled_dot_product_attention``.
+    """
+    q, k, v = (_f64(arrays[n]) for n in ("query", "key", "value"))
+    heads = q.shape[-3] if q.ndim >= 3 else 1
+    k, v = reference.repeat_kv(k, heads), reference.repeat_kv(v, heads)
+    r = p.round
+    scores = r(p.einsum("...qd,...kd->...qk", q, k) * _scale(q, options))
+    softcap = options.get("softcap")
+    if softcap is not None:
+        scores = r(softcap * r(np.tanh(r(scores / softcap))))
+    masked = scores if arrays.get("bias") is None else r(scores + _f64(arrays["bias"]))
+    q_len, kv_len = scores.shape[-2:]
+    allowed = np.broadcast_to(reference.structural_mask(
+        q_len, kv_len, is_causal=options.get("is_causal", False),
+        causal_alignment=options.get("causal_alignment", "top_left"),
+        window=options.get("window")), masked.shape)
+    if arrays.get("mask") is not None:
+        allowed = allowed & np.asarray(arrays["mask"], dtype=bool)
+    allowed = allowed & (masked != -np.inf)
+    masked = np.where(allowed, masked, -np.inf)
+    keeps = allowed.any(-1, keepdims=True)  # (..., q_len, 1)
+    row_max = np.where(keeps, np.max(np.where(allowed, masked, -1e308), -1, keepdims=True), 0.0)
+    exp = np.where(allowed, r(np.exp(r(np.where(allowed, masked, 0.0) - row_max))), 0.0)
+    total = p.sum(exp)
+    weights = np.where(keeps, r(exp / np.where(total == 0, 1.0, total)), 0.0)
+    kept = weights
+    if options.get("dropout_p", 0.0) > 0:
+        kept = r(weights * np.asarray(arrays["dropout_mask"], bool) / (1.0 - options["dropout_p"]))
+    output = p.einsum("...qk,...kd->...qd", kept, v)
+    return reference.Steps(scores=scores, masked_scores=masked, weights=weights, output=output)
+
+
+def naive_attention_vjp(arrays: dict[str, np.ndarray], options: dict[str, Any],
+                        p: Precision) -> reference.Grads:
+    """The backward pass (FlashAttention's formulas) as a straightforward implementation.
+
+    ``arrays`` as ``naive_attention``'s plus ``grad_output (..., heads, q_len, v_dim)``. Sums
+    accumulate in the compute dtype and every intermediate is rounded by ``p``: the error
+    baseline of the gradient steps.
+    """
+    steps = naive_attention(arrays, options, p)
+    r = p.round
+    q, k, v = (_f64(arrays[n]) for n in ("query", "key", "value"))
+    d_out = _f64(arrays["grad_output"])
+    heads = q.shape[-3] if q.ndim >= 3 else 1
+    k_rep, v_rep = reference.repeat_kv(k, heads), reference.repeat_kv(v, heads)
+    weights, kept, keep = steps.weights, steps.weights, 1.0
+    dropout_p = options.get("dropout_p", 0.0)
+    if dropout_p > 0:
+        keep = np.asarray(arrays["dropout_mask"], bool) / (1.0 - dropout_p)
+        kept = r(weights * keep)
+    grad_v = p.einsum("...qk,...qd->...kd", kept, d_out)
+    grad_w = r(p.einsum("...qd,...kd->...qk", d_out, v_rep) * keep)
+    row = p.sum(d_out * steps.output)  # rowsum(dO ⊙ O), (..., q_len, 1)
+    grad_s = r(weights * r(grad_w - row))
+    bias = arrays.get("bias")
+    grad_bias = None if bias is None else r(reference.unbroadcast(grad_s, np.shape(bias)))
+    softcap = options.get("softcap")
+    if softcap is not None:
+        grad_s = r(grad_s * r(1.0 - r(r(steps.scores / softcap) ** 2)))
+    grad_s = r(grad_s * _scale(q, options))
+    grad_q = p.einsum("...qk,...kd->...qd", grad_s, k_rep)
+    grad_k = p.einsum("...qk,...qd->...kd", grad_s, q)
+    return reference.Grads(query=grad_q, key=r(reference.fold_kv(grad_k, k.shape)),
+                           value=r(reference.fold_kv(grad_v, v.shape)), bias=grad_bias)
+
+
+def rounding_error(arrays: dict[str, np.ndarray], options: dict[str, Any], p: Precision,
+                   ref: reference.Steps) -> dict[str, float]:
+    """The first-order effect of rounding every score once to ``p.dtype``, propagated through the
+    softmax and the weighted sum (the floor of the naive baseline's error).
+
+    A score ``s_ij`` that a straightforward implementation rounds once may be off by
+    ``h_ij = u·(scale·Σ_d |q_id k_jd| + |s_ij|)``; to first order that moves weight ``w_ij`` by
+    up to ``w_ij·(h_ij + Σ_k w_ik h_ik)`` and output ``o_id`` by up to
+    ``Σ_j w_ij h_ij |v_jd - o_id|``; the final rounding of each adds ``u·|x|``. A measured naive
+    error on a tiny example can be far smaller by luck (its roundings of two close scores cancel
+    in their difference); the tolerance must not rely on that luck. Returns the largest estimate
+    for ``weights``/``output_weights`` and ``output``; ``ref`` is the float64 reference.
+    """
+    u = p.unit
+    q, k, v = (_f64(arrays[n]) for n in ("query", "key", "value"))
+    heads = q.shape[-3] if q.ndim >= 3 else 1
+    k, v = reference.repeat_kv(k, heads), reference.repeat_kv(v, heads)
+    with np.errstate(all="ignore"):
+        magnitude = np.einsum("...qd,...kd->...qk", np.abs(q), np.abs(k)) * abs(_scale(q, options))
+        allowed = np.isfinite(ref.masked_scores)
+        h = np.where(allowed, u * (magnitude + np.abs(np.where(allowed, ref.masked_scores, 0))), 0)
+        w = np.where(np.isfinite(ref.weights), ref.weights, 0.0)  # (..., heads, q_len, kv_len)
+        o = np.where(np.isfinite(ref.output), ref.output, 0.0)  # (..., heads, q_len, v_dim)
+        v = np.where(np.isfinite(v), v, 0.0)
+        weights = w * (h + (w * h).sum(-1, keepdims=True)) + u * w
+        spread = np.abs(v[..., None, :, :] - o[..., :, None, :])  # (..., q_len, kv_len, v_dim)
+        output = np.einsum("...qk,...qkd->...qd", w * h, spread) + u * np.abs(o)
+    largest = {"weights": float(np.max(weights, initial=0.0)),
+               "output": float(np.max(output, initial=0.0))}
+    largest["output_weights"] = largest["weights"]
+    return largest
+
+
+__all__ = ["EXACT", "Precision", "naive_attention", "naive_attention_vjp", "rounding_error"]

@@ -1,0 +1,176 @@
+"""What a run produces: cells, bad-input results, property results and the whole run.
+
+Every producer (``runner``, ``peers``, ``errors``, ``properties``, ``golden``) fills these types;
+``report`` only reads them. A cell is one (case, dtype, column) of the report: its status, the
+worst ratio over its steps (``compare.StepResult``) and a detail text.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import spec
+from .compare import StepResult
+from .expected import Expected
+
+
+class NotApplicable(Exception):
+    """A column cannot express a case (e.g. a peer without soft-capping): the cell is n/a."""
+
+
+@dataclass
+class Cell:
+    """One (case, dtype, column) of the report."""
+
+    case: str
+    dtype: str
+    column: str
+    status: str = "ok"  # ok | FAIL | known | n/a | error
+    ratio: float | None = 0.0
+    steps: list[StepResult] = field(default_factory=list)
+    detail: str = ""  # error text, n/a reason, known-difference text or diagnosis
+    spec_backend: bool = True
+    rerun: str = ""
+
+    @property
+    def failed(self) -> bool:
+        """True when this cell makes the run fail (a spec backend that did not pass)."""
+        return self.spec_backend and self.status not in ("ok", "n/a")
+
+    def finish(self) -> Cell:
+        """Set status, ratio and detail from the steps; returns the cell."""
+        errors = [s for s in self.steps if s.error]
+        finite = [s.ratio for s in self.steps if not s.error]
+        self.ratio = max(finite) if finite else None
+        if errors and not finite:
+            self.status, self.detail = "error", errors[0].error
+        elif errors or any(not s.passed for s in self.steps):
+            self.status = "FAIL"
+            notes = [f"{s.step}: {s.error or s.note}" for s in self.steps
+                     if (s.error or not s.passed) and (s.error or s.note)]
+            self.detail = " | ".join(notes)
+        return self
+
+
+def rerun_command(case: str, dtype: str, column: str) -> str:
+    """The command that reruns one cell."""
+    return f"python -m conformance --case {case} --dtype {dtype} --backend {column}"
+
+
+def error_text(exc: BaseException) -> str:
+    """``Type: message``, first line only, at most 300 characters."""
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return text.splitlines()[0][:300] if text else type(exc).__name__
+
+
+def known_difference(peer: str, case: str, dtype: str) -> dict[str, Any] | None:
+    """The entry of ``spec.KNOWN_DIFFERENCES`` that covers ``peer`` on ``case``, if any."""
+    for entry in spec.KNOWN_DIFFERENCES.get(peer, []):
+        patterns = entry["cases"]
+        patterns = [patterns] if isinstance(patterns, str) else patterns
+        dtypes = entry.get("dtypes")
+        if any(fnmatch.fnmatchcase(case, p) for p in patterns) and (
+            dtypes is None or dtype in dtypes
+        ):
+            return entry
+    return None
+
+
+@dataclass
+class ErrorResult:
+    """One bad input (``errors.ERROR_CASES``) on one backend."""
+
+    case: str
+    backend: str
+    expected: str
+    raised: str  # exception type name, or "" when nothing was raised
+    message: str
+    passed: bool
+    problem: str = ""
+    spec_backend: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class BackendProperties:
+    """The outcome of the property checks on one backend."""
+
+    backend: str
+    examples: int = 0
+    failure: str = ""
+    reproducer: str = ""
+    worst_ratio: float = 0.0  # worst compare ratio over the passing examples
+    seconds: float = 0.0
+
+
+@dataclass
+class PropertyResult:
+    """The outcome of ``--hypothesis N``: N examples per backend."""
+
+    n: int
+    backends: list[BackendProperties] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        """True when no backend failed a property."""
+        return not any(b.failure for b in self.backends)
+
+    def summary(self) -> str:
+        """A short part of the summary line."""
+        bad = [b.backend for b in self.backends if b.failure]
+        total = sum(b.examples for b in self.backends)
+        return f"hypothesis: {total} examples, " + (f"FAIL on {', '.join(bad)}" if bad else "ok")
+
+    def text(self) -> str:
+        """One line per backend, and each failure with its minimal reproducer."""
+        lines = []
+        for b in self.backends:
+            verdict = "FAIL" if b.failure else "ok"
+            lines.append(f"hypothesis · {b.backend}: {verdict}, {b.examples} examples, worst "
+                         f"ratio {b.worst_ratio:.2f}, {b.seconds:.1f} s")
+            if b.failure:
+                lines.append(f"FAIL hypothesis · {b.backend}: {b.failure}\n"
+                             f"  minimal reproducer (runnable):\n\n{b.reproducer}\n")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for the JSON report."""
+        return {"n": self.n, "backends": [vars(b) for b in self.backends]}
+
+
+@dataclass
+class Column:
+    """A report column: a spec/user backend (``backend``), or a peer (``peer``)."""
+
+    name: str
+    kind: str  # "backend" or "peer"
+    backend: Any = None  # backends.Backend
+    peer: Any = None  # peers.Peer
+
+
+@dataclass
+class RunResult:
+    """Everything a run produced, for the report."""
+
+    columns: list[Column]
+    cells: list[Cell]
+    missing: dict[str, str]  # column (or tool) → how to install
+    rows: list[tuple[str, str]]  # (case, dtype) in order
+    expectations: dict[tuple[str, str], Expected] = field(default_factory=dict)
+    errors: list[ErrorResult] = field(default_factory=list)
+    properties: PropertyResult | None = None
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """True when every spec/user backend cell passed (and errors/properties conform)."""
+        cells_ok = not any(c.failed for c in self.cells)
+        errors_ok = all(e.passed for e in self.errors if e.spec_backend)
+        props_ok = self.properties is None or self.properties.passed
+        return cells_ok and errors_ok and props_ok
+
+
+__all__ = ["BackendProperties", "Cell", "Column", "ErrorResult", "NotApplicable",
+           "PropertyResult", "RunResult", "error_text", "known_difference", "rerun_command"]

@@ -1,0 +1,237 @@
+"""Running the harness: every case × dtype × column, plus the bad-input and property checks.
+
+``run`` is what ``python -m conformance run`` does: it resolves the columns (spec backends,
+user modules, peers), computes each case's ``Expected`` once per dtype, runs every column on it
+(``run_cell`` for a backend, ``run_peer_cell`` for a peer), then feeds the bad inputs of
+``conformance.errors`` and the property checks of ``conformance.properties`` to every backend;
+everything lands in one ``RunResult`` for the report. ``golden.check`` runs the same
+``run_expectations`` on expectations loaded from files.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+from . import backends as backends_mod
+from . import cases as cases_mod
+from . import errors as errors_mod
+from . import peers as peers_mod
+from .backends import Backend
+from .compare import StepResult, compare_step
+from .diagnose import diagnose
+from .expected import Expected, expected
+from .results import (
+    Cell,
+    Column,
+    NotApplicable,
+    RunResult,
+    error_text,
+    known_difference,
+    rerun_command,
+)
+from .steps import Execution, steps_for
+
+#: Property-check examples per backend in a default run (no --case, --dtype or --hypothesis).
+DEFAULT_PROPERTY_EXAMPLES = 100
+
+
+def judge(exp: Expected, step: str, actual: np.ndarray, result_dtype: str | None) -> StepResult:
+    """``compare`` one step's result with ``exp``; a failure gets ``diagnose``'s reasons."""
+    res = compare_step(exp, step, actual, result_dtype)
+    with np.errstate(all="ignore"):
+        if not res.passed:
+            why = diagnose(exp, step, actual)
+            if why:
+                res.note = f"{res.note}; {why}" if res.note else why
+    return res
+
+
+def run_cell(backend: Backend, exp: Expected, *, column: str | None = None,
+             steps: Iterable[str] | None = None) -> Cell:
+    """Run every applicable step of one case on one backend and compare each."""
+    column = column or backend.name
+    cell = Cell(exp.case, exp.dtype, column, rerun=rerun_command(exp.case, exp.dtype, column))
+    exe = Execution(backend, exp)
+    chosen = steps_for(exp, steps)
+    exe.prefetch(call for step in chosen for call in step.calls(exe))
+    for step in chosen:
+        try:
+            with warnings.catch_warnings(), np.errstate(all="ignore"):
+                warnings.simplefilter("ignore")
+                actual = step.run(exe)
+        except NotApplicable as exc:
+            cell.status, cell.detail, cell.ratio = "n/a", str(exc), None
+            return cell
+        except Exception as exc:  # noqa: BLE001 - any failure of a backend is a result
+            cell.steps.append(StepResult(step.name, float("inf"), False, error=error_text(exc)))
+            continue
+        cell.steps.append(judge(exp, step.name, actual,
+                                step.result_dtype if exp.kind == "sdpa" else None))
+    return cell.finish()
+
+
+def run_peer_cell(peer: peers_mod.Peer, exp: Expected) -> Cell:
+    """Run a peer on one case × dtype; a failure covered by ``spec.KNOWN_DIFFERENCES`` is
+    "known"."""
+    cell = Cell(exp.case, exp.dtype, peer.name, spec_backend=False,
+                rerun=rerun_command(exp.case, exp.dtype, peer.name))
+    try:
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore")
+            results = peer.compute(exp)
+    except NotApplicable as exc:
+        cell.status, cell.detail, cell.ratio = "n/a", str(exc), None
+        return cell
+    except Exception as exc:  # noqa: BLE001 - a peer failing is a result
+        cell.status, cell.detail, cell.ratio = "error", error_text(exc), None
+    else:
+        cell.steps = [judge(exp, step, actual, "input") for step, actual in results.items()]
+        cell.finish()
+    if cell.status in ("FAIL", "error"):
+        known = known_difference(peer.name, exp.case, exp.dtype)
+        if known is not None:
+            cell.status, cell.detail = "known", known.get("short", known["differs"])
+    return cell
+
+
+class Progress:
+    """A one-line progress indicator on stderr, only when stderr is a terminal."""
+
+    def __init__(self, total: int, enabled: bool | None = None) -> None:
+        self.total, self.done = total, 0
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+
+    def tick(self, text: str) -> None:
+        """Advance by one and show ``text``."""
+        self.done += 1
+        if self.enabled:
+            sys.stderr.write(f"\r\x1b[K[{self.done:4d}/{self.total}] {text}")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        """Clear the line."""
+        if self.enabled:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+
+
+def release(columns: list[Column]) -> None:
+    """Let every backend of ``columns`` free the programs it compiled (JAX keeps them all)."""
+    for col in columns:
+        if col.backend is not None:
+            col.backend.release()
+
+
+def run_columns(columns: list[Column], expectations: Iterable[Expected], *,
+                progress: Progress | None = None,
+                rerun: Callable[[str, str, str], str] = rerun_command) -> RunResult:
+    """Every expectation × column, in order; ``rerun(case, dtype, column)`` is each cell's
+    rerun command. Returns a ``RunResult`` without errors or properties."""
+    result = RunResult(columns, [], {}, [])
+    for exp in expectations:
+        if result.rows and result.rows[-1][0] != exp.case:
+            release(columns)  # programs compiled for the previous case
+        result.rows.append((exp.case, exp.dtype))
+        result.expectations[(exp.case, exp.dtype)] = exp
+        for col in columns:
+            if progress:
+                progress.tick(f"{col.name:<24} {exp.case} {exp.dtype}")
+            if col.kind == "peer":
+                cell = run_peer_cell(col.peer, exp)
+            else:
+                cell = run_cell(col.backend, exp, column=col.name)
+            cell.rerun = rerun(exp.case, exp.dtype, col.name)
+            result.cells.append(cell)
+    release(columns)
+    return result
+
+
+def resolve_backends(names: list[str] | None) -> tuple[list[Column], dict[str, str]]:
+    """Columns for backend names, peer names or dotted module paths; missing ones with their
+    install hint. With ``names`` None: every spec backend (numpy, jax, torch) installed."""
+    peer_names = {p.name for p in peers_mod.PEERS}
+    columns, missing = [], {}
+    for name in names or list(backends_mod.SPEC_BACKENDS):
+        if name in peer_names:
+            peer = peers_mod.get(name)
+            if peer.available():
+                columns.append(Column(peer.name, "peer", peer=peer))
+            else:
+                missing[name] = peer.install
+            continue
+        backend = backends_mod.load(name)
+        if backend.available():
+            columns.append(Column(backend.name, "backend", backend=backend))
+        else:
+            missing[name] = backend.install
+    return columns, missing
+
+
+def run_expectations(columns: list[Column], expectations: Iterable[Expected],
+                     missing: dict[str, str], *, total: int = 0, check_errors: bool = False,
+                     hypothesis: int = 0, progress: bool | None = None,
+                     rerun: Callable[[str, str, str], str] = rerun_command) -> RunResult:
+    """The cells of every expectation × column, then the bad-input checks (``check_errors``)
+    and ``hypothesis`` property examples per backend column, in one ``RunResult``."""
+    start = time.perf_counter()
+    bar = Progress(total * len(columns), progress)
+    try:
+        result = run_columns(columns, expectations, progress=bar, rerun=rerun)
+    finally:
+        bar.close()
+    result.missing.update(missing)
+    backend_list = [c.backend for c in columns if c.backend is not None]
+    if check_errors:
+        result.errors = errors_mod.run(backend_list)
+    if hypothesis and backend_list:
+        if importlib.util.find_spec("hypothesis") is None:
+            result.missing["hypothesis"] = "pip install hypothesis (for the property checks)"
+        else:
+            from . import properties
+
+            result.properties = properties.run(backend_list, hypothesis)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def run(
+    backend_names: list[str] | None = None,
+    case_patterns: list[str] | None = None,
+    dtypes: list[str] | None = None,
+    *,
+    peers: bool | None = None,
+    check_errors: bool = True,
+    hypothesis: int | None = None,
+    progress: bool | None = None,
+) -> RunResult:
+    """The whole conformance run, as ``python -m conformance run`` does it.
+
+    ``peers`` None: the peers run when no backend is named. ``hypothesis`` None:
+    ``DEFAULT_PROPERTY_EXAMPLES`` per backend when neither cases nor dtypes are selected, else 0.
+    """
+    columns, missing = resolve_backends(backend_names)
+    if peers is None:
+        peers = backend_names is None
+    if peers:
+        for peer in peers_mod.PEERS:
+            if peer.available():
+                columns.append(Column(peer.name, "peer", peer=peer))
+            else:
+                missing[peer.name] = peer.install
+    if hypothesis is None:
+        hypothesis = DEFAULT_PROPERTY_EXAMPLES if not (case_patterns or dtypes) else 0
+    selected = cases_mod.select(case_patterns)
+    dtypes = list(dtypes or backends_mod.DTYPES)
+    expectations = (expected(case, dtype) for case in selected for dtype in dtypes)
+    return run_expectations(columns, expectations, missing, total=len(selected) * len(dtypes),
+                            check_errors=check_errors, hypothesis=hypothesis, progress=progress)
+
+
+__all__ = ["DEFAULT_PROPERTY_EXAMPLES", "Progress", "judge", "resolve_backends", "run",
+           "run_cell", "run_columns", "run_expectations", "run_peer_cell"]

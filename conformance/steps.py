@@ -1,0 +1,358 @@
+"""The compared steps: how a backend computes each step of a case (``STEPS``).
+
+A ``Step`` has a name (the key of its expected value in ``expected.Expected.values``), the case
+kinds it applies to, how to run it on a backend through an ``Execution``, and the dtype the spec
+requires of the result. An ``Execution`` is one backend on one case in one dtype: it converts
+the case's NumPy inputs to the backend's arrays, calls the backend (each function compiled once
+per input signature where the backend compiles, ``Backend.function``) and caches calls that
+several steps share (``scaled_dot_product_attention`` gives ``output`` and ``output_weights``).
+
+To compare a new step: give it an expected value in ``expected.pipeline`` and add a ``Step``
+here.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import cases as cases_mod
+from . import spec
+from .backends import Backend, numpy_dtype
+from .expected import GRAD_STEPS, Expected
+from .module_pipelines import flatten_weight_grads
+
+_SDPA_ARRAY_OPTIONS = ("mask", "bias", "dropout_mask")
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call of a backend function: ``fn(*args, **kwargs)`` on NumPy arrays; the keyword
+    arguments that are not arrays are static (a compiled program is specialised to them)."""
+
+    key: str  # the execution's cache key
+    fn: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def static(self) -> tuple[str, ...]:
+        """The names of the static keyword arguments."""
+        return tuple(sorted(k for k, v in self.kwargs.items() if not isinstance(v, np.ndarray)))
+
+
+class Execution:
+    """One backend on one case in one dtype; each backend call made once, its result cached.
+
+    On a backend that compiles (JAX), ``prefetch`` runs the calls of every applicable step in
+    one compiled program (one compilation per case and dtype instead of one per call); if that
+    fails, each step calls on its own and reports its own error.
+    """
+
+    def __init__(self, backend: Backend, exp: Expected) -> None:
+        self.backend = backend
+        self.exp = exp
+        self.cache: dict[str, Any] = {}
+        self._inputs: dict[str, np.ndarray] = {}
+
+    @property
+    def module(self) -> Any:
+        """The backend's package."""
+        return self.backend.module
+
+    def to_backend(self, x: Any) -> Any:
+        """NumPy array → backend array; other values unchanged."""
+        return self.backend.asarray(x) if isinstance(x, np.ndarray) else x
+
+    def to_numpy(self, result: Any) -> Any:
+        """Backend array (or a tuple of them, None entries kept) → NumPy."""
+        if isinstance(result, tuple):
+            return tuple(None if x is None else self.backend.to_numpy(x) for x in result)
+        return self.backend.to_numpy(result)
+
+    def cached(self, key: str, compute: Callable[[], Any]) -> Any:
+        """``compute()`` once per execution."""
+        if key not in self.cache:
+            self.cache[key] = compute()
+        return self.cache[key]
+
+    def result(self, call: Call) -> Any:
+        """The NumPy result of ``call``, made once."""
+        def compute() -> Any:
+            fn = self.backend.function(call.fn, call.static())
+            return self.to_numpy(fn(*(self.to_backend(a) for a in call.args),
+                                    **{k: self.to_backend(v) for k, v in call.kwargs.items()}))
+
+        return self.cached(call.key, compute)
+
+    def prefetch(self, calls: Iterable[Call]) -> None:
+        """On a compiling backend, make every call not yet made in one compiled program."""
+        todo = [c for c in calls if c.key not in self.cache]
+        if not self.backend.compiles or len(todo) < 2:
+            return
+        arrays: list[np.ndarray] = []
+
+        def slot(x: Any) -> tuple[str, Any]:
+            if not isinstance(x, np.ndarray):
+                return ("static", x)
+            for i, known in enumerate(arrays):
+                if known is x:
+                    return ("array", i)
+            arrays.append(x)
+            return ("array", len(arrays) - 1)
+
+        layout = tuple((c.fn, tuple(slot(a) for a in c.args),
+                        tuple(sorted((k, slot(v)) for k, v in c.kwargs.items()))) for c in todo)
+        module = self.module
+
+        def build() -> Callable[..., Any]:
+            def together(*xs: Any) -> tuple[Any, ...]:
+                def value(s: tuple[str, Any]) -> Any:
+                    return xs[s[1]] if s[0] == "array" else s[1]
+
+                return tuple(getattr(module, fn)(*(value(s) for s in args),
+                                                 **{k: value(s) for k, s in kwargs})
+                             for fn, args, kwargs in layout)
+
+            return together
+
+        try:
+            functions = tuple(id(getattr(module, c.fn)) for c in todo)  # a patched one: anew
+            fn = self.backend.compiled(("together", layout, functions), build)
+            with warnings.catch_warnings(), np.errstate(all="ignore"):
+                warnings.simplefilter("ignore")
+                results = fn(*(self.to_backend(x) for x in arrays))
+        except Exception:  # noqa: BLE001 - each step then calls on its own and says why
+            return
+        for call, res in zip(todo, results, strict=True):
+            self.cache[call.key] = self.to_numpy(res)
+
+    def compute_input(self, step: str) -> np.ndarray:
+        """The reference value of ``step`` in the compute dtype (the input of the next step)."""
+        if step not in self._inputs:
+            dtype = numpy_dtype(spec.COMPUTE_DTYPE[self.exp.dtype])
+            self._inputs[step] = self.exp.values[step].astype(dtype)
+        return self._inputs[step]
+
+    def _options(self, names: Iterable[str]) -> dict[str, Any]:
+        a, o = self.exp.data.arrays, self.exp.data.options
+        return {n: a[n] if n in a else o[n] for n in names if n in a or n in o}
+
+    def _qkv(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        a = self.exp.data.arrays
+        return a["query"], a["key"], a["value"]
+
+    def scores_call(self) -> Call:
+        """``attention_scores(query, key, scale, softcap)``."""
+        q, k, _ = self._qkv()
+        return Call("scores", "attention_scores", (q, k), self._options(("scale", "softcap")))
+
+    def masked_call(self) -> Call:
+        """``mask_scores`` of the reference scores."""
+        names = ("mask", "bias", "is_causal", "causal_alignment", "window")
+        return Call("masked_scores", "mask_scores", (self.compute_input("scores"),),
+                    self._options(names))
+
+    def weights_call(self) -> Call:
+        """``attention_weights`` of the reference masked scores."""
+        return Call("weights", "attention_weights", (self.compute_input("masked_scores"),))
+
+    def _sdpa_kwargs(self) -> dict[str, Any]:
+        a = self.exp.data.arrays
+        extra = {k: v for k, v in a.items() if k in _SDPA_ARRAY_OPTIONS}
+        return {**extra, **cases_mod.sdpa_options(self.exp.data.options)}
+
+    def sdpa_call(self) -> Call:
+        """``scaled_dot_product_attention(..., return_weights=True)``: (output, weights)."""
+        return Call("sdpa", "scaled_dot_product_attention", self._qkv(),
+                    {**self._sdpa_kwargs(), "return_weights": True})
+
+    def vjp_call(self) -> Call:
+        """``scaled_dot_product_attention_vjp(...)`` against the case's grad_output."""
+        return Call("vjp", "scaled_dot_product_attention_vjp",
+                    (*self._qkv(), self.exp.data.arrays["grad_output"]), self._sdpa_kwargs())
+
+    def _blockwise_kwargs(self) -> dict[str, Any]:
+        a = self.exp.data.arrays
+        kwargs = cases_mod.sdpa_options(self.exp.data.options)
+        kwargs.update({k: a[k] for k in ("bias", "kv_lengths") if k in a})
+        kwargs.update(cases_mod.BLOCKWISE_TILES)
+        return kwargs
+
+    def blockwise_call(self) -> Call:
+        """``blockwise_attention(...)`` with small tiles."""
+        return Call("blockwise", "blockwise_attention", self._qkv(), self._blockwise_kwargs())
+
+    def blockwise_vjp_call(self) -> Call:
+        """``blockwise_attention_vjp(...)`` against the case's grad_output."""
+        return Call("blockwise_vjp", "blockwise_attention_vjp",
+                    (*self._qkv(), self.exp.data.arrays["grad_output"]), self._blockwise_kwargs())
+
+    def build_module(self) -> Any:
+        """The case's module in the backend, in eval mode, holding the case's weights."""
+        a, o = self.exp.data.arrays, self.exp.data.options
+        seed = cases_mod.get(self.exp.case).seed if self.exp.case in cases_mod.CASE_NAMES else 0
+        m = getattr(self.module, o["module"])(**o["init"], rng=self.backend.rng(seed))
+        if hasattr(m, "eval"):
+            m = m.eval() or m
+        return m.load_weights({n[2:]: x for n, x in a.items() if n.startswith("w:")})
+
+    def _module_forward(self) -> tuple[np.ndarray, np.ndarray | None]:
+        a, o = self.exp.data.arrays, self.exp.data.options
+        inputs = [a[n] for n in ("x", "x_1", "x_2", "context") if n in a]
+        mask = {"mask": a["mask"]} if "mask" in a else {}
+        options = dict(o["forward"])
+
+        def build() -> Callable[..., Any]:
+            return lambda m, *xs, **arrays: m.forward(*xs, **arrays, **options)
+
+        forward = self.backend.compiled(
+            ("forward", o["module"], tuple(sorted(options.items()))), build)
+        result = forward(self.build_module(), *(self.to_backend(x) for x in inputs),
+                         **{k: self.to_backend(v) for k, v in mask.items()})
+        if isinstance(result, tuple):
+            out, weights = self.to_numpy(result)
+            return out, weights
+        return self.to_numpy(result), None
+
+    def module_forward(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """The module's ``forward``: (output, weights or None)."""
+        return self.cached("module", self._module_forward)
+
+    def _module_backward(self) -> np.ndarray:
+        # eager: backward returns NumPy arrays, which a compiled program cannot
+        a, o = self.exp.data.arrays, self.exp.data.options
+        m = self.build_module()
+        inputs = [self.to_backend(a[n]) for n in ("x", "x_1", "x_2") if n in a]
+        grad_output = self.to_backend(a["grad_output"])
+        if o["module"] == "MultiHeadAttention":
+            kwargs = {k: v for k, v in o["forward"].items() if k != "return_weights"}
+            if "mask" in a:
+                kwargs["mask"] = self.to_backend(a["mask"])
+            context = self.to_backend(a["context"]) if "context" in a else None
+            grads = m.backward(inputs[0], grad_output, context, **kwargs)
+        else:
+            grads = m.backward(*inputs, grad_output)
+        return flatten_weight_grads(grads)
+
+    def module_backward(self) -> np.ndarray:
+        """The module's ``backward`` (weight gradients), flattened in sorted name order."""
+        return self.cached("backward", self._module_backward)
+
+    def _module_decode(self) -> np.ndarray:
+        x = self.exp.data.arrays["x"]
+        sizes, max_len = tuple(self.exp.data.options["decode"]), x.shape[-2]
+        starts = np.cumsum((0, *sizes))
+        chunks = [np.ascontiguousarray(x[..., s:s + n, :]) for s, n in zip(starts, sizes,
+                                                                            strict=False)]
+
+        def build() -> Callable[..., Any]:
+            def decode_all(m: Any, *xs: Any) -> tuple[Any, ...]:
+                cache, outputs = None, []
+                for chunk in xs:
+                    out, cache = m.decode(chunk, cache, max_len=max_len)
+                    outputs.append(out)
+                return tuple(outputs)
+
+            return decode_all
+
+        decode = self.backend.compiled(("decode", self.exp.data.options["module"], sizes,
+                                        max_len), build)
+        outputs = decode(self.build_module(), *(self.to_backend(c) for c in chunks))
+        return np.concatenate([self.backend.to_numpy(out) for out in outputs], axis=-2)
+
+    def module_decode(self) -> np.ndarray:
+        """Decode ``x`` chunk by chunk with the module's ``decode`` and a KV cache."""
+        return self.cached("decode", self._module_decode)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One compared step: its name, the case kinds it applies to, how a backend computes it,
+    the dtype the spec requires of the result (``"input"``, ``"compute"`` or None), and the
+    backend calls it needs (run together on a compiling backend)."""
+
+    name: str
+    kinds: tuple[str, ...]
+    run: Callable[[Execution], np.ndarray]
+    result_dtype: str | None
+    description: str
+    calls: Callable[[Execution], tuple[Call, ...]] = lambda exe: ()
+
+
+def _sdpa_calls(exe: Execution) -> tuple[Call, ...]:
+    return (exe.sdpa_call(),) if exe.exp.kind == "sdpa" else ()
+
+
+def _run_output(exe: Execution) -> np.ndarray:
+    return exe.module_forward()[0] if exe.exp.kind == "module" else exe.result(exe.sdpa_call())[0]
+
+
+def _run_output_weights(exe: Execution) -> np.ndarray:
+    if exe.exp.kind == "module":
+        weights = exe.module_forward()[1]
+        if weights is None:
+            raise ValueError("forward(return_weights=True) returned no weights")
+        return weights
+    return exe.result(exe.sdpa_call())[1]
+
+
+def _grad_step(index: int, blockwise: bool) -> Callable[[Execution], np.ndarray]:
+    def run(exe: Execution) -> np.ndarray:
+        call = exe.blockwise_vjp_call() if blockwise else exe.vjp_call()
+        grad = exe.result(call)[index]
+        if grad is None:
+            raise ValueError(f"{call.fn} returned no {GRAD_STEPS[index]}")
+        return grad
+
+    return run
+
+
+STEPS: dict[str, Step] = {
+    s.name: s
+    for s in (
+        Step("scores", ("sdpa",), lambda exe: exe.result(exe.scores_call()), "compute",
+             "attention_scores(query, key, scale, softcap)", lambda exe: (exe.scores_call(),)),
+        Step("masked_scores", ("sdpa",), lambda exe: exe.result(exe.masked_call()), "compute",
+             "mask_scores(reference scores, mask, bias, is_causal, causal_alignment, window)",
+             lambda exe: (exe.masked_call(),)),
+        Step("weights", ("sdpa",), lambda exe: exe.result(exe.weights_call()), "compute",
+             "attention_weights(reference masked scores)", lambda exe: (exe.weights_call(),)),
+        Step("output", ("sdpa", "module"), _run_output, "input",
+             "scaled_dot_product_attention(...) output, or the module's forward", _sdpa_calls),
+        Step("output_weights", ("sdpa", "module"), _run_output_weights, "input",
+             "the weights scaled_dot_product_attention(..., return_weights=True) returns",
+             _sdpa_calls),
+        *(Step(name, ("sdpa",), _grad_step(i, blockwise=False), "input",
+               f"scaled_dot_product_attention_vjp(..., grad_output) -> {name}",
+               lambda exe: (exe.vjp_call(),))
+          for i, name in enumerate(GRAD_STEPS)),
+        Step("blockwise_output", ("sdpa",), lambda exe: exe.result(exe.blockwise_call()),
+             "input", "blockwise_attention(..., block_q=2, block_kv=3): online softmax in tiles",
+             lambda exe: (exe.blockwise_call(),)),
+        *(Step(f"blockwise_{name}", ("sdpa",), _grad_step(i, blockwise=True), "input",
+               f"blockwise_attention_vjp(..., grad_output) -> {name}, recomputed per tile",
+               lambda exe: (exe.blockwise_vjp_call(),))
+          for i, name in enumerate(GRAD_STEPS)),
+        Step("decode_output", ("module",), lambda exe: exe.module_decode(), "input",
+             "module.decode(x chunk, cache) chunk by chunk: equals the causal forward"),
+        Step("grad_weights", ("module",), lambda exe: exe.module_backward(), None,
+             "module.backward(inputs, grad_output): every weight's gradient, flattened in "
+             "sorted name order"),
+    )
+}
+
+
+def steps_for(exp: Expected, only: Iterable[str] | None = None) -> list[Step]:
+    """The steps that apply to a case (those with an expected value), optionally restricted."""
+    chosen = [s for s in STEPS.values() if exp.kind in s.kinds and s.name in exp.values]
+    if only is not None:
+        keep = set(only)
+        chosen = [s for s in chosen if s.name in keep]
+    return chosen
+
+
+__all__ = ["STEPS", "Call", "Execution", "Step", "steps_for"]
