@@ -115,15 +115,44 @@ def _check_weight_dict(fn: str, expected: dict[str, Any], weights: dict[str, Any
     )
 
 
-def _weight_grads(module: _Module, forward: Any, grad_output: Any) -> dict[str, np.ndarray]:
-    """Gradient of every weight: ``jax.vjp`` of ``forward(module)`` against ``grad_output``.
+def _weight_grads(
+    module: _Module,
+    args: tuple[Any, ...],
+    grad_output: Any,
+    arrays: dict[str, Any] | None = None,
+    static: tuple[tuple[str, Any], ...] = (),
+) -> dict[str, np.ndarray]:
+    """Gradient of every weight: ``jax.vjp`` of ``module.forward(*args, **arrays, **static)``
+    against ``grad_output``.
 
     numpy_attn's modules write this backward pass out by hand; here the module is a pytree, so
-    its gradient is a module of the same structure whose "weights" are the gradients.
+    its gradient is a module of the same structure whose "weights" are the gradients. The vjp
+    runs as one ``jax.jit``-compiled program (cached by module structure, input shapes and the
+    static keyword arguments), and the gradients become NumPy arrays only at the end.
     """
-    _, pullback = jax.vjp(forward, module)
-    (grads,) = pullback(jnp.asarray(grad_output))
+    arrays = {} if arrays is None else arrays
+    try:
+        hash(static)
+    except TypeError:  # an unhashable static argument (e.g. a list window): run eagerly
+        return _weight_grads_eager(module, args, grad_output, arrays, static).export_weights()
+    grads = _weight_grads_jit(module, args, grad_output, arrays, static)
     return grads.export_weights()
+
+
+def _weight_grads_eager(
+    module: _Module,
+    args: tuple[Any, ...],
+    grad_output: Any,
+    arrays: dict[str, Any],
+    static: tuple[tuple[str, Any], ...],
+) -> _Module:
+    kwargs = {**arrays, **dict(static)}
+    _, pullback = jax.vjp(lambda m: m.forward(*args, **kwargs), module)
+    (grads,) = pullback(jnp.asarray(grad_output))
+    return grads
+
+
+_weight_grads_jit = jax.jit(_weight_grads_eager, static_argnums=(4,))
 
 
 @jax.tree_util.register_pytree_node_class
@@ -153,7 +182,7 @@ class SelfAttention(_Module):
 
     def backward(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
         """Weight gradients for ``x: (..., seq, d_in)``, ``grad_output: (..., seq, d_out_v)``."""
-        return _weight_grads(self, lambda m: m.forward(x), grad_output)
+        return _weight_grads(self, (x,), grad_output)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -179,7 +208,7 @@ class CrossAttention(_Module):
 
     def backward(self, x_1: Any, x_2: Any, grad_output: Any) -> dict[str, np.ndarray]:
         """Weight gradients; ``grad_output: (..., q_len, d_out_v)``."""
-        return _weight_grads(self, lambda m: m.forward(x_1, x_2), grad_output)
+        return _weight_grads(self, (x_1, x_2), grad_output)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -214,7 +243,7 @@ class CausalSelfAttention(_Module):
 
     def backward(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
         """Weight gradients, without dropout (``forward`` without a key)."""
-        return _weight_grads(self, lambda m: m.forward(x), grad_output)
+        return _weight_grads(self, (x,), grad_output)
 
     def decode(
         self, x: Any, cache: KVCache | None = None, *, max_len: int | None = None
@@ -295,7 +324,7 @@ class MultiHeadAttentionWrapper(_Module):
 
     def backward(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
         """Weight gradients ``heads.{h}.W_*``; ``grad_output: (..., seq, num_heads * d_out_v)``."""
-        return _weight_grads(self, lambda m: m.forward(x), grad_output)
+        return _weight_grads(self, (x,), grad_output)
 
     def export_weights(self) -> dict[str, np.ndarray]:
         """Flat dict ``heads.{h}.W_*`` → NumPy array."""
@@ -432,11 +461,9 @@ class MultiHeadAttention(_Module):
           weight name → gradient, for every weight.
         """
 
-        def forward(m: MultiHeadAttention) -> jax.Array:
-            return m.forward(x, context, mask=mask, is_causal=is_causal,
-                             causal_alignment=causal_alignment, window=window)
-
-        return _weight_grads(self, forward, grad_output)
+        static = (("is_causal", is_causal), ("causal_alignment", causal_alignment),
+                  ("window", window))
+        return _weight_grads(self, (x, context), grad_output, {"mask": mask}, static)
 
     def decode(
         self, x: Any, cache: KVCache | None = None, *, max_len: int | None = None
