@@ -63,7 +63,7 @@ from .checks import (
     scores_shape,
 )
 from .fast_paths import FAST_PATHS, has_empty_axis, large_enough
-from .tiles import Window, band, key_range, plan
+from .tiles import Window, band, key_range, plan, query_range
 
 __all__ = [
     "CAUSAL_ALIGNMENTS",
@@ -113,5 +113,6 @@ __all__ = [
     "key_range",
     "large_enough",
     "plan",
+    "query_range",
     "scores_shape",
 ]

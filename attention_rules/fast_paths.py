@@ -15,8 +15,12 @@ from .checks import Shape
 
 FAST_PATHS = {
     "numpy_attn": {
-        # the pipeline per block of block_q queries, on a thread pool
-        "blocked": {"block_q": 128, "min_scores": 1 << 20, "min_q_len": 64},
+        # the pipeline per block of block_q queries, on a thread pool; its VJP per block of
+        # block_kv keys against at most block_q_backward queries at a time
+        "blocked": {
+            "block_q": 128, "block_kv": 128, "block_q_backward": 512, "min_scores": 1 << 20,
+            "min_q_len": 64,
+        },
     },
     "jax_attn": {
         # jax.nn.dot_product_attention(implementation="cudnn"): GPU, half dtypes only

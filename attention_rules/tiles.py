@@ -2,7 +2,8 @@
 
 Pure index arithmetic on Python ints, shared by every backend's ``blockwise_attention`` and
 blocked fast path: the band ``lo <= j - i <= hi`` of allowed key ``j`` minus query ``i``, the
-tiles that keep at least one position, and the key range a block of queries can see.
+tiles that keep at least one position, the key range a block of queries can see (forward
+passes) and the query range a block of keys is seen by (backward passes).
 """
 
 from __future__ import annotations
@@ -67,3 +68,13 @@ def key_range(i0: int, i1: int, kv_len: int, lo: float, hi: float) -> tuple[int,
     a = k0 if lo == -math.inf else min(max(k0, i1 - 1 + int(lo)), k1)
     b = k1 if hi == math.inf else max(min(k1, i0 + int(hi) + 1), a)
     return k0, k1, a, b
+
+
+def query_range(
+    k0: int, k1: int, q_len: int, lo: float, hi: float
+) -> tuple[int, int, int, int]:
+    """The queries that see key rows ``[k0, k1)`` in the band ``lo <= j - i <= hi``:
+    ``(q0, q1, a, b)`` with every query that sees one of the keys in ``[q0, q1)`` and the
+    queries ``[a, b)`` allowed to see every key of the block (``a == b``: none is; ``q0 == q1``:
+    no query sees them). ``key_range`` with the roles swapped: ``-hi <= i - j <= -lo``."""
+    return key_range(k0, k1, q_len, -hi, -lo)

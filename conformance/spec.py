@@ -109,6 +109,8 @@ BLOCKED_COMPUTATION = (
 #: backends read them) means: FAST_PATHS[backend][path][key].
 FAST_PATH_RULES = {
     "block_q": "queries per block of a blocked path",
+    "block_kv": "numpy_attn: keys per task of the blocked VJP (the task's own dK and dV rows)",
+    "block_q_backward": "numpy_attn: queries per tile of the blocked VJP (a tile stays in cache)",
     "min_scores": "a blocked path runs only from this many score entries (..., heads, q_len) "
     "× kv_len: below it the explicit steps are as fast",
     "min_q_len": "a blocked path runs only from this many queries (decoding steps, with few "

@@ -1,37 +1,61 @@
-"""The fast path of numpy_attn: the pipeline of ``functional.py``, blocked over queries.
+"""The fast path of numpy_attn: the pipeline of ``functional.py``, blocked, on every core.
 
-``functional.py``'s steps are the code to read: each makes the whole ``(..., heads, q_len,
-kv_len)`` score array, and NumPy's elementwise functions (``max``, ``exp``, ``sum``) run on one
-core while only the matrix products use every core. For large inputs ``use_fast_path``
-(the one selection rule; its numbers are ``attention_rules.FAST_PATHS["numpy_attn"]``) selects
-``"blocked"``: no ``return_weights``, no dropout, no empty axis, and at least ``MIN_SCORES``
-score entries with ``q_len >= MIN_Q_LEN``. ``fast_attention`` then cuts the queries into blocks
-of ``BLOCK_Q`` rows and, per (batch, head, query block), computes the scores against the keys
-that block can see (the causal rule and the window give a key range, ``rules.key_range``;
-fully masked blocks are skipped, and the band is applied only to the diagonal strips), then
-``(exp(s - max) @ value) / sum``, each step by ``functional.py``'s own helpers (``_softcap``,
-``_in_band``, ``_unnormalised_softmax``); mask and bias are sliced per block from broadcast
-views, never materialised. Its result equals the explicit steps' within float32 rounding
+``functional.py``'s steps and ``backward.py``'s VJP are the code to read: each makes the whole
+``(..., heads, q_len, kv_len)`` score array, and NumPy's elementwise functions (``max``,
+``exp``, ``sum``) run on one core while only the matrix products use every core. For large
+inputs ``use_fast_path`` (the one selection rule, for the forward pass and the VJP alike; its
+numbers are ``attention_rules.FAST_PATHS["numpy_attn"]``) selects ``"blocked"``: no
+``return_weights``, no dropout, no empty axis, and at least ``MIN_SCORES`` score entries with
+``q_len >= MIN_Q_LEN``.
+
+Forward, ``fast_attention``: the queries are cut into blocks of ``BLOCK_Q`` rows and, per
+(batch, head, query block), the scores against the keys that block can see (the causal rule and
+the window give a key range, ``rules.key_range``; fully masked blocks are skipped, and the band
+is applied only to the diagonal strips) give ``(exp(s - max) @ value) / sum``, each step by
+``functional.py``'s own helpers (``_softcap``, ``_in_band``, ``_unnormalised_softmax``); mask
+and bias are sliced per block from broadcast views, never materialised. Without a bias, a head
+whose scores are all within ``±EXP_BOUND`` (``|q·k| <= |q| |k|``, from the row norms) skips the
+shift by the row max, which changes nothing but rounding: ``exp`` can neither overflow nor
+underflow there. The result equals the explicit steps' within float32 rounding
 (``tests/test_performance_paths.py``), NaN and infinities included: a masked position's score
-is replaced by ``-inf`` and a skipped block is never read.
+is replaced by ``-inf``, a skipped block is never read, and a NaN or infinite norm takes the
+shifted softmax.
 
-The blocks run on a persistent pool of threads (NumPy releases the GIL in ufuncs and in
+VJP, ``fast_attention_vjp``: FlashAttention-2's backward (Dao 2023, algorithm 2) with
+``backward.py``'s formulas per tile. The forward pass above also keeps each row's log-sum-exp
+``lse = max + log(sum)`` (``+inf`` on a fully masked row, so its weights recompute as 0), and
+``delta = rowsum(dO ⊙ O)``. The keys are then cut into blocks of ``BLOCK_KV`` rows; a task is
+one (batch, kv head, key block): for each query head that shares the kv head and each chunk of
+at most ``BLOCK_Q_BACKWARD`` of the queries that can see the block (``rules.query_range``:
+tiles the causal rule or the window mask entirely are never computed), it recomputes the
+transposed tile ``Pᵀ = exp(K Qᵀ · scale - lse)`` and forms ``dV += Pᵀ dO``, ``dSᵀ = Pᵀ ⊙
+(V dOᵀ - delta)``, ``dK += dSᵀ Q · scale`` in its own key block, and ``dQ += dS K · scale``
+into its worker's own ``dQ`` (the workers' copies are added at the end): nothing is shared, so
+nothing races, and the order of dQ's sums depends on which worker ran which task (rounding
+only). The bias gradient (``dS`` summed over the axes the bias was broadcast along) is added
+under a lock. ``- lse`` and ``- delta`` ride in one extra column of the query and of ``dO``
+(against a column of ones in the keys and values), so the matrix products subtract them.
+Extra memory: a few tiles per worker, the inputs with their extra column and a copy of ``dQ``
+per extra worker, never a ``(q_len, kv_len)`` array.
+
+The tasks run on a persistent pool of threads (NumPy releases the GIL in ufuncs and in
 ``matmul``), one per BLAS thread, while the BLAS library is limited to one thread so the two
-levels of threading do not oversubscribe the cores. That limit uses ``threadpoolctl`` when it is
-installed: it is optional, imported on the first fast-path call (never by ``import numpy_attn``),
-and the BLAS library's own thread count is restored after each call (the limit is process-wide
-while the call runs). Without ``threadpoolctl`` the blocks run in the calling thread with BLAS
-left as configured, which is correct but uses one core for the elementwise work. Calling BLAS
-libraries through ``ctypes`` would avoid the dependency but depends on how NumPy was built
-(symbol names differ between OpenBLAS, scipy-openblas, MKL and Accelerate), so the project does
-not. A call made while another thread is already inside the fast path also runs in its own
-thread, without the pool.
+levels of threading do not oversubscribe the cores (``_run``; ``blockwise.py`` runs its tiles on
+it too). That limit uses ``threadpoolctl`` when it is installed: it is optional, imported on the
+first fast-path call (never by ``import numpy_attn``), and the BLAS library's own thread count
+is restored after each call (the limit is process-wide while the call runs). Without
+``threadpoolctl`` the tasks run in the calling thread with BLAS left as configured, which is
+correct but uses one core for the elementwise work. Calling BLAS libraries through ``ctypes``
+would avoid the dependency but depends on how NumPy was built (symbol names differ between
+OpenBLAS, scipy-openblas, MKL and Accelerate), so the project does not. A call made while
+another thread is already inside the fast path also runs in its own thread, without the pool.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -43,8 +67,13 @@ from . import functional  # the steps the fast path must equal, and reuses
 NEG_INF = -np.inf
 _BLOCKED = rules.FAST_PATHS["numpy_attn"]["blocked"]
 BLOCK_Q = _BLOCKED["block_q"]  # query rows per block: a float32 block of scores stays in L2
+BLOCK_KV = _BLOCKED["block_kv"]  # key rows per task of the VJP: dK and dV of a block are its own
+BLOCK_Q_BACKWARD = _BLOCKED["block_q_backward"]  # queries per tile of the VJP (cache-sized)
 MIN_SCORES = _BLOCKED["min_scores"]  # below this many score entries the plain path is as fast
 MIN_Q_LEN = _BLOCKED["min_q_len"]  # few queries (decoding): one batched matmul is faster
+# Scores within ±EXP_BOUND need no shift by their row max: exp(64) · kv_len cannot overflow and
+# exp(-64) is a normal float32, far below the rounding of a row whose largest weight is ≥ e^-64.
+EXP_BOUND = 64.0
 
 # The threads of the fast path, made on first use (so ``import numpy_attn`` starts none and does
 # not import threadpoolctl): "controller" is threadpoolctl's controller of the BLAS libraries
@@ -61,7 +90,8 @@ def use_fast_path(
     bias: np.ndarray | None,
     args: rules.Arguments,
 ) -> str | None:
-    """The fast path for these validated inputs (``"blocked"``), or None for the steps."""
+    """The fast path for these validated inputs (``"blocked"``), or None for the steps; the
+    same rule selects ``fast_attention`` and ``fast_attention_vjp``."""
     if args.return_weights or args.dropout_p > 0.0:
         return None  # the blocks never hold the whole weights, nor a keep-mask
     if rules.large_enough(query.shape, key.shape, value.shape, MIN_SCORES, MIN_Q_LEN):
@@ -78,8 +108,74 @@ def fast_attention(
     bias: np.ndarray | None,
     args: rules.Arguments,
 ) -> np.ndarray:
-    """``scaled_dot_product_attention``'s output on the path ``use_fast_path`` chose."""
-    return _blocked_attention(query, key, value, mask, bias, args).astype(query.dtype, copy=False)
+    """``scaled_dot_product_attention``'s output on the path ``use_fast_path`` chose:
+    ``(..., heads, q_len, v_dim)`` in the input dtype."""
+    dtype = query.dtype
+    query, key, value = _compute_arrays(query, key, value, args.scale)
+    output = _blocked_attention(query, key, value, mask, bias, args, None)
+    return output.astype(dtype, copy=False)
+
+
+def fast_attention_vjp(
+    path: str,
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    grad_output: np.ndarray,
+    mask: np.ndarray | None,
+    bias: np.ndarray | None,
+    args: rules.Arguments,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """``scaled_dot_product_attention_vjp``'s gradients on the path ``use_fast_path`` chose:
+    ``(grad_query, grad_key, grad_value, grad_bias)`` shaped like query ``(..., heads, q_len,
+    head_dim)``, key ``(..., kv_heads, kv_len, head_dim)``, value ``(..., kv_heads, kv_len,
+    v_dim)`` and bias (None without one), in their dtypes."""
+    compute = rules.compute_dtype(query.dtype.name)
+    head_dim, v_dim = query.shape[-1], value.shape[-1]
+    # One column more than the inputs (see _blocked_attention_vjp): [Q · scale, -lse], [K, 1],
+    # [V, 1] and [dO, -delta]; the forward pass reads the first columns only.
+    query_lse = np.empty(query.shape[:-1] + (head_dim + 1,), compute)
+    np.multiply(query, args.scale, out=query_lse[..., :head_dim], dtype=compute)  # (q is cheapest)
+    key_ones, value_ones = _with_ones(key, compute), _with_ones(value, compute)
+    lse = query_lse[..., head_dim]  # (..., heads, q_len), written by the forward pass
+    output = _blocked_attention(query_lse[..., :head_dim], key_ones[..., :head_dim],
+                                value_ones[..., :v_dim], mask, bias, args, lse)
+    np.negative(lse, out=lse)  # -lse: -inf on fully masked rows
+    grad_output_delta = np.empty(grad_output.shape[:-1] + (v_dim + 1,), compute)
+    grad_output_delta[..., :v_dim] = grad_output  # (..., heads, q_len, v_dim + 1)
+    # delta = rowsum(dO ⊙ O): (..., heads, q_len)
+    np.einsum("...d,...d->...", grad_output_delta[..., :v_dim], output,
+              out=grad_output_delta[..., v_dim])
+    del output
+    np.negative(grad_output_delta[..., v_dim], out=grad_output_delta[..., v_dim])  # -delta
+    grad_q, grad_k, grad_v, grad_bias = _blocked_attention_vjp(
+        query_lse, key_ones, value_ones, grad_output_delta, mask, bias, args
+    )
+    dtype = query.dtype
+    grads = (grad_q.astype(dtype, copy=False), grad_k.astype(dtype, copy=False),
+             grad_v.astype(dtype, copy=False))
+    if grad_bias is None:
+        return grads + (None,)
+    return grads + (grad_bias.reshape(bias.shape).astype(bias.dtype, copy=False),)
+
+
+def _with_ones(x: np.ndarray, compute: str) -> np.ndarray:
+    """``(..., T, D)`` → ``(..., T, D + 1)`` in the compute dtype, the last column 1."""
+    out = np.empty(x.shape[:-1] + (x.shape[-1] + 1,), compute)
+    out[..., :-1] = x
+    out[..., -1] = 1.0
+    return out
+
+
+def _compute_arrays(
+    query: np.ndarray, key: np.ndarray, value: np.ndarray, scale: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Contiguous arrays in the compute dtype; the query scaled (scaling q is cheapest)."""
+    compute = rules.compute_dtype(query.dtype.name)
+    query = np.multiply(query, scale, dtype=compute)  # (..., heads, q_len, head_dim), scaled
+    key = np.ascontiguousarray(key, dtype=compute)  # (..., kv_heads, kv_len, head_dim)
+    value = np.ascontiguousarray(value, dtype=compute)  # (..., kv_heads, kv_len, v_dim)
+    return query, key, value
 
 
 def _blocked_attention(
@@ -89,24 +185,26 @@ def _blocked_attention(
     mask: np.ndarray | None,
     bias: np.ndarray | None,
     args: rules.Arguments,
+    lse: np.ndarray | None,
 ) -> np.ndarray:
-    """The output in the compute dtype, block by block, on the thread pool."""
-    compute = rules.compute_dtype(query.dtype.name)
-    query = np.multiply(query, args.scale, dtype=compute)  # (..., heads, q_len, head_dim), scaled
-    key = np.ascontiguousarray(key, dtype=compute)  # (..., kv_heads, kv_len, head_dim)
-    value = np.ascontiguousarray(value, dtype=compute)  # (..., kv_heads, kv_len, v_dim)
+    """The output ``(..., heads, q_len, v_dim)`` in the compute dtype, block by block, on the
+    thread pool; ``query`` is scaled. With ``lse`` ``(..., heads, q_len)``, each row's
+    log-sum-exp is written there (``+inf`` for a fully masked row)."""
     q_len, kv_len = query.shape[-2], key.shape[-2]
     target = args.scores_shape  # (..., heads, q_len, kv_len)
     groups = functional._groups(query.shape, key.shape)
-    output = np.empty(query.shape[:-1] + value.shape[-1:], dtype=compute)
+    output = np.empty(query.shape[:-1] + value.shape[-1:], dtype=query.dtype)
     masked_out = None if mask is None else np.broadcast_to(~mask, target)  # True = not allowed
-    bias = None if bias is None else np.broadcast_to(bias.astype(compute, copy=False), target)
+    bias = None if bias is None else np.broadcast_to(bias.astype(query.dtype, copy=False), target)
     lo, hi = rules.band(q_len, kv_len, args.is_causal, args.causal_alignment, args.window)
+    block_q = BLOCK_Q
+    strips: dict = {}  # the masks of the strips, by their geometry (most blocks share one)
+    unshifted = _bounded_heads(query, key, groups, args.softcap) if bias is None else None
 
     tasks = []  # (batch-and-head index, query rows i0:i1, key range)
     for index in np.ndindex(query.shape[:-2]):
-        for i0 in range(0, q_len, BLOCK_Q):
-            i1 = min(i0 + BLOCK_Q, q_len)
+        for i0 in range(0, q_len, block_q):
+            i1 = min(i0 + block_q, q_len)
             tasks.append((index, i0, i1, rules.key_range(i0, i1, kv_len, lo, hi)))
     tasks.sort(key=lambda task: task[3][0] - task[3][1])  # longest key range first
 
@@ -116,6 +214,8 @@ def _blocked_attention(
         out = output[index][i0:i1]  # (rows, v_dim)
         if k1 == k0:  # no key allowed for any row: fully masked
             out[...] = 0.0
+            if lse is not None:
+                lse[index][i0:i1] = np.inf
             return
         kv_index = index[:-1] + (index[-1] // groups,) if index else ()
         scores = buffer[: (i1 - i0) * (k1 - k0)].reshape(i1 - i0, k1 - k0)  # (rows, keys)
@@ -125,27 +225,235 @@ def _blocked_attention(
             scores += bias[index][i0:i1, k0:k1]
         for c0, c1 in ((k0, a), (b, k1)):  # the strips the causal rule / window cut
             if c1 > c0:
-                allowed = functional._in_band(i0, i1 - i0, c0, c1 - c0, lo, hi)
-                np.copyto(scores[:, c0 - k0 : c1 - k0], NEG_INF, where=~allowed)
+                outside = _outside_band(strips, i0, i1 - i0, c0, c1 - c0, lo, hi)
+                np.copyto(scores[:, c0 - k0 : c1 - k0], NEG_INF, where=outside)
         if masked_out is not None:
             np.copyto(scores, NEG_INF, where=masked_out[index][i0:i1, k0:k1])
-        weights, row_sum = functional._unnormalised_softmax(scores)  # in place; (rows, 1)
+        if unshifted is not None and unshifted[index]:  # |scores| <= EXP_BOUND: no row max
+            weights = np.exp(scores, out=scores)  # in place; 0 where masked
+            row_sum = weights.sum(axis=-1, keepdims=True)  # (rows, 1)
+            if lse is not None:  # 0: nothing was shifted; -inf: a fully masked row
+                row_max = np.where(row_sum[:, 0] == 0.0, NEG_INF, 0.0)
+            row_sum[row_sum == 0.0] = 1.0  # 0 / 1 = 0 for fully masked rows
+        else:
+            if lse is not None:  # the softmax below shifts the scores by their row max
+                row_max = scores.max(axis=-1, initial=NEG_INF)  # (rows,)
+            weights, row_sum = functional._unnormalised_softmax(scores)  # in place; (rows, 1)
         np.matmul(weights, value[kv_index][k0:k1], out=out)  # normalised after @ value
         out /= row_sum
+        if lse is not None:  # log-sum-exp; +inf on a fully masked row: exp(s - lse) = 0
+            np.log(row_sum[:, 0], out=lse[index][i0:i1])
+            lse[index][i0:i1] += np.where(row_max == NEG_INF, np.inf, row_max)
 
-    def work(queue: Any, lock: threading.Lock) -> None:
-        buffer = np.empty(BLOCK_Q * kv_len, dtype=compute)  # this worker's scores
+    _run(tasks, block, lambda: np.empty(block_q * kv_len, dtype=query.dtype))  # the scores
+    return output
+
+
+def _blocked_attention_vjp(
+    query_lse: np.ndarray,
+    key_ones: np.ndarray,
+    value_ones: np.ndarray,
+    grad_output_delta: np.ndarray,
+    mask: np.ndarray | None,
+    bias: np.ndarray | None,
+    args: rules.Arguments,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """The gradients in the compute dtype (``grad_bias`` full rank), per (batch, kv head, key
+    block) on the thread pool. The inputs carry one column more, so that two of the products
+    also subtract: ``query_lse`` is ``[Q · scale, -lse]`` ``(..., heads, q_len, head_dim + 1)``,
+    ``key_ones`` ``[K, 1]``, ``value_ones`` ``[V, 1]`` and ``grad_output_delta`` ``[dO,
+    -delta]``; then ``[K, 1] [Q · scale, -lse]ᵀ = S - lse`` (without soft-cap: it comes between
+    the product and ``- lse``) and ``[V, 1] [dO, -delta]ᵀ = dPᵀ - delta``, one pass over the
+    tile less each."""
+    head_dim, v_dim = key_ones.shape[-1] - 1, value_ones.shape[-1] - 1
+    query, key = query_lse[..., :head_dim], key_ones[..., :head_dim]  # scaled query
+    neg_lse = query_lse[..., head_dim]  # -lse: (..., heads, q_len)
+    grad_output = grad_output_delta[..., :v_dim]  # (..., heads, q_len, v_dim)
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    target = args.scores_shape  # (..., heads, q_len, kv_len)
+    groups = functional._groups(query.shape, key.shape)
+    scaled_key = key * args.scale  # dQ = dS K · scale; (dK = dSᵀ Q · scale uses the scaled query)
+    grad_key = np.zeros(key.shape, key.dtype)  # blocks no query sees: 0
+    grad_value = np.zeros(value_ones.shape[:-1] + (v_dim,), key.dtype)
+    masked_out = None if mask is None else np.broadcast_to(~mask, target)  # True = not allowed
+    grad_bias = bias_lock = None
+    if bias is not None:  # full rank, so its axes line up with the scores'
+        bias = bias.astype(query.dtype, copy=False)
+        grad_bias = np.zeros((1,) * (len(target) - bias.ndim) + bias.shape, query.dtype)
+        bias_lock = threading.Lock()
+        bias = np.broadcast_to(bias, target)
+    lo, hi = rules.band(q_len, kv_len, args.is_causal, args.causal_alignment, args.window)
+    block_kv, block_q = BLOCK_KV, BLOCK_Q_BACKWARD
+    softcap = args.softcap
+    # without soft-cap the product subtracts lse; with it, the tile does after capping
+    query_s, key_s = (query_lse, key_ones) if softcap is None else (query, key)
+    strips: dict = {}  # the masks of the strips, by their geometry (most tiles share one)
+
+    tasks = []  # (batch-and-kv-head index, key rows k0:k1, query range)
+    for kv_index in np.ndindex(key.shape[:-2]):
+        for k0 in range(0, kv_len, block_kv):
+            k1 = min(k0 + block_kv, kv_len)
+            queries = rules.query_range(k0, k1, q_len, lo, hi)
+            if queries[1] > queries[0]:  # else no query sees these keys: their gradients are 0
+                tasks.append((kv_index, k0, k1, queries))
+    tasks.sort(key=lambda task: task[3][0] - task[3][1])  # longest query range first
+
+    def block(kv_index: tuple[int, ...], k0: int, k1: int, queries: tuple[int, int, int, int],
+              scratch: dict[str, np.ndarray]) -> None:
+        q0, q1, a, b = queries
+        keys = k1 - k0
+        key_block, value_block = key_s[kv_index][k0:k1], value_ones[kv_index][k0:k1]
+        grad_k_block, grad_v_block = grad_key[kv_index][k0:k1], grad_value[kv_index][k0:k1]
+        first = True  # the first tile writes dK and dV of the block, the others add to them
+        heads = [kv_index[:-1] + (kv_index[-1] * groups + g,) for g in range(groups)] \
+            if kv_index else [()]
+        for index in heads:  # the query heads that share this kv head
+            for c0 in range(q0, q1, block_q):
+                c1 = min(c0 + block_q, q1)
+                rows = c1 - c0
+                # Pᵀ, recomputed from the saved log-sum-exp: (keys, rows)
+                weights_t = scratch["scores"][: keys * rows].reshape(keys, rows)
+                np.matmul(key_block, query_s[index][c0:c1].T, out=weights_t)  # S (- lse)
+                if softcap is not None:
+                    weights_t = functional._softcap(weights_t, softcap)  # S1
+                    slope = scratch["slope"][: keys * rows].reshape(keys, rows)
+                    np.multiply(weights_t, 1.0 / softcap, out=slope)
+                    np.square(slope, out=slope)
+                    np.subtract(1.0, slope, out=slope)  # tanh': 1 - (S1 / c)²
+                if bias is not None:
+                    weights_t += bias[index][c0:c1, k0:k1].T
+                for s0, s1 in ((max(q0, c0), min(a, c1)), (max(b, c0), min(q1, c1))):
+                    if s1 > s0:  # the strips of queries the causal rule / window cut
+                        outside = _outside_band(strips, s0, s1 - s0, k0, keys, lo, hi)
+                        np.copyto(weights_t[:, s0 - c0 : s1 - c0], NEG_INF, where=outside.T)
+                if masked_out is not None:
+                    np.copyto(weights_t, NEG_INF, where=masked_out[index][c0:c1, k0:k1].T)
+                if softcap is not None:
+                    weights_t += neg_lse[index][c0:c1]
+                np.exp(weights_t, out=weights_t)  # Pᵀ: 0 where masked or on fully masked rows
+                # dV = Pᵀ dO
+                _matmul_into(weights_t, grad_output[index][c0:c1], grad_v_block,
+                             scratch["value"], first)
+                # dSᵀ = Pᵀ ⊙ (V dOᵀ - delta), in the second tile buffer
+                grad_s = scratch["grads"][: keys * rows].reshape(keys, rows)
+                np.matmul(value_block, grad_output_delta[index][c0:c1].T, out=grad_s)
+                grad_s *= weights_t
+                if grad_bias is not None:
+                    _add_bias_grad(grad_bias, grad_s, index, c0, c1, k0, k1, bias_lock)
+                if softcap is not None:
+                    grad_s *= slope
+                # dK = dSᵀ Q · scale, dQ = dS K · scale
+                _matmul_into(grad_s, query[index][c0:c1], grad_k_block, scratch["key"], first)
+                part = scratch["query"][:rows]
+                np.matmul(grad_s.T, scaled_key[kv_index][k0:k1], out=part)
+                scratch["grad_query"][index][c0:c1] += part
+                first = False
+
+    def scratch() -> dict[str, np.ndarray]:  # one worker's tiles and its own dQ
+        tile = block_kv * min(block_q, q_len)
+        buffers = {
+            "scores": np.empty(tile, query.dtype), "grads": np.empty(tile, query.dtype),
+            "slope": np.empty(tile if softcap is not None else 0, query.dtype),
+            "key": np.empty((block_kv, key.shape[-1]), query.dtype),
+            "value": np.empty((block_kv, v_dim), query.dtype),
+            "query": np.empty((block_q, key.shape[-1]), query.dtype),
+            "grad_query": np.zeros(query.shape, query.dtype),
+        }
+        return buffers
+
+    scratches = _run(tasks, block, scratch)
+    if not scratches:
+        return np.zeros(query.shape, query.dtype), grad_key, grad_value, grad_bias
+    grad_query = scratches[0]["grad_query"]
+    for other in scratches[1:]:
+        grad_query += other["grad_query"]
+    return grad_query, grad_key, grad_value, grad_bias
+
+
+def _bounded_heads(
+    query: np.ndarray, key: np.ndarray, groups: int, softcap: float | None
+) -> np.ndarray:
+    """``(..., heads)`` bool: every score of the head is within ``±EXP_BOUND`` (Cauchy-Schwarz:
+    ``|q·k| <= |q| |k|``; a soft-capped score within ``±softcap``), so its softmax may skip the
+    shift by the row max. False where a norm is NaN or infinite. ``query`` is scaled."""
+    query_norm = np.sqrt(np.einsum("...d,...d->...", query, query).max(axis=-1, initial=0.0))
+    key_norm = np.sqrt(np.einsum("...d,...d->...", key, key).max(axis=-1, initial=0.0))
+    bound = query_norm * np.repeat(key_norm, groups, axis=-1) if query.ndim > 2 else \
+        query_norm * key_norm  # (..., heads)
+    if softcap is not None:
+        bound = np.minimum(bound, softcap)  # NaN stays NaN: not bounded
+    return bound <= EXP_BOUND
+
+
+def _outside_band(
+    strips: dict, q_start: int, rows: int, kv_start: int, keys: int, lo: float, hi: float
+) -> np.ndarray:
+    """``~functional._in_band(...)``: ``(rows, keys)``, True where ``j - i`` is outside the
+    band. It depends on ``kv_start - q_start`` and the sizes only, so it is made once per
+    geometry and kept in ``strips`` (a dict shared by the workers of one call)."""
+    geometry = (kv_start - q_start, rows, keys)
+    outside = strips.get(geometry)
+    if outside is None:
+        outside = ~functional._in_band(q_start, rows, kv_start, keys, lo, hi)
+        strips[geometry] = outside  # two workers may both make it: the same array
+    return outside
+
+
+def _matmul_into(
+    a: np.ndarray, b: np.ndarray, out: np.ndarray, buffer: np.ndarray, first: bool
+) -> None:
+    """``out = a @ b`` if ``first``, else ``out += a @ b`` (through ``buffer``)."""
+    if first:
+        np.matmul(a, b, out=out)
+    else:
+        part = buffer[: out.shape[0]]
+        np.matmul(a, b, out=part)
+        out += part
+
+
+def _add_bias_grad(
+    grad_bias: np.ndarray, grad_s: np.ndarray, index: tuple[int, ...], c0: int, c1: int,
+    k0: int, k1: int, lock: threading.Lock,
+) -> None:
+    """Add the tile ``dSᵀ`` (keys k0:k1, queries c0:c1 of head ``index``) to the full-rank
+    ``grad_bias``, summed over the axes along which the bias was broadcast."""
+    shape = grad_bias.shape
+    bias_index = tuple(0 if size == 1 else i for i, size in zip(index, shape[:-2], strict=True))
+    grad = grad_s.T  # (queries, keys)
+    if shape[-2] == 1:
+        grad, q_slice = grad.sum(axis=0, keepdims=True), slice(None)
+    else:
+        q_slice = slice(c0, c1)
+    if shape[-1] == 1:
+        grad, k_slice = grad.sum(axis=1, keepdims=True), slice(None)
+    else:
+        k_slice = slice(k0, k1)
+    with lock:  # tasks of several heads or key blocks may share these entries
+        grad_bias[bias_index][q_slice, k_slice] += grad
+
+
+def _run(tasks: list, block: Callable[..., None], scratch: Callable[[], Any]) -> list:
+    """``block(*task, scratch)`` for every task, on the pool's threads with BLAS in one thread
+    each (or in the calling thread); every worker makes its own ``scratch()`` first. Returns
+    the scratches of the workers that ran (for their results)."""
+    queue, queue_lock = iter(tasks), threading.Lock()
+    scratches: list = []
+
+    def work() -> None:
+        own = scratch()
+        scratches.append(own)  # list.append is atomic
         while True:
-            with lock:
+            with queue_lock:
                 task = next(queue, None)
             if task is None:
                 return
-            block(*task, buffer)
+            block(*task, own)
 
-    queue, queue_lock = iter(tasks), threading.Lock()
+    if not tasks:
+        return scratches
     if not _threads["lock"].acquire(blocking=False):  # another thread is using the pool
-        work(queue, queue_lock)
-        return output
+        work()
+        return scratches
     try:
         if "controller" not in _threads:
             try:
@@ -163,8 +471,8 @@ def _blocked_attention(
                 workers = min(workers, len(os.sched_getaffinity(0)))
             workers = max(1, min(workers, len(tasks)))
         if workers == 1:
-            work(queue, queue_lock)
-            return output
+            work()
+            return scratches
         if _threads.get("pool_key") != (os.getpid(), workers):  # new, resized or forked
             from concurrent.futures import ThreadPoolExecutor
 
@@ -175,12 +483,12 @@ def _blocked_attention(
             _threads["pool_key"] = (os.getpid(), workers)
         with controller.limit(limits=1):  # BLAS single-threaded while the blocks run in parallel
             pool = _threads["pool"]  # workers - 1 threads; the caller is the last worker
-            futures = [pool.submit(work, queue, queue_lock) for _ in range(workers - 1)]
+            futures = [pool.submit(work) for _ in range(workers - 1)]
             try:
-                work(queue, queue_lock)
+                work()
             finally:
                 for future in futures:
                     future.result()
     finally:
         _threads["lock"].release()
-    return output
+    return scratches

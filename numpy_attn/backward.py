@@ -22,6 +22,13 @@ Backward, given ``dO`` (FlashAttention's derivation, Dao et al. 2022, appendix B
 Masked positions have ``P = 0`` and so ``dS = 0``: no gradient flows through them, and a fully
 masked row contributes exactly 0. With grouped-query attention, the query heads that share a
 key/value head add their ``dK`` and ``dV`` into it.
+
+``scaled_dot_product_attention_vjp`` below is these formulas on whole ``(q_len, kv_len)``
+arrays: the code to read. For large inputs (``_fast.use_fast_path``, the forward pass's rule)
+it returns ``_fast.fast_attention_vjp`` instead: the same formulas tile by tile
+(FlashAttention-2's backward: the weights recomputed from each row's log-sum-exp, fully masked
+tiles skipped) on every core, with a few tiles of extra memory; both are tested equal
+(``tests/test_fast_backward_numpy.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import numpy as np
 
 import attention_rules as rules
 
+from . import _fast
 from .functional import (
     _array,
     _describe,
@@ -88,6 +96,9 @@ def scaled_dot_product_attention_vjp(
     query, key, value, grad_output = _array(query), _array(key), _array(value), _array(grad_output)
     mask, bias, dropout_mask = _array(mask), _array(bias), _array(dropout_mask)
     scale, softcap, dropout_p = args.scale, args.softcap, args.dropout_p
+    path = _fast.use_fast_path(query, key, value, mask, bias, args)
+    if path is not None:  # large inputs: the same gradients tile by tile, on every core
+        return _fast.fast_attention_vjp(path, query, key, value, grad_output, mask, bias, args)
 
     # Forward again, keeping what the backward pass needs.
     capped = _scores(query, key, scale, softcap)  # S1: (..., heads, q_len, kv_len)

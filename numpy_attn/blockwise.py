@@ -17,16 +17,24 @@ arrays: the causal rule (both alignments), the sliding window and per-sequence k
 (``kv_lengths``) are evaluated per tile, and a tile that the causal rule or the window masks
 entirely is never computed. The backward pass keeps only the log-sum-exp ``lse = m + log l``
 of each row and recomputes every tile's weights as ``exp(s - lse)``.
+
+Both passes run on the threads of the fast path (``_fast._run``, BLAS in one thread per
+worker): the forward pass one query block per task (its output rows are its own), the backward
+pass one key block per task (its ``dK`` and ``dV`` rows are its own; each worker adds ``dQ``
+into its own copy, and the copies are added at the end), so no two threads write the same
+entry.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
 
 import attention_rules as rules
 
+from . import _fast
 from .backward import _matmul_grouped, _sum_groups, _sum_to_shape
 from .functional import _array, _describe, _groups, _in_band, _softcap, _to_compute
 
@@ -164,7 +172,8 @@ def _forward(
     groups = _groups(q.shape, k.shape)
     output = np.zeros(q.shape[:-1] + v.shape[-1:], q.dtype)  # (..., heads, q_len, v_dim)
     lse = np.full(q.shape[:-1] + (1,), np.inf, q.dtype)  # (..., heads, q_len, 1)
-    for q_start, q_stop, blocks in plan:
+
+    def query_block(q_start: int, q_stop: int, blocks: list, scratch: None) -> None:
         rows = q.shape[:-2] + (q_stop - q_start, 1)
         row_max = np.full(rows, NEG_INF, q.dtype)  # m: (..., heads, bq, 1)
         row_sum = np.zeros(rows, q.dtype)  # l
@@ -186,6 +195,9 @@ def _forward(
         safe_sum = np.where(kept, row_sum, 1.0).astype(q.dtype)
         output[..., q_start:q_stop, :] = acc / safe_sum  # 0 / 1 = 0 on fully masked rows
         lse[..., q_start:q_stop, :] = np.where(kept, row_max + np.log(safe_sum), np.inf)
+
+    # numpy: the query blocks on the fast path's threads (their rows are their own)
+    _fast._run(sorted(plan, key=lambda task: -len(task[2])), query_block, lambda: None)
     return output, lse
 
 
@@ -212,13 +224,19 @@ def _backward(
     groups = _groups(q.shape, k.shape)
     q_scaled = q * scale
     row_dot = (d_out * output).sum(axis=-1, keepdims=True)  # rowsum(dO ⊙ O): (..., heads, q_len, 1)
-    grad_q, grad_k, grad_v = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    grad_k, grad_v = np.zeros_like(k), np.zeros_like(v)
     grad_bias = None if bias is None else np.zeros(bias.shape, q.dtype)
+    bias_lock = threading.Lock()  # key blocks may share entries of a broadcast bias
+    columns: dict[tuple[int, int], list] = {}  # key block -> the query blocks that see it
     for q_start, q_stop, blocks in plan:
-        rows = slice(q_start, q_stop)
-        d_out_tile = d_out[..., rows, :]  # (..., heads, bq, v_dim)
         for kv_start, kv_stop, partial in blocks:
-            tile, cols = (q_start, q_stop, kv_start, kv_stop), slice(kv_start, kv_stop)
+            columns.setdefault((kv_start, kv_stop), []).append((q_start, q_stop, partial))
+
+    def key_block(kv_start: int, kv_stop: int, tiles: list, grad_q: np.ndarray) -> None:
+        cols = slice(kv_start, kv_stop)  # dK and dV of these keys: this task's own
+        for q_start, q_stop, partial in tiles:
+            tile, rows = (q_start, q_stop, kv_start, kv_stop), slice(q_start, q_stop)
+            d_out_tile = d_out[..., rows, :]  # (..., heads, bq, v_dim)
             capped = _tile_scores(q_scaled[..., rows, :], k[..., cols, :], groups, softcap)  # S1
             scores = capped.copy() if softcap is not None else capped  # S1 is needed for tanh'
             scores = _mask_tile(scores, bias, kv_lengths, tile, partial, lo, hi)
@@ -231,14 +249,23 @@ def _backward(
             grad_s = p * (grad_p - row_dot[..., rows, :])
             if grad_bias is not None:
                 index = _bias_tile(grad_bias, *tile)
-                grad_bias[index] += _sum_to_shape(grad_s, grad_bias[index].shape)
+                with bias_lock:
+                    grad_bias[index] += _sum_to_shape(grad_s, grad_bias[index].shape)
             if softcap is not None:  # tanh': 1 - (S1 / c)²
                 grad_s *= 1.0 - np.square(capped * (1.0 / softcap))
             grad_s *= scale
-            # dQ = dS K · scale, dK = dSᵀ Q · scale
+            # dQ = dS K · scale (into this worker's own dQ), dK = dSᵀ Q · scale
             grad_q[..., rows, :] += _matmul_grouped(grad_s, k[..., cols, :], groups)
             grad_k[..., cols, :] += _sum_groups(np.swapaxes(grad_s, -1, -2) @ q[..., rows, :],
                                                 groups)
+
+    # numpy: the key blocks on the fast path's threads, each worker adding into its own dQ
+    tasks = [(kv_start, kv_stop, tiles) for (kv_start, kv_stop), tiles in columns.items()]
+    tasks.sort(key=lambda task: -len(task[2]))  # most tiles first
+    grad_qs = _fast._run(tasks, key_block, lambda: np.zeros_like(q))
+    grad_q = grad_qs[0] if grad_qs else np.zeros_like(q)
+    for other in grad_qs[1:]:
+        grad_q += other
     return grad_q, grad_k, grad_v, grad_bias
 
 
