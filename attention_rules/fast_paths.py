@@ -34,6 +34,10 @@ FAST_PATHS = {
     "torch_attn": {
         # torch.nn.functional.scaled_dot_product_attention, for finite query and key
         "sdpa": {},
+        # blockwise tiles with the online softmax: softcap, window, bottom-right q_len != kv_len
+        "blocked": {
+            "block_q": 256, "min_scores": 1 << 20, "min_q_len": 64, "max_tile_fraction": 0.25,
+        },
     },
 }
 

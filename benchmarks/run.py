@@ -26,7 +26,9 @@ FLOPs: the forward counts ``4·B·H·Tq·Tk·D`` (two matrix products), the forw
 only the allowed (query, key) pairs count, ``Tq·(Tq + 1)/2`` instead of ``Tq·Tk``, so a causal
 kernel that skips masked blocks reaches the same GFLOP/s as a full one.
 
-The long-sequence (8k to 32k tokens) blockwise rows are in ``benchmarks/blockwise_memory.py``.
+The long-sequence (8k to 32k tokens) blockwise rows are in ``benchmarks/blockwise_memory.py``;
+training (forward and forward + backward of every backend, the SGEMM floor, the VJP memory at
+16,384 tokens) in ``benchmarks/training.py``.
 """
 
 from __future__ import annotations

@@ -98,7 +98,10 @@ BLOCKED_COMPUTATION = (
     "a thread pool, one thread per core, with BLAS limited to one thread during the call "
     "through the optional threadpoolctl — without it the blocks run in the calling thread; "
     "jax_attn on CPU: lax.map over query blocks, and on a GPU cuDNN's flash attention for half "
-    "inputs; torch_attn: torch's fused SDPA for finite query and key. Results equal the "
+    "inputs; torch_attn: torch's fused SDPA for finite query and key, and on large inputs "
+    "with a soft-cap (or a window or bottom-right causal rule that leaves few tiles to compute) "
+    "blockwise_attention's tiles, whose backward recomputes each tile from the row "
+    "log-sum-exp. Results equal the "
     "explicit pipeline within the dtype's rounding, fully masked rows stay exactly 0, NaN and "
     "infinities follow NON_FINITE, and causal or window blocks that are fully masked are "
     "skipped. The step functions, return_weights=True, dropout and empty axes always run the "
@@ -115,6 +118,9 @@ FAST_PATH_RULES = {
     "× kv_len: below it the explicit steps are as fast",
     "min_q_len": "a blocked path runs only from this many queries (decoding steps, with few "
     "queries, are one batched matmul); jax_attn needs at least block_q",
+    "max_tile_fraction": "torch_attn: a window or bottom-right causal rule without a soft-cap "
+    "takes the tiles only when they compute at most this fraction of the score matrix (SDPA "
+    "with the band as a mask computes all of it, faster per entry)",
     "segments": "jax_attn: the causal rule or a window cut the queries into at most this many "
     "static segments, each against only the keys it can see",
     "platforms": "jax_attn: the JAX backends (jax.default_backend()) the path runs on",

@@ -254,7 +254,7 @@ def test_fast_path_selection_rules():
     assert _selected(q, k, v_nan) == "sdpa"  # SDPA gives NaN wherever the weight is non-zero
 
 
-def test_fast_path_calls_sdpa_with_one_mask_and_is_causal_only_when_square(monkeypatch):
+def test_fast_path_calls_sdpa_with_one_mask_and_is_causal_only_when_top_left(monkeypatch):
     calls = []
     sdpa = torch.nn.functional.scaled_dot_product_attention
 
@@ -264,7 +264,10 @@ def test_fast_path_calls_sdpa_with_one_mask_and_is_causal_only_when_square(monke
 
     monkeypatch.setattr(_fast.F, "scaled_dot_product_attention", spy)
     q, k, v = _qkv((1, 4, 3, 8), (1, 2, 5, 8))
-    torch_attn.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch_attn.scaled_dot_product_attention(q, k, v, is_causal=True)  # top-left: SDPA's own
+    assert calls[-1]["is_causal"] is True and calls[-1]["attn_mask"] is None
+    torch_attn.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                            causal_alignment="bottom_right")
     assert calls[-1]["is_causal"] is False and calls[-1]["attn_mask"].dtype == torch.bool
     assert calls[-1]["enable_gqa"] is True
     torch_attn.scaled_dot_product_attention(q, q, q, is_causal=True)
@@ -272,7 +275,7 @@ def test_fast_path_calls_sdpa_with_one_mask_and_is_causal_only_when_square(monke
     torch_attn.scaled_dot_product_attention(q, q, q, is_causal=True, mask=torch.ones(3, 3) > 0)
     assert calls[-1]["is_causal"] is False and calls[-1]["attn_mask"].shape == (3, 3)
     torch_attn.scaled_dot_product_attention(q, k, v, return_weights=True)
-    assert len(calls) == 3  # the explicit path does not call SDPA
+    assert len(calls) == 4  # the explicit path does not call SDPA
 
 
 def test_sdpa_on_cpu_zeroes_fully_masked_rows():

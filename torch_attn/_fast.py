@@ -1,12 +1,14 @@
-"""The fast path of torch_attn: torch's fused ``scaled_dot_product_attention`` (SDPA).
+"""The fast paths of torch_attn: torch's fused ``scaled_dot_product_attention`` (SDPA), and
+``blockwise.py``'s tiles for what SDPA cannot skip.
 
-``use_fast_path`` is the one selection rule (``attention_rules.FAST_PATHS["torch_attn"]``
-has no numbers: SDPA is as fast as the explicit steps at every size). The explicit steps of
-``functional.py`` run instead when SDPA cannot follow the spec:
+``use_fast_path`` is the one selection rule (its numbers are
+``attention_rules.FAST_PATHS["torch_attn"]``; ``"sdpa"`` has none: SDPA is as fast as the
+explicit steps at every size). The explicit steps of ``functional.py`` run instead when no fast
+path can follow the spec:
 
-* ``return_weights=True``: SDPA does not return the weights;
+* ``return_weights=True``: neither returns the weights;
 * ``dropout_p > 0``: SDPA draws its own keep-mask, not one from ``rng``/``dropout_mask``;
-* ``softcap``: SDPA has no soft-capping (it would have to come before the bias);
+* ``softcap`` on small inputs: SDPA has no soft-capping (it would have to come before the bias);
 * an empty axis (``q_len``, ``kv_len``, ``head_dim``, ``v_dim`` or a batch axis of size 0);
 * a NaN or an infinity in ``query`` or ``key`` (one sum over each, ``_finite``): SDPA adds
   the mask to the scores instead of replacing them, so a NaN or infinite key at a masked
@@ -14,9 +16,28 @@ has no numbers: SDPA is as fast as the explicit steps at every size). The explic
   allowed scores are all ``-inf`` gives NaN, not 0 (torch 2.13, CPU). The spec's IEEE rule
   (``spec.NON_FINITE``) is what the explicit steps compute.
 
-Everything else takes SDPA (``fast_attention``): the boolean mask, the causal rule in both
-alignments and the window become ONE explicit boolean ``attn_mask`` (SDPA's own ``is_causal``
-only when ``q_len == kv_len`` with nothing else to combine, where both alignments coincide); a
+``"blocked"``: a soft-cap, a window, or the causal rule bottom-right with ``q_len != kv_len``
+(SDPA's ``is_causal`` is top-left) are beyond SDPA's own options. ``blockwise._BlockwiseAttention``
+(``_blocked_attention``) computes them in ``(BLOCK_Q, BLOCK_KV)`` tiles with the online softmax,
+never computes a tile that the causal rule or the window mask entirely, and recomputes each tile
+in its backward pass from the saved log-sum-exp, so neither pass holds more than a few tiles.
+The boolean mask and the bias are sliced per tile (a masked score is replaced by ``-inf``, as in
+the steps). It runs from ``MIN_SCORES`` score entries and ``MIN_Q_LEN`` queries:
+
+* with a soft-cap always: the explicit steps keep several ``(..., heads, q_len, kv_len)``
+  arrays for autograd (forward + backward at 4,096 tokens, 8 heads: 2.1 GiB of extra memory
+  against 0.1 GiB for the tiles; times in ``benchmarks/torch_beyond_sdpa.py``);
+* for a window or bottom-right alone only when the tiles to compute are at most
+  ``MAX_TILE_FRACTION`` of the score matrix: SDPA given the band as a boolean mask computes
+  every entry but about three times as fast per entry as the tiles (no score matrix either).
+
+Gradients: ``backward.py`` runs autograd through ``fast_attention``, so SDPA's own backward or
+``_BlockwiseAttention.backward`` computes them; torch_attn needs no ``fast_attention_vjp`` (the
+function numpy_attn and jax_attn write by hand).
+
+Everything else takes SDPA: the boolean mask, the causal rule and the window become ONE
+explicit boolean ``attn_mask`` (SDPA's own ``is_causal`` when nothing else is to be combined and
+the rule is top-left, or ``q_len == kv_len`` where both alignments coincide); a
 bias becomes one float ``attn_mask``, ``-inf`` where not allowed; grouped-query heads go
 through ``enable_gqa``; ``v_dim != head_dim`` and 2-D inputs are supported; float16/bfloat16
 are given to SDPA as float32 copies (the spec's float32 weighted sum: SDPA's half kernels
@@ -36,6 +57,12 @@ import attention_rules as rules
 from . import functional  # the steps the fast path must equal, and reuses
 
 NEG_INF = float("-inf")
+_BLOCKED = rules.FAST_PATHS["torch_attn"]["blocked"]
+MIN_SCORES = _BLOCKED["min_scores"]  # below this many score entries SDPA / the steps are as fast
+MIN_Q_LEN = _BLOCKED["min_q_len"]  # few queries (decoding): SDPA with a small mask is faster
+BLOCK_Q = _BLOCKED["block_q"]  # query rows per tile
+BLOCK_KV = 512  # keys per tile; 256 × 512 beat 512 × 1024 and 128 × 512 (2,048 tokens, fwd+bwd)
+MAX_TILE_FRACTION = _BLOCKED["max_tile_fraction"]  # window / bottom-right: tiles vs SDPA + mask
 
 # CPU SDPA gives fully masked rows an output and a gradient of exactly 0 (checked on torch 2.13
 # by tests/test_torch_specific.py); other devices and older versions are not relied upon.
@@ -50,22 +77,54 @@ def use_fast_path(
     bias: torch.Tensor | None,
     args: rules.Arguments,
 ) -> str | None:
-    """The fast path for these validated inputs (``"sdpa"``), or None for the steps."""
-    if args.return_weights or args.dropout_p > 0.0 or args.softcap is not None:
-        return None  # SDPA returns no weights, draws its own keep-mask, has no softcap
-    if rules.has_empty_axis(tuple(query.shape), tuple(key.shape), tuple(value.shape)):
+    """The fast path for these validated inputs (``"sdpa"``, ``"blocked"``), or None for the
+    steps."""
+    if args.return_weights or args.dropout_p > 0.0:
+        return None  # no fast path returns the weights; SDPA draws its own keep-mask
+    shapes = tuple(query.shape), tuple(key.shape), tuple(value.shape)
+    if rules.has_empty_axis(*shapes):
         return None  # empty axes are not worth a kernel
     if not _finite(query, key):
         return None  # NaN/inf: SDPA adds the mask instead of replacing masked scores
+    if _beyond_sdpa(query.shape[-2], key.shape[-2], args) and rules.large_enough(
+        *shapes, MIN_SCORES, MIN_Q_LEN
+    ) and _tiles_pay(query.shape[-2], key.shape[-2], args):
+        return "blocked"
+    if args.softcap is not None:
+        return None  # SDPA has no softcap
     return "sdpa"
+
+
+def _tiles_pay(q_len: int, kv_len: int, args: rules.Arguments) -> bool:
+    """Whether the tiles beat the alternative: always with a soft-cap (the explicit steps),
+    else (SDPA with the band as a mask) when they compute at most ``MAX_TILE_FRACTION`` of it."""
+    if args.softcap is not None:
+        return True
+    lo, hi = rules.band(q_len, kv_len, args.is_causal, args.causal_alignment, args.window)
+    plan = rules.plan(q_len, kv_len, BLOCK_Q, BLOCK_KV, lo, hi)
+    computed = sum((q1 - q0) * (k1 - k0) for q0, q1, blocks in plan for k0, k1, _ in blocks)
+    return computed <= MAX_TILE_FRACTION * q_len * kv_len
+
+
+def _beyond_sdpa(q_len: int, kv_len: int, args: rules.Arguments) -> bool:
+    """A soft-cap, a window, or a causal rule that SDPA's top-left ``is_causal`` is not."""
+    offset = rules.causal_offset(args.causal_alignment, q_len, kv_len)
+    return args.softcap is not None or args.window is not None or (args.is_causal and offset != 0)
 
 
 def _finite(query: torch.Tensor, key: torch.Tensor) -> bool:
     """Whether query and key hold no NaN and no infinity: one sum each, no temporary (40 times
     faster than ``isfinite(x).all()``). NaN and ±inf always reach a sum (``inf - inf = NaN``);
-    a sum that overflows on huge finite values only sends the call to the explicit steps."""
+    a sum that overflows on huge finite values only sends the call to the explicit steps.
+
+    On a GPU, ``bool`` waits for the device (one synchronisation per call). Repairing SDPA's
+    output afterwards with tensor operations instead is not possible at the cost of a sum:
+    whether a non-finite key's score for query ``i`` is NaN, ``+inf`` or ``-inf`` (row NaN, row
+    NaN, or key ignored) depends on the pair, so the repair needs every such key against every
+    query, and how many keys that is the host does not know without the same wait."""
     accumulate = torch.float64 if query.dtype == torch.float64 else torch.float32
-    total = query.sum(dtype=accumulate) + key.sum(dtype=accumulate)
+    # detached: a check, not part of the graph autograd records
+    total = query.detach().sum(dtype=accumulate) + key.detach().sum(dtype=accumulate)
     return bool(torch.isfinite(total))
 
 
@@ -79,6 +138,8 @@ def fast_attention(
     args: rules.Arguments,
 ) -> torch.Tensor:
     """``scaled_dot_product_attention``'s output on the path ``use_fast_path`` chose."""
+    if path == "blocked":
+        return _blocked_attention(query, key, value, mask, bias, args)
     return _sdpa_attention(
         query, key, value, mask, bias, args.is_causal, args.causal_alignment, args.window,
         args.scale,
@@ -101,8 +162,9 @@ def _sdpa_attention(
     query = functional._to_compute(query)
     key, value = functional._to_compute(key), functional._to_compute(value)
     q_len, kv_len = query.shape[-2], key.shape[-2]
-    sdpa_causal = is_causal and q_len == kv_len and mask is None and bias is None
-    sdpa_causal = sdpa_causal and window is None  # top-left = bottom-right when q_len == kv_len
+    sdpa_causal = is_causal and mask is None and bias is None and window is None
+    # SDPA's is_causal is top-left, which bottom-right equals when q_len == kv_len
+    sdpa_causal = sdpa_causal and (causal_alignment == "top_left" or q_len == kv_len)
     attn_mask = None
     if not sdpa_causal:
         attn_mask = functional._allowed(
@@ -126,3 +188,28 @@ def _sdpa_attention(
     if row_ok is not None:
         output = torch.where(row_ok, output, 0.0)  # ...and is zeroed here, gradient 0 too
     return output.to(dtype)
+
+
+def _blocked_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    args: rules.Arguments,
+) -> torch.Tensor:
+    """The pipeline in tiles (``blockwise._BlockwiseAttention``), in the input dtype; autograd
+    sees one node whose backward recomputes the tiles."""
+    # imported here: blockwise.py imports functional.py, which imports this module
+    from .blockwise import _BlockwiseAttention
+
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    rank = len(args.scores_shape)  # mask and bias full rank, so tiles slice the last two axes
+    if mask is not None:
+        mask = mask.reshape((1,) * (rank - mask.ndim) + tuple(mask.shape))
+    if bias is not None:
+        bias = bias.reshape((1,) * (rank - bias.ndim) + tuple(bias.shape))
+    lo, hi = rules.band(q_len, kv_len, args.is_causal, args.causal_alignment, args.window)
+    plan = rules.plan(q_len, kv_len, BLOCK_Q, BLOCK_KV, lo, hi)  # masked tiles left out
+    config = (plan, lo, hi, args.scale, args.softcap)
+    return _BlockwiseAttention.apply(query, key, value, bias, mask, None, config)

@@ -18,6 +18,9 @@ arrays: the causal rule (both alignments), the sliding window and per-sequence k
 entirely is never computed. The backward pass keeps only the log-sum-exp ``lse = m + log l``
 of each row and recomputes every tile's weights as ``exp(s - lse)``: a custom
 ``torch.autograd.Function`` (``_BlockwiseAttention``), so autograd never stores a tile.
+``scaled_dot_product_attention``'s fast path (``_fast.py``) runs the same Function for large
+inputs with a soft-cap, a window or bottom-right causal with ``q_len != kv_len``, its boolean
+``mask`` sliced per tile like the bias (torch only: the public functions here take none).
 """
 
 from __future__ import annotations
@@ -88,7 +91,7 @@ def blockwise_attention(
     query, key, value, bias = _array(query), _array(key), _array(value), _array(bias)
     bias, kv_lengths, plan, lo, hi = _prepare(fn, query, key, bias, kv_lengths, args)
     config = (plan, lo, hi, args.scale, args.softcap)
-    return _BlockwiseAttention.apply(query, key, value, bias, kv_lengths, config)
+    return _BlockwiseAttention.apply(query, key, value, bias, None, kv_lengths, config)
 
 
 def blockwise_attention_vjp(
@@ -137,7 +140,7 @@ def blockwise_attention_vjp(
         inputs.append(bias.detach().requires_grad_(True))
     with torch.enable_grad():
         output = _BlockwiseAttention.apply(
-            *inputs[:3], inputs[3] if bias is not None else None, kv_lengths, config
+            *inputs[:3], inputs[3] if bias is not None else None, None, kv_lengths, config
         )
         grads = torch.autograd.grad(output, inputs, grad_outputs=grad_output, allow_unused=True)
     grads = tuple(
@@ -156,6 +159,7 @@ def _forward(
     key: torch.Tensor,
     value: torch.Tensor,
     bias: torch.Tensor | None,
+    mask: torch.Tensor | None,
     kv_lengths: torch.Tensor | None,
     plan: list,
     lo: float,
@@ -164,7 +168,8 @@ def _forward(
     softcap: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``output (..., heads, q_len, v_dim)`` and ``lse (..., heads, q_len, 1)`` in the compute
-    dtype; ``lse`` is ``+inf`` on fully masked rows, so ``exp(s - lse)`` is 0 there."""
+    dtype; ``lse`` is ``+inf`` on fully masked rows, so ``exp(s - lse)`` is 0 there. ``mask``
+    (full rank, True = may attend) is the fast path's: the public functions pass None."""
     q = _to_compute(query) * scale  # (..., heads, q_len, head_dim)
     k, v = _to_compute(key), _to_compute(value)  # (..., kv_heads, kv_len, head_dim | v_dim)
     groups = _groups(q.shape, k.shape)
@@ -180,7 +185,7 @@ def _forward(
             tile = (q_start, q_stop, kv_start, kv_stop)
             scores = _tile_scores(q[..., q_start:q_stop, :], k[..., kv_start:kv_stop, :], groups,
                                   softcap)  # (..., heads, bq, bk)
-            scores = _mask_tile(scores, bias, kv_lengths, tile, partial, lo, hi)
+            scores = _mask_tile(scores, bias, mask, kv_lengths, tile, partial, lo, hi)
             new_max = torch.maximum(row_max, scores.amax(dim=-1, keepdim=True))
             shift = torch.where(new_max == NEG_INF, 0.0, new_max)  # no -inf - -inf
             scores -= shift
@@ -201,6 +206,7 @@ def _backward(
     key: torch.Tensor,
     value: torch.Tensor,
     bias: torch.Tensor | None,
+    mask: torch.Tensor | None,
     kv_lengths: torch.Tensor | None,
     plan: list,
     lo: float,
@@ -210,9 +216,11 @@ def _backward(
     output: torch.Tensor,
     lse: torch.Tensor,
     grad_output: torch.Tensor,
+    bias_needs_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """FlashAttention's backward per tile (numpy_attn's ``backward.py`` derives it for the whole
-    matrix); gradients in the compute dtype, ``grad_bias`` shaped like the full-rank bias."""
+    matrix); gradients in the compute dtype, ``grad_bias`` shaped like the full-rank bias (None
+    without a bias or when ``bias_needs_grad`` is False)."""
     q = _to_compute(query)  # (..., heads, q_len, head_dim), unscaled
     k, v = _to_compute(key), _to_compute(value)
     d_out = _to_compute(grad_output)  # (..., heads, q_len, v_dim)
@@ -220,7 +228,9 @@ def _backward(
     q_scaled = q * scale
     row_dot = (d_out * output).sum(dim=-1, keepdim=True)  # rowsum(dO ⊙ O): (..., heads, q_len, 1)
     grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=q.dtype, device=q.device)
+    grad_bias = None
+    if bias is not None and bias_needs_grad:
+        grad_bias = torch.zeros(bias.shape, dtype=q.dtype, device=q.device)
     for q_start, q_stop, blocks in plan:
         rows = slice(q_start, q_stop)
         d_out_tile = d_out[..., rows, :]  # (..., heads, bq, v_dim)
@@ -228,24 +238,24 @@ def _backward(
             tile, cols = (q_start, q_stop, kv_start, kv_stop), slice(kv_start, kv_stop)
             capped = _tile_scores(q_scaled[..., rows, :], k[..., cols, :], groups, softcap)  # S1
             scores = capped.clone() if softcap is not None else capped  # S1 is needed for tanh'
-            scores = _mask_tile(scores, bias, kv_lengths, tile, partial, lo, hi)
-            p = torch.exp(scores - lse[..., rows, :])  # P, recomputed: (..., heads, bq, bk)
+            scores = _mask_tile(scores, bias, mask, kv_lengths, tile, partial, lo, hi)
+            p = torch.exp(scores.sub_(lse[..., rows, :]), out=scores)  # P, recomputed, in place
             # dV = Pᵀ dO
             grad_v[..., cols, :] += _sum_groups(p.transpose(-1, -2) @ d_out_tile, groups)
             # dP = dO Vᵀ
             grad_p = _matmul_grouped(d_out_tile, v[..., cols, :].transpose(-1, -2), groups)
             # dS = P ⊙ (dP - rowsum(dO ⊙ O))
-            grad_s = p * (grad_p - row_dot[..., rows, :])
+            grad_s = grad_p.sub_(row_dot[..., rows, :]).mul_(p)  # in place: dP is not needed
             if grad_bias is not None:
                 index = _bias_tile(grad_bias, *tile)
                 grad_bias[index] += _sum_to_shape(grad_s, grad_bias[index].shape)
-            if softcap is not None:  # tanh': 1 - (S1 / c)²
-                grad_s *= 1.0 - torch.square(capped * (1.0 / softcap))
-            grad_s *= scale
-            # dQ = dS K · scale, dK = dSᵀ Q · scale
+            if softcap is not None:  # tanh': 1 - (S1 / c)², in place: S1 is not needed after
+                grad_s *= capped.mul_(1.0 / softcap).square_().neg_().add_(1.0)
+            # dQ = dS K · scale (scaled once, below), dK = dSᵀ (Q · scale)
             grad_q[..., rows, :] += _matmul_grouped(grad_s, k[..., cols, :], groups)
-            grad_k[..., cols, :] += _sum_groups(grad_s.transpose(-1, -2) @ q[..., rows, :],
-                                                groups)
+            grad_k[..., cols, :] += _sum_groups(
+                grad_s.transpose(-1, -2) @ q_scaled[..., rows, :], groups)
+    grad_q *= scale
     return grad_q, grad_k, grad_v, grad_bias
 
 
@@ -254,21 +264,23 @@ class _BlockwiseAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                bias: torch.Tensor | None, kv_lengths: torch.Tensor | None, config: tuple) -> Any:
-        output, lse = _forward(query, key, value, bias, kv_lengths, *config)
-        ctx.save_for_backward(query, key, value, bias, kv_lengths, output, lse)
+                bias: torch.Tensor | None, mask: torch.Tensor | None,
+                kv_lengths: torch.Tensor | None, config: tuple) -> Any:
+        output, lse = _forward(query, key, value, bias, mask, kv_lengths, *config)
+        ctx.save_for_backward(query, key, value, bias, mask, kv_lengths, output, lse)
         ctx.config = config
         return output.to(query.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> Any:
-        query, key, value, bias, kv_lengths, output, lse = ctx.saved_tensors
+        query, key, value, bias, mask, kv_lengths, output, lse = ctx.saved_tensors
         grad_q, grad_k, grad_v, grad_bias = _backward(
-            query, key, value, bias, kv_lengths, *ctx.config, output, lse, grad_output
+            query, key, value, bias, mask, kv_lengths, *ctx.config, output, lse, grad_output,
+            bias_needs_grad=ctx.needs_input_grad[3],
         )
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
         return grad_q.to(query.dtype), grad_k.to(key.dtype), grad_v.to(value.dtype), grad_bias, \
-            None, None
+            None, None, None
 
 
 # ------------------------------------------------------------------------------------------
@@ -336,7 +348,8 @@ def _tile_scores(
 
 
 def _bias_tile(bias: torch.Tensor, q_start: int, q_stop: int, kv_start: int, kv_stop: int) -> Any:
-    """The tile of a full-rank bias; broadcast (size-1) query or key axes are kept whole."""
+    """The tile of a full-rank bias (or mask); broadcast (size-1) query or key axes are kept
+    whole."""
     q_slice = slice(q_start, q_stop) if bias.shape[-2] != 1 else slice(None)
     kv_slice = slice(kv_start, kv_stop) if bias.shape[-1] != 1 else slice(None)
     return (..., q_slice, kv_slice)
@@ -345,17 +358,21 @@ def _bias_tile(bias: torch.Tensor, q_start: int, q_stop: int, kv_start: int, kv_
 def _mask_tile(
     scores: torch.Tensor,
     bias: torch.Tensor | None,
+    mask: torch.Tensor | None,
     kv_lengths: torch.Tensor | None,
     tile: tuple[int, int, int, int],
     partial: bool,
     lo: float,
     hi: float,
 ) -> torch.Tensor:
-    """Add the bias tile, then ``-inf`` where the band or ``kv_lengths`` forbid (in place)."""
+    """Add the bias tile, then ``-inf`` where the mask, the band or ``kv_lengths`` forbid (in
+    place; replaced, not added, so a NaN score at a masked position does not spread)."""
     q_start, q_stop, kv_start, kv_stop = tile
     device = scores.device  # torch: positions are built on the scores' device
     if bias is not None:
         scores += bias[_bias_tile(bias, *tile)].to(device, scores.dtype)
+    if mask is not None:  # torch only: the fast path's boolean mask, full rank, sliced per tile
+        scores.masked_fill_(~mask[_bias_tile(mask, *tile)].to(device), NEG_INF)
     if partial:  # (bq, bk): j - i inside [lo, hi]
         allowed = _in_band(q_start, q_stop - q_start, kv_start, kv_stop - kv_start, lo, hi, device)
         scores.masked_fill_(~allowed, NEG_INF)
