@@ -6,6 +6,8 @@ Imports run one way, from the spec to the command line; each file holds one conc
 ``spec``            the specification (standard library only): rules, stubs, tolerances,
                     the peers' known differences
 ``usage``           ``UsageError``: a mistake in calling the harness (exit code 2)
+``plugins``         the contract of a checked module of yours: what it provides, ``UNSUPPORTED``,
+                    ``LAYOUT``, its import errors (``docs/checking.md``)
 ``backends``        adapters NumPy ↔ each backend (numpy, jax, torch, your module), lazy imports
 ``cases``           the named, seeded cases — **add a case here**
 ``reference``       the independent float64 reference of the pipeline and its VJP
@@ -17,12 +19,25 @@ Imports run one way, from the spec to the command line; each file holds one conc
 ``diagnose``        plain-words reasons for a failure — **add a diagnosis here**
 ``results``         ``Cell``, ``RunResult`` and the other result types, known differences
 ``steps``           how a backend computes each compared step — **add a compared step here**
-``peers``           the frameworks' own kernels as extra columns — **add a peer here**
+``peer_inputs``     a case's inputs in the peers' conventions (4-D, BTNH, joined masks, n/a)
+``peers_flax``      ``flax.nnx.dot_product_attention`` as a peer
+``peers_keras``     ``keras.ops.dot_product_attention`` per Keras backend, each in a worker
+                    process (``keras_worker``, which Keras' once-per-process backend needs)
+``peers_onnx``      onnxruntime running one ONNX ``Attention`` node
+``peers_transformers``  transformers' eager and SDPA attention functions, called as models do
+``peers``           the frameworks' own kernels as extra columns (``PEERS``) — **add a peer
+                    here** (its adapter in a ``peers_<framework>`` file of its own)
 ``errors``          bad inputs of ``spec.ERRORS`` — **add a bad input here**
 ``properties``      Hypothesis property checks (``--hypothesis N``)
 ``runner``          runs cells, bad inputs and properties into one ``RunResult``
 ``golden``          golden vectors: export, and check through the runner
+``shrink``          the smallest failing case of a failing cell, as a runnable script
 ``report``          text, JSON, Markdown and plots of a ``RunResult``
+``verdict``         the focused report of a checked module: bugs first, compact table
+``context_parallel_cases``  context parallelism's cases, expected values, bad calls; NumPy's
+                    checks (in process)
+``context_parallel_workers``  its JAX (4 host devices) and torch (gloo ranks) subprocesses
+``context_parallel``  runs and reports them (``python -m conformance context-parallel``)
 ``__main__``        ``python -m conformance``
 ==================  =========================================================================
 

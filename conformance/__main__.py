@@ -4,17 +4,22 @@ Subcommands (``run`` is the default)::
 
     python -m conformance [run] [--backend B ...] [--case NAME ...] [--dtype D ...]
                                 [--hypothesis N] [--json F] [--markdown F] [--plot DIR]
+                                [--verbose]
     python -m conformance export DIR            # golden vectors (.npz + manifest)
-    python -m conformance check DIR --backend B # check an implementation against them
+    python -m conformance check DIR --backend B [--verbose]  # check against them
     python -m conformance spec [...]            # the generated spec document
     python -m conformance walkthrough [--backend numpy|jax|torch|all]  # the article, step by step
     python -m conformance pictures DIR          # attention-weight heatmaps (PNG)
+    python -m conformance context-parallel [...]  # context parallelism, world sizes 2 and 4
 
 ``--backend`` takes ``numpy``, ``jax``, ``torch``, a peer (``torch.sdpa``,
 ``torch.MHA``, ``jax.nn``) or the dotted path of your own module
-(``mypkg.attention``). Exit code 0 only when every spec/user backend passes, 1 when one fails,
-2 for a mistake in the command (``usage.UsageError``: an unknown case, backend or golden
-directory, printed as one line). Anything else is a bug and shows its traceback.
+(``mypkg.attention``, see ``plugins``: its report is ``verdict``'s focused one, ``--verbose``
+for every cell). Exit code 0 only when every spec/user backend passes, 1 when one fails, 2 for a
+mistake in the command (``usage.UsageError``: an unknown case, backend or golden directory, a
+named backend or an option's package that is not installed — printed as one line with the
+install command, before any work — or a checked module whose import fails, printed with its
+traceback). Anything else is a bug and shows its traceback.
 
 To add a subcommand, write ``_add_NAME(parser)`` and ``_cmd_NAME(args)`` and list them in
 ``COMMANDS``.
@@ -23,11 +28,13 @@ To add a subcommand, write ``_add_NAME(parser)`` and ``_cmd_NAME(args)`` and lis
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from collections.abc import Callable
 
 from .backends import DTYPES
+from .plugins import PluginImportError
 from .usage import UsageError
 
 
@@ -49,16 +56,29 @@ def _add_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="write the full report as JSON")
     p.add_argument("--markdown", metavar="FILE", help="write the full report as Markdown")
     p.add_argument("--plot", metavar="DIR", help="write PNG plots (needs matplotlib)")
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="a checked module's report: every cell, not only the focused verdict")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
 
 
+def require(module: str, install: str, what: str) -> None:
+    """A ``UsageError`` naming the install command when ``module`` is not installed (checked
+    before any work)."""
+    if importlib.util.find_spec(module) is None:
+        raise UsageError(f"{what} needs {module}; install: {install}")
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
-    from . import cases, report, runner
+    from . import cases, report, runner, verdict
 
     if args.list:
         for case in cases.CASES:
             print(f"{case.name:<32} {case.kind:<7} {case.description}")
         return 0
+    if args.plot:
+        require("matplotlib", "pip install matplotlib", "--plot")
+    if args.hypothesis:
+        require("hypothesis", "pip install hypothesis", "--hypothesis")
     result = runner.run(args.backend, args.case, args.dtype, peers=args.peers,
                         check_errors=not args.no_errors, hypothesis=args.hypothesis)
     if not result.columns:
@@ -72,7 +92,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.plot:
         written = report.write_plots(result, args.plot)
         print(f"plots: {len(written)} PNG files in {args.plot}", file=sys.stderr)
-    print(report.text(result))
+    print(verdict.text(result, args.verbose))
     return 0 if result.ok else 1
 
 
@@ -98,13 +118,15 @@ def _add_check(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", action="append", choices=DTYPES)
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--markdown", metavar="FILE")
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="a checked module's report: every cell, not only the focused verdict")
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from . import golden, report
+    from . import golden, report, verdict
 
     result = golden.check(args.directory, args.backend, args.case, args.dtype)
-    print(report.text(result))
+    print(verdict.text(result, args.verbose))
     if args.json:
         report.write_json(result, args.json)
     if args.markdown:
@@ -129,6 +151,7 @@ def _add_pictures(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_pictures(args: argparse.Namespace) -> int:
+    require("matplotlib", "pip install matplotlib", "pictures")
     from . import pictures
 
     return pictures.main(args)
@@ -138,6 +161,12 @@ def _cmd_spec(argv: list[str]) -> int:
     from . import specdoc
 
     return int(specdoc.main(argv) or 0)
+
+
+def _cmd_context_parallel(argv: list[str]) -> int:
+    from . import context_parallel
+
+    return int(context_parallel.main(argv) or 0)
 
 
 #: name → (add arguments, handler); handlers taking raw argv are listed in RAW_COMMANDS.
@@ -150,13 +179,17 @@ COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
     "pictures": (_add_pictures, _cmd_pictures),
 }
 #: Subcommands that own their argument parsing: name → handler(argv).
-RAW_COMMANDS: dict[str, Callable[[list[str]], int]] = {"spec": _cmd_spec}
+RAW_COMMANDS: dict[str, Callable[[list[str]], int]] = {
+    "spec": _cmd_spec, "context-parallel": _cmd_context_parallel,
+}
 
 HELP = {
     "run": "run every case on every backend (default)",
     "export": "write golden vectors (.npz, float64 expected values, checksums)",
     "check": "check an implementation against golden vectors (needs only NumPy)",
     "spec": "print or write the generated spec document",
+    "context-parallel": "context-parallel attention (ring, all-gather, Ulysses) at world sizes "
+    "2 and 4 against the float64 reference; `schedule` draws the ring",
     "walkthrough": "the seed article's worked example, step by step, backends side by side",
     "pictures": "write attention-weight heatmaps (PNG) for every mask type (needs matplotlib)",
 }
@@ -184,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         args = parser().parse_args(argv)
         return COMMANDS[args.command][1](args)
     except UsageError as exc:
+        if isinstance(exc, PluginImportError):
+            print(exc.traceback, file=sys.stderr, end="")
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from . import plugins
 from .usage import UsageError
 
 try:  # bfloat16 for NumPy
@@ -55,10 +56,17 @@ class Backend:
     #: Frees what compiling kept (called between cases); None when nothing is kept.
     _release: Callable[[], None] | None = None
     _compiled: dict[Hashable, Callable[..., Any]] = field(default_factory=dict, repr=False)
+    #: A checked module's import (``from_module``): raises ``UsageError``, never ImportError.
+    _import: Callable[[], ModuleType] | None = None
+    #: What a checked module provides and declares (``plugins.Contract``); None for numpy,
+    #: jax and torch, which provide everything.
+    contract: plugins.Contract | None = None
 
     @property
     def module(self) -> ModuleType:
         """The backend's package, imported on first use."""
+        if self._module is None and self._import is not None:
+            self._module = self._import()
         if self._module is None:
             try:
                 self._prepare()
@@ -68,6 +76,11 @@ class Backend:
                     f"backend {self.name!r} needs {exc.name or self.module_name}: {self.install}"
                 ) from exc
         return self._module
+
+    def provides(self, name: str) -> bool:
+        """True when the backend defines ``name`` (a function or module of the spec)."""
+        _ = self.module
+        return self.contract is None or name in self.contract.provided
 
     def available(self) -> bool:
         """True when the backend imports."""
@@ -260,7 +273,7 @@ def _torch_backend() -> Backend:
     return Backend(
         name="torch",
         module_name="torch_attn",
-        install="pip install torch",
+        install="pip install torch==2.13.0",
         _asarray=torch_asarray,
         _to_numpy=torch_to_numpy,
         _rng=_torch_rng,
@@ -287,11 +300,13 @@ def get(name: str) -> Backend:
 
 
 def from_module(module: ModuleType | str, name: str | None = None) -> Backend:
-    """An adapter for any module implementing the spec's function names.
+    """An adapter for any module implementing the spec's function names (``plugins``).
 
-    ``module`` is a module object or a dotted import path (``"mypkg.attention"``). The module
-    takes and returns NumPy arrays, or provides ``asarray(np_array)`` and ``to_numpy(x)`` for
-    its own array type, and optionally ``rng(seed)`` (default: ``numpy.random.default_rng``).
+    ``module`` is a module object or a dotted import path (``"mypkg.attention"``), imported on
+    first use. The module defines ``scaled_dot_product_attention`` and any of the spec's other
+    functions and modules; it takes and returns NumPy arrays, or provides ``asarray(np_array)``
+    and ``to_numpy(x)`` for its own array type, and optionally ``rng(seed)`` (default:
+    ``numpy.random.default_rng``), ``UNSUPPORTED`` and ``LAYOUT`` (``spec.PLUGIN_CONTRACT``).
     """
     path = module if isinstance(module, str) else module.__name__
     backend = Backend(
@@ -302,8 +317,13 @@ def from_module(module: ModuleType | str, name: str | None = None) -> Backend:
         _to_numpy=np.asarray,
         _rng=np.random.default_rng,
     )
-    if not isinstance(module, str):
-        backend._module = module
+
+    def load() -> ModuleType:
+        real = plugins.import_plugin(path) if isinstance(module, str) else module
+        backend.contract = plugins.contract_of(real, path)
+        return plugins.view(real, backend.contract)
+
+    backend._import = load
 
     def hook(attr: str, default: Callable[..., Any]) -> Callable[..., Any]:
         return lambda *args: getattr(backend.module, attr, default)(*args)

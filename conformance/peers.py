@@ -16,6 +16,12 @@ the framework's conventions require:
   ``jax.nn.dot_product_attention``: layout ``(batch, seq, heads, head_dim)`` (BTNH);
   ``is_causal`` and ``local_window_size`` as given (both aligned top-left).
 
+The other ecosystems' kernels have a file each, with their adapters and what they cannot express:
+``keras[numpy]``, ``keras[jax]``, ``keras[torch]`` (``peers_keras``: one worker process per Keras
+backend), ``flax.nnx`` (``peers_flax``), ``transformers.eager`` and ``transformers.sdpa``
+(``peers_transformers``), ``onnxruntime`` (``peers_onnx``). A peer whose packages are not
+installed is reported as missing, with its install command, never as an error.
+
 A peer is only an adapter: ``compute(exp)`` returns the steps it can give (``output``, sometimes
 ``output_weights``) as NumPy arrays, and ``runner.run_peer_cell`` compares them like a backend's.
 A peer that cannot express a case raises ``NotApplicable`` (shown as "n/a"). Where a peer
@@ -36,22 +42,12 @@ import numpy as np
 
 from . import backends
 from .expected import Expected
-from .results import NotApplicable
+from .peer_inputs import need, sdpa_case
+from .peers_flax import flax_nnx
+from .peers_keras import keras_jax, keras_numpy, keras_torch
+from .peers_onnx import onnxruntime_attention
+from .peers_transformers import transformers_eager, transformers_sdpa
 from .usage import UsageError
-
-
-def _need(condition: bool, reason: str) -> None:
-    if not condition:
-        raise NotApplicable(reason)
-
-
-def _common_checks(exp: Expected, peer: str) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    _need(exp.kind == "sdpa", f"{peer} has no equivalent of the spec's modules")
-    a, o = exp.data.arrays, exp.data.options
-    _need(o.get("softcap") is None, f"{peer} has no soft-capping")
-    _need(not o.get("dropout_p"), f"{peer} cannot take a given dropout keep-mask")
-    return a, o
-
 
 # ------------------------------------------------------------------------------ torch SDPA
 
@@ -59,8 +55,8 @@ def _common_checks(exp: Expected, peer: str) -> tuple[dict[str, np.ndarray], dic
 def _torch_sdpa(exp: Expected) -> dict[str, np.ndarray]:
     import torch
 
-    a, o = _common_checks(exp, "torch SDPA")
-    _need(o.get("window") is None, "torch SDPA has no sliding window")
+    a, o = sdpa_case(exp, "torch SDPA")
+    need(o.get("window") is None, "torch SDPA has no sliding window")
     t = backends.torch_asarray
     q, k, v = (t(a[n]) for n in ("query", "key", "value"))
     attn_mask = None
@@ -87,14 +83,14 @@ def _torch_sdpa(exp: Expected) -> dict[str, np.ndarray]:
 def _torch_mha(exp: Expected) -> dict[str, np.ndarray]:
     import torch
 
-    a, o = _common_checks(exp, "torch.nn.MultiheadAttention")
-    _need(o.get("window") is None, "torch.nn.MultiheadAttention has no sliding window")
-    _need(o.get("scale") is None, "torch.nn.MultiheadAttention always scales by head_dim ** -0.5")
+    a, o = sdpa_case(exp, "torch.nn.MultiheadAttention")
+    need(o.get("window") is None, "torch.nn.MultiheadAttention has no sliding window")
+    need(o.get("scale") is None, "torch.nn.MultiheadAttention always scales by head_dim ** -0.5")
     q, k, v = (np.asarray(a[n]) for n in ("query", "key", "value"))
-    _need(v.shape[-1] == q.shape[-1], "torch.nn.MultiheadAttention needs v_dim == head_dim")
+    need(v.shape[-1] == q.shape[-1], "torch.nn.MultiheadAttention needs v_dim == head_dim")
     if q.ndim == 2:
         q, k, v = q[None], k[None], v[None]  # one head
-    _need(q.ndim in (3, 4), "torch.nn.MultiheadAttention takes at most one batch axis")
+    need(q.ndim in (3, 4), "torch.nn.MultiheadAttention takes at most one batch axis")
     heads, q_len, head_dim = q.shape[-3:]
     kv_len = k.shape[-2]
     if k.shape[-3] != heads:  # grouped-query: repeat each key/value head
@@ -159,13 +155,13 @@ def _jax_nn(exp: Expected) -> dict[str, np.ndarray]:
     import jax
     import jax.numpy as jnp
 
-    a, o = _common_checks(exp, "jax.nn.dot_product_attention")
+    a, o = sdpa_case(exp, "jax.nn.dot_product_attention")
     q, k, v = (np.asarray(a[n]) for n in ("query", "key", "value"))
-    _need(v.shape[-1] == q.shape[-1], "jax.nn.dot_product_attention needs v_dim == head_dim")
+    need(v.shape[-1] == q.shape[-1], "jax.nn.dot_product_attention needs v_dim == head_dim")
     squeeze = q.ndim == 2
     if squeeze:
         q, k, v = q[None], k[None], v[None]
-    _need(q.ndim in (3, 4), "jax.nn.dot_product_attention takes at most one batch axis")
+    need(q.ndim in (3, 4), "jax.nn.dot_product_attention takes at most one batch axis")
 
     def btnh(x: np.ndarray) -> Any:  # (..., N, T, H) → (..., T, N, H)
         return jnp.asarray(np.swapaxes(x, -2, -3))
@@ -202,16 +198,31 @@ class Peer:
     framework: str  # the package it needs
     install: str
     compute: Callable[[Expected], dict[str, np.ndarray]]
+    requires: tuple[str, ...] = ()  # further packages it needs
 
     def available(self) -> bool:
-        """True when the framework is installed (found without importing it)."""
-        return importlib.util.find_spec(self.framework) is not None
+        """True when the framework and every package of ``requires`` are installed (found
+        without importing them)."""
+        return all(importlib.util.find_spec(name) is not None
+                   for name in (self.framework, *self.requires))
 
+
+_TORCH = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+_PEERS_EXTRA = "pip install -e '.[peers]'"
 
 PEERS: tuple[Peer, ...] = (
-    Peer("torch.sdpa", "torch", "pip install torch", _torch_sdpa),
-    Peer("torch.MHA", "torch", "pip install torch", _torch_mha),
+    Peer("torch.sdpa", "torch", _TORCH, _torch_sdpa),
+    Peer("torch.MHA", "torch", _TORCH, _torch_mha),
     Peer("jax.nn", "jax", "pip install jax", _jax_nn),
+    Peer("keras[numpy]", "keras", _PEERS_EXTRA, keras_numpy),
+    Peer("keras[jax]", "keras", f"{_PEERS_EXTRA} jax", keras_jax, ("jax",)),
+    Peer("keras[torch]", "keras", f"{_PEERS_EXTRA} and {_TORCH}", keras_torch, ("torch",)),
+    Peer("flax.nnx", "flax", _PEERS_EXTRA, flax_nnx, ("jax",)),
+    Peer("transformers.eager", "transformers", f"{_PEERS_EXTRA} and {_TORCH}",
+         transformers_eager, ("torch",)),
+    Peer("transformers.sdpa", "transformers", f"{_PEERS_EXTRA} and {_TORCH}",
+         transformers_sdpa, ("torch",)),
+    Peer("onnxruntime", "onnxruntime", _PEERS_EXTRA, onnxruntime_attention, ("onnx",)),
 )
 
 

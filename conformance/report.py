@@ -2,9 +2,10 @@
 
 Cells read ``ok 0.31`` (passed; worst error is 0.31 of the tolerance), ``FAIL 2e+03``,
 ``known: …`` (a peer's documented difference, ``spec.KNOWN_DIFFERENCES``), ``n/a`` (the column
-cannot express the case) or ``error`` (the implementation raised); ``legend`` says so under the
-table. Only spec/user backends decide the exit code; peers are context. The report only reads
-``results.RunResult``.
+cannot express the case), ``error`` (the implementation raised), ``unsupported`` or ``not
+provided`` (a checked module's contract, ``plugins``); ``legend`` says so under the table. The
+focused report of a checked module is ``verdict``'s. Only spec/user backends decide the exit
+code; peers are context. The report only reads ``results.RunResult``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 
 from . import spec
 from .compare import StepResult
-from .results import Cell, RunResult
+from .results import NOT_CHECKED, Cell, RunResult
 
 CELL_WIDTH = 18
 
@@ -75,7 +76,9 @@ def legend() -> str:
         "passes), bound = atol + rtol·|expected| + k·e, e = the error of a naive implementation "
         "in the same dtype on the same inputs (spec.TOLERANCES); NaN, ±inf and required zeros "
         "must match exactly (r = inf: they do not). known: a peer's documented difference; n/a: "
-        "the column cannot express the case.", width=100, subsequent_indent="  ")
+        "the column cannot express the case; unsupported: a checked module declares a feature "
+        "of the case unsupported (or raised NotImplementedError); not provided: it defines none "
+        "of the cell's functions.", width=100, subsequent_indent="  ")
 
 
 def _fmt_value(x: float | None) -> str:
@@ -151,6 +154,14 @@ def errors_section(result: RunResult) -> str:
     return "\n".join(lines)
 
 
+def peer_counts(cells: list[Cell]) -> dict[str, int]:
+    """ok / known / n/a / unexpected (FAIL or error) counts of peer cells."""
+    statuses = [c.status for c in cells]
+    return {"ok": statuses.count("ok"), "known": statuses.count("known"),
+            "n/a": statuses.count("n/a"),
+            "unexpected": statuses.count("FAIL") + statuses.count("error")}
+
+
 def summary(result: RunResult) -> str:
     """The last line: counts, missing backends, verdict."""
     spec_cells = [c for c in result.cells if c.spec_backend]
@@ -159,11 +170,15 @@ def summary(result: RunResult) -> str:
     def count(cells: list[Cell], status: str) -> int:
         return sum(c.status == status for c in cells)
 
-    parts = [f"{count(spec_cells, 'ok')}/{len(spec_cells)} backend cells pass"]
+    checked = [c for c in spec_cells if c.status not in NOT_CHECKED]
+    parts = [f"{count(checked, 'ok')}/{len(checked)} backend cells pass"]
+    if len(checked) < len(spec_cells):
+        parts.append(f"{len(spec_cells) - len(checked)} not checked (unsupported or not "
+                     f"provided)")
     if peer_cells:
-        parts.append(f"peers: {count(peer_cells, 'ok')} ok, {count(peer_cells, 'known')} known, "
-                     f"{count(peer_cells, 'n/a')} n/a, "
-                     f"{count(peer_cells, 'FAIL') + count(peer_cells, 'error')} unexpected")
+        counts = peer_counts(peer_cells)
+        parts.append(f"peers: {counts['ok']} ok, {counts['known']} known, {counts['n/a']} n/a, "
+                     f"{counts['unexpected']} unexpected")
     if result.properties is not None:
         parts.append(result.properties.summary())
     parts.append(f"{result.seconds:.1f} s")
@@ -208,12 +223,20 @@ def to_dict(result: RunResult) -> dict[str, Any]:
         "ok": result.ok,
         "seconds": result.seconds,
         "columns": [{"name": c.name, "kind": c.kind} for c in result.columns],
+        "peers": {c.name: peer_counts([x for x in result.cells if x.column == c.name])
+                  for c in result.columns if c.kind == "peer"},
+        "plugins": {c.name: {"layout": c.backend.contract.layout,
+                             "unsupported": sorted(c.backend.contract.unsupported),
+                             "not_provided": list(c.backend.contract.not_provided)}
+                    for c in result.columns
+                    if c.backend is not None and c.backend.contract is not None},
         "missing": result.missing,
+        "notes": result.notes,
         "tolerances": spec.TOLERANCES,
         "cells": [{
             "case": c.case, "dtype": c.dtype, "column": c.column, "status": c.status,
             "ratio": c.ratio, "detail": c.detail, "spec_backend": c.spec_backend,
-            "rerun": c.rerun,
+            "rerun": c.rerun, "skipped": list(c.skipped), "features": sorted(c.features),
             "steps": [{
                 "step": s.step, "ratio": s.ratio, "passed": s.passed,
                 "index": list(s.index) if s.index is not None else None,

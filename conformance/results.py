@@ -15,6 +15,10 @@ from . import spec
 from .compare import StepResult
 from .expected import Expected
 
+#: Statuses of a checked module's cells that were not run: a declared-unsupported feature (or
+#: ``NotImplementedError``), or no function of the module computes any of the cell's steps.
+NOT_CHECKED = ("unsupported", "not provided")
+
 
 class NotApplicable(Exception):
     """A column cannot express a case (e.g. a peer without soft-capping): the cell is n/a."""
@@ -27,17 +31,23 @@ class Cell:
     case: str
     dtype: str
     column: str
-    status: str = "ok"  # ok | FAIL | known | n/a | error
+    status: str = "ok"  # ok | FAIL | error | known | n/a | unsupported | not provided
     ratio: float | None = 0.0
     steps: list[StepResult] = field(default_factory=list)
     detail: str = ""  # error text, n/a reason, known-difference text or diagnosis
     spec_backend: bool = True
     rerun: str = ""
+    #: A checked module: the steps not run because it does not define their function.
+    skipped: tuple[str, ...] = ()
+    #: The names of ``spec.PLUGIN_FEATURES`` the case uses.
+    features: frozenset[str] = frozenset()
+    #: The diagnoses of the failed steps (``diagnose``), first one first.
+    reasons: list[str] = field(default_factory=list)
 
     @property
     def failed(self) -> bool:
         """True when this cell makes the run fail (a spec backend that did not pass)."""
-        return self.spec_backend and self.status not in ("ok", "n/a")
+        return self.spec_backend and self.status not in ("ok", "n/a", *NOT_CHECKED)
 
     def finish(self) -> Cell:
         """Set status, ratio and detail from the steps; returns the cell."""
@@ -162,6 +172,8 @@ class RunResult:
     errors: list[ErrorResult] = field(default_factory=list)
     properties: PropertyResult | None = None
     seconds: float = 0.0
+    #: What a checked module's contract left out of the bad-input and property checks.
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -172,5 +184,5 @@ class RunResult:
         return cells_ok and errors_ok and props_ok
 
 
-__all__ = ["BackendProperties", "Cell", "Column", "ErrorResult", "NotApplicable",
+__all__ = ["NOT_CHECKED", "BackendProperties", "Cell", "Column", "ErrorResult", "NotApplicable",
            "PropertyResult", "RunResult", "error_text", "known_difference", "rerun_command"]

@@ -5,16 +5,21 @@ user modules, peers), computes each case's ``Expected`` once per dtype, runs eve
 (``run_cell`` for a backend, ``run_peer_cell`` for a peer), then feeds the bad inputs of
 ``conformance.errors`` and the property checks of ``conformance.properties`` to every backend;
 everything lands in one ``RunResult`` for the report. ``golden.check`` runs the same
-``run_expectations`` on expectations loaded from files.
+``run_expectations`` on expectations loaded from files. A checked module's contract
+(``plugins.Contract``) decides which steps, bad inputs and property examples it gets; what it
+leaves out is reported as unsupported or not provided, never as failed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 import time
+import types
 import warnings
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -22,6 +27,7 @@ from . import backends as backends_mod
 from . import cases as cases_mod
 from . import errors as errors_mod
 from . import peers as peers_mod
+from . import plugins
 from .backends import Backend
 from .compare import StepResult, compare_step
 from .diagnose import diagnose
@@ -29,37 +35,78 @@ from .expected import Expected, expected
 from .results import (
     Cell,
     Column,
+    ErrorResult,
     NotApplicable,
     RunResult,
     error_text,
     known_difference,
     rerun_command,
 )
-from .steps import Execution, steps_for
+from .steps import Execution, Step, steps_for
+from .usage import UsageError
 
 #: Property-check examples per backend in a default run (no --case, --dtype or --hypothesis).
 DEFAULT_PROPERTY_EXAMPLES = 100
 
 
-def judge(exp: Expected, step: str, actual: np.ndarray, result_dtype: str | None) -> StepResult:
-    """``compare`` one step's result with ``exp``; a failure gets ``diagnose``'s reasons."""
+def judge(exp: Expected, step: str, actual: np.ndarray, result_dtype: str | None,
+          reasons: list[str] | None = None) -> StepResult:
+    """``compare`` one step's result with ``exp``; a failure gets ``diagnose``'s reasons
+    (also appended to ``reasons`` when given)."""
     res = compare_step(exp, step, actual, result_dtype)
     with np.errstate(all="ignore"):
         if not res.passed:
             why = diagnose(exp, step, actual)
             if why:
                 res.note = f"{res.note}; {why}" if res.note else why
+                if reasons is not None and why not in reasons:
+                    reasons.append(why)
     return res
+
+
+def _lacks(exe: Execution, step: Step) -> list[str]:
+    """What ``step`` calls (``Step.needs``) that a checked module does not define."""
+    out = []
+    for name in step.needs(exe):
+        cls, _, method = name.partition(".")
+        if not exe.backend.provides(cls) or (
+                method and not hasattr(getattr(exe.module, cls), method)):
+            out.append(name)
+    return out
 
 
 def run_cell(backend: Backend, exp: Expected, *, column: str | None = None,
              steps: Iterable[str] | None = None) -> Cell:
-    """Run every applicable step of one case on one backend and compare each."""
+    """Run every applicable step of one case on one backend and compare each.
+
+    A checked module (``backend.contract``) runs only the steps whose functions it defines
+    (the others are listed in ``Cell.skipped``); a case using a feature it declares
+    unsupported, or a step raising ``NotImplementedError``, makes the cell "unsupported"."""
     column = column or backend.name
-    cell = Cell(exp.case, exp.dtype, column, rerun=rerun_command(exp.case, exp.dtype, column))
+    cell = Cell(exp.case, exp.dtype, column, rerun=rerun_command(exp.case, exp.dtype, column),
+                features=plugins.features(exp.data.arrays, exp.data.options, exp.dtype,
+                                          exp.data.finite))
     exe = Execution(backend, exp)
     chosen = steps_for(exp, steps)
+    _ = backend.module  # imported: a checked module's contract is known from here on
+    contract = backend.contract
+    if contract is not None:
+        declared = sorted(contract.unsupported & cell.features)
+        if declared:
+            cell.status, cell.ratio = "unsupported", None
+            cell.detail = f"declared unsupported: {', '.join(declared)}"
+            return cell
+        chosen = [s for s in chosen if s.feature not in contract.unsupported]
+        missing = {s.name: _lacks(exe, s) for s in chosen}
+        cell.skipped = tuple(name for name, lacks in missing.items() if lacks)
+        chosen = [s for s in chosen if not missing[s.name]]
+        if not chosen:
+            lacks = dict.fromkeys(n for names in missing.values() for n in names)
+            cell.status, cell.ratio = "not provided", None
+            cell.detail = f"not provided: {', '.join(lacks)}"
+            return cell
     exe.prefetch(call for step in chosen for call in step.calls(exe))
+    unsupported = ""
     for step in chosen:
         try:
             with warnings.catch_warnings(), np.errstate(all="ignore"):
@@ -68,12 +115,19 @@ def run_cell(backend: Backend, exp: Expected, *, column: str | None = None,
         except NotApplicable as exc:
             cell.status, cell.detail, cell.ratio = "n/a", str(exc), None
             return cell
+        except NotImplementedError as exc:
+            unsupported = unsupported or f"{step.name}: {error_text(exc)}"
+            continue
         except Exception as exc:  # noqa: BLE001 - any failure of a backend is a result
             cell.steps.append(StepResult(step.name, float("inf"), False, error=error_text(exc)))
             continue
-        cell.steps.append(judge(exp, step.name, actual,
-                                step.result_dtype if exp.kind == "sdpa" else None))
-    return cell.finish()
+        res = judge(exp, step.name, actual, step.result_dtype if exp.kind == "sdpa" else None,
+                    cell.reasons)
+        cell.steps.append(res)
+    cell.finish()
+    if unsupported and cell.status == "ok":
+        cell.status, cell.ratio, cell.detail = "unsupported", None, unsupported
+    return cell
 
 
 def run_peer_cell(peer: peers_mod.Peer, exp: Expected) -> Cell:
@@ -153,24 +207,71 @@ def run_columns(columns: list[Column], expectations: Iterable[Expected], *,
 
 
 def resolve_backends(names: list[str] | None) -> tuple[list[Column], dict[str, str]]:
-    """Columns for backend names, peer names or dotted module paths; missing ones with their
-    install hint. With ``names`` None: every spec backend (numpy, jax, torch) installed."""
+    """Columns for backend names, peer names or dotted module paths. With ``names`` None: every
+    spec backend (numpy, jax, torch) installed, the others returned with their install hint;
+    a named one that is not installed is a ``UsageError`` (one line, before any work)."""
     peer_names = {p.name for p in peers_mod.PEERS}
     columns, missing = [], {}
     for name in names or list(backends_mod.SPEC_BACKENDS):
         if name in peer_names:
-            peer = peers_mod.get(name)
-            if peer.available():
-                columns.append(Column(peer.name, "peer", peer=peer))
-            else:
-                missing[name] = peer.install
-            continue
-        backend = backends_mod.load(name)
-        if backend.available():
-            columns.append(Column(backend.name, "backend", backend=backend))
+            source: Any = peers_mod.get(name)
+            column = Column(source.name, "peer", peer=source)
         else:
-            missing[name] = backend.install
+            source = backends_mod.load(name)  # a checked module: imported here (UsageError)
+            column = Column(source.name, "backend", backend=source)
+        if source.available():
+            columns.append(column)
+        elif names:
+            raise UsageError(f"backend {name!r} is not installed; install: {source.install}")
+        else:
+            missing[name] = source.install
     return columns, missing
+
+
+def run_errors(backend_list: list[Backend], notes: list[str]) -> list[ErrorResult]:
+    """The bad inputs of ``conformance.errors`` on every backend; a checked module gets those
+    of the functions it defines and the features it supports (the rest noted in ``notes``)."""
+    out = errors_mod.run([b for b in backend_list if b.contract is None])
+    for b in (b for b in backend_list if b.contract is not None):
+        if "errors" in b.contract.unsupported:
+            notes.append(f"bad inputs: not checked on {b.name} (declared unsupported: errors)")
+            continue
+        chosen = tuple(c for c in errors_mod.ERROR_CASES if b.provides(c.fn)
+                       and not plugins.call_features(*c.args()) & b.contract.unsupported)
+        out += errors_mod.run([b], chosen)
+        if len(chosen) < len(errors_mod.ERROR_CASES):
+            notes.append(f"bad inputs: {len(chosen)} of {len(errors_mod.ERROR_CASES)} checked "
+                         f"on {b.name} (the others call what it does not provide or support)")
+    return out
+
+
+def property_view(backend: Backend, notes: list[str]) -> Backend | None:
+    """The backend as the property checks call it: a checked module's examples that use a
+    feature it declares unsupported, or raise ``NotImplementedError``, are rejected (not
+    failed); None when it cannot return the weights the properties compare."""
+    contract = backend.contract
+    if contract is None:
+        return backend
+    if "return_weights" in contract.unsupported:
+        notes.append(f"hypothesis: not run on {backend.name} (the property checks compare the "
+                     f"weights; declared unsupported: return_weights)")
+        return None
+    sdpa = backend.module.scaled_dot_product_attention
+
+    def checked(query: Any, key: Any, value: Any, **kwargs: Any) -> Any:
+        from hypothesis import reject
+
+        if plugins.call_features((query, key, value), kwargs) & contract.unsupported:
+            reject()
+        try:
+            return sdpa(query, key, value, **kwargs)
+        except NotImplementedError:
+            reject()
+
+    view = types.ModuleType(backend.module.__name__)
+    view.__dict__.update(vars(backend.module))
+    view.scaled_dot_product_attention = checked
+    return dataclasses.replace(backend, _module=view, _import=None, _compiled={})
 
 
 def run_expectations(columns: list[Column], expectations: Iterable[Expected],
@@ -188,14 +289,17 @@ def run_expectations(columns: list[Column], expectations: Iterable[Expected],
     result.missing.update(missing)
     backend_list = [c.backend for c in columns if c.backend is not None]
     if check_errors:
-        result.errors = errors_mod.run(backend_list)
+        result.errors = run_errors(backend_list, result.notes)
     if hypothesis and backend_list:
         if importlib.util.find_spec("hypothesis") is None:
             result.missing["hypothesis"] = "pip install hypothesis (for the property checks)"
         else:
             from . import properties
 
-            result.properties = properties.run(backend_list, hypothesis)
+            checked = [property_view(b, result.notes) for b in backend_list]
+            checked = [b for b in checked if b is not None]
+            if checked:
+                result.properties = properties.run(checked, hypothesis)
     result.seconds = time.perf_counter() - start
     return result
 
@@ -233,5 +337,6 @@ def run(
                             check_errors=check_errors, hypothesis=hypothesis, progress=progress)
 
 
-__all__ = ["DEFAULT_PROPERTY_EXAMPLES", "Progress", "judge", "resolve_backends", "run",
-           "run_cell", "run_columns", "run_expectations", "run_peer_cell"]
+__all__ = ["DEFAULT_PROPERTY_EXAMPLES", "Progress", "judge", "property_view",
+           "resolve_backends", "run", "run_cell", "run_columns", "run_errors",
+           "run_expectations", "run_peer_cell"]

@@ -885,6 +885,132 @@ class DecodingModule:
 
 
 # --------------------------------------------------------------------------------------------
+# Context parallelism: one sequence split across devices (docs/context_parallel.md).
+# --------------------------------------------------------------------------------------------
+
+#: The public functions of context parallelism, in every backend. Their signatures are the
+#: stubs below with ``devices`` replaced by the backend's own parameters
+#: (``CONTEXT_PARALLEL_DEVICES``); the rest of each signature is shared.
+CONTEXT_PARALLEL_FUNCTIONS = ("context_parallel_attention", "context_parallel_attention_vjp")
+
+#: How each backend names its devices: these parameters replace ``devices`` in the stubs
+#: (numpy_attn's ``trace``, a list that receives the schedule's events, comes last).
+CONTEXT_PARALLEL_DEVICES = {
+    "numpy_attn": ("world_size", "trace"),
+    "jax_attn": ("mesh", "axis_name"),
+    "torch_attn": ("group",),
+}
+
+#: How keys and values reach the queries of every rank.
+CONTEXT_PARALLEL_STRATEGIES = {
+    "ring": "at step s rank r holds the key/value block of rank r - s and passes it to r + 1 "
+    "(jax: lax.ppermute; torch: batch_isend_irecv); steps after the last one any rank needs are "
+    "dropped; the backward pass runs the ring again with dK and dV travelling with their blocks, "
+    "then sends them home.",
+    "all_gather": "every rank gathers every key/value block (lax.all_gather, all_gather_single); "
+    "the backward pass gathers again and reduce-scatters dK and dV to their owners.",
+    "ulysses": "an all-to-all turns (all heads, 1/N of the sequence) into (1/N of the heads, the "
+    "whole sequence), each rank attends, a second all-to-all turns the output back; heads and "
+    "kv_heads must be multiples of N (ValueError otherwise).",
+}
+
+#: The sequence layout: rank r's shard of the sequence axis, with N ranks.
+CONTEXT_PARALLEL_LAYOUT = (
+    "Without load_balance rank r holds the contiguous chunk r of N; q_len and kv_len must be "
+    "multiples of N. With load_balance=True (zig-zag, for causal attention) the sequence is cut "
+    "into 2N chunks and rank r holds chunks r and 2N - 1 - r, concatenated; q_len and kv_len "
+    "must be multiples of 2N. Otherwise ValueError. Positions in is_causal, window and "
+    "kv_lengths are global (natural order); attention_rules.context_parallel.positions gives "
+    "the layout order, x[..., positions, :]."
+)
+
+
+def context_parallel_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    devices: Any,
+    strategy: str = "ring",
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    window: tuple | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    kv_lengths: Any = None,
+    load_balance: bool = False,
+) -> Any:
+    """Attention over a sequence split along its sequence axis across ``N`` ranks.
+
+    Equals ``blockwise_attention(query, key, value, kv_lengths=kv_lengths, ...)`` on the whole
+    sequence within ``TOLERANCES``, every rank holding its shard of the sequence axis
+    (``CONTEXT_PARALLEL_LAYOUT``) and the ranks exchanging blocks as ``strategy`` says
+    (``CONTEXT_PARALLEL_STRATEGIES``). Per (query chunk, key chunk) pair each rank runs
+    ``blockwise_attention``'s online softmax and keeps the log-sum-exp; partial results merge
+    exactly (``lse = logaddexp(lse_a, lse_b)``, ``out = Σ exp(lse_x - lse)·out_x``). A pair that
+    the causal rule or the window masks entirely is not computed. Fully masked rows give exactly
+    0; float16/bfloat16 compute in float32 and return the input dtype.
+
+    The devices (``CONTEXT_PARALLEL_DEVICES``): numpy_attn simulates ``world_size`` ranks in
+    one process on the whole (layout-ordered) arrays; jax_attn takes whole arrays and a
+    ``jax.sharding.Mesh`` and runs under ``jax.shard_map`` on the axis ``axis_name`` (jit-able,
+    differentiable through a ``jax.custom_vjp``; ValueError when the mesh lacks the axis);
+    torch_attn is called on every rank of a ``torch.distributed`` process group with that
+    rank's shards and returns its shard (differentiable through a ``torch.autograd.Function``);
+    shards that differ across ranks raise ValueError on every rank, and a rank that never calls
+    makes the others fail when the group's timeout expires.
+
+    Args:
+      query: ``(batch, heads, q_len, head_dim)`` in layout order (torch: the rank's shard
+        ``(batch, heads, q_len / N, head_dim)``).
+      key: ``(batch, kv_heads, kv_len, head_dim)`` (torch: ``kv_len / N``).
+      value: ``(batch, kv_heads, kv_len, v_dim)`` (torch: ``kv_len / N``).
+      devices: the backend's parameters of ``CONTEXT_PARALLEL_DEVICES``.
+      strategy: a key of ``CONTEXT_PARALLEL_STRATEGIES`` (ValueError otherwise).
+      is_causal, causal_alignment, window, scale, softcap: as in
+        ``scaled_dot_product_attention``, on global positions.
+      kv_lengths: ``(batch,)`` ints in ``[0, kv_len]`` (global), the same on every rank.
+      load_balance: the zig-zag layout (``CONTEXT_PARALLEL_LAYOUT``).
+
+    Returns:
+      ``(batch, heads, q_len, v_dim)`` in layout order (torch: the rank's shard), input dtype.
+    """
+
+
+def context_parallel_attention_vjp(
+    query: Any,
+    key: Any,
+    value: Any,
+    grad_output: Any,
+    *,
+    devices: Any,
+    strategy: str = "ring",
+    is_causal: bool = False,
+    causal_alignment: str = "top_left",
+    window: tuple | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    kv_lengths: Any = None,
+    load_balance: bool = False,
+) -> Any:
+    """Gradients of ``context_parallel_attention``: the forward pass, then the strategy's
+    backward pass (numpy_attn by hand; jax_attn through ``jax.vjp``; torch_attn through
+    ``torch.autograd.grad``).
+
+    Args:
+      query: ``(batch, heads, q_len, head_dim)`` (torch: the rank's shard).
+      key: ``(batch, kv_heads, kv_len, head_dim)``.
+      value: ``(batch, kv_heads, kv_len, v_dim)``.
+      grad_output: ``(batch, heads, q_len, v_dim)``, in layout order like query.
+      devices, strategy, is_causal, causal_alignment, window, scale, softcap, kv_lengths,
+        load_balance: as in ``context_parallel_attention``.
+
+    Returns:
+      ``(grad_query, grad_key, grad_value)`` shaped like query, key and value, in their dtype.
+    """
+
+
+# --------------------------------------------------------------------------------------------
 # Backend-specific extras: public names that exist in one backend only, because they concern
 # that framework alone. The signature test allows exactly these beyond the spec.
 # --------------------------------------------------------------------------------------------
@@ -895,6 +1021,56 @@ BACKEND_EXTRAS = {
     "numpy_attn": ("sgd_step", "Adam"),
     "jax_attn": (),
     "torch_attn": ("weights_from_torch_multihead",),
+}
+
+# Integrations: backend-specific adapters to one host framework each, in the backend's
+# ``integrations`` subpackage (``torch_attn.integrations.transformers``). They are not in the
+# backend's ``__all__``: ``import torch_attn`` imports neither them nor their host framework
+# (the optional extras ``transformers`` and ``flax`` of pyproject.toml install the hosts).
+# backend → module → its public names. docs/integrations.md shows how they map onto this spec.
+BACKEND_INTEGRATIONS = {
+    "numpy_attn": {},
+    "jax_attn": {"flax": ("attention_fn", "use_jax_attn")},
+    "torch_attn": {"transformers": ("NAME", "attention_forward", "attention_mask", "register")},
+}
+
+# --------------------------------------------------------------------------------------------
+# Checking another implementation against this spec (docs/checking.md)
+# --------------------------------------------------------------------------------------------
+
+PLUGIN_CONTRACT = (
+    "Any importable module can be checked: python -m conformance --backend mypkg.attention. It "
+    "must define scaled_dot_product_attention with the signature above; every other name of "
+    "FUNCTIONS and MODULES is optional, and the harness runs exactly the steps the module "
+    "provides and lists the rest once as not provided. It takes and returns NumPy arrays, or "
+    "defines asarray(numpy_array) and to_numpy(x) for its own array type (and rng(seed) for "
+    "dropout). It may declare UNSUPPORTED, a set of names of PLUGIN_FEATURES, or raise "
+    "NotImplementedError: those cells are reported as unsupported, not failed. With "
+    'LAYOUT = "bshd" its query, key, value (and their gradients and the output) are '
+    "(..., seq, heads, head_dim); masks, bias and weights keep (..., heads, q_len, kv_len)."
+)
+
+#: What a checked module may declare it does not support (``UNSUPPORTED = {...}``): each name,
+#: and what a case must use to need it.
+PLUGIN_FEATURES = {
+    "mask": "a boolean mask",
+    "bias": "an additive bias",
+    "causal": "is_causal=True",
+    "bottom_right": 'causal_alignment="bottom_right" with is_causal or window',
+    "window": "a sliding window",
+    "scale": "a scale other than the default",
+    "softcap": "soft-capping",
+    "dropout": "dropout_p > 0 with a dropout_mask",
+    "grouped_query": "fewer key/value heads than query heads (kv_heads < heads)",
+    "v_dim": "a value feature size v_dim != head_dim",
+    "2d_inputs": "2-D inputs (seq, head_dim) without a heads axis",
+    "non_finite": "NaN or Inf inputs (NON_FINITE)",
+    "return_weights": "return_weights=True",
+    "errors": "the bad inputs of ERRORS (exception type and message)",
+    "float64": "float64 inputs",
+    "float32": "float32 inputs",
+    "bfloat16": "bfloat16 inputs",
+    "float16": "float16 inputs",
 }
 
 
@@ -913,6 +1089,31 @@ _BOTTOM_RIGHT = [
 ]
 _EMPTY_ROWS = ["fully_masked_rows", "padding", "kv_lengths"]
 _NON_FINITE = ["nan_*", "inf_key"]
+# Keras 3 on every backend (keras.ops.dot_product_attention).
+_KERAS = [
+    {
+        "cases": _BOTTOM_RIGHT,
+        "short": "top-left",
+        "differs": "top-left causal mask where the case asks bottom-right",
+        "why": "is_causal of keras.ops.dot_product_attention is a tril mask aligned top-left "
+        "(the torch backend passes is_causal to torch SDPA, also top-left).",
+    },
+    {
+        "cases": _EMPTY_ROWS,
+        "short": "mean of V",
+        "differs": "fully masked rows give the mean of value",
+        "why": "masked logits get a large finite negative value (the NumPy and torch backends: "
+        "-0.7·max of the dtype), not -inf, so a row with no allowed key gets uniform weights.",
+    },
+    {
+        "cases": ["*"],
+        "dtypes": ["float64"],
+        "short": "float32",
+        "differs": "float64 inputs are computed and returned in float32",
+        "why": "Keras' type promotion maps float64 to floatx (float32): "
+        "keras.backend.result_type('float64', 'float64') is 'float32'.",
+    },
+]
 
 KNOWN_DIFFERENCES = {
     "torch.sdpa": [
@@ -989,6 +1190,158 @@ KNOWN_DIFFERENCES = {
             "differs": "float64 inputs attend in float32 (errors ~1.4e-7, not ~1e-16)",
             "why": "jax.nn.dot_product_attention's XLA path casts the masked logits to float32 "
             "for the softmax ('always carried out in fp32'), whatever the input dtype.",
+        },
+    ],
+    "keras[numpy]": [
+        {
+            "cases": ["gqa", "three_d_gqa_causal"],
+            "short": "GQA error",
+            "differs": "grouped-query heads (1 < kv_heads < heads) raise ValueError",
+            "why": "the NumPy backend's einsum broadcasts key heads against query heads, which "
+            "works for one key/value head (multi-query) only; its docstring promises GQA.",
+        },
+        *_KERAS,
+    ],
+    "keras[jax]": [
+        {
+            "cases": ["v_dim", "seed_example", "seed_example_causal"],
+            "short": "v_dim error",
+            "differs": "value head_dim != query head_dim raises TypeError (a reshape)",
+            "why": "the JAX backend reshapes the output to the query's shape; Keras documents "
+            "value with key's shape, while its NumPy and torch backends accept any v_dim.",
+        },
+        *_KERAS,
+    ],
+    "keras[torch]": [
+        {
+            "cases": ["mask_and_bias"],
+            "short": "bias+mask error",
+            "differs": "a bias together with a mask raises ValueError",
+            "why": "the torch backend passes either one as attn_mask of torch SDPA and rejects "
+            "both ('Only one of `bias` and `mask` can be provided'); the other backends add both.",
+        },
+        {
+            "cases": ["nan_query"],
+            "short": "NaN row → 0",
+            "differs": "a query row holding a NaN gives an output row of 0, not NaN",
+            "why": "it calls torch SDPA, whose CPU flash kernel treats a row without a finite "
+            "maximum like a fully masked row (see torch.sdpa).",
+        },
+        {
+            "cases": ["nan_key_masked"],
+            "short": "masked NaN spreads",
+            "differs": "a NaN key at a masked (padded) position makes every row of its head NaN",
+            "why": "the boolean mask becomes an additive mask (0 or -0.7·max of the dtype) "
+            "added to the scores, and NaN + anything is NaN.",
+        },
+        {
+            "cases": _EMPTY_ROWS,
+            "dtypes": ["float16"],
+            "short": "rounded rows",
+            "differs": "float16: fully masked rows give neither 0 nor the mean of value",
+            "why": "masked scores get -0.7·65500 = -45850 added, where float16's spacing is 32, "
+            "so a row with no allowed key is a softmax of rounded scores; the spec gives 0.",
+        },
+        *_KERAS,
+    ],
+    "flax.nnx": [
+        {
+            "cases": _BOTTOM_RIGHT,
+            "short": "top-left",
+            "differs": "top-left causal mask where the case asks bottom-right",
+            "why": "without dropout or a module to sow weights into, flax.nnx."
+            "dot_product_attention calls jax.nn.dot_product_attention, whose is_causal is "
+            "aligned top-left.",
+        },
+        {
+            "cases": _EMPTY_ROWS,
+            "short": "mean of V",
+            "differs": "fully masked rows give the mean of value",
+            "why": "through jax.nn, masked logits get the dtype's most negative finite value, "
+            "not -inf, so a row with no allowed key gets uniform weights; the spec gives 0.",
+        },
+        {
+            "cases": ["*"],
+            "dtypes": ["float64"],
+            "short": "f32 softmax",
+            "differs": "float64 inputs attend in float32 (errors ~1.4e-7, not ~1e-16)",
+            "why": "through jax.nn, whose XLA path runs the softmax in float32 for every input "
+            "dtype (the same errors as the jax.nn column, to the last bit).",
+        },
+    ],
+    "transformers.eager": [
+        {
+            "cases": [*_EMPTY_ROWS, "causal_bottom_right_q_longer"],
+            "dtypes": ["float64"],
+            "short": "NaN rows",
+            "differs": "float64: fully masked rows give NaN",
+            "why": "the additive mask holds torch.finfo(float64).min, and the softmax runs in "
+            "float32 (dtype=torch.float32), where that value is -inf: a row of -inf is 0/0.",
+        },
+        {
+            "cases": [*_EMPTY_ROWS, "causal_bottom_right_q_longer"],
+            "short": "mean of V",
+            "differs": "fully masked rows give the mean of value",
+            "why": "masked positions get torch.finfo(dtype).min added (masking_utils' eager "
+            "mask), a finite value, so a row with no allowed key gets uniform weights.",
+        },
+        {
+            "cases": ["nan_key_masked"],
+            "short": "masked NaN spreads",
+            "differs": "a NaN key at a masked (padded) position makes every row of its head NaN",
+            "why": "the mask is added to the scores (attn_weights + attention_mask), and "
+            "NaN + finfo.min is NaN; the spec replaces a masked score by -inf.",
+        },
+        {
+            "cases": ["*"],
+            "dtypes": ["float64"],
+            "short": "f32 softmax",
+            "differs": "float64 inputs attend in float32 (errors ~1.4e-7, not ~1e-16)",
+            "why": "eager_attention_forward computes the softmax with dtype=torch.float32 and "
+            "casts back to the query's dtype.",
+        },
+    ],
+    "transformers.sdpa": [
+        {
+            "cases": ["nan_query"],
+            "short": "NaN row → 0",
+            "differs": "a query row holding a NaN gives an output row of 0, not NaN",
+            "why": "it calls torch SDPA, whose CPU flash kernel treats a row without a finite "
+            "maximum like a fully masked row (see torch.sdpa).",
+        },
+        {
+            "cases": ["nan_key_masked"],
+            "short": "masked NaN spreads",
+            "differs": "a NaN key at a masked (padded) position makes every row of its head NaN",
+            "why": "torch SDPA turns the boolean attention_mask into an additive mask (0 or "
+            "-inf) added to the scores, and NaN + (-inf) is NaN.",
+        },
+    ],
+    "onnxruntime": [
+        {
+            "cases": ["kv_lengths", "nan_key_masked"],
+            "dtypes": ["float32", "float16"],
+            "short": "mask shape error",
+            "differs": "a mask broadcast over queries, (batch, 1, 1, kv_len), is rejected: "
+            "'inconsistent q_sequence_length (between attn_mask and Q)'",
+            "why": "the CPU Attention kernel wants attn_mask's q_len axis in full; ONNX allows any "
+            "mask broadcastable to (batch, heads, q_len, kv_len), and float64 inputs accept it.",
+        },
+        {
+            "cases": ["nan_key_masked"],
+            "dtypes": ["float64"],
+            "short": "masked NaN spreads",
+            "differs": "a NaN key at a masked (padded) position makes every row of its head NaN",
+            "why": "the boolean attn_mask is applied to the scores by addition (0 or -inf), not "
+            "by replacing them, and NaN + (-inf) is NaN.",
+        },
+        {
+            "cases": ["*"],
+            "dtypes": ["float64"],
+            "short": "f32 inside",
+            "differs": "float64 inputs give float32-level errors (~6e-8, not ~1e-16)",
+            "why": "onnxruntime's CPU Attention kernel runs part of its float64 computation in "
+            "float32 (measured: the output is float64, its error is float32's).",
         },
     ],
 }

@@ -165,10 +165,18 @@ class Execution:
         extra = {k: v for k, v in a.items() if k in _SDPA_ARRAY_OPTIONS}
         return {**extra, **cases_mod.sdpa_options(self.exp.data.options)}
 
+    @property
+    def returns_weights(self) -> bool:
+        """False for a checked module that declares ``return_weights`` unsupported."""
+        contract = self.backend.contract
+        return contract is None or "return_weights" not in contract.unsupported
+
     def sdpa_call(self) -> Call:
-        """``scaled_dot_product_attention(..., return_weights=True)``: (output, weights)."""
+        """``scaled_dot_product_attention(..., return_weights=True)``: (output, weights); the
+        output alone for a module without ``return_weights``."""
+        flag = {"return_weights": True} if self.returns_weights else {}
         return Call("sdpa", "scaled_dot_product_attention", self._qkv(),
-                    {**self._sdpa_kwargs(), "return_weights": True})
+                    {**self._sdpa_kwargs(), **flag})
 
     def vjp_call(self) -> Call:
         """``scaled_dot_product_attention_vjp(...)`` against the case's grad_output."""
@@ -281,6 +289,12 @@ class Step:
     result_dtype: str | None
     description: str
     calls: Callable[[Execution], tuple[Call, ...]] = lambda exe: ()
+    #: The functions (``spec.FUNCTIONS``), modules or ``Module.method`` the step calls.
+    needs: Callable[[Execution], tuple[str, ...]] = lambda exe: ()
+    #: The index of the step's value in its call's result (None: the result itself).
+    pick: int | None = None
+    #: A ``spec.PLUGIN_FEATURES`` name the step needs beyond the case's own.
+    feature: str | None = None
 
 
 def _sdpa_calls(exe: Execution) -> tuple[Call, ...]:
@@ -288,7 +302,24 @@ def _sdpa_calls(exe: Execution) -> tuple[Call, ...]:
 
 
 def _run_output(exe: Execution) -> np.ndarray:
-    return exe.module_forward()[0] if exe.exp.kind == "module" else exe.result(exe.sdpa_call())[0]
+    if exe.exp.kind == "module":
+        return exe.module_forward()[0]
+    result = exe.result(exe.sdpa_call())
+    return result[0] if exe.returns_weights else result
+
+
+def _needs(*names: str) -> Callable[[Execution], tuple[str, ...]]:
+    return lambda exe: names
+
+
+def _needs_module(method: str = "") -> Callable[[Execution], tuple[str, ...]]:
+    def needs(exe: Execution) -> tuple[str, ...]:
+        if exe.exp.kind != "module":
+            return ("scaled_dot_product_attention",)
+        module = exe.exp.data.options["module"]
+        return (module, f"{module}.{method}") if method else (module,)
+
+    return needs
 
 
 def _run_output_weights(exe: Execution) -> np.ndarray:
@@ -315,33 +346,37 @@ STEPS: dict[str, Step] = {
     s.name: s
     for s in (
         Step("scores", ("sdpa",), lambda exe: exe.result(exe.scores_call()), "compute",
-             "attention_scores(query, key, scale, softcap)", lambda exe: (exe.scores_call(),)),
+             "attention_scores(query, key, scale, softcap)", lambda exe: (exe.scores_call(),),
+             _needs("attention_scores")),
         Step("masked_scores", ("sdpa",), lambda exe: exe.result(exe.masked_call()), "compute",
              "mask_scores(reference scores, mask, bias, is_causal, causal_alignment, window)",
-             lambda exe: (exe.masked_call(),)),
+             lambda exe: (exe.masked_call(),), _needs("mask_scores")),
         Step("weights", ("sdpa",), lambda exe: exe.result(exe.weights_call()), "compute",
-             "attention_weights(reference masked scores)", lambda exe: (exe.weights_call(),)),
+             "attention_weights(reference masked scores)", lambda exe: (exe.weights_call(),),
+             _needs("attention_weights")),
         Step("output", ("sdpa", "module"), _run_output, "input",
-             "scaled_dot_product_attention(...) output, or the module's forward", _sdpa_calls),
+             "scaled_dot_product_attention(...) output, or the module's forward", _sdpa_calls,
+             _needs_module(), pick=0),
         Step("output_weights", ("sdpa", "module"), _run_output_weights, "input",
              "the weights scaled_dot_product_attention(..., return_weights=True) returns",
-             _sdpa_calls),
+             _sdpa_calls, _needs_module(), pick=1, feature="return_weights"),
         *(Step(name, ("sdpa",), _grad_step(i, blockwise=False), "input",
                f"scaled_dot_product_attention_vjp(..., grad_output) -> {name}",
-               lambda exe: (exe.vjp_call(),))
+               lambda exe: (exe.vjp_call(),), _needs("scaled_dot_product_attention_vjp"), i)
           for i, name in enumerate(GRAD_STEPS)),
         Step("blockwise_output", ("sdpa",), lambda exe: exe.result(exe.blockwise_call()),
              "input", "blockwise_attention(..., block_q=2, block_kv=3): online softmax in tiles",
-             lambda exe: (exe.blockwise_call(),)),
+             lambda exe: (exe.blockwise_call(),), _needs("blockwise_attention")),
         *(Step(f"blockwise_{name}", ("sdpa",), _grad_step(i, blockwise=True), "input",
                f"blockwise_attention_vjp(..., grad_output) -> {name}, recomputed per tile",
-               lambda exe: (exe.blockwise_vjp_call(),))
+               lambda exe: (exe.blockwise_vjp_call(),), _needs("blockwise_attention_vjp"), i)
           for i, name in enumerate(GRAD_STEPS)),
         Step("decode_output", ("module",), lambda exe: exe.module_decode(), "input",
-             "module.decode(x chunk, cache) chunk by chunk: equals the causal forward"),
+             "module.decode(x chunk, cache) chunk by chunk: equals the causal forward",
+             needs=_needs_module("decode")),
         Step("grad_weights", ("module",), lambda exe: exe.module_backward(), None,
              "module.backward(inputs, grad_output): every weight's gradient, flattened in "
-             "sorted name order"),
+             "sorted name order", needs=_needs_module("backward")),
     )
 }
 

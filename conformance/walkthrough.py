@@ -29,6 +29,7 @@ import numpy as np
 from . import backends, seed_example, spec
 from .compare import compare
 from .seed_example import ARTICLE, ARTICLE_INCONSISTENT
+from .usage import UsageError
 from .walkthrough_steps import (
     BACKENDS,
     DTYPE,
@@ -257,6 +258,10 @@ def main(args: argparse.Namespace) -> int:
     """Print the walkthrough; exit code 0 when every available backend agrees everywhere."""
     chosen = args.backend or ["all"]
     names = list(BACKENDS) if "all" in chosen else list(dict.fromkeys(chosen))
+    missing = [n for n in names if not backends.get(n).available()]
+    if missing and len(missing) == len(names):  # nothing to show: one line, exit 2
+        raise UsageError(f"walkthrough --backend {missing[0]} needs {missing[0]}; install: "
+                         f"{backends.get(missing[0]).install}")
     width = args.width or shutil.get_terminal_size((120, 24)).columns
     lines, all_ok = walkthrough(names, width)
     text = "\n".join(lines)

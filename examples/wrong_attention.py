@@ -11,11 +11,11 @@ Run the conformance suite against it from the repository root::
 
     python -m conformance --backend examples.wrong_attention
 
-Every case with a mask or a bottom-right causal rule fails, and the report says why ("mask
-polarity flipped", "wrong causal alignment"); every other case passes. Any module that defines
-the spec's function names
-and takes NumPy arrays can be checked the same way; a module working on another array type adds
-``asarray(np_array)`` and ``to_numpy(x)`` (and ``rng(seed)`` for its random source).
+It fails exactly where ``examples/README.md`` says — the cases with a boolean mask or a
+bottom-right causal rule — and the report's first line says why ("mask polarity flipped", "wrong
+causal alignment"); every other cell passes (``tests/test_examples.py`` pins the set). Any
+module that defines ``scaled_dot_product_attention`` (and any other of the spec's names) can be
+checked the same way: ``docs/checking.md``.
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ from numpy_attn import (  # noqa: F401 - re-exported: the parts this module gets
 
 
 def _wrong(kwargs: dict[str, Any]) -> dict[str, Any]:
-    if kwargs.get("mask") is not None:
-        kwargs["mask"] = ~np.asarray(kwargs["mask"])  # BUG 1: True read as "masked out"
+    mask = kwargs.get("mask")
+    if isinstance(mask, np.ndarray) and mask.dtype == bool:
+        kwargs["mask"] = ~mask  # BUG 1: True read as "masked out"
     if kwargs.get("causal_alignment") == "bottom_right":
         kwargs["causal_alignment"] = "top_left"  # BUG 2: bottom-right silently ignored
     return kwargs

@@ -6,6 +6,7 @@ give exactly 0. See ``conformance/spec.py`` for the full specification.
 
 from .backward import Adam, scaled_dot_product_attention_vjp, sgd_step
 from .blockwise import blockwise_attention, blockwise_attention_vjp
+from .context_parallel import context_parallel_attention, context_parallel_attention_vjp
 from .functional import (
     apply_dropout,
     attention_output,
@@ -39,6 +40,8 @@ __all__ = [
     "attention_weights",
     "blockwise_attention",
     "blockwise_attention_vjp",
+    "context_parallel_attention",
+    "context_parallel_attention_vjp",
     "causal_mask",
     "combine_masks",
     "mask_scores",

@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = {"backend_differences": ROOT / "docs" / "backend_differences.md",
         "readme": ROOT / "README.md"}
 BLOCK = re.compile(r"```python\n(?P<code>.*?)```\n(?:\n*```text\n(?P<out>.*?)```\n)?", re.S)
-NEEDS = ("jax", "torch")
+# backend_differences.md section 12 runs the peers' frameworks too
+NEEDS = ("jax", "torch", "keras", "flax", "transformers", "onnx", "onnxruntime")
 
 _DRIVER = r"""
 import contextlib, io, json, sys, traceback, warnings
@@ -73,7 +74,7 @@ def doc_runs() -> dict[str, list[tuple[str, str | None, dict]]]:
     missing = _frameworks_missing()
     if missing:
         pytest.skip(f"the documentation's snippets need {', '.join(missing)} "
-                    f"(pip install -r requirements.txt)")
+                    f"(pip install -r requirements-test.txt)")
     runs = {}
     for name, path in DOCS.items():
         found = blocks(path)

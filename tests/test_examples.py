@@ -6,6 +6,7 @@ import importlib.util
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -18,6 +19,8 @@ def _load(name):
 
 
 def test_training_curves_coincide_across_backends():
+    for framework, pin in (("jax", "jax"), ("torch", "torch==2.13.0")):
+        pytest.importorskip(framework, reason=f"needs {framework}: pip install {pin}")
     train = _load("train_reverse")
     curves = train.run(steps=25)
     reference = np.array(curves["numpy_attn"])
@@ -26,17 +29,43 @@ def test_training_curves_coincide_across_backends():
         np.testing.assert_allclose(curve, reference, rtol=1e-9, err_msg=name)
 
 
-def test_wrong_attention_fails_exactly_the_cases_its_readme_names():
-    """examples/README.md: FAIL on every case with a mask and every bottom-right case."""
-    from conformance import cases, runner
+#: examples/README.md: the cells where wrong_attention.py fails, in every dtype.
+WRONG_ATTENTION_FAILS = {
+    "mask polarity flipped": ("padding", "mask_and_bias", "fully_masked_rows", "kv_lengths"),
+    "wrong causal alignment": ("causal_bottom_right", "causal_bottom_right_q_longer",
+                               "window_causal_bottom_right", "single_query_causal"),
+    "NaN reached positions the spec keeps finite": ("nan_key_masked",),
+}
 
-    result = runner.run(["examples.wrong_attention"], None, ["float32"], peers=False,
+
+def test_wrong_attention_fails_exactly_the_cells_its_readme_names():
+    """Every other cell (case × dtype) passes, so an unrelated failure breaks this test."""
+    from conformance import backends, runner
+
+    result = runner.run(["examples.wrong_attention"], None, None, peers=False,
+                        check_errors=True, hypothesis=0)
+    failed = {(c.case, c.dtype) for c in result.cells if c.status != "ok"}
+    expected = {(case, dtype) for cases in WRONG_ATTENTION_FAILS.values() for case in cases
+                for dtype in backends.DTYPES}
+    assert failed == expected
+    assert all(c.status == "FAIL" for c in result.cells if (c.case, c.dtype) in failed)
+    for reason, cases in WRONG_ATTENTION_FAILS.items():
+        for cell in result.cells:
+            if cell.case in cases:
+                assert cell.reasons[0].startswith(reason), (cell.case, cell.reasons)
+    assert all(e.passed for e in result.errors) and result.errors  # bad inputs: all right
+    readme = (EXAMPLES / "README.md").read_text(encoding="utf-8")
+    for reason, cases in WRONG_ATTENTION_FAILS.items():
+        assert reason in readme and all(f"`{case}`" in readme for case in cases)
+
+
+def test_bshd_wrapper_checks_jax_nn_in_its_layout():
+    pytest.importorskip("jax", reason="needs jax: pip install jax")
+    from conformance import runner
+
+    cases = ["three_d_gqa_causal", "fully_masked_rows", "softcap"]  # 3-D, 4-D, unsupported
+    result = runner.run(["examples.bshd_wrapper"], cases, ["float32"], peers=False,
                         check_errors=False, hypothesis=0)
-    failed = {cell.case for cell in result.cells if cell.status != "ok"}
-    sdpa = [case for case in cases.CASES if case.kind == "sdpa"]
-    with_mask = {case.name for case in sdpa if "mask" in case.data().arrays}
-    bottom_right = {case.name for case in sdpa
-                    if case.data().options.get("causal_alignment") == "bottom_right"}
-    assert failed == with_mask | bottom_right
-    details = " ".join(cell.detail for cell in result.cells)
-    assert "mask polarity flipped" in details and "wrong causal alignment" in details
+    assert result.ok
+    assert {c.case: c.status for c in result.cells} == {
+        "three_d_gqa_causal": "ok", "fully_masked_rows": "ok", "softcap": "unsupported"}

@@ -46,6 +46,7 @@ from conformance.__main__ import main
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "conformance"
 NON_FINITE = [c.name for c in cases.CASES if not c.data().finite]
+NEEDS_HYPOTHESIS = "needs hypothesis: pip install -e '.[test]'"
 
 
 @functools.cache
@@ -268,7 +269,8 @@ def test_planted_bug_is_caught_and_named(bug: str) -> None:
 
 
 def test_report_names_failing_cases_and_exit_code(capsys: pytest.CaptureFixture) -> None:
-    code = main(["--backend", "examples.wrong_attention", "--dtype", "float32", "--no-errors"])
+    code = main(["--backend", "examples.wrong_attention", "--dtype", "float32", "--no-errors",
+                 "--verbose"])
     out = capsys.readouterr().out
     assert code == 1
     for case in ("padding", "mask_and_bias", "causal_bottom_right"):
@@ -313,6 +315,7 @@ def test_non_finite_cases_follow_the_ieee_rule_in_the_reference() -> None:
 
 
 def test_cli_pass_json_markdown_plot(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib: pip install matplotlib")
     code = main(["run", "--backend", "numpy", "--case", "causal_*", "--case", "seed_example",
                  "--dtype", "float32", "--dtype", "float16", "--json", str(tmp_path / "r.json"),
                  "--markdown", str(tmp_path / "r.md"), "--plot", str(tmp_path / "plots")])
@@ -356,6 +359,7 @@ def test_cli_list_into_a_closed_pipe_exits_quietly() -> None:
 
 def test_default_run_holds_cells_errors_and_properties(monkeypatch: pytest.MonkeyPatch) -> None:
     """Bad-input and property checks run from the runner and land in the same RunResult."""
+    pytest.importorskip("hypothesis", reason=NEEDS_HYPOTHESIS)
     asked = []
 
     def fake_properties(backend_list: list, n: int) -> results.PropertyResult:
@@ -447,7 +451,8 @@ def test_harness_imports_no_framework() -> None:
     code = (f"import sys; import {modules}; "
             "from conformance.__main__ import main; "
             "main(['--backend', 'numpy', '--case', 'self', '--dtype', 'float32', '--no-peers']); "
-            "bad = [m for m in ('jax', 'torch', 'matplotlib', 'hypothesis') if m in sys.modules]; "
+            "bad = [m for m in ('jax', 'torch', 'matplotlib', 'hypothesis') "
+            "if sys.modules.get(m) is not None]; "
             "print(bad); sys.exit(len(bad))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
@@ -488,6 +493,7 @@ def test_golden_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
 
 
 def test_properties_pass_on_numpy() -> None:
+    pytest.importorskip("hypothesis", reason=NEEDS_HYPOTHESIS)
     result = properties.run([backends.get("numpy")], 40)
     assert result.passed, result.text()
     assert result.backends[0].examples >= 40
@@ -505,6 +511,7 @@ def test_properties_apply_the_harness_rule() -> None:
 
 
 def test_properties_shrink_a_planted_bug_to_runnable_code(capsys: pytest.CaptureFixture) -> None:
+    pytest.importorskip("hypothesis", reason=NEEDS_HYPOTHESIS)
     fake = backends.register(_fake("fake_mask_polarity_prop", **_wrap(_flip_mask)))
     try:  # registered, so the reproducer's backends.load finds it
         result = properties.run([fake], 60)

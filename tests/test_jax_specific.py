@@ -705,7 +705,8 @@ def test_jax_attn_imports_no_other_backend_and_mirrors_numpy_attn():
                 names = [node.module or ""]
             for name in names:
                 assert name.split(".")[0] not in {"numpy_attn", "torch", "conformance"}, path
-    public = spec.FUNCTIONS + spec.MODULES + spec.CLASSES + spec.BACKEND_EXTRAS["jax_attn"]
+    public = (spec.FUNCTIONS + spec.MODULES + spec.CLASSES + spec.BACKEND_EXTRAS["jax_attn"]
+              + spec.CONTEXT_PARALLEL_FUNCTIONS)
     assert sorted(ja.__all__) == sorted(public)
     for module in ("functional", "masks"):
         np_mod = getattr(na, module)

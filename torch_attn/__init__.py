@@ -9,6 +9,7 @@ full specification.
 
 from .backward import scaled_dot_product_attention_vjp
 from .blockwise import blockwise_attention, blockwise_attention_vjp
+from .context_parallel import context_parallel_attention, context_parallel_attention_vjp
 from .functional import (
     apply_dropout,
     attention_output,
@@ -42,6 +43,8 @@ __all__ = [
     "attention_weights",
     "blockwise_attention",
     "blockwise_attention_vjp",
+    "context_parallel_attention",
+    "context_parallel_attention_vjp",
     "causal_mask",
     "combine_masks",
     "mask_scores",

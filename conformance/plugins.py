@@ -1,0 +1,208 @@
+"""The contract of a checked module ("plugin"): what it provides, what it does not support, and
+its layout (``spec.PLUGIN_CONTRACT``; ``docs/checking.md`` for users).
+
+* ``import_plugin(path)`` imports the module; a module that does not exist is a ``UsageError``
+  (one line), a module whose own import fails is a ``PluginImportError`` carrying the real
+  traceback (both exit code 2);
+* ``contract_of(module)`` reads the ``Contract``: the names of ``spec.FUNCTIONS`` and
+  ``spec.MODULES`` it defines (only ``scaled_dot_product_attention`` is required), its
+  ``UNSUPPORTED`` set (names of ``spec.PLUGIN_FEATURES``) and its ``LAYOUT``;
+* ``view(module, contract)`` is the module as the harness calls it: unchanged in the spec's
+  layout, with query/key/value and the results transposed for ``LAYOUT = "bshd"``;
+* ``features(arrays, options, dtype)`` names the features a case uses, so a cell needing a
+  declared-unsupported feature is reported as unsupported rather than run.
+
+Standard library and NumPy only: ``backends`` builds a plugin's adapter on top of this file.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import traceback
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import spec
+from .usage import UsageError
+
+#: The one function a checked module must define.
+REQUIRED = "scaled_dot_product_attention"
+#: Every name the harness may call, in the spec's order.
+OPTIONAL = tuple(n for n in (*spec.FUNCTIONS, *spec.MODULES) if n != REQUIRED)
+#: ``"bhsd"``: the spec's ``(..., heads, seq, head_dim)``; ``"bshd"``: ``(..., seq, heads,
+#: head_dim)`` (flash-attention, ``jax.nn``).
+LAYOUTS = ("bhsd", "bshd")
+
+
+class PluginImportError(UsageError):
+    """Importing a checked module raised: shown with its traceback, exit code 2."""
+
+    def __init__(self, path: str, text: str) -> None:
+        super().__init__(f"importing {path!r} failed (traceback above)")
+        self.traceback = text
+
+
+@dataclass(frozen=True)
+class Contract:
+    """What a checked module provides and declares."""
+
+    path: str
+    provided: frozenset[str]  # names of spec.FUNCTIONS and spec.MODULES it defines
+    unsupported: frozenset[str] = frozenset()  # names of spec.PLUGIN_FEATURES
+    layout: str = "bhsd"
+
+    @property
+    def not_provided(self) -> tuple[str, ...]:
+        """The optional names it does not define, in the spec's order."""
+        return tuple(n for n in OPTIONAL if n not in self.provided)
+
+
+def import_plugin(path: str) -> types.ModuleType:
+    """``importlib.import_module(path)``: a missing module is a one-line ``UsageError``; an
+    import that fails inside the module is a ``PluginImportError`` with its traceback."""
+    try:
+        return importlib.import_module(path)
+    except ModuleNotFoundError as exc:
+        if exc.name and (path == exc.name or path.startswith(exc.name + ".")):
+            raise UsageError(
+                f"no backend or module named {path!r} (numpy, jax, torch, a peer, or a module "
+                f"path; install: make {path!r} importable, e.g. pip install it or run from its "
+                f"folder)") from None
+        raise PluginImportError(path, traceback.format_exc()) from exc
+    except Exception as exc:  # noqa: BLE001 - whatever the module's own import raises
+        raise PluginImportError(path, traceback.format_exc()) from exc
+
+
+def contract_of(module: types.ModuleType, path: str | None = None) -> Contract:
+    """The contract a module declares (``UsageError`` for a broken one, naming the fix)."""
+    path = path or module.__name__
+    provided = frozenset(n for n in (*spec.FUNCTIONS, *spec.MODULES)
+                         if callable(getattr(module, n, None)))
+    if REQUIRED not in provided:
+        raise UsageError(f"{path} defines no {REQUIRED}, the one function a checked module "
+                         f"must provide (docs/checking.md)")
+    declared = getattr(module, "UNSUPPORTED", ())
+    declared = {declared} if isinstance(declared, str) else set(declared)
+    unknown = sorted(str(n) for n in declared - set(spec.PLUGIN_FEATURES))
+    if unknown:
+        raise UsageError(f"{path}.UNSUPPORTED names {', '.join(unknown)}; known features: "
+                         f"{', '.join(spec.PLUGIN_FEATURES)}")
+    layout = str(getattr(module, "LAYOUT", "bhsd")).lower()
+    if layout not in LAYOUTS:
+        raise UsageError(f"{path}.LAYOUT is {layout!r}; expected one of {LAYOUTS}")
+    return Contract(path, provided, frozenset(declared), layout)
+
+
+# ------------------------------------------------------------------------------ layout
+
+
+def _swap(x: Any) -> Any:
+    """``(..., heads, seq, dim)`` ↔ ``(..., seq, heads, dim)``; 2-D arrays and None as they are."""
+    if x is None or np.ndim(x) < 3:
+        return x
+    return x.swapaxes(-3, -2) if hasattr(x, "swapaxes") else np.swapaxes(x, -3, -2)
+
+
+#: function → (positions of its (..., seq, heads, dim) arguments, of its results: "all" for a
+#: single array, a tuple of indices for a tuple of results, "first" for either).
+_SEQUENCE_ARRAYS: dict[str, tuple[tuple[int, ...], Any]] = {
+    "attention_scores": ((0, 1), None),
+    "attention_output": ((1,), "all"),
+    "scaled_dot_product_attention": ((0, 1, 2), "first"),
+    "scaled_dot_product_attention_vjp": ((0, 1, 2, 3), (0, 1, 2)),
+    "blockwise_attention": ((0, 1, 2), "all"),
+    "blockwise_attention_vjp": ((0, 1, 2, 3), (0, 1, 2)),
+}
+_KEYWORDS = ("query", "key", "value", "grad_output")
+
+
+def _seq_first(fn: Callable[..., Any], inputs: tuple[int, ...], results: Any
+               ) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        args = tuple(_swap(a) if i in inputs else a for i, a in enumerate(args))
+        kwargs = {k: _swap(v) if k in _KEYWORDS else v for k, v in kwargs.items()}
+        out = fn(*args, **kwargs)
+        if results == "all" or (results == "first" and not isinstance(out, tuple)):
+            return _swap(out)
+        if results == "first":
+            return (_swap(out[0]), *out[1:])
+        if isinstance(results, tuple):
+            return tuple(_swap(r) if i in results else r for i, r in enumerate(out))
+        return out
+
+    return wrapper
+
+
+def view(module: types.ModuleType, contract: Contract) -> types.ModuleType:
+    """The module as the harness calls it: itself in the spec's layout; for ``"bshd"`` a copy
+    whose attention functions take and return the spec's layout."""
+    if contract.layout == "bhsd":
+        return module
+    adapted = types.ModuleType(module.__name__, module.__doc__)
+    adapted.__dict__.update({k: v for k, v in vars(module).items() if not k.startswith("__")})
+    for name, (inputs, results) in _SEQUENCE_ARRAYS.items():
+        if name in contract.provided:
+            setattr(adapted, name, _seq_first(getattr(module, name), inputs, results))
+    return adapted
+
+
+# ------------------------------------------------------------------------------ features
+
+
+#: keyword argument → the feature a call using it needs.
+_KEYWORD_FEATURES = {"mask": "mask", "bias": "bias", "is_causal": "causal", "window": "window",
+                     "scale": "scale", "softcap": "softcap", "dropout_p": "dropout",
+                     "dropout_mask": "dropout", "return_weights": "return_weights"}
+
+
+def _given(value: Any) -> bool:
+    if value is None:
+        return False
+    return bool(value) if isinstance(value, (bool, int, float)) else True
+
+
+def _dtype_name(x: Any) -> str:
+    return str(getattr(x, "dtype", "")).removeprefix("torch.")
+
+
+def call_features(args: tuple[Any, ...], kwargs: dict[str, Any]) -> frozenset[str]:
+    """The names of ``spec.PLUGIN_FEATURES`` a call ``fn(*args, **kwargs)`` uses; ``args``
+    start with query, key, value when the function takes them."""
+    used = {f for k, f in _KEYWORD_FEATURES.items() if _given(kwargs.get(k))}
+    if kwargs.get("causal_alignment") == "bottom_right" and (
+            _given(kwargs.get("is_causal")) or _given(kwargs.get("window"))):
+        used.add("bottom_right")
+    used.update(d for d in map(_dtype_name, (*args, *kwargs.values()))
+                if d in spec.TOLERANCES)
+    shapes = [np.shape(a) for a in args[:3] if hasattr(a, "shape")]
+    if len(shapes) == 3 and all(len(s) >= 2 for s in shapes):
+        q, k, v = shapes
+        if len(q) == 2:
+            used.add("2d_inputs")
+        elif len(k) >= 3 and k[-3] != q[-3]:
+            used.add("grouped_query")
+        if v[-1] != q[-1]:
+            used.add("v_dim")
+    return frozenset(used)
+
+
+def features(arrays: dict[str, Any], options: dict[str, Any], dtype: str,
+             finite: bool = True) -> frozenset[str]:
+    """The names of ``spec.PLUGIN_FEATURES`` a case uses: those of its call (an sdpa case), its
+    dtype, and ``non_finite`` for NaN or Inf inputs."""
+    used = {dtype} if finite else {dtype, "non_finite"}
+    if "query" in arrays:
+        qkv = tuple(arrays[n] for n in ("query", "key", "value"))
+        others = {k: v for k, v in arrays.items() if k not in ("query", "key", "value")}
+        used |= call_features(qkv, {**others, **options})
+    return frozenset(used) - {"return_weights"}
+
+
+__all__ = ["LAYOUTS", "OPTIONAL", "REQUIRED", "Contract", "PluginImportError",
+           "call_features", "contract_of", "features", "import_plugin", "view"]

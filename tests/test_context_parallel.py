@@ -1,0 +1,224 @@
+"""context_parallel_attention in every backend: forward and gradients against the float64
+reference (through ``conformance.context_parallel``), the layout, the schedule, the bytes sent,
+and the bad calls. NumPy runs here; JAX in one subprocess with 4 host devices; torch in one
+subprocess spawning 4 gloo ranks (worlds of 2 and 4), each with a deadline."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+
+import numpy as np
+import pytest
+
+from attention_rules import context_parallel as cp
+from conformance import context_parallel as ccp
+from conformance import reference, spec
+from numpy_attn import context_parallel as ncp
+
+
+def _failures(results: list) -> str:
+    return "\n".join(r.line() for r in results if not r.passed)
+
+
+# ------------------------------------------------------------------------------------------
+# Layout and schedule (pure index arithmetic)
+# ------------------------------------------------------------------------------------------
+
+
+def test_zig_zag_layout_gives_rank_r_chunks_r_and_2n_minus_1_minus_r():
+    # 16 positions, 4 ranks, 8 chunks of 2: rank 0 holds chunks 0 and 7, rank 3 chunks 3 and 4
+    assert cp.positions(16, 4, True) == [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9]
+    assert cp.positions(8, 4, False) == list(range(8))
+    assert cp.segments(16, 4, 3, True) == ((6, 8), (8, 10))
+
+
+def _computed_pairs(case_q: int, case_kv: int, world: int, load_balance: bool, **structure):
+    """Brute force: per rank, the (query chunk, key chunk) pairs with an allowed position."""
+    allowed = reference.structural_mask(case_q, case_kv, **structure)  # (q_len, kv_len)
+    counts = []
+    for rank in range(world):
+        count = 0
+        for q0, q1 in cp.segments(case_q, world, rank, load_balance):
+            for other in range(world):
+                for k0, k1 in cp.segments(case_kv, world, other, load_balance):
+                    count += bool(allowed[q0:q1, k0:k1].any())
+        counts.append(count)
+    return counts
+
+
+@pytest.mark.parametrize("load_balance", [False, True])
+def test_ring_computes_exactly_the_pairs_the_causal_rule_keeps(monkeypatch, load_balance):
+    calls = []
+    original = ncp._forward
+    monkeypatch.setattr(ncp, "_forward", lambda *a, **k: calls.append(1) or original(*a, **k))
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 16, 4)) for _ in range(3))
+    trace: list = []
+    ncp.context_parallel_attention(q, k, v, world_size=4, is_causal=True,
+                                   load_balance=load_balance, trace=trace)
+    expected = _computed_pairs(16, 16, 4, load_balance, is_causal=True)
+    assert len(calls) == sum(expected)
+    if load_balance:  # zig-zag: every rank computes the same number of pairs
+        assert len(set(expected)) == 1, expected
+    else:  # contiguous: rank r computes r + 1 blocks, the last rank works 4× the first
+        assert expected == [1, 2, 3, 4]
+
+
+def test_ring_with_a_narrow_window_stops_after_the_neighbour_block():
+    trace: list = []
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 2, 16, 4)) for _ in range(3))
+    out = ncp.context_parallel_attention(q, k, v, world_size=4, window=(2, 0), trace=trace)
+    sends = [e for e in trace if e["event"] == "send" and e["what"] == "key"]
+    assert len(sends) == 4  # one step of the ring: each rank sends its block once
+    assert max(e["step"] for e in trace) == 1  # 2 of 4 steps
+    ref = reference.attention(q, k, v, window=(2, 0)).output
+    np.testing.assert_allclose(out, ref, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("strategy", cp.STRATEGIES)
+def test_bytes_sent_match_each_strategys_formula(strategy):
+    world, rng = 4, np.random.default_rng(2)
+    q = rng.standard_normal((2, 8, 16, 4)).astype(np.float32)
+    k = rng.standard_normal((2, 4, 16, 4)).astype(np.float32)
+    v = rng.standard_normal((2, 4, 16, 4)).astype(np.float32)
+    g = rng.standard_normal(q.shape).astype(np.float32)
+    kwargs = {"world_size": world, "strategy": strategy, "is_causal": True, "load_balance": True}
+    forward, both = [], []
+    ncp.context_parallel_attention(q, k, v, trace=forward, **kwargs)
+    ncp.context_parallel_attention_vjp(q, k, v, g, trace=both, **kwargs)
+    sched = cp.schedule(strategy, world, 16, 16, True, "top_left", None, True)
+    elements = {"query": q.size // world, "key": k.size // world, "value": v.size // world,
+                "output": q.size // world}
+    for rank in range(world):
+        sent = sum(e["bytes"] for e in forward if e["event"] == "send" and e["rank"] == rank)
+        total = sum(e["bytes"] for e in both if e["event"] == "send" and e["rank"] == rank)
+        assert sent == cp.message_bytes(strategy, world, elements, 4, sched.steps, "forward")
+        assert total - sent == cp.message_bytes(strategy, world, elements, 4, sched.steps,
+                                                "backward")
+
+
+def test_schedule_drawing_shows_the_balanced_zig_zag_ring():
+    text = cp.draw(cp.schedule("ring", 4, 16, 16, True, "top_left", None, True))
+    lines = text.splitlines()
+    assert "zig-zag" in lines[0] and len(lines) == 6
+    assert [line.split("|")[-1].strip() for line in lines[2:]] == ["9", "9", "9", "9"]
+
+
+# ------------------------------------------------------------------------------------------
+# Conformance: every backend against the float64 reference
+# ------------------------------------------------------------------------------------------
+
+
+#: JAX compiles one program per check: every strategy at 4 devices on the zig-zag GQA case and
+#: at 2 devices on the cross bottom-right window case (``python -m conformance.context_parallel``
+#: runs the whole matrix). torch and NumPy run every case at both world sizes.
+CASES = {"jax": ("causal_zigzag_gqa_lengths@4", "cross_bottom_right_window@2")}
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, list]:
+    """One run of every installed backend: the JAX and torch subprocesses run side by side."""
+    backends = ["numpy"] + [b for b in ("jax", "torch") if importlib.util.find_spec(b)]
+    rows = ccp.run_context_parallel(tuple(backends), (2, 4), cases=CASES, timeout=500)
+    return {b: [r for r in rows if r.backend == b] for b in ("numpy", "jax", "torch")}
+
+
+def _compared(rows: list) -> set:
+    return {(r.world_size, r.strategy, r.case, r.step) for r in rows if r.step in ccp.STEPS}
+
+
+def test_numpy_matches_the_reference_at_world_sizes_2_and_4(results):
+    rows = results["numpy"]
+    assert not _failures(rows), _failures(rows)
+    assert len(_compared(rows)) == 2 * len(cp.STRATEGIES) * len(ccp.CASES) * len(ccp.STEPS)
+    assert {r.case for r in rows if r.step == "bad call"} == set(ccp.BAD_CALLS)
+
+
+def _needs(package: str) -> None:
+    """Skip without ``package`` (found, not imported: the checks run in subprocesses)."""
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"needs {package}: pip install -r requirements-test.txt")
+
+
+def test_torch_gloo_ranks_match_the_reference_and_fail_together(results):
+    _needs("torch")
+    rows = results["torch"]
+    assert not _failures(rows), _failures(rows)
+    assert len(_compared(rows)) == 2 * len(cp.STRATEGIES) * len(ccp.CASES) * len(ccp.STEPS)
+    bad = {r.case for r in rows if r.step == "bad call"}
+    assert bad == set(ccp.BAD_CALLS) | {"mismatched_shards", "rank_never_joins"}
+
+
+def test_jax_mesh_matches_the_reference(results):
+    _needs("jax")
+    rows = results["jax"]
+    assert not _failures(rows), _failures(rows)
+    assert len(_compared(rows)) == 2 * len(cp.STRATEGIES) * len(ccp.STEPS)
+    assert {r.case for r in rows if r.step == "bad call"} == set(ccp.BAD_CALLS) | {
+        "mesh_without_axis"}
+
+
+# ------------------------------------------------------------------------------------------
+# The spec's stubs
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("package", ["numpy_attn", "jax_attn", "torch_attn"])
+@pytest.mark.parametrize("name", spec.CONTEXT_PARALLEL_FUNCTIONS)
+def test_signatures_are_the_spec_stubs_with_the_backends_devices(package, name):
+    if importlib.util.find_spec(package.split("_")[0]) is None:
+        pytest.skip(f"{package} needs its framework (pip install -r requirements-test.txt)")
+    function = getattr(importlib.import_module(package), name)
+    devices = spec.CONTEXT_PARALLEL_DEVICES[package]
+    params = inspect.signature(function).parameters.values()
+    stub = inspect.signature(getattr(spec, name)).parameters.values()
+    got = [(p.name, p.kind, p.default) for p in params if p.name not in devices]
+    want = [(p.name, p.kind, p.default) for p in stub if p.name != "devices"]
+    assert got == want
+    assert [p.name for p in params if p.name in devices] == list(devices)
+    assert "(" in function.__doc__
+    assert tuple(spec.CONTEXT_PARALLEL_STRATEGIES) == cp.STRATEGIES
+
+
+# ------------------------------------------------------------------------------------------
+# The document's snippets
+# ------------------------------------------------------------------------------------------
+
+
+def test_the_documents_snippets_run_and_print_what_it_says():
+    """docs/context_parallel.md, run as tests/test_docs.py runs the other documents (one fresh
+    process, in order); refresh with ``python tests/test_docs.py --update
+    docs/context_parallel.md``."""
+    _needs("jax")
+    from test_docs import ROOT, _normal, blocks, run_snippets
+
+    found = blocks(ROOT / "docs" / "context_parallel.md")
+    assert len(found) >= 4
+    for (code, documented), result in zip(found, run_snippets([c for c, _ in found]),
+                                          strict=True):
+        first = code.strip().splitlines()[0]
+        assert result["error"] is None, f"snippet {first!r} failed:\n{result['error']}"
+        if documented is not None:
+            assert _normal(result["out"]) == _normal(documented), (first, result["out"])
+
+
+def test_the_three_files_define_their_shared_functions_in_the_same_order():
+    """``diff numpy_attn/context_parallel.py torch_attn/context_parallel.py`` shows the library
+    differences: the functions they share come in the same order."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+
+    def names(package: str) -> list[str]:
+        tree = ast.parse((root / package / "context_parallel.py").read_text(encoding="utf-8"))
+        return [n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef)]
+
+    packages = ("numpy_attn", "jax_attn", "torch_attn")
+    common = set(names(packages[0])).intersection(*(names(p) for p in packages[1:]))
+    orders = [[n for n in names(p) if n in common] for p in packages]
+    assert orders[0] == orders[1] == orders[2], orders
+    assert {"_attend", "_merge", "_ring_forward", "_ring_backward", "_ulysses_forward"} <= common

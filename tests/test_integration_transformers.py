@@ -1,0 +1,326 @@
+"""torch_attn inside Hugging Face transformers: real model classes from tiny configs (random,
+seeded weights; nothing is downloaded) give the logits, greedy generations and gradients of
+transformers' own ``eager`` attention.
+
+Each family exercises a part of the spec: Llama grouped-query heads, Mistral a sliding window
+shorter than the prompt and the generation, Gemma 2 logit soft-capping with alternating
+sliding/full layers, BERT bidirectional attention over a padded batch.
+
+The float64 reference is transformers' ``eager`` attention with its softmax in float64
+(``_eager_float64``): ``eager`` itself runs the softmax of these decoders in float32, so its
+float64 logits are float32-accurate, and NaN for a left-padded sequence (docs/integrations.md).
+float32 results pass the spec's tolerance rule: ``|x - ref| <= atol + k·e`` with ``e`` the error
+of ``eager`` in float32 against the same reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs torch: pip install torch==2.13.0")
+transformers = pytest.importorskip(
+    "transformers", reason="needs transformers: pip install -e .[transformers]"
+)
+
+from transformers import (  # noqa: E402
+    AttentionInterface,
+    AttentionMaskInterface,
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    BertConfig,
+    Gemma2Config,
+    LlamaConfig,
+    MistralConfig,
+)
+from transformers.masking_utils import eager_mask  # noqa: E402
+
+from conformance import compare, spec  # noqa: E402
+from torch_attn.integrations import transformers as hf  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+REFERENCE = "eager_float64"
+NEW_TOKENS = 20
+LENGTHS = (10, 6)  # the second sequence is padded by 4
+
+
+def _eager_float64(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                   softcap=None, **kwargs):
+    """transformers' eager attention (repeat the key/value heads, scale, soft-cap, add the
+    additive mask, softmax, weighted sum) with the softmax in the input dtype."""
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    scores = query @ key.transpose(2, 3) * scaling
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    weights = torch.softmax(scores, dim=-1)
+    return (weights @ value).transpose(1, 2).contiguous(), weights
+
+
+AttentionInterface.register(REFERENCE, _eager_float64)
+AttentionMaskInterface.register(REFERENCE, eager_mask)
+NAME = hf.register()
+
+COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, max_position_embeddings=64, initializer_range=0.2,
+              pad_token_id=0)
+FAMILIES = {
+    "llama": lambda: LlamaConfig(**COMMON, num_key_value_heads=2),
+    "mistral": lambda: MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=4),
+    "gemma2": lambda: Gemma2Config(**COMMON, num_key_value_heads=2, head_dim=8,
+                                   sliding_window=4, query_pre_attn_scalar=8,
+                                   attn_logit_softcapping=2.0, final_logit_softcapping=None),
+    "bert": lambda: BertConfig(**COMMON, hidden_dropout_prob=0.0,
+                               attention_probs_dropout_prob=0.0),
+}
+
+
+def _build(family: str, attn: str):
+    """The family's tiny model in float64 (seed 0: the same weights for every implementation)."""
+    torch.manual_seed(0)
+    config = FAMILIES[family]()
+    cls = AutoModelForMaskedLM if family == "bert" else AutoModelForCausalLM
+    model = cls.from_config(config, attn_implementation=attn, dtype=torch.float64)
+    return model
+
+
+def _batch(family: str):
+    """Token ids ``(2, 10)`` and the padding mask (left padding; right padding for BERT)."""
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 96, (len(LENGTHS), max(LENGTHS)), generator=generator)
+    positions = torch.arange(max(LENGTHS))
+    lengths = torch.tensor(LENGTHS)[:, None]
+    if family == "bert":
+        mask = positions < lengths
+    else:
+        mask = positions >= max(LENGTHS) - lengths
+    return ids.masked_fill(~mask, 0), mask.long()
+
+
+_RUNS: dict = {}
+
+
+def _run(family: str, attn: str, dtype):
+    """Logits ``(2, 10, vocab)`` and every parameter's gradient of one training step's loss,
+    cached per (family, attn, dtype). The loss leaves out every prediction made at a padding
+    position: a causal model's last padding position attends no key (eager: the mean of the
+    values, torch_attn: 0), and the shifted labels would ask it for the first real token."""
+    if (family, attn, dtype) not in _RUNS:
+        model = _build(family, attn).to(dtype).train()
+        ids, mask = _batch(family)
+        labelled = mask.bool()
+        if family != "bert":  # position t predicts label t: only where t - 1 is a real token
+            labelled[:, 1:] &= labelled[:, :-1].clone()
+            labelled[:, 0] = False
+        labels = ids.masked_fill(~labelled, -100)
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        grads = {n: p.grad.detach().double() for n, p in model.named_parameters()
+                 if p.grad is not None}
+        _RUNS[family, attn, dtype] = (out.logits.detach().double(), grads, mask.bool())
+    return _RUNS[family, attn, dtype]
+
+
+def _worst(actual, expected, baseline: float, dtype: str) -> float:
+    """The spec's tolerance rule: worst ``|actual - expected| / bound`` (pass: at most 1)."""
+    expected_np = expected.numpy()
+    bound = compare.bound(expected_np, baseline, dtype)
+    return float(np.max(np.abs(actual.numpy() - expected_np) / bound))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logits_and_gradients_equal_eager(family):
+    ref_logits, ref_grads, valid = _run(family, REFERENCE, torch.float64)
+    # float64: torch_attn against eager with a float64 softmax, at every real token
+    logits, grads, _ = _run(family, NAME, torch.float64)
+    assert torch.isfinite(logits).all()
+    assert (logits - ref_logits)[valid].abs().max() <= 1e-12
+    assert ref_grads.keys() == grads.keys() and len(grads) > 10
+    for name, grad in grads.items():
+        scale = ref_grads[name].abs().max()
+        assert (grad - ref_grads[name]).abs().max() <= 1e-12 * max(scale, 1.0), name
+    # float32: within atol + k·e of the float64 reference, e = eager's own float32 error
+    eager_logits, eager_grads, _ = _run(family, "eager", torch.float32)
+    logits, grads, _ = _run(family, NAME, torch.float32)
+    e = (eager_logits - ref_logits)[valid].abs().max().item()
+    assert _worst(logits[valid], ref_logits[valid], e, "float32") <= 1.0
+    for name, grad in grads.items():
+        e = (eager_grads[name] - ref_grads[name]).abs().max().item()
+        assert _worst(grad, ref_grads[name], e, "float32") <= 1.0, name
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+def test_greedy_generation_with_cache_equals_eager(family):
+    ids, mask = _batch(family)
+    tokens = {}
+    for attn in (NAME, "eager"):
+        model = _build(family, attn).float().eval()
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS,
+                             min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        tokens[attn] = out[:, ids.shape[1]:]
+    assert tokens[NAME].shape == (len(LENGTHS), NEW_TOKENS)
+    assert torch.equal(tokens[NAME], tokens["eager"])
+
+
+def test_the_features_change_the_logits():
+    """The soft-cap, the sliding window and the padding mask are not vacuous here: without each
+    one, the float64 reference's logits move by far more than the 1e-12 the tests allow."""
+    ref, _, valid = _run("gemma2", REFERENCE, torch.float64)
+    ids, mask = _batch("gemma2")
+    for change in ({"attn_logit_softcapping": None}, {"sliding_window": 64}):
+        model = _build("gemma2", REFERENCE).train()
+        for key, value in change.items():  # the layers read the soft-cap, the masks the window
+            setattr(model.config, key, value)
+            for layer in model.model.layers:
+                setattr(layer.self_attn, key, value)
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        assert (logits - ref)[valid].abs().max() > 1e-4, change
+    with torch.no_grad():
+        unpadded = _build("llama", NAME)(input_ids=ids).logits
+    ref, _, valid = _run("llama", REFERENCE, torch.float64)
+    assert (unpadded - ref)[valid].abs().max() > 1e-4
+
+
+def test_register_makes_the_model_pass_the_padding_mask():
+    """A plain ``AttentionInterface.register`` gets ``attention_mask=None`` for a padded batch;
+    ``register()`` also sets the mask builder, so the function sees the padding."""
+    seen = {}
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        seen.setdefault(name, attention_mask)
+        return hf.attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    ids, mask = _batch("llama")
+    for name in ("spy_plain", "spy_registered"):
+        AttentionInterface.register(name, spy)
+        if name == "spy_registered":
+            AttentionMaskInterface.register(name, hf.attention_mask)
+        with torch.no_grad():
+            _build("llama", name)(input_ids=ids, attention_mask=mask)
+    assert seen["spy_plain"] is None
+    got = seen["spy_registered"]
+    assert got.dtype == torch.bool and got.shape == (2, 1, 10, 10)
+    causal = torch.ones(10, 10).tril().bool()
+    assert torch.equal(got, causal & mask.bool()[:, None, None, :])
+    assert hf.register("torch_attn_again") == "torch_attn_again"
+
+
+def _direct_inputs():
+    generator = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, 3, 8, generator=generator, dtype=torch.float64)
+    k = torch.randn(2, 2, 5, 8, generator=generator, dtype=torch.float64)
+    v = torch.randn(2, 2, 5, 8, generator=generator, dtype=torch.float64)
+    return q, k, v
+
+
+def _explicit(q, k, v, allowed, scale=8 ** -0.5):
+    """float64 softmax(q kᵀ·scale) @ v over allowed keys, heads repeated: ``(b, q, h, d)``."""
+    k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
+    return (torch.softmax(scores, -1) @ v).transpose(1, 2)
+
+
+def test_mask_formats_and_bottom_right_decoding():
+    """The 4-D boolean and additive masks, a 2-D padding mask, and no mask with a cache
+    (3 queries at the end of 5 keys: bottom-right causal) all give the explicit result."""
+    q, k, v = _direct_inputs()
+    module = torch.nn.Module().eval()
+    keys = torch.tensor([[True] * 5, [False, True, True, True, True]])  # (2, 5)
+    causal = torch.ones(3, 5).tril(2).bool()  # bottom-right
+    allowed = causal & keys[:, None, None, :]
+    expected = _explicit(q, k, v, allowed)
+    additive = torch.zeros(2, 1, 3, 5, dtype=torch.float64).masked_fill(
+        ~allowed, torch.finfo(torch.float64).min)
+    for mask in (allowed, additive):
+        out, weights = hf.attention_forward(module, q, k, v, mask)
+        assert weights is None and out.shape == (2, 3, 4, 8) and out.is_contiguous()
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    out, _ = hf.attention_forward(module, q, k, v, None)  # bottom-right, as a KV cache needs
+    torch.testing.assert_close(out, _explicit(q, k, v, causal), rtol=0, atol=1e-12)
+    out, _ = hf.attention_forward(module, q, k, v, keys, is_causal=False)
+    torch.testing.assert_close(out, _explicit(q, k, v, keys[:, None, None, :]), rtol=0,
+                               atol=1e-12)
+    out, weights = hf.attention_forward(module, q, k, v, None, sliding_window=2,
+                                        output_attentions=True)
+    window = causal & ~torch.ones(3, 5).tril(0).bool()  # j in (i + 2 - 2, i + 2]
+    torch.testing.assert_close(out, _explicit(q, k, v, window), rtol=0, atol=1e-12)
+    assert weights.shape == (2, 4, 3, 5) and torch.all(weights[..., ~window] == 0)
+    empty = allowed.clone()
+    empty[1, :, 0] = False  # query 0 of sequence 1 may attend no key: output 0 (eager: mean)
+    out, _ = hf.attention_forward(module, q, k, v, empty)
+    assert torch.all(out[1, 0] == 0)
+    torch.testing.assert_close(out[1, 1:], expected[1, 1:], rtol=0, atol=1e-12)
+
+
+def test_dropout_only_while_training():
+    q, k, v = _direct_inputs()
+    module = torch.nn.Module()
+    module.eval()
+    out, _ = hf.attention_forward(module, q, k, v, None, dropout=0.5, is_causal=False)
+    expected = _explicit(q, k, v, torch.ones(3, 5, dtype=torch.bool))
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    module.train()
+    torch.manual_seed(0)  # dropout draws from torch's global generator
+    draws = torch.stack([hf.attention_forward(module, q, k, v, None, dropout=0.5,
+                                              is_causal=False)[0] for _ in range(100)])
+    assert not torch.allclose(draws[0], expected)
+    # unbiased: the mean over 100 draws approaches the output without dropout
+    spread = draws.std(0) / 100 ** 0.5
+    assert torch.all((draws.mean(0) - expected).abs() <= 5 * spread + 1e-12)
+
+
+def test_attention_sinks_are_refused():
+    q, k, v = _direct_inputs()
+    with pytest.raises(ValueError, match="s_aux"):
+        hf.attention_forward(torch.nn.Module(), q, k, v, None, s_aux=torch.zeros(4))
+
+
+def test_declared_in_the_spec_and_not_imported_by_the_backend():
+    declared = spec.BACKEND_INTEGRATIONS["torch_attn"]["transformers"]
+    assert sorted(hf.__all__) == sorted(declared)
+    for name in declared:
+        obj = getattr(hf, name)
+        assert not callable(obj) or (obj.__doc__ and "(" in obj.__doc__), name
+    code = "import sys, torch_attn; print('transformers' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
+def test_the_documented_snippets_print_what_the_docs_say():
+    """The transformers snippets of docs/integrations.md, run here, print their documented text."""
+    from test_docs import _normal, blocks
+
+    snippets = [(code, out) for code, out in blocks(ROOT / "docs" / "integrations.md")
+                if "from transformers" in code]
+    assert snippets
+    for code, documented in snippets:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            exec(compile(code, "docs/integrations.md", "exec"), {"__name__": "__snippet__"})
+        assert _normal(printed.getvalue()) == _normal(documented), code
+
+
+def test_the_example_runs_and_agrees():
+    path = ROOT / "examples" / "transformers_llama.py"
+    spec_ = importlib.util.spec_from_file_location("transformers_llama", path)
+    example = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(example)
+    result = example.run(new_tokens=4, rounds=1)
+    tokens = result["tokens"]
+    assert tokens[NAME] == tokens["eager"] == tokens["sdpa"]
+    assert len(tokens[NAME]) == 2 and all(len(row) == 4 for row in tokens[NAME])
+    assert result["max_logit_diff"][NAME] < 1e-4 and result["max_logit_diff"]["eager"] == 0
+    assert all(rate > 0 for rate in result["tokens_per_s"].values())

@@ -1,0 +1,7 @@
+"""torch_attn inside other frameworks, one small module per host, imported on demand.
+
+``torch_attn.integrations.transformers``: an attention implementation for Hugging Face
+transformers (``register()`` returns its name for ``attn_implementation=``).
+
+``import torch_attn`` imports none of these (nor the frameworks they adapt to).
+"""
