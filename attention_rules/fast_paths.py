@@ -27,8 +27,8 @@ FAST_PATHS = {
         "cudnn": {"platforms": ("gpu", "cuda"), "dtypes": ("float16", "bfloat16")},
         # lax.map over blocks of block_q queries, in at most `segments` static key ranges
         "blocked": {
-            "platforms": ("cpu",), "block_q": 128, "segments": 4, "min_scores": 1 << 20,
-            "min_q_len": 256,
+            "platforms": ("cpu",), "block_q": 128, "block_kv": 64, "segments": 4,
+            "min_scores": 1 << 20, "min_q_len": 256,
         },
     },
     "torch_attn": {

@@ -38,6 +38,7 @@ Imports run one way, from the spec to the command line; each file holds one conc
                     checks (in process)
 ``context_parallel_workers``  its JAX (4 host devices) and torch (gloo ranks) subprocesses
 ``context_parallel``  runs and reports them (``python -m conformance context-parallel``)
+``repeat``          the bitwise-repeat promises of ``spec.REPEATABLE``, sequential and threaded
 ``__main__``        ``python -m conformance``
 ==================  =========================================================================
 

@@ -11,6 +11,7 @@ Subcommands (``run`` is the default)::
     python -m conformance walkthrough [--backend numpy|jax|torch|all]  # the article, step by step
     python -m conformance pictures DIR          # attention-weight heatmaps (PNG)
     python -m conformance context-parallel [...]  # context parallelism, world sizes 2 and 4
+    python -m conformance repeat [...]          # same inputs, same bits (spec.REPEATABLE)
 
 ``--backend`` takes ``numpy``, ``jax``, ``torch``, a peer (``torch.sdpa``,
 ``torch.MHA``, ``jax.nn``) or the dotted path of your own module
@@ -169,6 +170,12 @@ def _cmd_context_parallel(argv: list[str]) -> int:
     return int(context_parallel.main(argv) or 0)
 
 
+def _cmd_repeat(argv: list[str]) -> int:
+    from . import repeat
+
+    return int(repeat.main(argv) or 0)
+
+
 #: name → (add arguments, handler); handlers taking raw argv are listed in RAW_COMMANDS.
 COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
                           Callable[[argparse.Namespace], int]]] = {
@@ -180,7 +187,7 @@ COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
 }
 #: Subcommands that own their argument parsing: name → handler(argv).
 RAW_COMMANDS: dict[str, Callable[[list[str]], int]] = {
-    "spec": _cmd_spec, "context-parallel": _cmd_context_parallel,
+    "spec": _cmd_spec, "context-parallel": _cmd_context_parallel, "repeat": _cmd_repeat,
 }
 
 HELP = {
@@ -188,6 +195,8 @@ HELP = {
     "export": "write golden vectors (.npz, float64 expected values, checksums)",
     "check": "check an implementation against golden vectors (needs only NumPy)",
     "spec": "print or write the generated spec document",
+    "repeat": "check the bitwise-repeat promises (spec.REPEATABLE) of every backend, "
+    "sequentially and from several threads at once",
     "context-parallel": "context-parallel attention (ring, all-gather, Ulysses) at world sizes "
     "2 and 4 against the float64 reference; `schedule` draws the ring",
     "walkthrough": "the seed article's worked example, step by step, backends side by side",

@@ -112,7 +112,8 @@ BLOCKED_COMPUTATION = (
 #: backends read them) means: FAST_PATHS[backend][path][key].
 FAST_PATH_RULES = {
     "block_q": "queries per block of a blocked path",
-    "block_kv": "numpy_attn: keys per task of the blocked VJP (the task's own dK and dV rows)",
+    "block_kv": "keys per step of the blocked VJP (numpy_attn: per task, the task's own dK and "
+    "dV rows; jax_attn: per lax.scan step, against every query that sees them)",
     "block_q_backward": "numpy_attn: queries per tile of the blocked VJP (a tile stays in cache)",
     "min_scores": "a blocked path runs only from this many score entries (..., heads, q_len) "
     "× kv_len: below it the explicit steps are as fast",
@@ -821,13 +822,32 @@ DECODING = (
     "the new positions: numpy_attn and torch_attn write in place and return the same cache; "
     "jax_attn caches are immutable pytrees (length is a traced int32 scalar, so a jitted "
     "decoding step compiles once per chunk size) and return a new cache. Write "
-    "`cache = cache.append(key, value)` to be portable. Appending past max_len is a ValueError "
-    "naming max_len (jax_attn: checked when length is concrete, i.e. outside jit). "
+    "`cache = cache.append(key, value)` to be portable. "
     "module.decode(x, cache) projects the new tokens x (..., n, d), appends their keys and "
     "values, and attends with the bottom-right causal rule over every cached position, so "
     "decoding a sequence token by token, or in chunks, equals forward(x, is_causal=True) "
     "(CausalSelfAttention: forward(x)). decode never applies dropout. It returns "
-    "(output, cache); cache=None starts a cache of max_len positions (default: n)."
+    "(output, cache); cache=None starts a cache of max_len positions (default: n). "
+    "The cache holds values only, never autograd history (torch_attn stores detached "
+    "copies), so a decoding loop's memory does not grow with the number of steps; torch_attn's "
+    "decode records a graph only when a gradient is requested (grad mode on and the module in "
+    "training mode; in eval() it runs as under torch.no_grad()), and then the cached positions "
+    "are constants of that graph."
+)
+
+#: What appending past ``max_len`` does, in every backend.
+CACHE_OVERFLOW = (
+    "An append whose length + n exceeds max_len never writes silently. Where length is a "
+    "concrete number (numpy_attn and torch_attn always, jax_attn outside jit) it is a "
+    "ValueError naming max_len, raised before anything changes: the cache stays as it was. "
+    "Under jax.jit, where length is traced and nothing can raise, the append makes the overflow "
+    "impossible to miss: length still grows past max_len, so `cache.overflowed` (length > "
+    "max_len, a traced bool) is True from then on; the write puts NaN in the last n positions "
+    "of both buffers (lax.dynamic_update_slice clamps the start), so every later decode output "
+    "is NaN (never a finite wrong number); and the write starts at the true, out-of-bounds "
+    "position, which jax.experimental.checkify reports when the step is wrapped in "
+    "checkify.checkify(step, errors=checkify.index_checks). `overflowed` exists in every "
+    "backend (always False where an overflow raises)."
 )
 
 
@@ -837,7 +857,8 @@ class KVCache:
     Attributes (read-only): ``keys`` ``(..., kv_heads, length, head_dim)`` and ``values``
     ``(..., kv_heads, length, v_dim)`` are views of the filled part (jax_attn: slices, outside
     jit only); ``length`` the number of filled positions (jax_attn: an int32 scalar array);
-    ``max_len`` the capacity.
+    ``max_len`` the capacity; ``overflowed`` True once an append went past ``max_len``
+    (``CACHE_OVERFLOW``).
     """
 
     @classmethod
@@ -862,7 +883,8 @@ class KVCache:
         """Add ``key (..., kv_heads, n, head_dim)`` and ``value (..., kv_heads, n, v_dim)``.
 
         Cast to the cache's dtype. Returns the cache (see ``DECODING``); ValueError when
-        ``length + n > max_len`` or when the shapes do not match the cache.
+        ``length + n > max_len`` (under ``jax.jit``: see ``CACHE_OVERFLOW``) or when the shapes
+        do not match the cache.
         """
 
 
@@ -882,6 +904,84 @@ class DecodingModule:
           ``(output, cache)``: ``output (..., n, d_out)`` as ``forward`` gives for these
           positions, and the cache holding every position so far.
         """
+
+
+# --------------------------------------------------------------------------------------------
+# Concurrency and determinism: what a caller may rely on when the same inputs come back, and
+# when several threads call at once (a server, a data loader). ``conformance/repeat.py`` checks
+# the bitwise promises of REPEATABLE for every backend.
+# --------------------------------------------------------------------------------------------
+
+#: What each backend guarantees on CPU, in words: repeatability, thread safety, and which
+#: calls may run concurrently.
+CONCURRENCY = {
+    "numpy_attn": (
+        "Every function is pure and may be called from any number of threads at once. The same "
+        "inputs (values, shapes, dtypes and arguments) give the same bits in every call of one "
+        "process, whatever other threads are doing: the fast path (BLOCKED_COMPUTATION) fixes "
+        "its blocks, its BLAS thread count (one) and the order of every sum (its tasks are "
+        "dealt into one lane per core the process may use, each lane summing into its own "
+        "copy, the copies added in lane order) from the shapes and the core count alone, never "
+        "from how many threads are free or which thread ran a block, and concurrent fast-path "
+        "calls take turns through its one pool (a lock; one call already keeps every core "
+        "busy). The BLAS thread limit: see BLAS_LIMIT. Without threadpoolctl the blocks run in "
+        "the calling thread with BLAS as configured, which gives the same bits call after call "
+        "as long as nobody changes the BLAS thread count. Bits may differ between machines "
+        "(core count, BLAS build) and NumPy versions. "
+        "Modules' forward and backward only read the weights and "
+        "may run concurrently; load_weights, KVCache.append and decode write in place (one "
+        "thread per cache). Dropout: the same seeded Generator state gives the same bits; a "
+        "numpy Generator is not thread-safe, so give each thread its own."
+    ),
+    "jax_attn": (
+        "Every function is pure; arrays and KVCache are immutable, so any thread may use them, "
+        "and jitted functions may be called from several threads at once. On CPU the same "
+        "compiled function gives the same bits for the same inputs, call after call and from "
+        "several threads at once (XLA fixes its algorithms and its work split at compile "
+        "time). An eager call and a jitted one, or two different jit boundaries around the "
+        "same function, may differ in the last bits (XLA fuses differently). On GPU XLA may "
+        "use non-deterministic reductions unless XLA_FLAGS=--xla_gpu_deterministic_ops=true "
+        "(not checked here). Dropout: the same key gives the same bits."
+    ),
+    "torch_attn": (
+        "Functions and modules' forward may be called from several threads at once (autograd "
+        "is thread-safe; each thread builds its own graph). On CPU the same inputs give the "
+        "same bits call after call and from several threads at once, for a fixed "
+        "torch.get_num_threads() (another thread count may change the bits: set it once, before "
+        "the threads start). On CUDA the fused SDPA kernels' backward may be non-deterministic "
+        "unless torch.use_deterministic_algorithms(True) (not checked here). KVCache.append and "
+        "decode write the cache in place (one thread per cache); load_weights writes the "
+        "parameters. Dropout with rng=None draws from torch's global generator, shared by all "
+        "threads: pass a torch.Generator per thread for repeatable masks."
+    ),
+}
+
+#: numpy_attn's BLAS thread limit during the fast path, and who else it touches.
+BLAS_LIMIT = (
+    "The fast path runs its blocks on a pool of threads with BLAS limited to one thread, so the "
+    "two levels of threading do not oversubscribe the cores. Where the BLAS library has a "
+    "per-thread setting (OpenBLAS built with OpenMP) only the pool's threads and the calling "
+    "thread are limited: no other thread sees a change. The OpenBLAS that NumPy's wheels "
+    "bundle (pthreads; its openblas_set_num_threads_local is process-wide too), and MKL and "
+    "BLIS as threadpoolctl sets them, have a process-wide setting only: it is set to one while "
+    "a call's blocks run, and only then (not while the inputs are prepared or the results "
+    "assembled), and restored after; during that span, matrix products of other threads also "
+    "run on one BLAS thread (and give that thread count's bits). Without threadpoolctl "
+    "nothing is changed (the blocks run in the calling thread)."
+)
+
+#: The bitwise-repeat promises the harness checks (``python -m conformance.repeat``), per
+#: backend: the same inputs give the same bits in these modes. ``sequential``: calls one after
+#: the other, each on a new copy of the inputs; ``threads``: the same calls from several threads
+#: at once, compared with the sequential results. The checked calls (REPEAT_CALLS) are
+#: ``scaled_dot_product_attention`` and ``scaled_dot_product_attention_vjp``, on shapes that take
+#: each backend's fast path and shapes that do not, causal and not (jax_attn: jitted).
+REPEATABLE = {
+    "numpy_attn": ("sequential", "threads"),
+    "jax_attn": ("sequential", "threads"),
+    "torch_attn": ("sequential", "threads"),
+}
+REPEAT_CALLS = ("scaled_dot_product_attention", "scaled_dot_product_attention_vjp")
 
 
 # --------------------------------------------------------------------------------------------

@@ -4,6 +4,8 @@ numpy_attn writes this derivation out by hand (FlashAttention's backward); here 
 differentiates the forward pipeline (``functional._attention``) itself, so the conformance harness
 compares two independent gradient computations (three with torch_attn's autograd). The
 forward's safe softmax keeps gradients of masked positions and fully masked rows at exactly 0.
+Large inputs on the CPU take the blocked fast path, whose ``jax.custom_vjp`` is a blocked
+backward pass written out (``_fast._blocked_attention_vjp``), as numpy_attn's.
 """
 
 from __future__ import annotations

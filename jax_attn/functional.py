@@ -27,7 +27,8 @@ on CPU HIGHEST costs nothing (XLA:CPU always computes full float32).
 
 Fast paths: cuDNN's flash attention on a GPU for half inputs, and the same steps blocked over
 queries on the CPU for large inputs (``_fast.py``: ``use_fast_path`` says when,
-``fast_attention`` how).
+``fast_attention`` how). The blocked path is a ``jax.custom_vjp`` with its own blocked backward
+pass, so ``jax.grad`` and ``scaled_dot_product_attention_vjp`` of large inputs take it too.
 """
 
 from __future__ import annotations

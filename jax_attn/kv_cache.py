@@ -4,9 +4,15 @@ Buffers are preallocated to ``max_len`` positions and filled left to right by ``
 ``keys`` and ``values`` are views of the filled part. The cache is an immutable pytree (leaves:
 both buffers and ``length``, an int32 scalar array), so ``append`` returns a NEW cache (write
 ``cache = cache.append(k, v)``) and a jitted decoding step that takes and returns the cache
-compiles once per chunk size: ``length`` is traced, the buffers keep their shape. Appending past
-``max_len`` is a ValueError when ``length`` is concrete (outside jit); under jit nobody can
-check it, and ``lax.dynamic_update_slice`` would clamp the write.
+compiles once per chunk size: ``length`` is traced, the buffers keep their shape.
+
+Appending past ``max_len`` is a ValueError when ``length`` is concrete (outside jit). Under jit
+nothing can raise, so an overflow is made impossible to miss instead (``spec.CACHE_OVERFLOW``):
+``length`` still grows past ``max_len`` (``overflowed`` is then True, a traced bool), the write
+puts NaN in the last positions of both buffers (``lax.dynamic_update_slice`` clamps its start),
+so every later attention over the cache gives NaN, and the write starts at the true, out of
+bounds, position, which ``jax.experimental.checkify`` reports as an error when the step is
+wrapped in ``checkify.checkify(step, errors=checkify.index_checks)``.
 """
 
 from __future__ import annotations
@@ -88,6 +94,12 @@ class KVCache:
         return self.key_buffer.shape[-2]
 
     @property
+    def overflowed(self) -> jax.Array:
+        """True once an append went past ``max_len`` (jax: a bool scalar array, traced under jit;
+        only a traced append can overflow, a concrete one raises)."""
+        return self._length > self.max_len
+
+    @property
     def keys(self) -> jax.Array:
         """``(..., kv_heads, length, head_dim)``: the filled part (outside jit only)."""
         return self.key_buffer[..., : int(self._length), :]
@@ -107,10 +119,12 @@ class KVCache:
         start, stop = self._length, self._length + key.shape[-2]
         if not isinstance(start, jax.core.Tracer):  # jax: checkable only when concrete
             rules.check_cache_room(fn, int(start), int(stop), self.max_len)
+        # jax: under jit an overflow cannot raise; it writes NaN (see the module docstring)
+        fits = stop <= self.max_len
+        key = jnp.where(fits, key.astype(self.key_buffer.dtype), jnp.nan)
+        value = jnp.where(fits, value.astype(self.value_buffer.dtype), jnp.nan)
         axis = self.key_buffer.ndim - 2
-        key_buffer = jax.lax.dynamic_update_slice_in_dim(
-            self.key_buffer, key.astype(self.key_buffer.dtype), start, axis)
-        value_buffer = jax.lax.dynamic_update_slice_in_dim(
-            self.value_buffer, value.astype(self.value_buffer.dtype), start, axis)
+        key_buffer = jax.lax.dynamic_update_slice_in_dim(self.key_buffer, key, start, axis)
+        value_buffer = jax.lax.dynamic_update_slice_in_dim(self.value_buffer, value, start, axis)
         return KVCache(key_buffer, value_buffer, stop)
 

@@ -30,25 +30,38 @@ at most ``BLOCK_Q_BACKWARD`` of the queries that can see the block (``rules.quer
 tiles the causal rule or the window mask entirely are never computed), it recomputes the
 transposed tile ``Pᵀ = exp(K Qᵀ · scale - lse)`` and forms ``dV += Pᵀ dO``, ``dSᵀ = Pᵀ ⊙
 (V dOᵀ - delta)``, ``dK += dSᵀ Q · scale`` in its own key block, and ``dQ += dS K · scale``
-into its worker's own ``dQ`` (the workers' copies are added at the end): nothing is shared, so
-nothing races, and the order of dQ's sums depends on which worker ran which task (rounding
-only). The bias gradient (``dS`` summed over the axes the bias was broadcast along) is added
-under a lock. ``- lse`` and ``- delta`` ride in one extra column of the query and of ``dO``
-(against a column of ones in the keys and values), so the matrix products subtract them.
-Extra memory: a few tiles per worker, the inputs with their extra column and a copy of ``dQ``
-per extra worker, never a ``(q_len, kv_len)`` array.
+into its lane's own ``dQ`` (``_run``; the lanes' copies are added at the end, in lane order):
+nothing is shared, so nothing races, and every sum runs in the same order in every call. The
+bias gradient (``dS`` summed over the axes the bias was broadcast along) is added under a lock,
+by one task per key block (covering every head whose sums share its entries), or, for a bias
+broadcast over keys, into each lane's own copy. ``- lse`` and ``- delta`` ride in one extra
+column of the query and of ``dO`` (against a column of ones in the keys and values), so the
+matrix products subtract them. Extra memory: a few tiles per lane, the inputs with their extra
+column and a copy of ``dQ`` per extra lane (one lane per core), never a ``(q_len, kv_len)``
+array.
 
 The tasks run on a persistent pool of threads (NumPy releases the GIL in ufuncs and in
-``matmul``), one per BLAS thread, while the BLAS library is limited to one thread so the two
-levels of threading do not oversubscribe the cores (``_run``; ``blockwise.py`` runs its tiles on
-it too). That limit uses ``threadpoolctl`` when it is installed: it is optional, imported on the
-first fast-path call (never by ``import numpy_attn``), and the BLAS library's own thread count
-is restored after each call (the limit is process-wide while the call runs). Without
-``threadpoolctl`` the tasks run in the calling thread with BLAS left as configured, which is
-correct but uses one core for the elementwise work. Calling BLAS libraries through ``ctypes``
-would avoid the dependency but depends on how NumPy was built (symbol names differ between
-OpenBLAS, scipy-openblas, MKL and Accelerate), so the project does not. A call made while
-another thread is already inside the fast path also runs in its own thread, without the pool.
+``matmul``), at most one per BLAS thread and per core, while the BLAS library is limited to one
+thread so the two levels of threading do not oversubscribe the cores (``_run``; ``blockwise.py``
+runs its tiles on it too). The results do not depend on the threads (``spec.CONCURRENCY``):
+the tasks are dealt into a fixed number of lanes (one per core the process may use), each lane
+with its own scratch and its own copy of dQ, run in order by one thread, and the copies are
+added in lane order; BLAS always runs in one thread during the blocks; and concurrent calls
+take turns through the one pool (a lock), so no call ever runs under another's BLAS setting.
+One caller keeps every core busy, so taking turns costs no throughput.
+
+That limit uses ``threadpoolctl`` when it is installed: it is optional, imported on the first
+fast-path call (never by ``import numpy_attn``), covers only the span in which the blocks run,
+and the BLAS library's own thread count is restored after it. Where the library's limit is per
+thread (OpenBLAS built with OpenMP) only the pool's threads and the calling thread are limited.
+**The OpenBLAS of NumPy's wheels (pthreads), MKL and BLIS have a process-wide setting only:
+while a call's blocks run, other threads' BLAS calls also run on one thread** (``spec.BLAS_LIMIT``).
+Without ``threadpoolctl`` the tasks run in the calling thread with BLAS left as configured and
+nothing is changed for other threads; that is correct but uses one core for the elementwise
+work. Calling BLAS libraries through ``ctypes`` would avoid the dependency but depends on how
+NumPy was built (symbol names differ between OpenBLAS, scipy-openblas, MKL and Accelerate), and
+OpenBLAS's ``openblas_set_num_threads_local`` is process-wide in its pthreads builds, so the
+project does not.
 """
 
 from __future__ import annotations
@@ -78,7 +91,7 @@ EXP_BOUND = 64.0
 # The threads of the fast path, made on first use (so ``import numpy_attn`` starts none and does
 # not import threadpoolctl): "controller" is threadpoolctl's controller of the BLAS libraries
 # (None without threadpoolctl), "pool" a persistent ThreadPoolExecutor made for "pool_key"
-# (process id, workers), and "lock" lets one call at a time use them.
+# (process id, threads), and "lock" lets one call at a time use them and limit BLAS.
 _threads: dict[str, Any] = {"lock": threading.Lock()}
 
 
@@ -277,11 +290,17 @@ def _blocked_attention_vjp(
     grad_value = np.zeros(value_ones.shape[:-1] + (v_dim,), key.dtype)
     masked_out = None if mask is None else np.broadcast_to(~mask, target)  # True = not allowed
     grad_bias = bias_lock = None
+    bias_per_lane = bias_per_key_block = False
     if bias is not None:  # full rank, so its axes line up with the scores'
         bias = bias.astype(query.dtype, copy=False)
         grad_bias = np.zeros((1,) * (len(target) - bias.ndim) + bias.shape, query.dtype)
         bias_lock = threading.Lock()
         bias = np.broadcast_to(bias, target)
+        # The tasks of one key block may add into the same entries of a bias broadcast over
+        # heads or batch: they become one task, whose sums run in order. A bias broadcast over
+        # keys is shared by every key block: each lane adds into its own copy (it is small).
+        bias_per_lane = grad_bias.shape[-1] == 1
+        bias_per_key_block = not bias_per_lane
     lo, hi = rules.band(q_len, kv_len, args.is_causal, args.causal_alignment, args.window)
     block_kv, block_q = BLOCK_KV, BLOCK_Q_BACKWARD
     softcap = args.softcap
@@ -289,17 +308,25 @@ def _blocked_attention_vjp(
     query_s, key_s = (query_lse, key_ones) if softcap is None else (query, key)
     strips: dict = {}  # the masks of the strips, by their geometry (most tiles share one)
 
-    tasks = []  # (batch-and-kv-head index, key rows k0:k1, query range)
-    for kv_index in np.ndindex(key.shape[:-2]):
-        for k0 in range(0, kv_len, block_kv):
-            k1 = min(k0 + block_kv, kv_len)
-            queries = rules.query_range(k0, k1, q_len, lo, hi)
-            if queries[1] > queries[0]:  # else no query sees these keys: their gradients are 0
-                tasks.append((kv_index, k0, k1, queries))
+    tasks = []  # (batch-and-kv-head indices, key rows k0:k1, query range)
+    kv_indices = list(np.ndindex(key.shape[:-2]))
+    for k0 in range(0, kv_len, block_kv):
+        k1 = min(k0 + block_kv, kv_len)
+        queries = rules.query_range(k0, k1, q_len, lo, hi)
+        if queries[1] > queries[0]:  # else no query sees these keys: their gradients are 0
+            if bias_per_key_block:
+                tasks.append((kv_indices, k0, k1, queries))
+            else:
+                tasks += [([kv_index], k0, k1, queries) for kv_index in kv_indices]
     tasks.sort(key=lambda task: task[3][0] - task[3][1])  # longest query range first
 
-    def block(kv_index: tuple[int, ...], k0: int, k1: int, queries: tuple[int, int, int, int],
-              scratch: dict[str, np.ndarray]) -> None:
+    def block(kv_indices: list[tuple[int, ...]], k0: int, k1: int,
+              queries: tuple[int, int, int, int], scratch: dict[str, np.ndarray]) -> None:
+        for kv_index in kv_indices:  # in order
+            kv_block(kv_index, k0, k1, queries, scratch)
+
+    def kv_block(kv_index: tuple[int, ...], k0: int, k1: int, queries: tuple[int, int, int, int],
+                 scratch: dict[str, np.ndarray]) -> None:
         q0, q1, a, b = queries
         keys = k1 - k0
         key_block, value_block = key_s[kv_index][k0:k1], value_ones[kv_index][k0:k1]
@@ -339,7 +366,8 @@ def _blocked_attention_vjp(
                 np.matmul(value_block, grad_output_delta[index][c0:c1].T, out=grad_s)
                 grad_s *= weights_t
                 if grad_bias is not None:
-                    _add_bias_grad(grad_bias, grad_s, index, c0, c1, k0, k1, bias_lock)
+                    _add_bias_grad(scratch.get("grad_bias", grad_bias), grad_s, index, c0, c1,
+                                   k0, k1, bias_lock)
                 if softcap is not None:
                     grad_s *= slope
                 # dK = dSᵀ Q · scale, dQ = dS K · scale
@@ -349,7 +377,7 @@ def _blocked_attention_vjp(
                 scratch["grad_query"][index][c0:c1] += part
                 first = False
 
-    def scratch() -> dict[str, np.ndarray]:  # one worker's tiles and its own dQ
+    def scratch() -> dict[str, np.ndarray]:  # one lane's tiles and its own dQ
         tile = block_kv * min(block_q, q_len)
         buffers = {
             "scores": np.empty(tile, query.dtype), "grads": np.empty(tile, query.dtype),
@@ -359,14 +387,19 @@ def _blocked_attention_vjp(
             "query": np.empty((block_q, key.shape[-1]), query.dtype),
             "grad_query": np.zeros(query.shape, query.dtype),
         }
+        if bias_per_lane:  # a bias broadcast over keys: small
+            buffers["grad_bias"] = np.zeros_like(grad_bias)
         return buffers
 
     scratches = _run(tasks, block, scratch)
     if not scratches:
         return np.zeros(query.shape, query.dtype), grad_key, grad_value, grad_bias
     grad_query = scratches[0]["grad_query"]
-    for other in scratches[1:]:
+    for other in scratches[1:]:  # in lane order: the same sums, whichever thread ran a lane
         grad_query += other["grad_query"]
+    if bias_per_lane:
+        for other in scratches:
+            grad_bias += other["grad_bias"]
     return grad_query, grad_key, grad_value, grad_bias
 
 
@@ -433,62 +466,117 @@ def _add_bias_grad(
 
 
 def _run(tasks: list, block: Callable[..., None], scratch: Callable[[], Any]) -> list:
-    """``block(*task, scratch)`` for every task, on the pool's threads with BLAS in one thread
-    each (or in the calling thread); every worker makes its own ``scratch()`` first. Returns
-    the scratches of the workers that ran (for their results)."""
-    queue, queue_lock = iter(tasks), threading.Lock()
-    scratches: list = []
+    """``block(*task, scratch)`` for every task; returns one scratch per lane, in lane order.
+
+    The tasks are dealt, in their order, into at most ``_cores()`` lanes (``_lanes``); a lane
+    makes its own ``scratch()`` and runs its tasks in order, in one thread. What a block adds
+    into its scratch (a copy of dQ) is therefore summed in an order fixed by the tasks and the
+    number of cores, never by how many threads were free or which ran a lane. With
+    ``threadpoolctl`` the lanes run on the pool, one call at a time (concurrent calls take
+    turns), with BLAS in one thread (``spec.BLAS_LIMIT``): the same bits whatever else the
+    process is doing. Without it they run in the calling thread, BLAS as configured."""
+    if not tasks:
+        return []
+    lanes = _lanes(tasks)
+    scratches: list = [None] * len(lanes)
+    claims, claim_lock = iter(range(len(lanes))), threading.Lock()
 
     def work() -> None:
-        own = scratch()
-        scratches.append(own)  # list.append is atomic
         while True:
-            with queue_lock:
-                task = next(queue, None)
-            if task is None:
+            with claim_lock:
+                lane = next(claims, None)
+            if lane is None:
                 return
-            block(*task, own)
+            own = scratches[lane] = scratch()
+            for task in lanes[lane]:
+                block(*task, own)
 
-    if not tasks:
-        return scratches
-    if not _threads["lock"].acquire(blocking=False):  # another thread is using the pool
+    controller = _controller()
+    if controller is None:  # no threadpoolctl: the calling thread, BLAS as configured
         work()
         return scratches
-    try:
-        if "controller" not in _threads:
-            try:
-                from threadpoolctl import ThreadpoolController  # optional: see the docstring
-            except ImportError:
-                controller = None
-            else:  # scanning the loaded libraries takes milliseconds: do it once
-                controller = ThreadpoolController().select(user_api="blas")
-                controller = controller if controller.lib_controllers else None
-            _threads["controller"] = controller
-        controller, workers = _threads["controller"], 1
-        if controller is not None:  # one worker per BLAS thread, at most one per usable core
-            workers = max(lib.num_threads for lib in controller.lib_controllers)
-            if hasattr(os, "sched_getaffinity"):
-                workers = min(workers, len(os.sched_getaffinity(0)))
-            workers = max(1, min(workers, len(tasks)))
-        if workers == 1:
-            work()
-            return scratches
-        if _threads.get("pool_key") != (os.getpid(), workers):  # new, resized or forked
-            from concurrent.futures import ThreadPoolExecutor
+    with _threads["lock"]:  # one call at a time: no other call's BLAS limit is ever in force
+        workers = min(len(lanes), _cores(), max(lib.num_threads for lib in
+                                                controller.lib_controllers))
+        with controller.limit(limits=1):  # the shortest span: only while the lanes run
+            if max(lib.num_threads for lib in controller.lib_controllers) != 1:
+                workers = 1  # another thread controls a process-wide BLAS setting
+            if workers == 1:
+                work()
+                return scratches
+            pool = _pool(workers - 1)  # the caller is the last worker
+            per_thread = _per_thread_limit(controller)
 
-            old = _threads.get("pool")
-            if old is not None and _threads["pool_key"][0] == os.getpid():
-                old.shutdown(wait=False)  # resized: its idle threads exit
-            _threads["pool"] = ThreadPoolExecutor(workers - 1, "numpy_attn")
-            _threads["pool_key"] = (os.getpid(), workers)
-        with controller.limit(limits=1):  # BLAS single-threaded while the blocks run in parallel
-            pool = _threads["pool"]  # workers - 1 threads; the caller is the last worker
-            futures = [pool.submit(work) for _ in range(workers - 1)]
+            def pool_work() -> None:
+                if per_thread:  # the pool's threads limit themselves, and only themselves
+                    with controller.limit(limits=1):
+                        work()
+                else:
+                    work()
+
+            futures = [pool.submit(pool_work) for _ in range(workers - 1)]
             try:
                 work()
             finally:
                 for future in futures:
                     future.result()
-    finally:
-        _threads["lock"].release()
     return scratches
+
+
+def _lanes(tasks: list) -> list[list]:
+    """The tasks dealt round-robin, in their order, into ``min(len(tasks), _cores())`` lanes
+    (the tasks come longest first, so the lanes' work is about even)."""
+    count = min(len(tasks), _cores())
+    return [tasks[lane::count] for lane in range(count)]
+
+
+def _cores() -> int:
+    """The cores this process may run on (its affinity; fixed for the process)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+def _controller() -> Any:
+    """threadpoolctl's controller of the loaded BLAS libraries, made once (scanning the
+    libraries takes milliseconds); None without threadpoolctl or without a known BLAS."""
+    if "controller" not in _threads:
+        try:
+            from threadpoolctl import ThreadpoolController  # optional: see the docstring
+        except ImportError:
+            controller = None
+        else:
+            controller = ThreadpoolController().select(user_api="blas")
+            controller = controller if controller.lib_controllers else None
+        _threads["controller"] = controller
+    return _threads["controller"]
+
+
+def _per_thread_limit(controller: Any) -> bool:
+    """True when every BLAS library's thread limit is per thread (OpenBLAS built with OpenMP,
+    as threadpoolctl documents); False for a process-wide one (OpenBLAS with pthreads, as in
+    NumPy's wheels, MKL, BLIS)."""
+    return all(lib.internal_api == "openblas" and getattr(lib, "threading_layer", "") ==
+               "openmp" for lib in controller.lib_controllers)
+
+
+def _pool(size: int) -> Any:
+    """The persistent pool of ``size`` threads (made again when resized or after a fork)."""
+    if _threads.get("pool_key") != (os.getpid(), size):
+        from concurrent.futures import ThreadPoolExecutor
+
+        old = _threads.get("pool")
+        if old is not None and _threads["pool_key"][0] == os.getpid():
+            old.shutdown(wait=False)  # resized: its idle threads exit
+        _threads["pool"] = ThreadPoolExecutor(size, "numpy_attn")
+        _threads["pool_key"] = (os.getpid(), size)
+    return _threads["pool"]
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has none of the parent's threads: a lock they held is free again."""
+    _threads["lock"] = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

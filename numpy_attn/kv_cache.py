@@ -73,6 +73,12 @@ class KVCache:
         return self.key_buffer.shape[-2]
 
     @property
+    def overflowed(self) -> bool:
+        """True once an append went past ``max_len``: never here, where such an append raises
+        (jax_attn: possible under jit, see ``spec.CACHE_OVERFLOW``)."""
+        return self._length > self.max_len
+
+    @property
     def keys(self) -> np.ndarray:
         """``(..., kv_heads, length, head_dim)``: a view of the filled part."""
         return self.key_buffer[..., : self._length, :]

@@ -3,6 +3,7 @@
 Buffers are preallocated to ``max_len`` positions and filled left to right by ``append``;
 ``keys`` and ``values`` are views of the filled part. ``append`` writes in place and returns
 the cache itself (jax_attn returns a new cache: write ``cache = cache.append(k, v)``).
+The buffers hold values, never autograd history: ``append`` stores detached copies.
 """
 
 from __future__ import annotations
@@ -71,6 +72,12 @@ class KVCache:
         return self.key_buffer.shape[-2]
 
     @property
+    def overflowed(self) -> bool:
+        """True once an append went past ``max_len``: never here, where such an append raises
+        (jax_attn: possible under jit, see ``spec.CACHE_OVERFLOW``)."""
+        return self._length > self.max_len
+
+    @property
     def keys(self) -> torch.Tensor:
         """``(..., kv_heads, length, head_dim)``: a view of the filled part."""
         return self.key_buffer[..., : self._length, :]
@@ -82,15 +89,17 @@ class KVCache:
 
     def append(self, key: Any, value: Any) -> KVCache:
         """Add ``key (..., kv_heads, n, head_dim)`` and ``value (..., kv_heads, n, v_dim)``
-        (cast to the cache's dtype); returns the cache, updated in place."""
+        (cast to the cache's dtype, detached); returns the cache, updated in place."""
         fn = "KVCache.append"
         key, value = _as_tensor(key), _as_tensor(value)
         rules.check_cache_append(fn, tuple(key.shape), tuple(value.shape),
                                  tuple(self.key_buffer.shape), tuple(self.value_buffer.shape))
         start, stop = self._length, self._length + key.shape[-2]
         rules.check_cache_room(fn, start, stop, self.max_len)
-        self.key_buffer[..., start:stop, :] = key  # in place, cast to the cache's dtype/device
-        self.value_buffer[..., start:stop, :] = value
+        # in place, cast to the cache's dtype/device; torch: without autograd history, so the
+        # buffers never chain the graphs of every step (a decoding loop's memory stays flat)
+        self.key_buffer[..., start:stop, :] = key.detach()
+        self.value_buffer[..., start:stop, :] = value.detach()
         self._length = stop
         return self
 

@@ -201,13 +201,22 @@ class CausalSelfAttention(_Module):
 
         Returns:
           ``(output (..., n, d_out_v), cache)``; no dropout. The cache is updated in place.
+          torch: no autograd history unless ``_decode_records_graph`` (training mode).
         """
         x = _as_tensor(x)
-        queries = (x @ self.W_query)[..., None, :, :]  # (..., 1, n, d_out_kq): one head
-        keys = (x @ self.W_key)[..., None, :, :]  # (..., 1, n, d_out_kq)
-        values = (x @ self.W_value)[..., None, :, :]  # (..., 1, n, d_out_v)
-        context, cache = _decode(queries, keys, values, cache, max_len)
+        with torch.set_grad_enabled(_decode_records_graph(self)):
+            queries = (x @ self.W_query)[..., None, :, :]  # (..., 1, n, d_out_kq): one head
+            keys = (x @ self.W_key)[..., None, :, :]  # (..., 1, n, d_out_kq)
+            values = (x @ self.W_value)[..., None, :, :]  # (..., 1, n, d_out_v)
+            context, cache = _decode(queries, keys, values, cache, max_len)
         return context[..., 0, :, :], cache  # (..., n, d_out_v)
+
+
+def _decode_records_graph(module: _Module) -> bool:
+    """torch only: whether ``decode`` records autograd history: a gradient is requested, i.e.
+    grad mode is on AND the module is in training mode. ``eval()`` decoding is inference and
+    runs as under ``torch.no_grad()``, so a long decoding loop keeps no graph alive."""
+    return torch.is_grad_enabled() and module.training
 
 
 def _decode(
@@ -219,15 +228,23 @@ def _decode(
 ) -> tuple[torch.Tensor, KVCache]:
     """Append ``key``/``value`` ``(..., kv_heads, n, dim)`` to the cache (a new one of
     ``max_len`` positions when None), then attend ``query (..., heads, n, head_dim)`` over every
-    cached position with the bottom-right causal rule: ``(..., heads, n, v_dim)``."""
+    cached position with the bottom-right causal rule: ``(..., heads, n, v_dim)``.
+
+    torch: the cache stores values without history; when grad mode is on, this call's own
+    keys and values are attended with theirs (the cached positions are constants)."""
     if cache is None:
         max_len = key.shape[-2] if max_len is None else max_len
         cache = KVCache.empty(tuple(key.shape[:-3]), key.shape[-3], max_len, key.shape[-1],
                               value.shape[-1], dtype=key.dtype, device=key.device)
+    start = cache.length
     cache = cache.append(key, value)
     query = query.to(cache.key_buffer.dtype)
+    keys, values = cache.keys, cache.values  # (..., kv_heads, length, head_dim | v_dim)
+    if torch.is_grad_enabled():  # torch: a copy whose last n positions keep their history
+        keys = torch.cat([keys[..., :start, :], key.to(keys.dtype)], dim=-2)
+        values = torch.cat([values[..., :start, :], value.to(values.dtype)], dim=-2)
     context = scaled_dot_product_attention(
-        query, cache.keys, cache.values, is_causal=True, causal_alignment="bottom_right"
+        query, keys, values, is_causal=True, causal_alignment="bottom_right"
     )
     return context, cache
 
@@ -402,16 +419,18 @@ class MultiHeadAttention(_Module):
 
         Returns:
           ``(output (..., n, d_model), cache)``; equals ``forward(x_all, is_causal=True)`` at
-          these positions. No dropout. The cache is updated in place.
+          these positions. No dropout. The cache is updated in place. torch: no autograd
+          history unless ``_decode_records_graph`` (training mode).
         """
         x = _as_tensor(x)
-        query = self._project(x, "query", self.num_heads)  # (..., heads, n, head_dim)
-        key = self._project(x, "key", self.num_kv_heads)  # (..., kv_heads, n, head_dim)
-        value = self._project(x, "value", self.num_kv_heads)
-        context_vec, cache = _decode(query, key, value, cache, max_len)
-        merged = context_vec.transpose(-2, -3)  # (..., n, heads, head_dim)
-        merged = merged.reshape(merged.shape[:-2] + (-1,))  # (..., n, heads * head_dim)
-        output = merged @ self.W_out  # (..., n, d_model)
-        if "b_out" in self._weight_names:
-            output = output + self.b_out
+        with torch.set_grad_enabled(_decode_records_graph(self)):
+            query = self._project(x, "query", self.num_heads)  # (..., heads, n, head_dim)
+            key = self._project(x, "key", self.num_kv_heads)  # (..., kv_heads, n, head_dim)
+            value = self._project(x, "value", self.num_kv_heads)
+            context_vec, cache = _decode(query, key, value, cache, max_len)
+            merged = context_vec.transpose(-2, -3)  # (..., n, heads, head_dim)
+            merged = merged.reshape(merged.shape[:-2] + (-1,))  # (..., n, heads * head_dim)
+            output = merged @ self.W_out  # (..., n, d_model)
+            if "b_out" in self._weight_names:
+                output = output + self.b_out
         return output, cache
