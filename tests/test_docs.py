@@ -65,6 +65,21 @@ def _normal(text: str) -> list[str]:
     return [line.rstrip() for line in text.strip("\n").splitlines()]
 
 
+def check_snippets_in_process(path: Path, contains: str) -> None:
+    """Run, in this process, the snippets of ``path`` whose code contains ``contains`` and
+    assert each prints its documented output (there must be at least one)."""
+    import contextlib
+    import io
+
+    snippets = [(code, out) for code, out in blocks(path) if contains in code]
+    assert snippets, f"no snippet of {path.name} contains {contains!r}"
+    for code, documented in snippets:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            exec(compile(code, str(path), "exec"), {"__name__": "__snippet__"})
+        assert _normal(printed.getvalue()) == _normal(documented), code
+
+
 def _frameworks_missing() -> list[str]:
     return [m for m in NEEDS if importlib.util.find_spec(m) is None]
 

@@ -13,11 +13,9 @@ compared and the loss leaves padding out.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
 import inspect
-import io
 import subprocess
 import sys
 from pathlib import Path
@@ -202,16 +200,9 @@ def test_one_call_and_declared_signature():
 
 def test_the_documented_snippets_print_what_the_docs_say():
     """The flax snippets of docs/integrations.md, run here, print their documented text."""
-    from test_docs import _normal, blocks
+    from test_docs import check_snippets_in_process
 
-    snippets = [(code, out) for code, out in blocks(ROOT / "docs" / "integrations.md")
-                if "from flax" in code]
-    assert snippets
-    for code, documented in snippets:
-        printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):
-            exec(compile(code, "docs/integrations.md", "exec"), {"__name__": "__snippet__"})
-        assert _normal(printed.getvalue()) == _normal(documented), code
+    check_snippets_in_process(ROOT / "docs" / "integrations.md", "from flax")
 
 
 def test_the_example_runs_and_agrees():

@@ -15,9 +15,7 @@ of ``eager`` in float32 against the same reference.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import io
 import subprocess
 import sys
 from pathlib import Path
@@ -301,16 +299,9 @@ def test_declared_in_the_spec_and_not_imported_by_the_backend():
 
 def test_the_documented_snippets_print_what_the_docs_say():
     """The transformers snippets of docs/integrations.md, run here, print their documented text."""
-    from test_docs import _normal, blocks
+    from test_docs import check_snippets_in_process
 
-    snippets = [(code, out) for code, out in blocks(ROOT / "docs" / "integrations.md")
-                if "from transformers" in code]
-    assert snippets
-    for code, documented in snippets:
-        printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):
-            exec(compile(code, "docs/integrations.md", "exec"), {"__name__": "__snippet__"})
-        assert _normal(printed.getvalue()) == _normal(documented), code
+    check_snippets_in_process(ROOT / "docs" / "integrations.md", "from transformers")
 
 
 def test_the_example_runs_and_agrees():
