@@ -27,7 +27,6 @@ entry.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
@@ -225,14 +224,14 @@ def _backward(
     q_scaled = q * scale
     row_dot = (d_out * output).sum(axis=-1, keepdims=True)  # rowsum(dO ⊙ O): (..., heads, q_len, 1)
     grad_k, grad_v = np.zeros_like(k), np.zeros_like(v)
-    grad_bias = None if bias is None else np.zeros(bias.shape, q.dtype)
-    bias_lock = threading.Lock()  # key blocks may share entries of a broadcast bias
+    has_bias = bias is not None
     columns: dict[tuple[int, int], list] = {}  # key block -> the query blocks that see it
     for q_start, q_stop, blocks in plan:
         for kv_start, kv_stop, partial in blocks:
             columns.setdefault((kv_start, kv_stop), []).append((q_start, q_stop, partial))
 
-    def key_block(kv_start: int, kv_stop: int, tiles: list, grad_q: np.ndarray) -> None:
+    def key_block(kv_start: int, kv_stop: int, tiles: list, own: tuple) -> None:
+        grad_q, grad_bias = own  # this lane's: key blocks may share entries of a broadcast bias
         cols = slice(kv_start, kv_stop)  # dK and dV of these keys: this task's own
         for q_start, q_stop, partial in tiles:
             tile, rows = (q_start, q_stop, kv_start, kv_stop), slice(q_start, q_stop)
@@ -249,8 +248,7 @@ def _backward(
             grad_s = p * (grad_p - row_dot[..., rows, :])
             if grad_bias is not None:
                 index = _bias_tile(grad_bias, *tile)
-                with bias_lock:
-                    grad_bias[index] += _sum_to_shape(grad_s, grad_bias[index].shape)
+                grad_bias[index] += _sum_to_shape(grad_s, grad_bias[index].shape)
             if softcap is not None:  # tanh': 1 - (S1 / c)²
                 grad_s *= 1.0 - np.square(capped * (1.0 / softcap))
             grad_s *= scale
@@ -259,13 +257,18 @@ def _backward(
             grad_k[..., cols, :] += _sum_groups(np.swapaxes(grad_s, -1, -2) @ q[..., rows, :],
                                                 groups)
 
-    # numpy: the key blocks on the fast path's threads, each worker adding into its own dQ
+    # numpy: the key blocks on the fast path's threads, each lane adding into its own dQ (and
+    # dbias), summed in lane order: the same bits whatever thread ran a lane
     tasks = [(kv_start, kv_stop, tiles) for (kv_start, kv_stop), tiles in columns.items()]
     tasks.sort(key=lambda task: -len(task[2]))  # most tiles first
-    grad_qs = _fast._run(tasks, key_block, lambda: np.zeros_like(q))
-    grad_q = grad_qs[0] if grad_qs else np.zeros_like(q)
-    for other in grad_qs[1:]:
-        grad_q += other
+    lanes = _fast._run(tasks, key_block, lambda: (
+        np.zeros_like(q), np.zeros(bias.shape, q.dtype) if has_bias else None))
+    grad_q, grad_bias = lanes[0] if lanes else (
+        np.zeros_like(q), np.zeros(bias.shape, q.dtype) if has_bias else None)
+    for lane_q, lane_bias in lanes[1:]:
+        grad_q += lane_q
+        if has_bias:
+            grad_bias += lane_bias
     return grad_q, grad_k, grad_v, grad_bias
 
 

@@ -175,3 +175,34 @@ def test_first_difference_sees_the_sign_of_zero():
     b = [np.zeros(3, np.float32)] * 3 + [np.array([0.0, -0.0, 0.0], np.float32)]
     assert repeat.first_difference(a, a) == ""
     assert repeat.first_difference(a, b).startswith("grad_value: ")
+
+
+def test_numpy_blockwise_vjp_gives_the_same_bits_from_threads():
+    """blockwise_attention_vjp with a bias broadcast over keys (every key block adds into the
+    same grad_bias entries): the sums follow the lanes' order, never the threads' timing."""
+    import numpy_attn
+
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((1, 2, n, 16)) for n in (256, 1024, 1024))
+    bias, grad_out = rng.standard_normal((1, 1, 256, 1)), rng.standard_normal((1, 2, 256, 16))
+
+    def call() -> tuple:
+        return numpy_attn.blockwise_attention_vjp(q, k, v, grad_out, bias=bias, block_q=64,
+                                                  block_kv=64)
+
+    alone = call()
+    results: list = [None] * THREADS
+
+    def worker(i: int) -> None:
+        results[i] = [call() for _ in range(2)]
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=DEADLINE_S)
+    assert not any(t.is_alive() for t in threads), "a thread passed the deadline"
+    for per_thread in results:
+        for grads in per_thread:
+            for got, want in zip(grads, alone, strict=True):
+                assert got.tobytes() == want.tobytes()
