@@ -3,8 +3,9 @@
 Imports run one way, from the spec to the command line; each file holds one concern:
 
 ==================  =========================================================================
-``spec``            the specification (standard library only): rules, stubs, tolerances,
-                    the peers' known differences
+``known_differences``  the frameworks' kernels' known differences from the spec, as data
+                    (shown as ``spec.KNOWN_DIFFERENCES``)
+``spec``            the specification (standard library only): rules, stubs, tolerances
 ``usage``           ``UsageError``: a mistake in calling the harness (exit code 2)
 ``plugins``         the contract of a checked module of yours: what it provides, ``UNSUPPORTED``,
                     ``LAYOUT``, its import errors (``docs/checking.md``)

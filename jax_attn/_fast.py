@@ -362,9 +362,7 @@ def _causal_forward(
     ``(segments + 1) / (2 · segments)`` of the products, and their small blocks cost more
     per product."""
     q_len, kv_len = query.shape[-2], key.shape[-2]
-    offset = int(rules.band(q_len, kv_len, True, args.causal_alignment, None)[1])
-    i0, c0 = max(0, -offset), max(0, offset)  # the triangle's first row and first key
-    n = min(q_len - i0, kv_len - c0)  # its side
+    i0, c0, n, depth, side = _triangle(q_len, kv_len, args)
     plain = args._replace(is_causal=False, window=None)  # rectangles: every position allowed
     rows = query.shape[:-2] + (q_len,)
     output = jnp.zeros(rows + value.shape[-1:], rules.compute_dtype(query.dtype.name))
@@ -383,8 +381,7 @@ def _causal_forward(
     if i0 + n < q_len:  # the rows below the triangle see keys [c0, kv_len) too
         add(i0 + n, _forward_heads(query[..., i0 + n :, :], key[..., c0:, :],
                                    value[..., c0:, :], None, None, plain, True))
-    depth = max(0, math.ceil(math.log2(n / BLOCK_Q)))
-    side = -(-n // 2**depth) * 2**depth  # n padded: padded keys meet padded rows only
+    # the triangle padded to side: padded keys meet padded rows only
     tri = [_pad_rows(x[..., start : start + n, :], side)
            for x, start in ((query, i0), (key, c0), (value, c0))]
     out_tri = jnp.zeros(output.shape[:-2] + (side, output.shape[-1]), output.dtype)
@@ -408,6 +405,17 @@ def _causal_forward(
     add(i0, (out_tri[..., :n, :], lse_tri[..., :n, :]))
     empty = lse == NEG_INF  # rows that see no key: output 0, lse +inf (exp(s - lse) = 0)
     return output, jnp.where(empty, jnp.inf, lse)
+
+
+def _triangle(q_len: int, kv_len: int, args: rules.Arguments) -> tuple[int, int, int, int, int]:
+    """The pieces of the causal rule (``_causal_forward``, ``_causal_vjp``): the diagonal
+    triangle's first row ``i0``, first key ``c0`` and side ``n``, how many times it is halved
+    (``depth``: leaves of at most ``BLOCK_Q`` rows) and its side padded to ``leaf · 2^depth``."""
+    offset = int(rules.band(q_len, kv_len, True, args.causal_alignment, None)[1])
+    i0, c0 = max(0, -offset), max(0, offset)
+    n = min(q_len - i0, kv_len - c0)
+    depth = max(0, math.ceil(math.log2(n / BLOCK_Q)))
+    return i0, c0, n, depth, -(-n // 2**depth) * 2**depth
 
 
 def _halves(x: jax.Array, parts: int, size: int, lower: bool | None) -> jax.Array:
@@ -459,9 +467,7 @@ def _causal_vjp(
     ``_causal_forward`` (rectangles without a mask, a triangle halved again and again, causal
     leaves), each with the rows' own output and log-sum-exp, the gradients added up."""
     q_len, kv_len = query.shape[-2], key.shape[-2]
-    offset = int(rules.band(q_len, kv_len, True, args.causal_alignment, None)[1])
-    i0, c0 = max(0, -offset), max(0, offset)  # the triangle's first row and first key
-    n = min(q_len - i0, kv_len - c0)  # its side
+    i0, c0, n, depth, side = _triangle(q_len, kv_len, args)
     plain = args._replace(is_causal=False, window=None)
     q, k, v = (functional._to_compute(x) for x in (query, key, value))  # sums in compute dtype
     d_out = grad_output.astype(q.dtype)
@@ -474,8 +480,7 @@ def _causal_vjp(
             grad_q = grad_q.at[..., r0:, :].add(gq)
             grad_k = grad_k.at[..., k0:k1, :].add(gk)
             grad_v = grad_v.at[..., k0:k1, :].add(gv)
-    depth = max(0, math.ceil(math.log2(n / BLOCK_Q)))
-    side = -(-n // 2**depth) * 2**depth  # padded rows: dO = 0 and lse = +inf, so they add 0
+    # rows padded to side: dO = 0 and lse = +inf, so they add 0
     rows = [_pad_rows(x[..., i0 : i0 + n, :], side) for x in (q, d_out, output)]
     lse_tri = jnp.pad(lse[..., i0 : i0 + n, :], [(0, 0)] * (lse.ndim - 2) + [(0, side - n), (0, 0)],
                       constant_values=jnp.inf)
