@@ -29,6 +29,7 @@ import statistics
 import time
 
 import numpy as np
+from timing import interleaved
 
 HEADS, HEAD_DIM = 8, 64
 PAUSE_S = 0.05
@@ -82,19 +83,9 @@ def variants(T: int, causal: bool) -> dict[str, object]:
 
 def measure(T: int, repeats: int) -> dict[tuple[str, bool], float]:
     """Median seconds per (variant, causal), all variants of T interleaved."""
-    runs = {}
-    for causal in (False, True):
-        for name, fn in variants(T, causal).items():
-            fn()  # warm-up
-            runs[name, causal] = fn
-    times = {key: [] for key in runs}
-    for _ in range(repeats):
-        for key, fn in runs.items():
-            time.sleep(PAUSE_S)
-            start = time.perf_counter()
-            fn()
-            times[key].append(time.perf_counter() - start)
-    return {key: statistics.median(t) for key, t in times.items()}
+    runs = {(name, causal): fn for causal in (False, True)
+            for name, fn in variants(T, causal).items()}
+    return {key: statistics.median(t) for key, t in interleaved(runs, repeats, PAUSE_S).items()}
 
 
 def report(T: int, medians: dict[tuple[str, bool], float]) -> None:

@@ -27,6 +27,7 @@ import sys
 import time
 
 import numpy as np
+from timing import interleaved
 
 HEADS, HEAD_DIM = 8, 64
 PAUSE_S = 0.1  # torch's OpenMP threads spin after a call: let them sleep before the next
@@ -67,16 +68,7 @@ def timings(lengths: list[int], rounds: int) -> dict:
     for T in lengths:
         runs = {(causal, name): fn for causal in (False, True)
                 for name, fn in variants(T, causal).items()}
-        times: dict = {key: [] for key in runs}
-        for fn in runs.values():
-            fn()  # warm-up: pools, caches, allocator
-        for _ in range(rounds):
-            for key, fn in runs.items():
-                time.sleep(PAUSE_S)
-                start = time.perf_counter()
-                fn()
-                times[key].append(time.perf_counter() - start)
-        for (causal, name), ts in times.items():
+        for (causal, name), ts in interleaved(runs, rounds, PAUSE_S).items():
             medians[T, causal, name] = statistics.median(ts)
     return medians
 

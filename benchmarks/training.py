@@ -51,6 +51,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from timing import interleaved
 
 HERE = Path(__file__).resolve().parent
 BATCH, HEADS, HEAD_DIM = 1, 8, 64
@@ -148,30 +149,13 @@ def sgemm_rates(rounds: int) -> dict[str, float]:
     a, b = (gen.standard_normal((SGEMM_N, SGEMM_N)).astype(np.float32) for _ in range(2))
     ta, tb = torch.from_numpy(a), torch.from_numpy(b)
     fns = {"NumPy matmul": lambda: a @ b, "torch.mm": lambda: torch.mm(ta, tb)}
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()  # warm-up
-    for _ in range(max(rounds, 3)):
-        for name, fn in fns.items():
-            time.sleep(PAUSE_S)
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
+    times = interleaved(fns, max(rounds, 3), PAUSE_S)
     return {name: 2 * SGEMM_N**3 / statistics.median(ts) / 1e9 for name, ts in times.items()}
 
 
 def time_length(T: int, rounds: int) -> dict[tuple[str, str, bool], dict]:
     """Median seconds of every variant of one ``T``, all interleaved."""
-    runs = variants(T)
-    for fn in runs.values():
-        fn()  # warm-up: caches, thread pools, allocators
-    times: dict[tuple[str, str, bool], list[float]] = {key: [] for key in runs}
-    for _ in range(rounds):
-        for key, fn in runs.items():
-            time.sleep(PAUSE_S)
-            start = time.perf_counter()
-            fn()
-            times[key].append(time.perf_counter() - start)
+    times = interleaved(variants(T), rounds, PAUSE_S)
     return {key: {"median_s": statistics.median(ts), "times": ts} for key, ts in times.items()}
 
 
