@@ -12,7 +12,7 @@ type with the same message for the same bad input, and plans the same tiles:
   returns the normalised values (``Arguments``);
 * ``tiles``: the causal/window band and the tile plans of the blockwise and blocked paths;
 * ``fast_paths``: ``FAST_PATHS``, the constants of each backend's fast-path selection rule
-  (``conformance/spec.py`` shows the same dict).
+  (``conformance/spec/constants.py`` shows the same dict).
 
 The conformance harness checks the backends' errors against the spec's text, not against this
 package, so a rule written wrongly here still fails there.

@@ -7,6 +7,7 @@ plain tuples, so it reads the same whichever backend raised it.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 SUPPORTED_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -204,7 +205,9 @@ def causal_offset(causal_alignment: str, q_len: int, kv_len: int) -> int:
 
 
 def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) or type(x).__name__.startswith("int")
+    """A Python or NumPy integer (NumPy registers its integer types as ``numbers.Integral``);
+    never a bool, a float or an array."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def check_window(fn: str, window: object) -> tuple[int | None, int | None]:

@@ -1,8 +1,8 @@
 """The constants of every backend's fast-path selection rule (``<backend>/_fast.py``).
 
 ``FAST_PATHS[backend][path]`` holds the numbers ``use_fast_path`` of that backend compares
-with; ``conformance/spec.py`` shows the same dict as ``FAST_PATHS`` and explains each key in
-``FAST_PATH_RULES``. A fast path computes the same pipeline as the explicit steps and equals
+with; ``conformance/spec/constants.py`` shows the same dict as ``FAST_PATHS`` and explains each
+key in ``FAST_PATH_RULES``. A fast path computes the same pipeline as the explicit steps and equals
 them within the dtype's rounding; it is never taken for ``return_weights=True``, for dropout,
 or when an axis is empty.
 """

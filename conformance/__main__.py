@@ -136,13 +136,13 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def _add_walkthrough(p: argparse.ArgumentParser) -> None:
-    from . import walkthrough
+    from .teaching import walkthrough
 
     walkthrough.add_arguments(p)
 
 
 def _cmd_walkthrough(args: argparse.Namespace) -> int:
-    from . import walkthrough
+    from .teaching import walkthrough
 
     return walkthrough.main(args)
 
@@ -153,13 +153,13 @@ def _add_pictures(p: argparse.ArgumentParser) -> None:
 
 def _cmd_pictures(args: argparse.Namespace) -> int:
     require("matplotlib", "pip install matplotlib", "pictures")
-    from . import pictures
+    from .teaching import pictures
 
     return pictures.main(args)
 
 
 def _cmd_spec(argv: list[str]) -> int:
-    from . import specdoc
+    from .spec import specdoc
 
     return int(specdoc.main(argv) or 0)
 

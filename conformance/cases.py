@@ -49,8 +49,8 @@ from typing import Any
 
 import numpy as np
 
-from . import seed_example
 from .backends import DTYPES, numpy_dtype
+from .spec import seed_example
 from .usage import UsageError
 
 B, H, TQ, TK, D = 2, 4, 5, 7, 8

@@ -204,8 +204,7 @@ class Execution:
         a, o = self.exp.data.arrays, self.exp.data.options
         seed = cases_mod.get(self.exp.case).seed if self.exp.case in cases_mod.CASE_NAMES else 0
         m = getattr(self.module, o["module"])(**o["init"], rng=self.backend.rng(seed))
-        if hasattr(m, "eval"):
-            m = m.eval() or m
+        m = m.eval()
         return m.load_weights({n[2:]: x for n, x in a.items() if n.startswith("w:")})
 
     def _module_forward(self) -> tuple[np.ndarray, np.ndarray | None]:

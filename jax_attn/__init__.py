@@ -1,7 +1,7 @@
 """Scaled dot-product attention in JAX: jit-, vmap- and grad-friendly, from the project's spec.
 
 Layout ``(..., heads, seq, head_dim)``; boolean masks mean True = may attend; fully masked rows
-give exactly 0 (and a zero gradient). See ``conformance/spec.py`` for the full specification.
+give exactly 0 (and a zero gradient). See ``conformance/spec/`` for the full specification.
 
 float16, bfloat16 and float32 work out of the box; float64 needs
 ``jax.config.update("jax_enable_x64", True)`` before the arrays are created (otherwise JAX turns

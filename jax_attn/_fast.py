@@ -3,8 +3,11 @@
 ``use_fast_path`` is the one selection rule (its numbers are
 ``attention_rules.FAST_PATHS["jax_attn"]``); ``fast_attention`` runs the path it chose.
 
+The platform is the one of the devices the query lives on (a concrete ``jax.Array``), or
+``jax.default_backend()`` for a tracer under ``jit`` (it has no concrete device).
+
 ``"cudnn"``: without ``return_weights``, ``jax.nn.dot_product_attention(...,
-implementation="cudnn")`` (flash attention) when a GPU backend, float16/bfloat16 inputs,
+implementation="cudnn")`` (flash attention) when on a GPU, float16/bfloat16 inputs,
 ``v_dim == head_dim``, no ``mask``, no ``bias``, no ``softcap``, no dropout, no empty axis, and a
 causal rule or window only with ``q_len == kv_len`` (so both alignments agree) and a window
 only as ``(left, 0)`` or with ``is_causal`` (what cuDNN supports). Under those conditions no row
@@ -27,7 +30,7 @@ masked work is skipped); the causal rule alone is cut into unmasked rectangles a
 halved again and again (``_causal_forward``), which computes about half of the products. When
 the mask and the bias are the same for every batch and head, one (batch, kv head) item runs
 at a time under an outer ``lax.map`` (its blocks are small enough to stay in cache). Each step
-is ``functional.py``'s own helper (``_scores``, ``_in_band``, ``_unnormalised_softmax``,
+is ``_core.py``'s own step (``_scores``, ``_in_band``, ``_unnormalised_softmax``,
 ``_output``). It supports everything else (mask, bias, softcap, grouped-query heads, both
 alignments, 2-D inputs), ``jit``, ``vmap`` and ``grad``, and equals the explicit steps within
 float32 rounding, NaN and infinities included (``tests/test_performance_paths.py``).
@@ -39,8 +42,9 @@ forward pass saves the output and the row log-sum-exp, and ``_blocked_attention_
 recomputing the weights from the log-sum-exp (FlashAttention-2's backward; with the causal
 rule or a window, ``SEGMENTS`` static segments of keys skip the masked rows). No array is
 ``(q_len, kv_len)`` (``tests/test_fast_backward_jax.py``: float64 gradients against JAX's
-autodiff of the explicit steps and the NumPy reference). ``fast_attention_vjp`` is its
-``jax.vjp``; ``jax.grad`` of ``scaled_dot_product_attention`` reaches the same backward pass.
+autodiff of the explicit steps and the NumPy reference): ``jax.grad`` of
+``scaled_dot_product_attention`` and ``scaled_dot_product_attention_vjp`` reach it through
+``jax.vjp`` of the forward pass.
 Figures: ``benchmarks/jax_backward.py`` and ``benchmarks/RESULTS.md``.
 """
 
@@ -55,9 +59,9 @@ import jax.numpy as jnp
 
 import attention_rules as rules
 
-from . import functional  # the steps the fast paths must equal, and reuse
+from . import _core  # the steps the fast paths must equal, and reuse
+from ._core import NEG_INF, _merge_partials, _sum_groups, _sum_to_shape
 
-NEG_INF = -jnp.inf
 _CUDNN = rules.FAST_PATHS["jax_attn"]["cudnn"]
 _BLOCKED = rules.FAST_PATHS["jax_attn"]["blocked"]
 CUDNN_PLATFORMS = _CUDNN["platforms"]  # tests patch these two to run the path on the CPU
@@ -81,18 +85,35 @@ def use_fast_path(
     backend: str | None = None,
 ) -> str | None:
     """The fast path for these validated inputs (``"cudnn"``, ``"blocked"``), or None for the
-    steps. Static information only (shapes, dtypes, options); ``backend`` defaults to
-    ``jax.default_backend()``."""
-    backend = jax.default_backend() if backend is None else backend
+    steps. Static information only (shapes, dtypes, options, platforms); ``backend`` defaults
+    to the platform(s) of the query's devices (``_platforms``).
+
+    Args:
+      query: ``(..., heads, q_len, head_dim)``; key: ``(..., kv_heads, kv_len, head_dim)``;
+        value: ``(..., kv_heads, kv_len, v_dim)`` (arrays, tracers or ``ShapeDtypeStruct``).
+      mask, bias: None or broadcastable to ``(..., heads, q_len, kv_len)``.
+      args: the normalised options (``rules.attention_arguments``).
+      backend: a platform name (``"cpu"``, ``"gpu"``) instead of the query's.
+    """
+    platforms = _platforms(query) if backend is None else {backend}
     if args.return_weights or args.dropout_p > 0.0:
         return None  # neither path returns the weights or takes a keep-mask
-    if backend in CUDNN_PLATFORMS and _cudnn_fits(query, key, value, mask, bias, args):
+    if platforms <= set(CUDNN_PLATFORMS) and _cudnn_fits(query, key, value, mask, bias, args):
         return "cudnn"
-    if backend in BLOCKED_PLATFORMS and rules.large_enough(
+    if platforms <= set(BLOCKED_PLATFORMS) and rules.large_enough(
         query.shape, key.shape, value.shape, MIN_SCORES, MIN_Q_LEN
     ):
         return "blocked"
     return None
+
+
+def _platforms(x: Any) -> set[str]:
+    """The platforms (``"cpu"``, ``"gpu"``, ...) of the devices a concrete ``jax.Array`` lives
+    on; ``{jax.default_backend()}`` for anything else: a tracer under ``jit`` has no concrete
+    device (jit places the computation on the default backend), nor has a ``ShapeDtypeStruct``."""
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        return {device.platform for device in x.devices()}
+    return {jax.default_backend()}
 
 
 def fast_attention(
@@ -115,33 +136,6 @@ def fast_attention(
             return None
         return output.astype(query.dtype)
     return _blocked_attention(args, query, key, value, mask, bias).astype(query.dtype)
-
-
-def fast_attention_vjp(
-    path: str,
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    grad_output: jax.Array,
-    mask: jax.Array | None,
-    bias: jax.Array | None,
-    args: rules.Arguments,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None] | None:
-    """``scaled_dot_product_attention_vjp``'s gradients on the path ``use_fast_path`` chose:
-    ``(grad_query, grad_key, grad_value, grad_bias)`` shaped like query ``(..., heads, q_len,
-    head_dim)``, key ``(..., kv_heads, kv_len, head_dim)``, value ``(..., kv_heads, kv_len,
-    v_dim)`` and bias (None without one), in their dtypes; None when cuDNN refuses the shapes.
-
-    jax: ``jax.vjp`` of ``fast_attention``, so ``jax.grad`` of ``scaled_dot_product_attention``
-    takes the same backward pass (the blocked path's ``custom_vjp``; jax.nn's own VJP for
-    cuDNN)."""
-    def attend(q: jax.Array, k: jax.Array, v: jax.Array, b: jax.Array | None) -> jax.Array:
-        return fast_attention(path, q, k, v, mask, b, args)
-
-    if jax.eval_shape(attend, query, key, value, bias) is None:  # shapes only, no compute
-        return None  # cuDNN refused the shapes
-    _, pullback = jax.vjp(attend, query, key, value, bias)
-    return tuple(pullback(grad_output.astype(query.dtype)))
 
 
 # ------------------------------------------------------------------------------------------
@@ -300,20 +294,20 @@ def _forward_heads(
 
     def block(q_blk, i0, k0, k_seg, v_seg, mask_seg, bias_seg):  # (..., heads, n, head_dim)
         n, keys = q_blk.shape[-2], k_seg.shape[-2]
-        scores = functional._scores(q_blk, k_seg, args.scale, args.softcap)  # (..., heads, n, keys)
+        scores = _core._scores(q_blk, k_seg, args.scale, args.softcap)  # (..., heads, n, keys)
         if bias_seg is not None:
             scores = scores + _rows(bias_seg, i0, n)
         allowed = _rows(mask_seg, i0, n)
         if banded:  # j - i with global positions: i0 is traced, k0 static
-            in_band = functional._in_band(i0, n, k0, keys, lo, hi)
+            in_band = _core._in_band(i0, n, k0, keys, lo, hi)
             allowed = in_band if allowed is None else allowed & in_band
         if allowed is not None:  # replaced, not added: a masked NaN does not spread
             scores = jnp.where(allowed, scores, NEG_INF)
         if not with_lse:
-            weights, row_sum = functional._unnormalised_softmax(scores)  # (..., heads, n, 1)
-            return functional._output(weights, v_seg) / row_sum, None  # (..., heads, n, v_dim)
+            weights, row_sum = _core._unnormalised_softmax(scores)  # (..., heads, n, 1)
+            return _core._output(weights, v_seg) / row_sum, None  # (..., heads, n, v_dim)
         weights, row_sum, lse = _softmax_lse(scores)
-        return functional._output(weights, v_seg) / row_sum, lse
+        return _core._output(weights, v_seg) / row_sum, lse
 
     n_blocks = q_len // BLOCK_Q
     segments = max(1, min(SEGMENTS, n_blocks)) if banded else 1
@@ -358,7 +352,7 @@ def _causal_forward(
     rectangles ``(rows of the lower half) × (keys of the upper half)`` all have the same shape,
     so one ``_forward_heads`` call takes them as a batch axis; the ``2^d`` leaves on the
     diagonal are one causal call. Each piece gives its rows' output and log-sum-exp, and
-    ``_merge`` adds them up as the online softmax does. Segments instead compute
+    ``_merge_partials`` adds them up as the online softmax does. Segments instead compute
     ``(segments + 1) / (2 · segments)`` of the products, and their small blocks cost more
     per product."""
     q_len, kv_len = query.shape[-2], key.shape[-2]
@@ -372,8 +366,8 @@ def _causal_forward(
         nonlocal output, lse
         pad = [(0, 0)] * (output.ndim - 2) + [(r0, q_len - r0 - part[0].shape[-2]), (0, 0)]
         part_lse = jnp.where(part[1] == jnp.inf, NEG_INF, part[1])  # +inf: no key in the part
-        output, lse = _merge(output, lse, jnp.pad(part[0], pad),
-                             jnp.pad(part_lse, pad, constant_values=NEG_INF))
+        output, lse = _merge_partials(output, lse, jnp.pad(part[0], pad),
+                                      jnp.pad(part_lse, pad, constant_values=NEG_INF))
 
     if c0 > 0:  # every row from i0 sees keys [0, c0)
         add(i0, _forward_heads(query[..., i0:, :], key[..., :c0, :], value[..., :c0, :], None,
@@ -401,7 +395,7 @@ def _causal_forward(
         part_lse = jnp.where(part[1] == jnp.inf, NEG_INF, part[1])  # +inf: no key
         part_out = _unhalves(part[0], level < depth, 0.0)
         part_lse = _unhalves(part_lse, level < depth, NEG_INF)
-        out_tri, lse_tri = _merge(out_tri, lse_tri, part_out, part_lse)
+        out_tri, lse_tri = _merge_partials(out_tri, lse_tri, part_out, part_lse)
     add(i0, (out_tri[..., :n, :], lse_tri[..., :n, :]))
     empty = lse == NEG_INF  # rows that see no key: output 0, lse +inf (exp(s - lse) = 0)
     return output, jnp.where(empty, jnp.inf, lse)
@@ -439,15 +433,6 @@ def _unhalves(x: jax.Array, halves: bool, fill: float, lower: bool = True) -> ja
     return x.reshape(x.shape[:-4 if halves else -3] + (-1, x.shape[-1]))
 
 
-def _merge(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array
-           ) -> tuple[jax.Array, jax.Array]:
-    """Two normalised partial outputs of the same rows and their log-sum-exp (``-inf``: no
-    key) → the output over both key sets and its log-sum-exp (the online softmax's step)."""
-    lse = jnp.logaddexp(lse_a, lse_b)
-    shift = jnp.where(lse == NEG_INF, 0.0, lse)
-    return out_a * jnp.exp(lse_a - shift) + out_b * jnp.exp(lse_b - shift), lse
-
-
 def _pad_rows(x: jax.Array, size: int) -> jax.Array:
     """Zero rows appended up to ``size`` rows."""
     pad = [(0, 0)] * (x.ndim - 2) + [(0, size - x.shape[-2]), (0, 0)]
@@ -469,7 +454,7 @@ def _causal_vjp(
     q_len, kv_len = query.shape[-2], key.shape[-2]
     i0, c0, n, depth, side = _triangle(q_len, kv_len, args)
     plain = args._replace(is_causal=False, window=None)
-    q, k, v = (functional._to_compute(x) for x in (query, key, value))  # sums in compute dtype
+    q, k, v = (_core._to_compute(x) for x in (query, key, value))  # sums in compute dtype
     d_out = grad_output.astype(q.dtype)
     grad_q, grad_k, grad_v = jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
     for r0, k0, k1 in ((i0, 0, c0), (i0 + n, c0, kv_len)):  # rectangles: rows r0.. × keys k0:k1
@@ -586,10 +571,10 @@ def _vjp_heads(
     if args.window is None and mask is None and bias is None and banded:
         if min(q_len - max(0, -int(hi)), kv_len - max(0, int(hi))) >= 2 * BLOCK_Q:
             return _causal_vjp(query, key, value, grad_output, args, output, lse)
-    groups = functional._groups(query.shape, key.shape)
+    groups = _core._groups(query.shape, key.shape)
     rank = query.ndim  # of the scores too
-    q_scaled = functional._to_compute(query) * args.scale  # (..., heads, q_len, head_dim)
-    k, v = functional._to_compute(key), functional._to_compute(value)
+    q_scaled = _core._to_compute(query) * args.scale  # (..., heads, q_len, head_dim)
+    k, v = _core._to_compute(key), _core._to_compute(value)
     d_out = grad_output.astype(compute)  # (..., heads, q_len, v_dim)
     row_dot = (d_out * output).sum(axis=-1, keepdims=True)  # rowsum(dO ⊙ O): (..., q_len, 1)
     if mask is not None:  # full rank: rows and columns are the last two axes
@@ -604,26 +589,26 @@ def _vjp_heads(
         carried ``dQ`` and returns ``dK``, ``dV`` and the bias gradient of the block."""
         q_seg, d_out_seg, lse_seg, dot_seg, mask_seg, bias_seg = seg  # (..., heads, rows, ·)
         n = k_blk.shape[-2]
-        capped = functional._scores(q_seg, k_blk, 1.0, args.softcap)  # (..., heads, rows, n)
+        capped = _core._scores(q_seg, k_blk, 1.0, args.softcap)  # (..., heads, rows, n)
         scores = capped
         if bias_seg is not None:
             scores = scores + _cols(bias_seg, j0, n)
         allowed = _cols(mask_seg, j0, n)
         if banded:
-            in_band = functional._in_band(r0, q_seg.shape[-2], j0, n, lo, hi)
+            in_band = _core._in_band(r0, q_seg.shape[-2], j0, n, lo, hi)
             allowed = in_band if allowed is None else allowed & in_band
         if allowed is not None:
             scores = jnp.where(allowed, scores, NEG_INF)
         p = jnp.exp(scores - lse_seg)  # the weights, recomputed; 0 where masked
         grad_v = _sum_groups(_matmul_t(p, d_out_seg), groups)  # dV = Pᵀ dO: (..., n, v_dim)
-        grad_p = functional._scores(d_out_seg, v_blk, 1.0, None)  # dP = dO Vᵀ
+        grad_p = _core._scores(d_out_seg, v_blk, 1.0, None)  # dP = dO Vᵀ
         grad_s = p * (grad_p - dot_seg)  # dS: (..., heads, rows, n)
         grad_bias_blk = None
         if bias_seg is not None:
             grad_bias_blk = _sum_to_shape(grad_s, _cols(bias_seg, j0, n).shape)
         if args.softcap is not None:  # tanh' = 1 - (capped / softcap)²
             grad_s = grad_s * (1.0 - jnp.square(capped * (1.0 / args.softcap)))
-        grad_q = carry + functional._output(grad_s, k_blk)  # dS K (scaled at the end)
+        grad_q = carry + _core._output(grad_s, k_blk)  # dS K (scaled at the end)
         grad_k = _sum_groups(_matmul_t(grad_s, q_seg), groups)  # dSᵀ Q · scale
         return grad_q, (grad_k, grad_v, grad_bias_blk)
 
@@ -684,7 +669,7 @@ def _vjp_heads(
 
 
 def _softmax_lse(scores: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``functional._unnormalised_softmax`` plus the row log-sum-exp ``max + log(sum)``
+    """``_core._unnormalised_softmax`` plus the row log-sum-exp ``max + log(sum)``
     (``+inf`` on a fully masked row)."""
     row_max = scores.max(axis=-1, keepdims=True, initial=NEG_INF)  # (..., n, 1)
     row_max = jnp.where(row_max == NEG_INF, 0.0, row_max)  # fully masked: exp(-inf - 0) = 0
@@ -707,7 +692,7 @@ def _items(query: jax.Array, key: jax.Array, mask: jax.Array | None,
 
 def _to_items(x: jax.Array, items: int) -> jax.Array:
     """``(..., kv_heads · groups, T, d)`` → ``(items, groups, T, d)``: one item per (batch,
-    kv head), with its query heads (``functional._group_heads``' order)."""
+    kv head), with its query heads (``_core._group_heads``' order)."""
     return x.reshape((items, -1) + x.shape[-2:])
 
 
@@ -746,19 +731,4 @@ def _unblock(x: jax.Array) -> jax.Array:
 def _matmul_t(a: jax.Array, b: jax.Array) -> jax.Array:
     """``aᵀ b`` over the last two axes: ``(..., rows, n)ᵀ @ (..., rows, d)`` → ``(..., n, d)``
     (XLA folds the transpose into the product)."""
-    return jnp.matmul(jnp.swapaxes(a, -1, -2), b, precision=functional.HIGHEST)
-
-
-def _sum_groups(x: jax.Array, groups: int) -> jax.Array:
-    """``(..., heads, T, D)`` → ``(..., kv_heads, T, D)``: add the query heads sharing a kv head
-    (as ``backward._sum_groups``; ``backward.py`` imports ``functional.py``, which imports this
-    file)."""
-    if groups == 1:
-        return x
-    return functional._group_heads(x, groups).sum(axis=-3)
-
-
-def _sum_to_shape(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """Sum ``x`` over the axes along which an array of ``shape`` (same rank) was broadcast."""
-    stretched = tuple(axis for axis, size in enumerate(shape) if size == 1 and x.shape[axis] != 1)
-    return x.sum(axis=stretched, keepdims=True) if stretched else x
+    return jnp.matmul(jnp.swapaxes(a, -1, -2), b, precision=_core.HIGHEST)

@@ -1,7 +1,7 @@
 """The backward pass of attention: ``jax.vjp`` of the forward composition.
 
 numpy_attn writes this derivation out by hand (FlashAttention's backward); here JAX's autodiff
-differentiates the forward pipeline (``functional._attention``) itself, so the conformance harness
+differentiates the forward pipeline (``functional.pipeline``) itself, so the conformance harness
 compares two independent gradient computations (three with torch_attn's autograd). The
 forward's safe softmax keeps gradients of masked positions and fully masked rows at exactly 0.
 Large inputs on the CPU take the blocked fast path, whose ``jax.custom_vjp`` is a blocked
@@ -13,11 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 import attention_rules as rules
 
-from .functional import HIGHEST, _array, _attention, _describe, _group_heads
+from ._core import _array, _describe
+from .functional import pipeline
 
 
 def scaled_dot_product_attention_vjp(
@@ -64,7 +64,7 @@ def scaled_dot_product_attention_vjp(
     mask, bias, dropout_mask = _array(mask), _array(bias), _array(dropout_mask)
 
     def attend(q: jax.Array, k: jax.Array, v: jax.Array, b: jax.Array | None) -> jax.Array:
-        return _attention(q, k, v, mask, b, dropout_mask, None, args)  # validated above
+        return pipeline(q, k, v, mask, b, dropout_mask, None, args)  # validated above
 
     # jax.vjp differentiates the forward pass; bias joins the primals only when given.
     if bias is None:
@@ -73,31 +73,3 @@ def scaled_dot_product_attention_vjp(
     _, pullback = jax.vjp(attend, query, key, value, bias)
     return pullback(grad_output)
 
-
-# ------------------------------------------------------------------------------------------
-# Helpers of the hand-written backward passes (blockwise.py's here; numpy_attn's backward.py
-# too): the same names and contracts in every backend
-# ------------------------------------------------------------------------------------------
-
-
-def _sum_to_shape(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """Sum ``x`` over the axes along which an array of ``shape`` was broadcast to ``x.shape``."""
-    leading = x.ndim - len(shape)
-    x = x.sum(axis=tuple(range(leading))) if leading else x
-    stretched = tuple(axis for axis, size in enumerate(shape) if size == 1 and x.shape[axis] != 1)
-    return x.sum(axis=stretched, keepdims=True) if stretched else x
-
-
-def _sum_groups(x: jax.Array, groups: int) -> jax.Array:
-    """``(..., heads, T, D)`` → ``(..., kv_heads, T, D)``: add the query heads sharing a kv head."""
-    if groups == 1:
-        return x
-    return _group_heads(x, groups).sum(axis=-3)
-
-
-def _matmul_grouped(a: jax.Array, b: jax.Array, groups: int) -> jax.Array:
-    """``a (..., heads, T, S) @ b (..., kv_heads, S, D)`` with the grouped-query head mapping."""
-    if groups == 1:
-        return jnp.matmul(a, b, precision=HIGHEST)
-    product = jnp.matmul(_group_heads(a, groups), b[..., None, :, :], precision=HIGHEST)
-    return product.reshape(a.shape[:-1] + (b.shape[-1],))  # (..., heads, T, D)

@@ -38,11 +38,21 @@ import numpy as np
 
 import attention_rules as rules
 
-from .backward import _matmul_grouped, _sum_groups, _sum_to_shape
-from .functional import HIGHEST, _array, _describe, _groups, _in_band, _softcap, _to_compute
-from .masks import _dtype_name
+from ._core import (
+    HIGHEST,
+    NEG_INF,
+    _array,
+    _describe,
+    _describe_lengths,
+    _groups,
+    _in_band,
+    _matmul_grouped,
+    _softcap,
+    _sum_groups,
+    _sum_to_shape,
+    _to_compute,
+)
 
-NEG_INF = -jnp.inf
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_KV = 1024
 
@@ -165,14 +175,14 @@ def _pad(x: jax.Array, size: int, axis: int) -> jax.Array:
     return jnp.pad(x, widths)
 
 
-def _padded(cfg: _Config) -> tuple[int, int]:
+def _padded(cfg: TileConfig) -> tuple[int, int]:
     """Query and key lengths rounded up to a multiple of the block sizes."""
     return (-(-cfg.q_len // cfg.block_q) * cfg.block_q,
             -(-cfg.kv_len // cfg.block_kv) * cfg.block_kv)
 
 
 def _pad_inputs(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None,
-                cfg: _Config) -> tuple:
+                cfg: TileConfig) -> tuple:
     q_pad, kv_pad = _padded(cfg)
     q = _pad(_to_compute(query), q_pad, -2)
     k, v = _pad(_to_compute(key), kv_pad, -2), _pad(_to_compute(value), kv_pad, -2)
@@ -182,16 +192,29 @@ def _pad_inputs(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Ar
     return q, k, v, bias
 
 
-def _forward(
+def forward_tiles(
     query: jax.Array,
     key: jax.Array,
     value: jax.Array,
     bias: jax.Array | None,
     kv_lengths: jax.Array | None,
-    cfg: _Config,
+    cfg: TileConfig,
 ) -> tuple[jax.Array, jax.Array]:
-    """``output (..., heads, q_len, v_dim)`` and ``lse (..., heads, q_len, 1)`` in the compute
-    dtype; ``lse`` is ``+inf`` on fully masked rows, so ``exp(s - lse)`` is 0 there."""
+    """The forward scan over ``cfg.starts`` on validated arrays (the engine of
+    ``blockwise_attention`` and of ``context_parallel``'s per-pair attention).
+
+    Args:
+      query: ``(..., heads, q_len, head_dim)``; key: ``(..., kv_heads, kv_len, head_dim)``;
+        value: ``(..., kv_heads, kv_len, v_dim)``.
+      bias: None or full rank, broadcastable to ``(..., heads, q_len, kv_len)``.
+      kv_lengths: None or ``(batch...)`` ints: key ``j`` of a sequence is allowed iff
+        ``j < kv_lengths``.
+      cfg: the static plan (``TileConfig``).
+
+    Returns:
+      ``output (..., heads, q_len, v_dim)`` and ``lse (..., heads, q_len, 1)`` in the compute
+      dtype; ``lse`` is ``+inf`` on fully masked rows, so ``exp(s - lse)`` is 0 there.
+    """
     q, k, v, bias = _pad_inputs(query, key, value, bias, cfg)
     q = q * cfg.scale  # (..., heads, q_pad, head_dim)
     groups = _groups(q.shape, k.shape)
@@ -230,19 +253,29 @@ def _forward(
     return output[..., : cfg.q_len, :], lse[..., : cfg.q_len, :]
 
 
-def _backward(
+def backward_tiles(
     query: jax.Array,
     key: jax.Array,
     value: jax.Array,
     bias: jax.Array | None,
     kv_lengths: jax.Array | None,
-    cfg: _Config,
+    cfg: TileConfig,
     output: jax.Array,
     lse: jax.Array,
     grad_output: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """FlashAttention's backward per tile (numpy_attn's ``backward.py`` derives it for the whole
-    matrix); gradients in the compute dtype, ``grad_bias`` shaped like the full-rank bias."""
+    matrix): the VJP of ``forward_tiles``.
+
+    Args:
+      query, key, value, bias, kv_lengths, cfg: as in ``forward_tiles``.
+      output: ``(..., heads, q_len, v_dim)`` and lse: ``(..., heads, q_len, 1)`` from
+        ``forward_tiles``; grad_output: ``(..., heads, q_len, v_dim)``.
+
+    Returns:
+      ``(grad_query, grad_key, grad_value, grad_bias)`` in the compute dtype, shaped like query,
+      key, value and the full-rank bias (None without one).
+    """
     q, k, v, padded_bias = _pad_inputs(query, key, value, bias, cfg)  # q unscaled
     q_pad = q.shape[-2]
     d_out = _pad(_to_compute(grad_output), q_pad, -2)  # (..., heads, q_pad, v_dim); 0 if padded
@@ -294,21 +327,21 @@ def _backward(
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _blockwise(cfg: _Config, query: jax.Array, key: jax.Array, value: jax.Array,
+def _blockwise(cfg: TileConfig, query: jax.Array, key: jax.Array, value: jax.Array,
                bias: jax.Array | None, kv_lengths: jax.Array | None) -> jax.Array:
     """jax only: the forward scan, with ``_blockwise_bwd`` as its VJP."""
-    return _forward(query, key, value, bias, kv_lengths, cfg)[0].astype(query.dtype)
+    return forward_tiles(query, key, value, bias, kv_lengths, cfg)[0].astype(query.dtype)
 
 
-def _blockwise_fwd(cfg: _Config, query: jax.Array, key: jax.Array, value: jax.Array,
+def _blockwise_fwd(cfg: TileConfig, query: jax.Array, key: jax.Array, value: jax.Array,
                    bias: jax.Array | None, kv_lengths: jax.Array | None) -> tuple:
-    output, lse = _forward(query, key, value, bias, kv_lengths, cfg)
+    output, lse = forward_tiles(query, key, value, bias, kv_lengths, cfg)
     return output.astype(query.dtype), (query, key, value, bias, kv_lengths, output, lse)
 
 
-def _blockwise_bwd(cfg: _Config, residuals: tuple, grad_output: jax.Array) -> tuple:
+def _blockwise_bwd(cfg: TileConfig, residuals: tuple, grad_output: jax.Array) -> tuple:
     query, key, value, bias, kv_lengths, output, lse = residuals
-    grad_q, grad_k, grad_v, grad_bias = _backward(
+    grad_q, grad_k, grad_v, grad_bias = backward_tiles(
         query, key, value, bias, kv_lengths, cfg, output, lse, grad_output
     )
     grad_bias = None if grad_bias is None else grad_bias.astype(bias.dtype)
@@ -341,15 +374,10 @@ def _arguments(
     )
 
 
-def _describe_lengths(kv_lengths: Any) -> rules.ArrayInfo | None:
-    """``(shape, dtype name)`` of ``kv_lengths`` (a list of ints is welcome)."""
-    if kv_lengths is None:
-        return None
-    return tuple(np.shape(kv_lengths)), _dtype_name(kv_lengths)  # jax: the dtype as given
-
-
-class _Config(NamedTuple):
-    """jax only: the static part of a call (hashable, for ``custom_vjp``'s nondiff argument)."""
+class TileConfig(NamedTuple):
+    """The static plan of ``forward_tiles``/``backward_tiles`` (jax only: hashable, for
+    ``custom_vjp``'s nondiff argument): the lengths, block sizes, the ``(q_start, kv_start)`` of
+    every tile to compute, the band ``lo <= j - i <= hi``, the scale and the soft-cap."""
 
     q_len: int
     kv_len: int
@@ -380,7 +408,7 @@ def _prepare(
     plan = rules.plan(q_len, kv_len, block_q, block_kv, lo, hi)  # jax: less padding above
     # jax: kv_lengths may be traced, so key blocks past every length are masked, not skipped
     starts = tuple((q_start, kv_start) for q_start, _, blocks in plan for kv_start, _, _ in blocks)
-    cfg = _Config(q_len, kv_len, block_q, block_kv, starts, lo, hi, args.scale, args.softcap)
+    cfg = TileConfig(q_len, kv_len, block_q, block_kv, starts, lo, hi, args.scale, args.softcap)
     return bias, kv_lengths, cfg
 
 
@@ -418,7 +446,7 @@ def _tile_starts(x: jax.Array, q_start: Any, kv_start: Any) -> list:
     return starts
 
 
-def _bias_tile(bias: jax.Array, q_start: Any, kv_start: Any, cfg: _Config) -> jax.Array:
+def _bias_tile(bias: jax.Array, q_start: Any, kv_start: Any, cfg: TileConfig) -> jax.Array:
     """The tile of a full-rank bias; broadcast (size-1) query or key axes are kept whole."""
     sizes = bias.shape[:-2] + (min(bias.shape[-2], cfg.block_q), min(bias.shape[-1], cfg.block_kv))
     return jax.lax.dynamic_slice(bias, _tile_starts(bias, q_start, kv_start), sizes)
@@ -441,7 +469,7 @@ def _mask_tile(
     kv_lengths: jax.Array | None,
     q_start: Any,
     kv_start: Any,
-    cfg: _Config,
+    cfg: TileConfig,
 ) -> jax.Array:
     """Add the bias tile, then ``-inf`` where the band, ``kv_lengths`` or padding forbid."""
     if bias is not None:

@@ -42,9 +42,14 @@ from jax.sharding import PartitionSpec
 import attention_rules as rules
 from attention_rules import context_parallel as cp
 
-from .blockwise import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, _backward, _Config, _forward
-from .functional import _array, _describe, _to_compute
-from .masks import _dtype_name
+from ._core import _array, _describe, _describe_lengths, _merge_partials, _to_compute
+from .blockwise import (
+    DEFAULT_BLOCK_KV,
+    DEFAULT_BLOCK_Q,
+    TileConfig,
+    backward_tiles,
+    forward_tiles,
+)
 
 # ------------------------------------------------------------------------------------------
 # Public functions
@@ -174,15 +179,8 @@ def _arguments(
     return args, sched
 
 
-def _describe_lengths(kv_lengths: Any) -> rules.ArrayInfo | None:
-    """``(shape, dtype name)`` of ``kv_lengths`` (a list of ints is welcome)."""
-    if kv_lengths is None:
-        return None
-    return tuple(np.shape(kv_lengths)), _dtype_name(kv_lengths)  # jax: the dtype as given
-
-
 # ------------------------------------------------------------------------------------------
-# The per-block math: blockwise.py's tiles on a pair of chunks, and the merge
+# The per-block math: blockwise.py's tiles on a pair of chunks (merged by _merge_partials)
 # ------------------------------------------------------------------------------------------
 
 
@@ -193,7 +191,7 @@ def _pair_band(q_start: Any, kv_start: Any, sched: cp.Schedule) -> tuple[Any, An
     return sched.lo - shift, sched.hi - shift
 
 
-def _pair_config(q_len: int, kv_len: int, lo: Any, hi: Any, args: rules.Arguments) -> _Config:
+def _pair_config(q_len: int, kv_len: int, lo: Any, hi: Any, args: rules.Arguments) -> TileConfig:
     """jax only: ``blockwise.py``'s static configuration for one pair; with a traced band every
     tile is visited (the band masks them), with a static one only the tiles it keeps."""
     block_q, block_kv = min(DEFAULT_BLOCK_Q, q_len), min(DEFAULT_BLOCK_KV, kv_len)
@@ -204,7 +202,7 @@ def _pair_config(q_len: int, kv_len: int, lo: Any, hi: Any, args: rules.Argument
     tiles = rules.plan(q_len, kv_len, block_q, block_kv, lo_plan, hi_plan)
     starts = tuple((q_start, kv_start) for q_start, _, blocks in tiles
                    for kv_start, _, _ in blocks)
-    return _Config(q_len, kv_len, block_q, block_kv, starts, lo, hi, args.scale, args.softcap)
+    return TileConfig(q_len, kv_len, block_q, block_kv, starts, lo, hi, args.scale, args.softcap)
 
 
 def _attend_pair(
@@ -221,7 +219,7 @@ def _attend_pair(
     lengths = None if kv_lengths is None else kv_lengths - kv_start  # in the chunk's indices
 
     def compute() -> tuple[jax.Array, jax.Array]:
-        output, lse = _forward(q, k, v, None, lengths, cfg)
+        output, lse = forward_tiles(q, k, v, None, lengths, cfg)
         return output, jnp.where(lse == jnp.inf, -jnp.inf, lse)  # blockwise: +inf on empty
 
     if needed is True:
@@ -230,16 +228,6 @@ def _attend_pair(
     dtype = _to_compute(q).dtype
     return jax.lax.cond(needed, compute, lambda: (
         jnp.zeros(rows + v.shape[-1:], dtype), jnp.full(rows + (1,), -jnp.inf, dtype)))
-
-
-def _merge(
-    out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """Attention over the keys of ``a`` and ``b`` together from each one's ``(output, lse)``."""
-    lse = jnp.logaddexp(lse_a, lse_b)  # (..., rows, 1); -inf: no key in either
-    safe = jnp.where(lse == -jnp.inf, 0.0, lse)  # no -inf - -inf
-    return jnp.exp(lse_a - safe) * out_a + jnp.exp(lse_b - safe) * out_b, lse
-
 
 def _attend(
     q: jax.Array, k: jax.Array, v: jax.Array, kv_lengths: jax.Array | None, q_starts: list,
@@ -260,7 +248,7 @@ def _attend(
             part = _attend_pair(q_part, k[..., cols, :], v[..., cols, :], kv_lengths, q_start,
                                 kv_start, needed[i][j], sched, args)
             if part is not None:
-                out, lse = _merge(out, lse, *part)
+                out, lse = _merge_partials(out, lse, *part)
         outputs.append(out)
         lses.append(lse)
     return jnp.concatenate(outputs, axis=-2), jnp.concatenate(lses, axis=-2)
@@ -288,9 +276,9 @@ def _attend_backward(
             lengths = None if kv_lengths is None else kv_lengths - kv_start
             pair = (q[..., rows, :], k[..., cols, :], v[..., cols, :])
 
-            def compute(pair: tuple = pair, lengths: Any = lengths, cfg: _Config = cfg,
+            def compute(pair: tuple = pair, lengths: Any = lengths, cfg: TileConfig = cfg,
                         rows: slice = rows) -> tuple:
-                dq, dk, dv, _ = _backward(*pair, None, lengths, cfg, output[..., rows, :],
+                dq, dk, dv, _ = backward_tiles(*pair, None, lengths, cfg, output[..., rows, :],
                                           lse[..., rows, :], grad_output[..., rows, :])
                 return dq, dk, dv
 
@@ -374,7 +362,7 @@ def _ring_forward(q: jax.Array, k: jax.Array, v: jax.Array, kv_lengths: jax.Arra
     def attend(result: tuple, k: jax.Array, v: jax.Array, step: Any) -> tuple:
         q_starts, kv_starts, needed = _chunks(sched, rank, step)
         part = _attend(q, k, v, kv_lengths, q_starts, kv_starts, needed, sched, args)
-        return _merge(*result, *part)
+        return _merge_partials(*result, *part)
 
     def step_and_pass(carry: tuple, step: jax.Array) -> tuple:
         k, v, result = carry

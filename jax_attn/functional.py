@@ -1,10 +1,11 @@
 """Scaled dot-product attention, step by step, in JAX.
 
-The pipeline (``conformance/spec.py``): scores → soft-cap → + bias → mask → softmax → dropout →
-weighted sum of values. Every step is a public function, so every intermediate can be printed
-and compared; ``scaled_dot_product_attention`` validates its inputs once (``attention_rules``)
-and runs them all. The file reads top to bottom: the public steps, then the private helpers
-they share with ``blockwise.py`` and with the fast paths.
+The pipeline (``conformance/spec/functions.py``): scores → soft-cap → + bias → mask → softmax →
+dropout → weighted sum of values. Every step is a public function, so every intermediate can be
+printed and compared; ``scaled_dot_product_attention`` validates its inputs once
+(``attention_rules``) and runs them all. The file reads top to bottom: the public steps, then
+``pipeline`` (the steps on validated arrays); the unchecked steps themselves live in ``_core.py``,
+shared with ``blockwise.py`` and the fast paths.
 
 Every function works under ``jax.jit``, ``jax.vmap`` and ``jax.grad``/``jax.vjp``. Validation
 runs at trace time on static shapes and dtypes, so the same bad input raises the same exception,
@@ -37,16 +38,22 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import attention_rules as rules
 
 from . import _fast
-from .masks import _dtype_name, _positions
-
-NEG_INF = -jnp.inf
-HIGHEST = jax.lax.Precision.HIGHEST
-
+from ._core import (
+    _array,
+    _check_scores,
+    _describe,
+    _dropout,
+    _in_band,
+    _mask_scores,
+    _output,
+    _scores,
+    _softmax,
+    _to_compute,
+)
 
 # ------------------------------------------------------------------------------------------
 # Public steps
@@ -190,8 +197,8 @@ def renormalized_causal_weights(weights: Any, *, causal_alignment: str = "top_le
     rules.check_alignment(fn, causal_alignment)
     weights = _array(weights)
     q_len, kv_len = weights.shape[-2:]
-    offset = rules.causal_offset(causal_alignment, q_len, kv_len)
-    masked = weights * (_positions(q_len, kv_len, offset) <= 0)  # (..., q_len, kv_len)
+    lo, hi = rules.band(q_len, kv_len, True, causal_alignment, None)  # j - i <= offset
+    masked = weights * _in_band(0, q_len, 0, kv_len, lo, hi)  # (..., q_len, kv_len)
     row_sum = masked.sum(axis=-1, keepdims=True)  # (..., q_len, 1)
     row_sum = jnp.where(row_sum == 0, 1, row_sum)  # functional update; where keeps grads finite
     return masked / row_sum
@@ -250,16 +257,15 @@ def scaled_dot_product_attention(
     query, key, value = _array(query), _array(key), _array(value)
     mask, bias, dropout_mask = _array(mask), _array(bias), _array(dropout_mask)
     _check_rng(fn, args.dropout_p, dropout_mask, rng)  # jax only: no global random state
-    return _attention(query, key, value, mask, bias, dropout_mask, rng, args)
+    return pipeline(query, key, value, mask, bias, dropout_mask, rng, args)
 
 
 # ------------------------------------------------------------------------------------------
-# The steps, unchecked: the public functions validate, then call these. JAX arrays are
-# immutable: each step returns a new array and XLA fuses them under jit.
+# The pipeline on validated arrays (backward.py differentiates it), and the rng check
 # ------------------------------------------------------------------------------------------
 
 
-def _attention(
+def pipeline(
     query: jax.Array,
     key: jax.Array,
     value: jax.Array,
@@ -270,7 +276,19 @@ def _attention(
     args: rules.Arguments,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """The whole pipeline on validated arrays: a fast path where ``_fast.use_fast_path``
-    selects one (it computes the same steps), else the steps one by one."""
+    selects one (it computes the same steps), else the steps of ``_core`` one by one.
+
+    Args:
+      query: ``(..., heads, q_len, head_dim)``; key: ``(..., kv_heads, kv_len, head_dim)``;
+        value: ``(..., kv_heads, kv_len, v_dim)``.
+      mask, bias, dropout_mask: None or broadcastable to ``(..., heads, q_len, kv_len)``.
+      rng: a ``jax.random`` key for dropout without a keep-mask (checked by the caller).
+      args: the normalised options (``rules.attention_arguments``).
+
+    Returns:
+      ``(..., heads, q_len, v_dim)`` in the input dtype, and with ``args.return_weights`` the
+      weights ``(..., heads, q_len, kv_len)``.
+    """
     path = _fast.use_fast_path(query, key, value, mask, bias, args)
     if path is not None:  # cuDNN on a GPU, or the same steps blocked over queries on the CPU
         output = _fast.fast_attention(path, query, key, value, mask, bias, args)
@@ -286,135 +304,6 @@ def _attention(
     return output
 
 
-def _scores(query: jax.Array, key: jax.Array, scale: float, softcap: float | None) -> jax.Array:
-    query = _to_compute(query) * scale  # (..., heads, q_len, head_dim); scaling q is cheapest
-    key = _to_compute(key)  # (..., kv_heads, kv_len, head_dim)
-    groups = _groups(query.shape, key.shape)
-    if groups > 1:  # grouped-query: (..., kv_heads, groups, q_len, head_dim)
-        query = _group_heads(query, groups)
-        key = key[..., None, :, :]  # (..., kv_heads, 1, kv_len, head_dim)
-    # matmul with the transposed key: XLA folds the transpose into the dot's dimension numbers
-    scores = jnp.matmul(query, jnp.swapaxes(key, -1, -2), precision=HIGHEST)  # (..., q, kv)
-    scores = scores.reshape(_merged(scores.shape, groups))  # (..., heads, q_len, kv_len)
-    return _softcap(scores, softcap)
-
-
-def _softcap(scores: jax.Array, softcap: float | None) -> jax.Array:
-    """``softcap · tanh(scores / softcap)``; unchanged for None."""
-    if softcap is not None:
-        scores = jnp.tanh(scores * (1.0 / softcap)) * softcap  # no in-place ops in JAX
-    return scores
-
-
-def _mask_scores(
-    scores: jax.Array,
-    mask: jax.Array | None,
-    bias: jax.Array | None,
-    is_causal: bool,
-    causal_alignment: str,
-    window: tuple[int | None, int | None] | None,
-) -> jax.Array:
-    if bias is not None:
-        scores = scores + bias.astype(scores.dtype)  # (..., heads, q_len, kv_len)
-    q_len, kv_len = scores.shape[-2:]
-    allowed = _allowed(q_len, kv_len, mask, is_causal, causal_alignment, window)
-    if allowed is not None:
-        # replaced, not added: a NaN score at a masked position does not spread; and where,
-        # not scores + log(mask): the gradient at a masked position is exactly 0
-        scores = jnp.where(allowed, scores, NEG_INF)
-    return scores
-
-
-def _allowed(
-    q_len: int,
-    kv_len: int,
-    mask: jax.Array | None,
-    is_causal: bool,
-    causal_alignment: str,
-    window: tuple[int | None, int | None] | None,
-) -> jax.Array | None:
-    """AND of the boolean mask, the causal rule and the window; None when all are absent."""
-    allowed = mask
-    if is_causal or window is not None:
-        lo, hi = rules.band(q_len, kv_len, is_causal, causal_alignment, window)
-        structural = _in_band(0, q_len, 0, kv_len, lo, hi)  # (q_len, kv_len)
-        allowed = structural if allowed is None else allowed & structural
-    return allowed
-
-
-def _in_band(q_start: int, rows: int, kv_start: int, keys: int, lo: float, hi: float) -> jax.Array:
-    """``(rows, keys)`` bool: ``lo <= j - i <= hi`` for queries ``i`` from ``q_start`` and keys
-    ``j`` from ``kv_start`` (``rules.band``: the causal rule and the window; ±inf unbounded)."""
-    distance = (kv_start + jnp.arange(keys, dtype=jnp.int32))[None, :] - (
-        q_start + jnp.arange(rows, dtype=jnp.int32))[:, None]  # jax: starts may be traced
-    return (distance >= lo) & (distance <= hi)  # (rows, keys)
-
-
-def _softmax(scores: jax.Array) -> jax.Array:
-    """Softmax over the last axis; rows that are all ``-inf`` become exactly 0."""
-    weights, row_sum = _unnormalised_softmax(scores)  # (..., q_len, kv_len), (..., q_len, 1)
-    return weights / row_sum
-
-
-def _unnormalised_softmax(scores: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``exp(scores - row max)`` and its row sums ``(..., q_len, 1)``; a row that is all
-    ``-inf`` gives 0 and a row sum of 1, so dividing by it gives 0, never NaN."""
-    row_max = scores.max(axis=-1, keepdims=True, initial=NEG_INF)  # (..., q_len, 1)
-    # softmax is shift-invariant, so stop_gradient is exact and keeps max's VJP out of the graph
-    row_max = jax.lax.stop_gradient(row_max)
-    row_max = jnp.where(row_max == NEG_INF, 0.0, row_max)  # fully masked: exp(-inf - 0) = 0
-    scores = jnp.exp(scores - row_max)
-    row_sum = scores.sum(axis=-1, keepdims=True)  # (..., q_len, 1)
-    row_sum = jnp.where(row_sum == 0.0, 1.0, row_sum)  # 0 / 1 = 0 for fully masked rows
-    return scores, row_sum
-
-
-def _dropout(
-    weights: jax.Array, dropout_p: float, dropout_mask: jax.Array | None, rng: Any
-) -> jax.Array:
-    if dropout_mask is None:
-        # an explicit jax.random key (checked by _check_rng), never hidden global state
-        dropout_mask = jax.random.uniform(rng, weights.shape, dtype=jnp.float32) >= dropout_p
-    return weights * dropout_mask * (1.0 / (1.0 - dropout_p))
-
-
-def _output(weights: jax.Array, value: jax.Array) -> jax.Array:
-    value = _to_compute(value)  # (..., kv_heads, kv_len, v_dim)
-    groups = _groups(weights.shape, value.shape)
-    if groups > 1:
-        weights = _group_heads(weights, groups)  # (..., kv_heads, groups, q_len, kv_len)
-        value = value[..., None, :, :]  # (..., kv_heads, 1, kv_len, v_dim)
-    output = jnp.matmul(weights.astype(value.dtype), value, precision=HIGHEST)  # explicit
-    return output.reshape(_merged(output.shape, groups))  # (..., heads, q_len, v_dim)
-
-
-# ------------------------------------------------------------------------------------------
-# Arrays, dtypes and heads
-# ------------------------------------------------------------------------------------------
-
-
-def _describe(fn: str, name: str, x: Any) -> rules.ArrayInfo | None:
-    """What the rules see of an input: ``(shape, dtype name)``; None for None. A Python list,
-    tuple or scalar is refused (TypeError): it has no dtype of its own."""
-    if x is None:
-        return None
-    rules.check_array(fn, name, x)
-    return tuple(np.shape(x)), _dtype_name(x)  # jax: the dtype as given, before x64 rules
-
-
-def _array(x: Any) -> jax.Array | None:
-    """A validated input as a JAX array; None stays None."""
-    return None if x is None else jnp.asarray(x)
-
-
-def _check_scores(fn: str, name: str, x: Any) -> rules.ArrayInfo:
-    """A floating array of rank >= 2 (scores or weights); its ``(shape, dtype name)``."""
-    shape, dtype = _describe(fn, name, x)
-    rules.check_float_inputs(fn, **{name: dtype})
-    rules.check_rank(fn, **{name: shape})
-    return shape, dtype
-
-
 def _check_rng(fn: str, dropout_p: float, dropout_mask: Any, rng: Any) -> None:
     # JAX has no global random state: dropout without a keep-mask needs an explicit key.
     if dropout_p > 0 and dropout_mask is None and rng is None:
@@ -424,23 +313,3 @@ def _check_rng(fn: str, dropout_p: float, dropout_mask: Any, rng: Any) -> None:
         )
 
 
-def _to_compute(x: jax.Array) -> jax.Array:
-    """Half types up to float32; float32 and float64 unchanged (no copy)."""
-    return x.astype(rules.compute_dtype(x.dtype.name))
-
-
-def _group_heads(x: jax.Array, groups: int) -> jax.Array:
-    """``(..., heads, T, D)`` → ``(..., kv_heads, groups, T, D)``: query head ``h`` is
-    ``(h // groups, h % groups)``, so it meets kv head ``h // groups``."""
-    return x.reshape(x.shape[:-3] + (x.shape[-3] // groups, groups) + x.shape[-2:])
-
-
-def _groups(x_shape: tuple[int, ...], kv_shape: tuple[int, ...]) -> int:
-    return x_shape[-3] // kv_shape[-3] if len(x_shape) >= 3 else 1
-
-
-def _merged(shape: tuple[int, ...], groups: int) -> tuple[int, ...]:
-    """Undo ``_group_heads``: ``(..., kv_heads, groups, T, S)`` → ``(..., heads, T, S)``."""
-    if groups == 1:
-        return shape
-    return shape[:-4] + (shape[-4] * shape[-3],) + shape[-2:]

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 import attention_rules as rules
 
-from .masks import _check_device, _place
+from ._core import _check_device, _place
 
 
 def _dtype(dtype: Any) -> jnp.dtype:

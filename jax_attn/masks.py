@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -10,37 +11,7 @@ import numpy as np
 
 import attention_rules as rules
 
-
-def _dtype_name(x: Any) -> str:
-    # The dtype as given, before JAX's x64 canonicalisation (int64 stays "int64" in messages).
-    return np.dtype(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype).name
-
-
-def _check_device(fn: str, device: Any) -> Any:
-    # JAX arrays live on a jax.Device; a platform name ("cpu", "gpu") means its first device.
-    if device is None or isinstance(device, jax.Device):
-        return device
-    if isinstance(device, str):
-        try:
-            return jax.devices(device)[0]
-        except RuntimeError:
-            pass
-    raise ValueError(
-        f"{fn}: device must be None, a jax.Device or a platform name such as 'cpu'; "
-        f"got device={device!r}"
-    )
-
-
-def _place(array: jax.Array, device: Any) -> jax.Array:
-    # Only an explicit device moves the mask; None keeps JAX's default placement (and jit's).
-    return array if device is None else jax.device_put(array, device)
-
-
-def _positions(q_len: int, kv_len: int, offset: int) -> jax.Array:
-    """``j - (i + offset)`` for every query ``i`` and key ``j``: ``(q_len, kv_len)``."""
-    query_pos = jnp.arange(q_len, dtype=jnp.int32)[:, None] + offset  # (q_len, 1)
-    key_pos = jnp.arange(kv_len, dtype=jnp.int32)[None, :]  # (1, kv_len)
-    return key_pos - query_pos  # (q_len, kv_len)
+from ._core import _check_device, _dtype_name, _in_band, _place
 
 
 def causal_mask(q_len: int, kv_len: int, *, offset: int = 0, device: Any = None) -> jax.Array:
@@ -60,7 +31,7 @@ def causal_mask(q_len: int, kv_len: int, *, offset: int = 0, device: Any = None)
     kv_len = rules.check_int(fn, "kv_len", kv_len)
     offset = rules.check_int(fn, "offset", offset, minimum=None)
     device = _check_device(fn, device)
-    return _place(_positions(q_len, kv_len, offset) <= 0, device)
+    return _place(_in_band(0, q_len, 0, kv_len, -math.inf, offset), device)  # j - i <= offset
 
 
 def sliding_window_mask(
@@ -84,13 +55,9 @@ def sliding_window_mask(
     offset = rules.check_int(fn, "offset", offset, minimum=None)
     left, right = rules.check_window(fn, window)
     device = _check_device(fn, device)
-    distance = _positions(q_len, kv_len, offset)  # (q_len, kv_len): j - (i + offset)
-    allowed = jnp.ones((q_len, kv_len), dtype=bool)
-    if left is not None:
-        allowed &= distance >= -left
-    if right is not None:
-        allowed &= distance <= right
-    return _place(allowed, device)
+    lo = -math.inf if left is None else offset - left  # the band of j - i
+    hi = math.inf if right is None else offset + right
+    return _place(_in_band(0, q_len, 0, kv_len, lo, hi), device)  # (q_len, kv_len)
 
 
 def _lengths(fn: str, name: str, lengths: Any, max_len: int) -> jax.Array:

@@ -9,8 +9,10 @@ differentiated with ``jax.grad`` (the gradient is a module of the same kind) and
 Every module exports its weights to a flat dict of NumPy arrays and loads them back, with the
 same keys in every backend. ``load_weights`` returns a NEW module (the original is unchanged)
 and keeps the dtype of the arrays it is given, so a float64 dict gives a float64 module (with
-``jax.config.update("jax_enable_x64", True)``). Dropout applies only when ``forward`` gets an
-``rng`` key: there is no ``train()``/``eval()`` state. Projections use
+``jax.config.update("jax_enable_x64", True)``). ``train()``/``eval()`` set the mode in place
+and return the module, as in numpy_attn and torch_attn (the mode is the one attribute that
+changes; weights never do): dropout applies in training mode when ``forward`` gets an ``rng``
+key, and ``backward`` refuses a module whose dropout is active. Projections use
 ``precision=Precision.HIGHEST``, like the functional module.
 """
 
@@ -24,7 +26,8 @@ import numpy as np
 
 import attention_rules as rules
 
-from .functional import HIGHEST, scaled_dot_product_attention
+from ._core import HIGHEST
+from .functional import scaled_dot_product_attention
 from .kv_cache import KVCache
 
 
@@ -60,6 +63,7 @@ class _Module:
 
     _weight_names: tuple[str, ...] = ()
     _static_names: tuple[str, ...] = ()
+    training: bool = True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
@@ -73,6 +77,15 @@ class _Module:
             f"jax.tree_util.tree_map(...) to get a module with other weights"
         )
 
+    def train(self, mode: bool = True) -> _Module:
+        """Training mode (dropout on, with an ``rng`` key); returns the module."""
+        self._set(training=bool(mode))
+        return self
+
+    def eval(self) -> _Module:
+        """Inference mode (dropout off); returns the module."""
+        return self.train(False)
+
     def _set(self, **attributes: Any) -> None:
         for name, value in attributes.items():
             object.__setattr__(self, name, value)
@@ -85,7 +98,7 @@ class _Module:
         """Leaves: the weights; static part: weight names and hyperparameters."""
         leaves = tuple(getattr(self, name) for name in self._weight_names)
         static = tuple((name, getattr(self, name)) for name in self._static_names)
-        return leaves, (self._weight_names, static)
+        return leaves, (self._weight_names, static + (("training", self.training),))
 
     @classmethod
     def tree_unflatten(cls, aux: tuple[Any, ...], leaves: Any) -> Any:
@@ -115,6 +128,12 @@ def _check_weight_dict(fn: str, expected: dict[str, Any], weights: dict[str, Any
     )
 
 
+def _check_no_dropout(module: _Module) -> None:
+    rules.check_backward_without_dropout(
+        type(module).__name__, module.training and module.dropout_p > 0, module.dropout_p
+    )
+
+
 def _weight_grads(
     module: _Module,
     args: tuple[Any, ...],
@@ -135,21 +154,15 @@ def _weight_grads(
         hash(static)
     except TypeError:  # an unhashable static argument (e.g. a list window): run eagerly
         return _weight_grads_eager(module, args, grad_output, arrays, static).export_weights()
-    grads = _weight_grads_jit(module, args, grad_output, arrays, static)
-    return grads.export_weights()
+    return _weight_grads_jit(module, args, grad_output, arrays, static).export_weights()
 
 
-def _weight_grads_eager(
-    module: _Module,
-    args: tuple[Any, ...],
-    grad_output: Any,
-    arrays: dict[str, Any],
-    static: tuple[tuple[str, Any], ...],
-) -> _Module:
+def _weight_grads_eager(module: _Module, args: tuple[Any, ...], grad_output: Any,
+                        arrays: dict[str, Any], static: tuple[tuple[str, Any], ...]) -> _Module:
+    """The gradients as a module of ``module``'s kind (its cotangent); jitted just below."""
     kwargs = {**arrays, **dict(static)}
     _, pullback = jax.vjp(lambda m: m.forward(*args, **kwargs), module)
-    (grads,) = pullback(jnp.asarray(grad_output))
-    return grads
+    return pullback(jnp.asarray(grad_output))[0]
 
 
 _weight_grads_jit = jax.jit(_weight_grads_eager, static_argnums=(4,))
@@ -215,7 +228,8 @@ class CrossAttention(_Module):
 class CausalSelfAttention(_Module):
     """The article's causal self-attention: token ``i`` sees tokens ``0..i`` only.
 
-    Dropout on the weights (``dropout_p``) applies only when ``forward`` gets an ``rng`` key.
+    Dropout on the weights (``dropout_p``) applies in training mode (``eval()`` turns it off)
+    when ``forward`` gets an ``rng`` key.
     """
 
     _weight_names = ("W_query", "W_key", "W_value")
@@ -236,13 +250,14 @@ class CausalSelfAttention(_Module):
         queries = _matmul(x, self.W_query)  # (..., seq, d_out_kq)
         keys = _matmul(x, self.W_key)  # (..., seq, d_out_kq)
         values = _matmul(x, self.W_value)  # (..., seq, d_out_v)
-        dropout_p = self.dropout_p if rng is not None else 0.0  # no train/eval state in JAX
+        dropout_p = self.dropout_p if self.training and rng is not None else 0.0  # jax: a key
         return scaled_dot_product_attention(
             queries, keys, values, is_causal=True, dropout_p=dropout_p, rng=rng
         )
 
     def backward(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
-        """Weight gradients, without dropout (``forward`` without a key)."""
+        """Weight gradients, without dropout (``eval()`` or ``dropout_p=0``)."""
+        _check_no_dropout(self)
         return _weight_grads(self, (x,), grad_output)
 
     def decode(
@@ -317,6 +332,12 @@ class MultiHeadAttentionWrapper(_Module):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_heads={len(self.heads)})"
+
+    def train(self, mode: bool = True) -> MultiHeadAttentionWrapper:
+        """Training mode, for the wrapper and its heads; returns the module."""
+        for head in self.heads:
+            head.train(mode)
+        return super().train(mode)
 
     def forward(self, x: Any) -> jax.Array:
         """``x: (..., seq, d_in)`` → ``(..., seq, num_heads * d_out_v)``."""
@@ -416,7 +437,7 @@ class MultiHeadAttention(_Module):
           mask: boolean, broadcastable to ``(..., num_heads, q_len, kv_len)``; True = may attend.
           is_causal, causal_alignment, window: as in ``scaled_dot_product_attention``.
           return_weights: also return weights ``(..., num_heads, q_len, kv_len)``.
-          rng: a ``jax.random`` key; dropout (``dropout_p > 0``) applies only when given.
+          rng: a ``jax.random`` key; dropout (``dropout_p > 0``, training mode) needs one.
 
         Returns:
           ``(..., q_len, d_model)``, and the weights with ``return_weights``.
@@ -428,8 +449,8 @@ class MultiHeadAttention(_Module):
         value = self._project(context, "value", self.num_kv_heads)
         result = scaled_dot_product_attention(
             query, key, value, mask=mask, is_causal=is_causal, causal_alignment=causal_alignment,
-            window=window, dropout_p=self.dropout_p if rng is not None else 0.0, rng=rng,
-            return_weights=return_weights,
+            window=window, dropout_p=self.dropout_p if self.training and rng is not None else 0.0,
+            rng=rng, return_weights=return_weights,
         )
         context_vec, weights = result if return_weights else (result, None)
         merged = jnp.swapaxes(context_vec, -2, -3)  # (..., q_len, heads, head_dim)
@@ -460,7 +481,7 @@ class MultiHeadAttention(_Module):
         Returns:
           weight name → gradient, for every weight.
         """
-
+        _check_no_dropout(self)
         static = (("is_causal", is_causal), ("causal_alignment", causal_alignment),
                   ("window", window))
         return _weight_grads(self, (x, context), grad_output, {"mask": mask}, static)

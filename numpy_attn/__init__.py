@@ -1,7 +1,7 @@
 """Scaled dot-product attention in pure NumPy: the readable reference of the project's spec.
 
 Layout ``(..., heads, seq, head_dim)``; boolean masks mean True = may attend; fully masked rows
-give exactly 0. See ``conformance/spec.py`` for the full specification.
+give exactly 0. See ``conformance/spec/`` for the full specification.
 """
 
 from .backward import Adam, scaled_dot_product_attention_vjp, sgd_step

@@ -1,7 +1,7 @@
 """The fast path of numpy_attn: the pipeline of ``functional.py``, blocked, on every core.
 
-``functional.py``'s steps and ``backward.py``'s VJP are the code to read: each makes the whole
-``(..., heads, q_len, kv_len)`` score array, and NumPy's elementwise functions (``max``,
+The explicit steps (``_core.py``) and ``backward.py``'s VJP are the code to read: each makes the
+whole ``(..., heads, q_len, kv_len)`` score array, and NumPy's elementwise functions (``max``,
 ``exp``, ``sum``) run on one core while only the matrix products use every core. For large
 inputs ``use_fast_path`` (the one selection rule, for the forward pass and the VJP alike; its
 numbers are ``attention_rules.FAST_PATHS["numpy_attn"]``) selects ``"blocked"``: no
@@ -11,9 +11,9 @@ numbers are ``attention_rules.FAST_PATHS["numpy_attn"]``) selects ``"blocked"``:
 Forward, ``fast_attention``: the queries are cut into blocks of ``BLOCK_Q`` rows and, per
 (batch, head, query block), the scores against the keys that block can see (the causal rule and
 the window give a key range, ``rules.key_range``; fully masked blocks are skipped, and the band
-is applied only to the diagonal strips) give ``(exp(s - max) @ value) / sum``, each step by
-``functional.py``'s own helpers (``_softcap``, ``_in_band``, ``_unnormalised_softmax``); mask
-and bias are sliced per block from broadcast views, never materialised. Without a bias, a head
+is applied only to the diagonal strips) give ``(exp(s - max) @ value) / sum``, each step by the
+explicit steps' own helpers (``_softcap``, ``_in_band``, ``_unnormalised_softmax``); mask and
+bias are sliced per block from broadcast views, never materialised. Without a bias, a head
 whose scores are all within ``±EXP_BOUND`` (``|q·k| <= |q| |k|``, from the row norms) skips the
 shift by the row max, which changes nothing but rounding: ``exp`` can neither overflow nor
 underflow there. The result equals the explicit steps' within float32 rounding
@@ -30,8 +30,8 @@ at most ``BLOCK_Q_BACKWARD`` of the queries that can see the block (``rules.quer
 tiles the causal rule or the window mask entirely are never computed), it recomputes the
 transposed tile ``Pᵀ = exp(K Qᵀ · scale - lse)`` and forms ``dV += Pᵀ dO``, ``dSᵀ = Pᵀ ⊙
 (V dOᵀ - delta)``, ``dK += dSᵀ Q · scale`` in its own key block, and ``dQ += dS K · scale``
-into its lane's own ``dQ`` (``_run``; the lanes' copies are added at the end, in lane order):
-nothing is shared, so nothing races, and every sum runs in the same order in every call. The
+into its lane's own ``dQ`` (the lanes' copies are added at the end, in lane order): nothing
+is shared, so nothing races, and every sum runs in the same order in every call. The
 bias gradient (``dS`` summed over the axes the bias was broadcast along) is added under a lock,
 by one task per key block (covering every head whose sums share its entries), or, for a bias
 broadcast over keys, into each lane's own copy. ``- lse`` and ``- delta`` ride in one extra
@@ -40,44 +40,22 @@ matrix products subtract them. Extra memory: a few tiles per lane, the inputs wi
 column and a copy of ``dQ`` per extra lane (one lane per core), never a ``(q_len, kv_len)``
 array.
 
-The tasks run on a persistent pool of threads (NumPy releases the GIL in ufuncs and in
-``matmul``), at most one per BLAS thread and per core, while the BLAS library is limited to one
-thread so the two levels of threading do not oversubscribe the cores (``_run``; ``blockwise.py``
-runs its tiles on it too). The results do not depend on the threads (``spec.CONCURRENCY``):
-the tasks are dealt into a fixed number of lanes (one per core the process may use), each lane
-with its own scratch and its own copy of dQ, run in order by one thread, and the copies are
-added in lane order; BLAS always runs in one thread during the blocks; and concurrent calls
-take turns through the one pool (a lock), so no call ever runs under another's BLAS setting.
-One caller keeps every core busy, so taking turns costs no throughput.
-
-That limit uses ``threadpoolctl`` when it is installed: it is optional, imported on the first
-fast-path call (never by ``import numpy_attn``), covers only the span in which the blocks run,
-and the BLAS library's own thread count is restored after it. Where the library's limit is per
-thread (OpenBLAS built with OpenMP) only the pool's threads and the calling thread are limited.
-**The OpenBLAS of NumPy's wheels (pthreads), MKL and BLIS have a process-wide setting only:
-while a call's blocks run, other threads' BLAS calls also run on one thread** (``spec.BLAS_LIMIT``).
-Without ``threadpoolctl`` the tasks run in the calling thread with BLAS left as configured and
-nothing is changed for other threads; that is correct but uses one core for the elementwise
-work. Calling BLAS libraries through ``ctypes`` would avoid the dependency but depends on how
-NumPy was built (symbol names differ between OpenBLAS, scipy-openblas, MKL and Accelerate), and
-OpenBLAS's ``openblas_set_num_threads_local`` is process-wide in its pthreads builds, so the
-project does not.
+The tasks run in lanes on the one thread pool of ``_threads.py`` (``_threads.run_lanes``,
+BLAS limited to one thread while they run; ``blockwise.py`` runs its tiles on it too): the same
+bits from any thread, whatever else the process is doing (``spec.CONCURRENCY``).
 """
 
 from __future__ import annotations
 
-import os
 import threading
-from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
 import attention_rules as rules
 
-from . import functional  # the steps the fast path must equal, and reuses
+from . import _threads
+from ._core import NEG_INF, _groups, _in_band, _softcap, _unnormalised_softmax
 
-NEG_INF = -np.inf
 _BLOCKED = rules.FAST_PATHS["numpy_attn"]["blocked"]
 BLOCK_Q = _BLOCKED["block_q"]  # query rows per block: a float32 block of scores stays in L2
 BLOCK_KV = _BLOCKED["block_kv"]  # key rows per task of the VJP: dK and dV of a block are its own
@@ -87,12 +65,6 @@ MIN_Q_LEN = _BLOCKED["min_q_len"]  # few queries (decoding): one batched matmul 
 # Scores within ±EXP_BOUND need no shift by their row max: exp(64) · kv_len cannot overflow and
 # exp(-64) is a normal float32, far below the rounding of a row whose largest weight is ≥ e^-64.
 EXP_BOUND = 64.0
-
-# The threads of the fast path, made on first use (so ``import numpy_attn`` starts none and does
-# not import threadpoolctl): "controller" is threadpoolctl's controller of the BLAS libraries
-# (None without threadpoolctl), "pool" a persistent ThreadPoolExecutor made for "pool_key"
-# (process id, threads), and "lock" lets one call at a time use them and limit BLAS.
-_threads: dict[str, Any] = {"lock": threading.Lock()}
 
 
 def use_fast_path(
@@ -205,7 +177,7 @@ def _blocked_attention(
     log-sum-exp is written there (``+inf`` for a fully masked row)."""
     q_len, kv_len = query.shape[-2], key.shape[-2]
     target = args.scores_shape  # (..., heads, q_len, kv_len)
-    groups = functional._groups(query.shape, key.shape)
+    groups = _groups(query.shape, key.shape)
     output = np.empty(query.shape[:-1] + value.shape[-1:], dtype=query.dtype)
     masked_out = None if mask is None else np.broadcast_to(~mask, target)  # True = not allowed
     bias = None if bias is None else np.broadcast_to(bias.astype(query.dtype, copy=False), target)
@@ -233,7 +205,7 @@ def _blocked_attention(
         kv_index = index[:-1] + (index[-1] // groups,) if index else ()
         scores = buffer[: (i1 - i0) * (k1 - k0)].reshape(i1 - i0, k1 - k0)  # (rows, keys)
         np.matmul(query[index][i0:i1], key[kv_index][k0:k1].T, out=scores)  # query is scaled
-        scores = functional._softcap(scores, args.softcap)
+        scores = _softcap(scores, args.softcap)
         if bias is not None:
             scores += bias[index][i0:i1, k0:k1]
         for c0, c1 in ((k0, a), (b, k1)):  # the strips the causal rule / window cut
@@ -251,14 +223,15 @@ def _blocked_attention(
         else:
             if lse is not None:  # the softmax below shifts the scores by their row max
                 row_max = scores.max(axis=-1, initial=NEG_INF)  # (rows,)
-            weights, row_sum = functional._unnormalised_softmax(scores)  # in place; (rows, 1)
+            weights, row_sum = _unnormalised_softmax(scores)  # in place; (rows, 1)
         np.matmul(weights, value[kv_index][k0:k1], out=out)  # normalised after @ value
         out /= row_sum
         if lse is not None:  # log-sum-exp; +inf on a fully masked row: exp(s - lse) = 0
             np.log(row_sum[:, 0], out=lse[index][i0:i1])
             lse[index][i0:i1] += np.where(row_max == NEG_INF, np.inf, row_max)
 
-    _run(tasks, block, lambda: np.empty(block_q * kv_len, dtype=query.dtype))  # the scores
+    # a lane's scratch: the scores of one block
+    _threads.run_lanes(tasks, block, lambda: np.empty(block_q * kv_len, dtype=query.dtype))
     return output
 
 
@@ -284,7 +257,7 @@ def _blocked_attention_vjp(
     grad_output = grad_output_delta[..., :v_dim]  # (..., heads, q_len, v_dim)
     q_len, kv_len = query.shape[-2], key.shape[-2]
     target = args.scores_shape  # (..., heads, q_len, kv_len)
-    groups = functional._groups(query.shape, key.shape)
+    groups = _groups(query.shape, key.shape)
     scaled_key = key * args.scale  # dQ = dS K · scale; (dK = dSᵀ Q · scale uses the scaled query)
     grad_key = np.zeros(key.shape, key.dtype)  # blocks no query sees: 0
     grad_value = np.zeros(value_ones.shape[:-1] + (v_dim,), key.dtype)
@@ -342,7 +315,7 @@ def _blocked_attention_vjp(
                 weights_t = scratch["scores"][: keys * rows].reshape(keys, rows)
                 np.matmul(key_block, query_s[index][c0:c1].T, out=weights_t)  # S (- lse)
                 if softcap is not None:
-                    weights_t = functional._softcap(weights_t, softcap)  # S1
+                    weights_t = _softcap(weights_t, softcap)  # S1
                     slope = scratch["slope"][: keys * rows].reshape(keys, rows)
                     np.multiply(weights_t, 1.0 / softcap, out=slope)
                     np.square(slope, out=slope)
@@ -391,7 +364,7 @@ def _blocked_attention_vjp(
             buffers["grad_bias"] = np.zeros_like(grad_bias)
         return buffers
 
-    scratches = _run(tasks, block, scratch)
+    scratches = _threads.run_lanes(tasks, block, scratch)
     if not scratches:
         return np.zeros(query.shape, query.dtype), grad_key, grad_value, grad_bias
     grad_query = scratches[0]["grad_query"]
@@ -421,13 +394,13 @@ def _bounded_heads(
 def _outside_band(
     strips: dict, q_start: int, rows: int, kv_start: int, keys: int, lo: float, hi: float
 ) -> np.ndarray:
-    """``~functional._in_band(...)``: ``(rows, keys)``, True where ``j - i`` is outside the
+    """``~_in_band(...)``: ``(rows, keys)``, True where ``j - i`` is outside the
     band. It depends on ``kv_start - q_start`` and the sizes only, so it is made once per
     geometry and kept in ``strips`` (a dict shared by the workers of one call)."""
     geometry = (kv_start - q_start, rows, keys)
     outside = strips.get(geometry)
     if outside is None:
-        outside = ~functional._in_band(q_start, rows, kv_start, keys, lo, hi)
+        outside = ~_in_band(q_start, rows, kv_start, keys, lo, hi)
         strips[geometry] = outside  # two workers may both make it: the same array
     return outside
 
@@ -463,120 +436,3 @@ def _add_bias_grad(
         k_slice = slice(k0, k1)
     with lock:  # tasks of several heads or key blocks may share these entries
         grad_bias[bias_index][q_slice, k_slice] += grad
-
-
-def _run(tasks: list, block: Callable[..., None], scratch: Callable[[], Any]) -> list:
-    """``block(*task, scratch)`` for every task; returns one scratch per lane, in lane order.
-
-    The tasks are dealt, in their order, into at most ``_cores()`` lanes (``_lanes``); a lane
-    makes its own ``scratch()`` and runs its tasks in order, in one thread. What a block adds
-    into its scratch (a copy of dQ) is therefore summed in an order fixed by the tasks and the
-    number of cores, never by how many threads were free or which ran a lane. With
-    ``threadpoolctl`` the lanes run on the pool, one call at a time (concurrent calls take
-    turns), with BLAS in one thread (``spec.BLAS_LIMIT``): the same bits whatever else the
-    process is doing. Without it they run in the calling thread, BLAS as configured."""
-    if not tasks:
-        return []
-    lanes = _lanes(tasks)
-    scratches: list = [None] * len(lanes)
-    claims, claim_lock = iter(range(len(lanes))), threading.Lock()
-
-    def work() -> None:
-        while True:
-            with claim_lock:
-                lane = next(claims, None)
-            if lane is None:
-                return
-            own = scratches[lane] = scratch()
-            for task in lanes[lane]:
-                block(*task, own)
-
-    controller = _controller()
-    if controller is None:  # no threadpoolctl: the calling thread, BLAS as configured
-        work()
-        return scratches
-    with _threads["lock"]:  # one call at a time: no other call's BLAS limit is ever in force
-        workers = min(len(lanes), _cores(), max(lib.num_threads for lib in
-                                                controller.lib_controllers))
-        with controller.limit(limits=1):  # the shortest span: only while the lanes run
-            if max(lib.num_threads for lib in controller.lib_controllers) != 1:
-                workers = 1  # another thread controls a process-wide BLAS setting
-            if workers == 1:
-                work()
-                return scratches
-            pool = _pool(workers - 1)  # the caller is the last worker
-            per_thread = _per_thread_limit(controller)
-
-            def pool_work() -> None:
-                if per_thread:  # the pool's threads limit themselves, and only themselves
-                    with controller.limit(limits=1):
-                        work()
-                else:
-                    work()
-
-            futures = [pool.submit(pool_work) for _ in range(workers - 1)]
-            try:
-                work()
-            finally:
-                for future in futures:
-                    future.result()
-    return scratches
-
-
-def _lanes(tasks: list) -> list[list]:
-    """The tasks dealt round-robin, in their order, into ``min(len(tasks), _cores())`` lanes
-    (the tasks come longest first, so the lanes' work is about even)."""
-    count = min(len(tasks), _cores())
-    return [tasks[lane::count] for lane in range(count)]
-
-
-def _cores() -> int:
-    """The cores this process may run on (its affinity; fixed for the process)."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return max(1, os.cpu_count() or 1)
-
-
-def _controller() -> Any:
-    """threadpoolctl's controller of the loaded BLAS libraries, made once (scanning the
-    libraries takes milliseconds); None without threadpoolctl or without a known BLAS."""
-    if "controller" not in _threads:
-        try:
-            from threadpoolctl import ThreadpoolController  # optional: see the docstring
-        except ImportError:
-            controller = None
-        else:
-            controller = ThreadpoolController().select(user_api="blas")
-            controller = controller if controller.lib_controllers else None
-        _threads["controller"] = controller
-    return _threads["controller"]
-
-
-def _per_thread_limit(controller: Any) -> bool:
-    """True when every BLAS library's thread limit is per thread (OpenBLAS built with OpenMP,
-    as threadpoolctl documents); False for a process-wide one (OpenBLAS with pthreads, as in
-    NumPy's wheels, MKL, BLIS)."""
-    return all(lib.internal_api == "openblas" and getattr(lib, "threading_layer", "") ==
-               "openmp" for lib in controller.lib_controllers)
-
-
-def _pool(size: int) -> Any:
-    """The persistent pool of ``size`` threads (made again when resized or after a fork)."""
-    if _threads.get("pool_key") != (os.getpid(), size):
-        from concurrent.futures import ThreadPoolExecutor
-
-        old = _threads.get("pool")
-        if old is not None and _threads["pool_key"][0] == os.getpid():
-            old.shutdown(wait=False)  # resized: its idle threads exit
-        _threads["pool"] = ThreadPoolExecutor(size, "numpy_attn")
-        _threads["pool_key"] = (os.getpid(), size)
-    return _threads["pool"]
-
-
-def _after_fork_in_child() -> None:
-    """A forked child has none of the parent's threads: a lock they held is free again."""
-    _threads["lock"] = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)

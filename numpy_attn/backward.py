@@ -40,15 +40,17 @@ import numpy as np
 import attention_rules as rules
 
 from . import _fast
-from .functional import (
+from ._core import (
     _array,
     _describe,
-    _group_heads,
     _groups,
     _mask_scores,
+    _matmul_grouped,
     _output,
     _scores,
     _softmax,
+    _sum_groups,
+    _sum_to_shape,
     _to_compute,
 )
 
@@ -129,35 +131,6 @@ def scaled_dot_product_attention_vjp(
     dtype = query.dtype
     grads = (grad_query.astype(dtype), grad_key.astype(dtype), grad_value.astype(dtype))
     return grads + (None if grad_bias is None else grad_bias.astype(bias.dtype),)
-
-
-# ------------------------------------------------------------------------------------------
-# Helpers of the hand-written backward passes (this file's and blockwise.py's): the same names
-# and contracts in every backend
-# ------------------------------------------------------------------------------------------
-
-
-def _sum_to_shape(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """Sum ``x`` over the axes along which an array of ``shape`` was broadcast to ``x.shape``."""
-    leading = x.ndim - len(shape)
-    x = x.sum(axis=tuple(range(leading))) if leading else x
-    stretched = tuple(axis for axis, size in enumerate(shape) if size == 1 and x.shape[axis] != 1)
-    return x.sum(axis=stretched, keepdims=True) if stretched else x
-
-
-def _sum_groups(x: np.ndarray, groups: int) -> np.ndarray:
-    """``(..., heads, T, D)`` → ``(..., kv_heads, T, D)``: add the query heads sharing a kv head."""
-    if groups == 1:
-        return x
-    return _group_heads(x, groups).sum(axis=-3)
-
-
-def _matmul_grouped(a: np.ndarray, b: np.ndarray, groups: int) -> np.ndarray:
-    """``a (..., heads, T, S) @ b (..., kv_heads, S, D)`` with the grouped-query head mapping."""
-    if groups == 1:
-        return a @ b
-    product = _group_heads(a, groups) @ b[..., None, :, :]  # (..., kv_heads, groups, T, D)
-    return product.reshape(a.shape[:-1] + (b.shape[-1],))  # (..., heads, T, D)
 
 
 # ------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ arrays: the causal rule (both alignments), the sliding window and per-sequence k
 entirely is never computed. The backward pass keeps only the log-sum-exp ``lse = m + log l``
 of each row and recomputes every tile's weights as ``exp(s - lse)``.
 
-Both passes run on the threads of the fast path (``_fast._run``, BLAS in one thread per
+Both passes run on numpy_attn's threads (``_threads.run_lanes``, BLAS in one thread per
 worker): the forward pass one query block per task (its output rows are its own), the backward
 pass one key block per task (its ``dK`` and ``dV`` rows are its own; each worker adds ``dQ``
 into its own copy, and the copies are added at the end), so no two threads write the same
@@ -33,11 +33,21 @@ import numpy as np
 
 import attention_rules as rules
 
-from . import _fast
-from .backward import _matmul_grouped, _sum_groups, _sum_to_shape
-from .functional import _array, _describe, _groups, _in_band, _softcap, _to_compute
+from . import _threads
+from ._core import (
+    NEG_INF,
+    _array,
+    _describe,
+    _describe_lengths,
+    _groups,
+    _in_band,
+    _matmul_grouped,
+    _softcap,
+    _sum_groups,
+    _sum_to_shape,
+    _to_compute,
+)
 
-NEG_INF = -np.inf
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_KV = 1024
 
@@ -90,8 +100,8 @@ def blockwise_attention(
                       window, scale, softcap, block_q, block_kv)  # every rule of the spec, once
     query, key, value, bias = _array(query), _array(key), _array(value), _array(bias)
     bias, kv_lengths, plan, lo, hi = _prepare(fn, query, key, bias, kv_lengths, args)
-    output, _ = _forward(query, key, value, bias, kv_lengths, plan, lo, hi, args.scale,
-                         args.softcap)
+    output, _ = forward_tiles(query, key, value, bias, kv_lengths, plan, lo, hi, args.scale,
+                              args.softcap)
     return output.astype(query.dtype, copy=False)
 
 
@@ -134,9 +144,9 @@ def blockwise_attention_vjp(
     query, key, value, bias = _array(query), _array(key), _array(value), _array(bias)
     grad_output, bias_shape = _array(grad_output), None if bias is None else bias.shape
     bias, kv_lengths, plan, lo, hi = _prepare(fn, query, key, bias, kv_lengths, args)
-    output, lse = _forward(query, key, value, bias, kv_lengths, plan, lo, hi, args.scale,
-                           args.softcap)
-    grad_q, grad_k, grad_v, grad_bias = _backward(  # numpy: by hand, tile by tile
+    output, lse = forward_tiles(query, key, value, bias, kv_lengths, plan, lo, hi,
+                                args.scale, args.softcap)
+    grad_q, grad_k, grad_v, grad_bias = backward_tiles(  # numpy: by hand, tile by tile
         query, key, value, bias, kv_lengths, plan, lo, hi, args.scale, args.softcap, output, lse,
         grad_output,
     )
@@ -148,11 +158,11 @@ def blockwise_attention_vjp(
 
 
 # ------------------------------------------------------------------------------------------
-# Forward and backward, unchecked
+# Forward and backward, unchecked (the engine of the tiles; context_parallel.py's too)
 # ------------------------------------------------------------------------------------------
 
 
-def _forward(
+def forward_tiles(
     query: np.ndarray,
     key: np.ndarray,
     value: np.ndarray,
@@ -164,8 +174,23 @@ def _forward(
     scale: float,
     softcap: float | None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``output (..., heads, q_len, v_dim)`` and ``lse (..., heads, q_len, 1)`` in the compute
-    dtype; ``lse`` is ``+inf`` on fully masked rows, so ``exp(s - lse)`` is 0 there."""
+    """The online-softmax forward pass over the tiles of ``plan``, unchecked (the public
+    functions here and ``context_parallel.py`` validate first).
+
+    Args:
+      query: ``(..., heads, q_len, head_dim)``, unscaled.
+      key: ``(..., kv_heads, kv_len, head_dim)``.
+      value: ``(..., kv_heads, kv_len, v_dim)``.
+      bias: full rank, broadcastable to ``(..., heads, q_len, kv_len)``, or None.
+      kv_lengths: ints shaped like the batch axes ``(...)``, or None.
+      plan: ``rules.plan(q_len, kv_len, block_q, block_kv, lo, hi)``: the tiles to compute.
+      lo, hi: the band ``lo <= j - i <= hi`` (``rules.band``).
+      scale, softcap: as checked by ``rules.attention_arguments``.
+
+    Returns:
+      ``output (..., heads, q_len, v_dim)`` and ``lse (..., heads, q_len, 1)`` in the compute
+      dtype; ``lse`` is ``+inf`` on fully masked rows, so ``exp(s - lse)`` is 0 there.
+    """
     q = _to_compute(query) * scale  # (..., heads, q_len, head_dim)
     k, v = _to_compute(key), _to_compute(value)  # (..., kv_heads, kv_len, head_dim | v_dim)
     groups = _groups(q.shape, k.shape)
@@ -195,12 +220,12 @@ def _forward(
         output[..., q_start:q_stop, :] = acc / safe_sum  # 0 / 1 = 0 on fully masked rows
         lse[..., q_start:q_stop, :] = np.where(kept, row_max + np.log(safe_sum), np.inf)
 
-    # numpy: the query blocks on the fast path's threads (their rows are their own)
-    _fast._run(sorted(plan, key=lambda task: -len(task[2])), query_block, lambda: None)
+    # numpy: the query blocks on the threads (their rows are their own)
+    _threads.run_lanes(sorted(plan, key=lambda task: -len(task[2])), query_block, lambda: None)
     return output, lse
 
 
-def _backward(
+def backward_tiles(
     query: np.ndarray,
     key: np.ndarray,
     value: np.ndarray,
@@ -215,8 +240,21 @@ def _backward(
     lse: np.ndarray,
     grad_output: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    """FlashAttention's backward per tile (``backward.py`` derives it for the whole matrix);
-    gradients in the compute dtype, ``grad_bias`` shaped like the full-rank bias."""
+    """FlashAttention's backward per tile (``backward.py`` derives it for the whole matrix),
+    unchecked, from ``forward_tiles``' results.
+
+    Args:
+      query, key, value, bias, kv_lengths, plan, lo, hi, scale, softcap: as in
+        ``forward_tiles``.
+      output: ``(..., heads, q_len, v_dim)`` in the compute dtype, from ``forward_tiles``.
+      lse: ``(..., heads, q_len, 1)``, ``+inf`` on fully masked rows.
+      grad_output: ``(..., heads, q_len, v_dim)``.
+
+    Returns:
+      ``(grad_query, grad_key, grad_value, grad_bias)`` in the compute dtype, shaped like query
+      ``(..., heads, q_len, head_dim)``, key ``(..., kv_heads, kv_len, head_dim)``, value
+      ``(..., kv_heads, kv_len, v_dim)`` and the full-rank bias (None without one).
+    """
     q = _to_compute(query)  # (..., heads, q_len, head_dim), unscaled
     k, v = _to_compute(key), _to_compute(value)
     d_out = _to_compute(grad_output)  # (..., heads, q_len, v_dim)
@@ -257,11 +295,11 @@ def _backward(
             grad_k[..., cols, :] += _sum_groups(np.swapaxes(grad_s, -1, -2) @ q[..., rows, :],
                                                 groups)
 
-    # numpy: the key blocks on the fast path's threads, each lane adding into its own dQ (and
+    # numpy: the key blocks on the threads, each lane adding into its own dQ (and
     # dbias), summed in lane order: the same bits whatever thread ran a lane
     tasks = [(kv_start, kv_stop, tiles) for (kv_start, kv_stop), tiles in columns.items()]
     tasks.sort(key=lambda task: -len(task[2]))  # most tiles first
-    lanes = _fast._run(tasks, key_block, lambda: (
+    lanes = _threads.run_lanes(tasks, key_block, lambda: (
         np.zeros_like(q), np.zeros(bias.shape, q.dtype) if has_bias else None))
     grad_q, grad_bias = lanes[0] if lanes else (
         np.zeros_like(q), np.zeros(bias.shape, q.dtype) if has_bias else None)
@@ -291,14 +329,6 @@ def _arguments(
         window=window, scale=scale, softcap=softcap, kv_lengths=_describe_lengths(kv_lengths),
         block_q=block_q, block_kv=block_kv,
     )
-
-
-def _describe_lengths(kv_lengths: Any) -> rules.ArrayInfo | None:
-    """``(shape, dtype name)`` of ``kv_lengths`` (a list of ints is welcome)."""
-    if kv_lengths is None:
-        return None
-    kv_lengths = np.asarray(kv_lengths)
-    return tuple(kv_lengths.shape), kv_lengths.dtype.name
 
 
 def _prepare(

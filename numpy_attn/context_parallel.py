@@ -35,8 +35,8 @@ import numpy as np
 import attention_rules as rules
 from attention_rules import context_parallel as cp
 
-from .blockwise import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, _backward, _forward
-from .functional import _array, _describe, _to_compute
+from ._core import _array, _describe, _describe_lengths, _merge_partials, _to_compute
+from .blockwise import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, backward_tiles, forward_tiles
 
 # ------------------------------------------------------------------------------------------
 # Public functions
@@ -168,16 +168,8 @@ def _arguments(
     return args, sched
 
 
-def _describe_lengths(kv_lengths: Any) -> rules.ArrayInfo | None:
-    """``(shape, dtype name)`` of ``kv_lengths`` (a list of ints is welcome)."""
-    if kv_lengths is None:
-        return None
-    kv_lengths = np.asarray(kv_lengths)
-    return tuple(kv_lengths.shape), kv_lengths.dtype.name
-
-
 # ------------------------------------------------------------------------------------------
-# The per-block math: blockwise.py's tiles on a pair of chunks, and the merge
+# The per-block math: blockwise.py's tiles on a pair of chunks (merged by _merge_partials)
 # ------------------------------------------------------------------------------------------
 
 
@@ -198,18 +190,8 @@ def _attend_pair(
     if not any(blocks for _, _, blocks in tiles):
         return None  # never computed
     lengths = None if kv_lengths is None else kv_lengths - kv_start  # in the chunk's indices
-    output, lse = _forward(q, k, v, None, lengths, tiles, lo, hi, args.scale, args.softcap)
+    output, lse = forward_tiles(q, k, v, None, lengths, tiles, lo, hi, args.scale, args.softcap)
     return output, np.where(lse == np.inf, -np.inf, lse)  # blockwise: +inf on empty rows
-
-
-def _merge(
-    out_a: np.ndarray, lse_a: np.ndarray, out_b: np.ndarray, lse_b: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """Attention over the keys of ``a`` and ``b`` together from each one's ``(output, lse)``."""
-    lse = np.logaddexp(lse_a, lse_b)  # (..., rows, 1); -inf: no key in either
-    safe = np.where(lse == -np.inf, 0.0, lse).astype(lse.dtype)  # no -inf - -inf
-    return np.exp(lse_a - safe) * out_a + np.exp(lse_b - safe) * out_b, lse
-
 
 def _attend(
     q: np.ndarray, k: np.ndarray, v: np.ndarray, kv_lengths: np.ndarray | None,
@@ -229,7 +211,7 @@ def _attend(
             part = _attend_pair(q_part, k[..., cols, :], v[..., cols, :], kv_lengths, q_start,
                                 kv_start, sched, args)
             if part is not None:
-                out, lse = _merge(out, lse, *part)
+                out, lse = _merge_partials(out, lse, *part)
         outputs.append(out)
         lses.append(lse)
     return np.concatenate(outputs, axis=-2), np.concatenate(lses, axis=-2)
@@ -255,7 +237,7 @@ def _attend_backward(
             if not any(blocks for _, _, blocks in tiles):
                 continue  # never computed
             lengths = None if kv_lengths is None else kv_lengths - kv_start
-            dq, dk, dv, _ = _backward(
+            dq, dk, dv, _ = backward_tiles(
                 q[..., rows, :], k[..., cols, :], v[..., cols, :], None, lengths, tiles, lo, hi,
                 args.scale, args.softcap, output[..., rows, :], lse[..., rows, :],
                 grad_output[..., rows, :])
@@ -302,7 +284,8 @@ def _ring_forward(q: list, k: list, v: list, kv_lengths: np.ndarray | None,
             origin = cp.ring_origin(n, rank, step)
             part = _attend(q[rank], k[rank], v[rank], kv_lengths, sched.q_segments[rank],
                            sched.kv_segments[origin], sched, args)
-            results[rank] = part if results[rank] is None else _merge(*results[rank], *part)
+            held = results[rank]
+            results[rank] = part if held is None else _merge_partials(*held, *part)
             _note(trace, step, rank, "compute", block=origin,
                   pairs=cp.block_needed(sched, rank, origin))
         if step + 1 < sched.steps:  # nobody needs the blocks after the last step

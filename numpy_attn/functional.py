@@ -1,10 +1,11 @@
 """Scaled dot-product attention, step by step, in NumPy.
 
-The pipeline (``conformance/spec.py``): scores → soft-cap → + bias → mask → softmax → dropout →
-weighted sum of values. Every step is a public function, so every intermediate can be printed
-and compared; ``scaled_dot_product_attention`` validates its inputs once (``attention_rules``)
-and runs them all. The file reads top to bottom: the public steps, then the private helpers
-they share with ``blockwise.py`` and with the fast path.
+The pipeline (``conformance/spec/functions.py``): scores → soft-cap → + bias → mask → softmax →
+dropout → weighted sum of values. Every step is a public function, so every intermediate can be
+printed and compared; ``scaled_dot_product_attention`` validates its inputs once
+(``attention_rules``) and runs them all through ``pipeline``. The steps themselves, unchecked, live
+in ``_core.py`` (shared with ``blockwise.py``, the fast path and ``backward.py``); this file
+validates.
 
 Precision: float16 and bfloat16 are computed in float32; float32 stays float32 (Python floats
 only, never NumPy float64 scalars, so nothing is promoted); float64 stays float64.
@@ -22,10 +23,18 @@ import numpy as np
 import attention_rules as rules
 
 from . import _fast
-from .masks import _positions
-
-NEG_INF = -np.inf
-
+from ._core import (
+    _array,
+    _check_scores,
+    _describe,
+    _dropout,
+    _in_band,
+    _mask_scores,
+    _output,
+    _scores,
+    _softmax,
+    _to_compute,
+)
 
 # ------------------------------------------------------------------------------------------
 # Public steps
@@ -168,8 +177,8 @@ def renormalized_causal_weights(weights: Any, *, causal_alignment: str = "top_le
     rules.check_alignment(fn, causal_alignment)
     weights = _array(weights)
     q_len, kv_len = weights.shape[-2:]
-    offset = rules.causal_offset(causal_alignment, q_len, kv_len)
-    masked = weights * (_positions(q_len, kv_len, offset) <= 0)  # (..., q_len, kv_len)
+    lo, hi = rules.band(q_len, kv_len, True, causal_alignment, None)  # j - i <= offset
+    masked = weights * _in_band(0, q_len, 0, kv_len, lo, hi)  # (..., q_len, kv_len)
     row_sum = masked.sum(axis=-1, keepdims=True)  # (..., q_len, 1)
     row_sum[row_sum == 0] = 1
     return masked / row_sum
@@ -225,16 +234,10 @@ def scaled_dot_product_attention(
     )  # every rule of the spec, on shapes and dtype names: raises, or normalises the options
     query, key, value = _array(query), _array(key), _array(value)
     mask, bias, dropout_mask = _array(mask), _array(bias), _array(dropout_mask)
-    return _attention(query, key, value, mask, bias, dropout_mask, rng, args)
+    return pipeline(query, key, value, mask, bias, dropout_mask, rng, args)
 
 
-# ------------------------------------------------------------------------------------------
-# The steps, unchecked: the public functions validate, then call these. Each returns a fresh
-# array it owns, so later steps may work in place.
-# ------------------------------------------------------------------------------------------
-
-
-def _attention(
+def pipeline(
     query: np.ndarray,
     key: np.ndarray,
     value: np.ndarray,
@@ -244,8 +247,25 @@ def _attention(
     rng: Any,
     args: rules.Arguments,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
-    """The whole pipeline on validated arrays: a fast path where ``_fast.use_fast_path``
-    selects one (it computes the same steps), else the steps one by one."""
+    """The whole pipeline on validated arrays (``scaled_dot_product_attention`` after its
+    checks): a fast path where ``_fast.use_fast_path`` selects one (it computes the same steps),
+    else the steps of ``_core`` one by one.
+
+    Args:
+      query: ``(..., heads, q_len, head_dim)`` or ``(q_len, head_dim)``.
+      key: ``(..., kv_heads, kv_len, head_dim)`` or ``(kv_len, head_dim)``.
+      value: ``(..., kv_heads, kv_len, v_dim)`` or ``(kv_len, v_dim)``.
+      mask: boolean, broadcastable to ``(..., heads, q_len, kv_len)`` (True = may attend), or
+        None.
+      bias: broadcastable to ``(..., heads, q_len, kv_len)``, or None.
+      dropout_mask: boolean keep-mask broadcastable to the weights, or None.
+      rng: ``numpy.random.Generator`` for dropout without a keep-mask, or None.
+      args: the options as ``rules.attention_arguments`` normalised them.
+
+    Returns:
+      ``(..., heads, q_len, v_dim)`` in the input dtype, and with ``args.return_weights`` the
+      weights ``(..., heads, q_len, kv_len)`` in the input dtype.
+    """
     path = _fast.use_fast_path(query, key, value, mask, bias, args)
     if path is not None:  # large inputs: the same steps, blocked over queries on every core
         return _fast.fast_attention(path, query, key, value, mask, bias, args)
@@ -257,154 +277,3 @@ def _attention(
     if args.return_weights:
         return output, weights.astype(query.dtype, copy=False)
     return output
-
-
-def _scores(query: np.ndarray, key: np.ndarray, scale: float, softcap: float | None) -> np.ndarray:
-    query = _to_compute(query) * scale  # (..., heads, q_len, head_dim); scaling q is cheapest
-    key = _to_compute(key)  # (..., kv_heads, kv_len, head_dim)
-    groups = _groups(query.shape, key.shape)
-    if groups > 1:  # grouped-query: (..., kv_heads, groups, q_len, head_dim)
-        query = _group_heads(query, groups)
-        key = key[..., None, :, :]  # (..., kv_heads, 1, kv_len, head_dim)
-    scores = query @ np.swapaxes(key, -1, -2)  # (..., [kv_heads, groups,] q_len, kv_len)
-    scores = scores.reshape(_merged(scores.shape, groups))  # (..., heads, q_len, kv_len)
-    return _softcap(scores, softcap)
-
-
-def _softcap(scores: np.ndarray, softcap: float | None) -> np.ndarray:
-    """``softcap · tanh(scores / softcap)`` (in place); unchanged for None."""
-    if softcap is not None:
-        scores *= 1.0 / softcap
-        np.tanh(scores, out=scores)
-        scores *= softcap
-    return scores
-
-
-def _mask_scores(
-    scores: np.ndarray,
-    mask: np.ndarray | None,
-    bias: np.ndarray | None,
-    is_causal: bool,
-    causal_alignment: str,
-    window: tuple[int | None, int | None] | None,
-) -> np.ndarray:
-    if bias is not None:
-        scores += bias.astype(scores.dtype, copy=False)  # (..., heads, q_len, kv_len)
-    q_len, kv_len = scores.shape[-2:]
-    allowed = _allowed(q_len, kv_len, mask, is_causal, causal_alignment, window)
-    if allowed is not None:
-        # replaced, not added: a NaN score at a masked position does not spread
-        np.copyto(scores, NEG_INF, where=~allowed)
-    return scores
-
-
-def _allowed(
-    q_len: int,
-    kv_len: int,
-    mask: np.ndarray | None,
-    is_causal: bool,
-    causal_alignment: str,
-    window: tuple[int | None, int | None] | None,
-) -> np.ndarray | None:
-    """AND of the boolean mask, the causal rule and the window; None when all are absent."""
-    allowed = mask
-    if is_causal or window is not None:
-        lo, hi = rules.band(q_len, kv_len, is_causal, causal_alignment, window)
-        structural = _in_band(0, q_len, 0, kv_len, lo, hi)  # (q_len, kv_len)
-        allowed = structural if allowed is None else allowed & structural
-    return allowed
-
-
-def _in_band(q_start: int, rows: int, kv_start: int, keys: int, lo: float, hi: float) -> np.ndarray:
-    """``(rows, keys)`` bool: ``lo <= j - i <= hi`` for queries ``i`` from ``q_start`` and keys
-    ``j`` from ``kv_start`` (``rules.band``: the causal rule and the window; ±inf unbounded)."""
-    distance = (kv_start + np.arange(keys))[None, :] - (q_start + np.arange(rows))[:, None]
-    return (distance >= lo) & (distance <= hi)  # (rows, keys)
-
-
-def _softmax(scores: np.ndarray) -> np.ndarray:
-    """Softmax over the last axis, in place; rows that are all ``-inf`` become exactly 0."""
-    weights, row_sum = _unnormalised_softmax(scores)  # (..., q_len, kv_len), (..., q_len, 1)
-    weights /= row_sum
-    return weights
-
-
-def _unnormalised_softmax(scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``exp(scores - row max)`` (in place) and its row sums ``(..., q_len, 1)``; a row that is
-    all ``-inf`` gives 0 and a row sum of 1, so dividing by it gives 0, never NaN."""
-    row_max = scores.max(axis=-1, keepdims=True, initial=NEG_INF)  # (..., q_len, 1)
-    row_max[row_max == NEG_INF] = 0.0  # fully masked row: exp(-inf - 0) = 0, no NaN
-    scores -= row_max
-    np.exp(scores, out=scores)
-    row_sum = scores.sum(axis=-1, keepdims=True)  # (..., q_len, 1)
-    row_sum[row_sum == 0.0] = 1.0  # 0 / 1 = 0 for fully masked rows
-    return scores, row_sum
-
-
-def _dropout(
-    weights: np.ndarray, dropout_p: float, dropout_mask: np.ndarray | None, rng: Any
-) -> np.ndarray:
-    if dropout_mask is None:
-        rng = np.random.default_rng() if rng is None else rng
-        dropout_mask = rng.random(weights.shape, dtype=np.float32) >= dropout_p
-    return weights * dropout_mask * (1.0 / (1.0 - dropout_p))
-
-
-def _output(weights: np.ndarray, value: np.ndarray) -> np.ndarray:
-    value = _to_compute(value)  # (..., kv_heads, kv_len, v_dim)
-    groups = _groups(weights.shape, value.shape)
-    if groups > 1:
-        weights = _group_heads(weights, groups)  # (..., kv_heads, groups, q_len, kv_len)
-        value = value[..., None, :, :]  # (..., kv_heads, 1, kv_len, v_dim)
-    output = weights.astype(value.dtype, copy=False) @ value
-    return output.reshape(_merged(output.shape, groups))  # (..., heads, q_len, v_dim)
-
-
-# ------------------------------------------------------------------------------------------
-# Arrays, dtypes and heads
-# ------------------------------------------------------------------------------------------
-
-
-def _describe(fn: str, name: str, x: Any) -> rules.ArrayInfo | None:
-    """What the rules see of an input: ``(shape, dtype name)``; None for None. A Python list,
-    tuple or scalar is refused (TypeError): it has no dtype of its own."""
-    if x is None:
-        return None
-    rules.check_array(fn, name, x)
-    x = np.asarray(x)
-    return tuple(x.shape), x.dtype.name
-
-
-def _array(x: Any) -> np.ndarray | None:
-    """A validated input as a NumPy array (no copy); None stays None."""
-    return None if x is None else np.asarray(x)
-
-
-def _check_scores(fn: str, name: str, x: Any) -> rules.ArrayInfo:
-    """A floating array of rank >= 2 (scores or weights); its ``(shape, dtype name)``."""
-    shape, dtype = _describe(fn, name, x)
-    rules.check_float_inputs(fn, **{name: dtype})
-    rules.check_rank(fn, **{name: shape})
-    return shape, dtype
-
-
-def _to_compute(x: np.ndarray) -> np.ndarray:
-    """Half types up to float32; float32 and float64 unchanged (no copy)."""
-    return x.astype(rules.compute_dtype(x.dtype.name), copy=False)
-
-
-def _group_heads(x: np.ndarray, groups: int) -> np.ndarray:
-    """``(..., heads, T, D)`` → ``(..., kv_heads, groups, T, D)``: query head ``h`` is
-    ``(h // groups, h % groups)``, so it meets kv head ``h // groups``."""
-    return x.reshape(x.shape[:-3] + (x.shape[-3] // groups, groups) + x.shape[-2:])
-
-
-def _groups(x_shape: tuple[int, ...], kv_shape: tuple[int, ...]) -> int:
-    return x_shape[-3] // kv_shape[-3] if len(x_shape) >= 3 else 1
-
-
-def _merged(shape: tuple[int, ...], groups: int) -> tuple[int, ...]:
-    """Undo ``_group_heads``: ``(..., kv_heads, groups, T, S)`` → ``(..., heads, T, S)``."""
-    if groups == 1:
-        return shape
-    return shape[:-4] + (shape[-4] * shape[-3],) + shape[-2:]

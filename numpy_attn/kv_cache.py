@@ -13,7 +13,7 @@ import numpy as np
 
 import attention_rules as rules
 
-from .masks import _check_device
+from ._core import _check_device
 
 
 def _dtype(dtype: Any) -> np.dtype:

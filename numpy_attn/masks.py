@@ -8,18 +8,7 @@ import numpy as np
 
 import attention_rules as rules
 
-
-def _check_device(fn: str, device: Any) -> None:
-    # NumPy arrays live on the CPU only (the Array API's device="cpu").
-    if device not in (None, "cpu"):
-        raise ValueError(f"{fn}: numpy_attn creates arrays on the CPU only; got device={device!r}")
-
-
-def _positions(q_len: int, kv_len: int, offset: int) -> np.ndarray:
-    """``j - (i + offset)`` for every query ``i`` and key ``j``: ``(q_len, kv_len)``."""
-    query_pos = np.arange(q_len)[:, None] + offset  # (q_len, 1)
-    key_pos = np.arange(kv_len)[None, :]  # (1, kv_len)
-    return key_pos - query_pos  # (q_len, kv_len)
+from ._core import _check_device, _in_band
 
 
 def causal_mask(q_len: int, kv_len: int, *, offset: int = 0, device: Any = None) -> np.ndarray:
@@ -39,7 +28,8 @@ def causal_mask(q_len: int, kv_len: int, *, offset: int = 0, device: Any = None)
     kv_len = rules.check_int(fn, "kv_len", kv_len)
     offset = rules.check_int(fn, "offset", offset, minimum=None)
     _check_device(fn, device)
-    return _positions(q_len, kv_len, offset) <= 0
+    lo, hi = rules.band(q_len, kv_len, True, "top_left", None)  # j - i <= 0
+    return _in_band(offset, q_len, 0, kv_len, lo, hi)  # queries from offset: (q_len, kv_len)
 
 
 def sliding_window_mask(
@@ -63,13 +53,8 @@ def sliding_window_mask(
     offset = rules.check_int(fn, "offset", offset, minimum=None)
     left, right = rules.check_window(fn, window)
     _check_device(fn, device)
-    distance = _positions(q_len, kv_len, offset)  # (q_len, kv_len): j - (i + offset)
-    allowed = np.ones((q_len, kv_len), dtype=bool)
-    if left is not None:
-        allowed &= distance >= -left
-    if right is not None:
-        allowed &= distance <= right
-    return allowed
+    lo, hi = rules.band(q_len, kv_len, False, "top_left", (left, right))  # -left <= j - i <= right
+    return _in_band(offset, q_len, 0, kv_len, lo, hi)  # queries from offset: (q_len, kv_len)
 
 
 def _lengths(fn: str, name: str, lengths: Any, max_len: int) -> np.ndarray:

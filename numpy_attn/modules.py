@@ -120,11 +120,8 @@ class SelfAttention(_Module):
         grad_q, grad_k, grad_v, _ = scaled_dot_product_attention_vjp(
             queries, keys, values, grad_output
         )
-        return {
-            "W_query": projection_grads(x, grad_q),
-            "W_key": projection_grads(x, grad_k),
-            "W_value": projection_grads(x, grad_v),
-        }
+        return {"W_query": projection_grads(x, grad_q), "W_key": projection_grads(x, grad_k),
+                "W_value": projection_grads(x, grad_v)}
 
 
 class CrossAttention(_Module):
@@ -153,11 +150,8 @@ class CrossAttention(_Module):
             _matmul(x_1, self.W_query), _matmul(x_2, self.W_key), _matmul(x_2, self.W_value),
             grad_output,
         )
-        return {
-            "W_query": projection_grads(x_1, grad_q),
-            "W_key": projection_grads(x_2, grad_k),
-            "W_value": projection_grads(x_2, grad_v),
-        }
+        return {"W_query": projection_grads(x_1, grad_q), "W_key": projection_grads(x_2, grad_k),
+                "W_value": projection_grads(x_2, grad_v)}
 
 
 class CausalSelfAttention(_Module):
@@ -197,11 +191,8 @@ class CausalSelfAttention(_Module):
         grad_q, grad_k, grad_v, _ = scaled_dot_product_attention_vjp(
             queries, keys, values, grad_output, is_causal=True
         )
-        return {
-            "W_query": projection_grads(x, grad_q),
-            "W_key": projection_grads(x, grad_k),
-            "W_value": projection_grads(x, grad_v),
-        }
+        return {"W_query": projection_grads(x, grad_q), "W_key": projection_grads(x, grad_k),
+                "W_value": projection_grads(x, grad_v)}
 
     def decode(
         self, x: Any, cache: KVCache | None = None, *, max_len: int | None = None

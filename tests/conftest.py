@@ -26,3 +26,15 @@ def backend(request: pytest.FixtureRequest) -> backends.Backend:
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(20261130)
+
+
+@pytest.fixture(params=["fast", "explicit"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """torch_attn's route: ``"fast"`` as it stands, ``"explicit"`` with the fast path switched
+    off (``_fast.use_fast_path`` selects nothing). Shared by the torch autograd and fast-path
+    tests; torch is imported only by a test that asks for it."""
+    if request.param == "explicit":
+        from torch_attn import _fast
+
+        monkeypatch.setattr(_fast, "use_fast_path", lambda *args, **kwargs: None)
+    return request.param

@@ -51,8 +51,9 @@ def _computed_pairs(case_q: int, case_kv: int, world: int, load_balance: bool, *
 @pytest.mark.parametrize("load_balance", [False, True])
 def test_ring_computes_exactly_the_pairs_the_causal_rule_keeps(monkeypatch, load_balance):
     calls = []
-    original = ncp._forward
-    monkeypatch.setattr(ncp, "_forward", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = ncp.forward_tiles
+    monkeypatch.setattr(ncp, "forward_tiles",
+                        lambda *a, **k: calls.append(1) or original(*a, **k))
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 2, 16, 4)) for _ in range(3))
     trace: list = []
@@ -221,4 +222,5 @@ def test_the_three_files_define_their_shared_functions_in_the_same_order():
     common = set(names(packages[0])).intersection(*(names(p) for p in packages[1:]))
     orders = [[n for n in names(p) if n in common] for p in packages]
     assert orders[0] == orders[1] == orders[2], orders
-    assert {"_attend", "_merge", "_ring_forward", "_ring_backward", "_ulysses_forward"} <= common
+    assert {"_attend", "_attend_pair", "_ring_forward", "_ring_backward",
+            "_ulysses_forward"} <= common  # the merge is _core._merge_partials

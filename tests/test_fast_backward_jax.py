@@ -1,4 +1,4 @@
-"""jax_attn's blocked fast path has its own backward pass (``_fast.fast_attention_vjp``).
+"""jax_attn's blocked fast path has its own backward pass (``_fast._blocked_attention_vjp``).
 
 ``_fast._blocked_attention`` is a ``jax.custom_vjp``: the forward pass saves the output and the
 row log-sum-exp, the backward pass walks blocks of keys against the query rows that see them
@@ -172,7 +172,9 @@ def test_block_kv_is_the_rule():
     assert _fast.BLOCK_KV == attention_rules.FAST_PATHS["jax_attn"]["blocked"]["block_kv"]
 
 
-def test_fast_attention_vjp_is_the_blocked_backward_pass(small_blocks):
+def test_public_vjp_takes_the_blocked_backward_pass(small_blocks):
+    # the real path: scaled_dot_product_attention_vjp (jax.vjp of the forward pass) reaches the
+    # blocked custom_vjp when use_fast_path selects "blocked"
     import attention_rules
 
     (q, k, v, g), _ = _inputs({})
@@ -181,10 +183,10 @@ def test_fast_attention_vjp_is_the_blocked_backward_pass(small_blocks):
         (v.shape, "float64"), is_causal=True)
     q, k, v, g = (jnp.asarray(x) for x in (q, k, v, g))
     assert _fast.use_fast_path(q, k, v, None, None, args) == "blocked"
-    grads = jax.jit(lambda q, k, v, g: _fast.fast_attention_vjp(
-        "blocked", q, k, v, g, None, None, args))(q, k, v, g)
+    grads = jax.jit(lambda q, k, v, g: jax_attn.scaled_dot_product_attention_vjp(
+        q, k, v, g, is_causal=True))(q, k, v, g)
     assert small_blocks and grads[3] is None
     ref = reference.attention_vjp(q, k, v, g, is_causal=True)
     for name, got, want in zip(("grad_query", "grad_key", "grad_value"), grads[:3],
                                (ref.query, ref.key, ref.value), strict=True):
-        _check(name, np.asarray(got), want, "fast_attention_vjp vs float64 reference")
+        _check(name, np.asarray(got), want, "scaled_dot_product_attention_vjp vs float64 reference")

@@ -20,7 +20,7 @@ import pytest
 import attention_rules
 import numpy_attn
 from conformance import reference
-from numpy_attn import _fast
+from numpy_attn import _fast, _threads
 
 # (query, key, value) shapes: grouped-query heads with q_len > kv_len, kv_len > q_len, 2-D
 SHAPES = {
@@ -247,14 +247,14 @@ def test_dropout_and_small_inputs_take_the_explicit_vjp(small_blocks, monkeypatc
 
 def test_several_workers_add_their_own_grad_query(small_blocks, monkeypatch, four_workers):
     workers = []
-    real = _fast._run
+    real = _threads.run_lanes
 
     def counting(tasks, block, scratch):
         scratches = real(tasks, block, scratch)
         workers.append(len(scratches))
         return scratches
 
-    monkeypatch.setattr(_fast, "_run", counting)
+    monkeypatch.setattr(_threads, "run_lanes", counting)
     q, k, v, grad_out = _inputs(SHAPES["gqa_q_longer"])
     _check(small_blocks, monkeypatch, q, k, v, grad_out, is_causal=True,
            bias=np.random.default_rng(4).standard_normal((45, 1)))
@@ -268,8 +268,8 @@ def test_blockwise_vjp_on_the_threads_with_kv_lengths(monkeypatch, four_workers)
     bias = np.random.default_rng(6).standard_normal((4, 30, 1))
     lengths = np.array([26, 11])
     runs = []
-    real = _fast._run
-    monkeypatch.setattr(_fast, "_run", lambda *a: runs.append(len(a[0])) or real(*a))
+    real = _threads.run_lanes
+    monkeypatch.setattr(_threads, "run_lanes", lambda *a: runs.append(len(a[0])) or real(*a))
     options = {"bias": bias, "is_causal": True, "causal_alignment": "bottom_right",
                "softcap": 3.0}
     got = numpy_attn.blockwise_attention_vjp(q, k, v, grad_out, kv_lengths=lengths, block_q=4,

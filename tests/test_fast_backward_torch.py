@@ -1,35 +1,41 @@
-"""torch_attn's fast paths, forward and backward, against the explicit steps in float64.
+"""torch_attn's fast paths, forward and backward, against the float64 reference.
 
 What SDPA cannot skip (a soft-cap, a window, the causal rule bottom-right with q_len != kv_len)
-runs, for large inputs, on ``blockwise._BlockwiseAttention`` (``_fast.use_fast_path`` returns
-``"blocked"``); the rest runs on SDPA. Here the selection numbers are patched down so small
-inputs take the blocked path and are cut into several tiles; the expected values are the
-explicit steps (``return_weights=True`` always runs them) differentiated by autograd, an
-independent computation that materialises the whole score matrix.
+runs, for large inputs, on ``blockwise.BlockwiseFunction`` (``_fast.use_fast_path`` returns
+``"blocked"``); the rest runs on SDPA. Here the selection numbers are patched down so the
+harness's small cases (``conformance.cases``, some with an option added) take the blocked path
+and are cut into tiles of ``cases.BLOCKWISE_TILES`` that do not divide their lengths. Expected
+values, exact zeros and gradients come from ``conformance.expected`` (the float64
+``conformance.reference`` and its VJP, against the case's seeded ``grad_output``), judged by
+the harness's one tolerance rule (``conformance.compare``); never from torch_attn itself.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="pip install torch==2.13.0")
 
 import attention_rules  # noqa: E402
 import torch_attn  # noqa: E402
+from conformance import backends, cases, compare, expected  # noqa: E402
+from conformance.naive import Precision, naive_attention_vjp  # noqa: E402
 from torch_attn import _fast  # noqa: E402
 
 F64 = torch.float64
-TOL = {"atol": 1e-12, "rtol": 1e-10}
+GRADS = ("query", "key", "value", "bias")
+TORCH = backends.get("torch")  # NumPy <-> torch, bfloat16 included, as the harness converts
 
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    """Every input takes the blocked path, in tiles of 8 queries by 16 keys."""
+    """Every input takes the blocked path, in the harness's small tiles (2 queries, 3 keys)."""
     monkeypatch.setattr(_fast, "MAX_TILE_FRACTION", 1.0)
     monkeypatch.setattr(_fast, "MIN_SCORES", 1)
     monkeypatch.setattr(_fast, "MIN_Q_LEN", 1)
-    monkeypatch.setattr(_fast, "BLOCK_Q", 8)
-    monkeypatch.setattr(_fast, "BLOCK_KV", 16)
+    monkeypatch.setattr(_fast, "BLOCK_Q", cases.BLOCKWISE_TILES["block_q"])
+    monkeypatch.setattr(_fast, "BLOCK_KV", cases.BLOCKWISE_TILES["block_kv"])
 
 
 def _tensors(shape_q, shape_kv, seed, dtype=F64):
@@ -64,57 +70,79 @@ def _path(q, k, v, mask=None, bias=None, **kw):
     return _fast.use_fast_path(q, k, v, mask, bias, args)
 
 
-# (query shape, key shape, options, whether some rows are fully masked): each beyond SDPA
+def _expected(data, dtype):
+    """``expected.expected_for`` with gradients; where an input is not finite (a ``-inf`` bias
+    emptying rows) the harness compares no gradient, so they are added here from the float64
+    reference VJP and the naive baseline, as ``expected.expected_for`` computes them."""
+    exp = expected.expected_for(data, "sdpa", dtype)
+    if "grad_query" not in exp.values:
+        p = Precision(dtype)
+        with np.errstate(all="ignore"):
+            ref = expected.reference_attention_vjp(exp.data.arrays, exp.data.options)
+            naive = naive_attention_vjp(exp.data.arrays, exp.data.options, p)
+        for name in GRADS:
+            if getattr(ref, name) is not None:
+                exp.values[f"grad_{name}"] = getattr(ref, name)
+                exp.baseline[f"grad_{name}"] = expected.baseline_error(getattr(naive, name),
+                                                                       getattr(ref, name), p)
+        empty = np.isneginf(exp.values["masked_scores"]).all(-1, keepdims=True)  # (..., q, 1)
+        exp.zeros["grad_query"] = np.broadcast_to(empty, exp.values["grad_query"].shape)
+    return exp
+
+
+def _case(name, dtype="float64", **extra):
+    """The case's inputs in ``dtype``, with ``extra`` options, and their expected values."""
+    data = cases.prepare_inputs(cases.get(name), dtype)
+    data.options.update(extra)
+    return _expected(data, dtype)
+
+
+def _torch_inputs(exp):
+    """(q, k, v, grad_output, bias or None, keyword arguments) as tensors."""
+    a = {n: TORCH.asarray(x) for n, x in exp.data.arrays.items()}
+    kw = cases.sdpa_options(exp.data.options)
+    if "mask" in a:
+        kw["mask"] = a["mask"]
+    return a["query"], a["key"], a["value"], a["grad_output"], a.get("bias"), kw
+
+
+def _assert_conforms(exp, out, grads, what=""):
+    """Output and gradients under the harness's rule, in the input dtype; exact zeros included."""
+    results = [compare.compare_step(exp, "output", TORCH.to_numpy(out), "input")]
+    for name, grad in zip(GRADS, grads, strict=False):
+        results.append(compare.compare_step(exp, f"grad_{name}", TORCH.to_numpy(grad), "input"))
+    for res in results:
+        assert res.passed, (
+            f"{res.step}: {res.ratio:.3g} × tolerance at {res.index} (got {res.actual}, "
+            f"expected {res.expected}, bound {res.bound}) {res.note} [torch_attn vs float64 "
+            f"reference, case={exp.case}, dtype={exp.dtype}{what}]")
+
+
+# (case, options added to it): each beyond SDPA
 BLOCKED_CASES = [
-    ((2, 4, 37, 8), (2, 2, 29, 8), {"softcap": 2.5}, False),  # grouped-query heads
-    ((2, 2, 37, 8), (2, 2, 45, 8), {"softcap": 4.0, "is_causal": True}, False),
-    ((2, 2, 40, 8), (2, 2, 40, 8), {"window": (5, 3)}, False),
-    ((1, 3, 33, 8), (1, 3, 50, 8), {"window": (7, 0), "causal_alignment": "bottom_right"}, False),
-    ((2, 2, 30, 8), (2, 2, 47, 8), {"is_causal": True, "causal_alignment": "bottom_right"}, False),
-    ((33, 8), (21, 8), {"is_causal": True, "causal_alignment": "bottom_right"}, True),  # 2-D
-    ((2, 2, 30, 8), (2, 1, 40, 8), {"softcap": 3.0, "mask": "padding", "bias": "random"}, True),
-    ((2, 2, 30, 8), (2, 2, 40, 8), {"window": (None, 2), "bias": "empty rows", "scale": 0.4},
-     True),
+    ("causal_bottom_right", {}),
+    ("causal_bottom_right_q_longer", {}),  # rows 0-1 keep no key
+    ("window", {}),
+    ("window_causal_bottom_right", {}),
+    ("softcap", {}),
+    ("single_query_causal", {}),
+    ("gqa", {"softcap": 2.5}),  # grouped-query heads
+    ("two_d", {"is_causal": True, "causal_alignment": "bottom_right"}),
+    ("mask_and_bias", {"softcap": 3.0}),
+    ("kv_lengths", {"softcap": 3.0}),  # sequence 1 keeps no key
+    ("mqa", {"window": (None, 2), "scale": 0.4}),
 ]
 
 
-def _options(options, shape_q, shape_kv):
-    """The keyword arguments (a padding mask whose sequence 0 keeps no key) and the bias
-    ``(heads, q_len, kv_len)`` (``"empty rows"``: query 3 of every head keeps no key)."""
-    kw = dict(options)
-    kind = kw.pop("bias", None)
-    if kw.get("mask") == "padding":
-        kw["mask"] = torch_attn.padding_mask(torch.tensor([0, shape_kv[-2] - 3]), shape_kv[-2])
-    if kind is None:
-        return kw, None
-    gen = torch.Generator().manual_seed(5)
-    bias = torch.randn(shape_q[-3:-1] + (shape_kv[-2],), generator=gen, dtype=F64)
-    if kind == "empty rows":
-        bias[..., 3, :] = float("-inf")
-        bias[0, 7, ::2] = float("-inf")  # and half the keys of one row
-    return kw, bias
-
-
 @pytest.mark.parametrize("case", range(len(BLOCKED_CASES)))
-def test_blocked_path_equals_explicit_steps_with_gradients(case, small_tiles):
-    shape_q, shape_kv, options, has_empty_rows = BLOCKED_CASES[case]
-    q, k, v, g = _tensors(shape_q, shape_kv, seed=case)
-    kw, bias = _options(options, shape_q, shape_kv)
+def test_blocked_path_matches_reference_with_gradients(case, small_tiles):
+    name, extra = BLOCKED_CASES[case]
+    exp = _case(name, **extra)
+    q, k, v, g, bias, kw = _torch_inputs(exp)
     assert _path(q, k, v, bias=bias, **kw) == "blocked"
     out, grads = _forward_and_grads(q, k, v, g, bias=bias, **kw)
-    ref_out, ref_grads = _forward_and_grads(q, k, v, g, bias=bias, return_weights=True, **kw)
-    assert out.dtype == F64 and out.shape == ref_out.shape
-    torch.testing.assert_close(out, ref_out, **TOL)
-    names = ("query", "key", "value", "bias")[: 3 if bias is None else 4]
-    for name, got, expected in zip(names, grads, ref_grads, strict=True):
-        torch.testing.assert_close(got, expected, **TOL, msg=lambda m, n=name: f"grad {n}: {m}")
-    # fully masked rows: output and query gradient exactly 0; no NaN anywhere
-    empty = ref_out.eq(0).all(dim=-1)  # (..., q_len)
-    assert bool(empty.any()) == has_empty_rows
-    assert torch.equal(out[empty], torch.zeros_like(out[empty]))
-    assert torch.equal(grads[0][empty], torch.zeros_like(grads[0][empty]))
-    if options.get("bias") == "empty rows":  # and the bias gradient of the empty rows
-        assert torch.equal(grads[3][..., 3, :], torch.zeros_like(grads[3][..., 3, :]))
+    assert out.dtype == F64
+    _assert_conforms(exp, out, grads, f", options+={extra}")
     assert not any(t.isnan().any() for t in (out, *grads))
 
 
@@ -163,48 +191,45 @@ def test_selection_rule_sends_only_what_sdpa_cannot_skip_to_the_blocks():
     assert _path(nan_q, big, big, softcap=2.0) is None
 
 
-@pytest.mark.parametrize("q_len,kv_len", [(7, 12), (12, 7)])
-def test_sdpa_is_causal_top_left_gradients_equal_explicit_steps(q_len, kv_len):
+@pytest.mark.parametrize("case", ["causal_top_left", "causal_top_left_q_longer"])
+def test_sdpa_is_causal_top_left_gradients_match_reference(case):
     """Top-left causal with q_len != kv_len runs on SDPA's own ``is_causal``."""
-    q, k, v, g = _tensors((2, 3, q_len, 8), (2, 3, kv_len, 8), seed=3)
-    assert _path(q, k, v, is_causal=True) == "sdpa"
-    out, grads = _forward_and_grads(q, k, v, g, is_causal=True)
-    ref_out, ref_grads = _forward_and_grads(q, k, v, g, is_causal=True, return_weights=True)
-    torch.testing.assert_close(out, ref_out, **TOL)
-    for got, expected in zip(grads, ref_grads, strict=True):
-        torch.testing.assert_close(got, expected, **TOL)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_blocked_path_keeps_the_input_dtype(dtype, small_tiles):
-    q, k, v, g = _tensors((1, 2, 20, 8), (1, 2, 26, 8), seed=4, dtype=dtype)
-    kw = {"softcap": 3.0, "is_causal": True, "causal_alignment": "bottom_right"}
+    exp = _case(case)
+    q, k, v, g, _, kw = _torch_inputs(exp)
+    assert _path(q, k, v, **kw) == "sdpa"
     out, grads = _forward_and_grads(q, k, v, g, **kw)
-    ref_out, ref_grads = _forward_and_grads(*(t.double() for t in (q, k, v, g)),
-                                            return_weights=True, **kw)
-    assert out.dtype == dtype and all(t.dtype == dtype for t in grads)
-    tol = {"atol": 1e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
-    torch.testing.assert_close(out.double(), ref_out, **tol)
-    for got, expected in zip(grads, ref_grads, strict=True):
-        torch.testing.assert_close(got.double(), expected, **tol)
+    _assert_conforms(exp, out, grads)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_blocked_path_keeps_the_input_dtype(dtype, small_tiles):
+    exp = _case("causal_bottom_right", dtype, softcap=3.0)
+    q, k, v, g, _, kw = _torch_inputs(exp)
+    out, grads = _forward_and_grads(q, k, v, g, **kw)
+    assert out.dtype == q.dtype and all(t.dtype == q.dtype for t in grads)
+    _assert_conforms(exp, out, grads)
 
 
 @pytest.mark.parametrize("cpu_zeroes_rows", [True, False])
 @pytest.mark.parametrize("kw", [{}, {"is_causal": True}, {"mask": "padding"}])
-def test_sdpa_bias_with_empty_rows_gradients_equal_explicit_steps(kw, cpu_zeroes_rows,
-                                                                  monkeypatch):
+def test_sdpa_bias_with_empty_rows_gradients_match_reference(kw, cpu_zeroes_rows,
+                                                              monkeypatch):
     """A bias that empties rows (``-inf``) stays on SDPA, which zeroes such rows on the CPU;
     on other devices ``_sdpa_attention`` gives them every key and zeroes them itself (the
     route ``CPU_SDPA_ZEROES_MASKED_ROWS = False`` takes here)."""
     monkeypatch.setattr(_fast, "CPU_SDPA_ZEROES_MASKED_ROWS", cpu_zeroes_rows)
-    shape_q, shape_kv = (2, 2, 12, 8), (2, 2, 15, 8)
-    q, k, v, g = _tensors(shape_q, shape_kv, seed=6)
-    kw, bias = _options({**kw, "bias": "empty rows"}, shape_q, shape_kv)
+    data = cases.prepare_inputs(cases.get("cross"), "float64")  # (2, 4, 5 over 7, 8)
+    bias = np.random.default_rng(5).standard_normal((cases.H, cases.TQ, cases.TK))
+    bias[..., 3, :] = -np.inf  # query 3 of every head keeps no key
+    bias[0, 1, ::2] = -np.inf  # and half the keys of one row
+    data.arrays["bias"] = bias
+    if kw.get("mask") == "padding":  # sequence 0 keeps no key
+        data.arrays["mask"] = (np.arange(cases.TK) < np.array([0, 4])[:, None])[:, None, None]
+    data.options.update({k: v for k, v in kw.items() if k != "mask"})
+    exp = _expected(data, "float64")
+    q, k, v, g, bias, kw = _torch_inputs(exp)
     assert _path(q, k, v, bias=bias, **kw) == "sdpa"
     out, grads = _forward_and_grads(q, k, v, g, bias=bias, **kw)
-    ref_out, ref_grads = _forward_and_grads(q, k, v, g, bias=bias, return_weights=True, **kw)
-    torch.testing.assert_close(out, ref_out, **TOL)
-    for got, expected in zip(grads, ref_grads, strict=True):
-        torch.testing.assert_close(got, expected, **TOL)
+    _assert_conforms(exp, out, grads)
     for zero in (out[..., 3, :], grads[0][..., 3, :], grads[3][..., 3, :]):  # the empty row
         assert torch.equal(zero, torch.zeros_like(zero))

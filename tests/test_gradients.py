@@ -207,11 +207,9 @@ def test_module_backward_never_uses_dropout(backend):
     module = backend.module.CausalSelfAttention(4, 3, 2, dropout_p=0.1, rng=backend.rng(0))
     x = backend.asarray(np.ones((5, 4), np.float32))
     grad_out = backend.asarray(np.ones((5, 2), np.float32))
-    if hasattr(module, "eval"):  # train/eval state (numpy_attn, torch_attn): refused in training
-        with pytest.raises(ValueError, match="dropout is active"):
-            module.backward(x, grad_out)
-        module = module.eval()
-    # jax_attn: dropout only with an rng key, which backward never passes
+    with pytest.raises(ValueError, match="dropout is active"):  # refused in training mode
+        module.backward(x, grad_out)
+    module = module.eval()
     assert module.backward(x, grad_out)["W_query"].shape == (4, 3)
 
 

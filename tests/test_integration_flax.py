@@ -33,7 +33,7 @@ from flax.nnx.nn.attention import dot_product_attention_weights  # noqa: E402
 from conformance import compare, spec  # noqa: E402
 from jax_attn.integrations import flax as fx  # noqa: E402
 
-jax.config.update("jax_enable_x64", True)  # float64 reference (as tests/test_jax_specific.py)
+jax.config.update("jax_enable_x64", True)  # float64 reference (as tests/jax_inputs.py)
 
 ROOT = Path(__file__).resolve().parent.parent
 HIGHEST = jax.lax.Precision.HIGHEST

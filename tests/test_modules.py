@@ -1,6 +1,6 @@
 """Modules on every backend: the article's worked example, weights round trips, MultiHeadAttention.
 
-The article's numbers are published values (``conformance.seed_example.ARTICLE``); the other
+The article's numbers are published values (``conformance.spec.seed_example.ARTICLE``); the other
 expectations come from ``conformance.reference`` in float64.
 """
 
@@ -9,8 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conformance import reference, seed_example
-from conformance.seed_example import ARTICLE, ARTICLE_INCONSISTENT
+from conformance import reference
+from conformance.spec import seed_example
+from conformance.spec.seed_example import ARTICLE, ARTICLE_INCONSISTENT
 
 EMBEDDING = np.array(seed_example.EMBEDDING, dtype=np.float32)
 

@@ -3,8 +3,13 @@ and no backend imports another (each is imported for real: an ImportError fails 
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import shutil
 import subprocess
 import sys
+import sysconfig
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -60,7 +65,70 @@ def test_backends_import_no_other_backend(package):
 
 def test_rules_and_backends_are_packaged():
     text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
-    for package in ("attention_rules",) + BACKENDS:
-        assert f'"{package}"' in text.split("[tool.setuptools]")[1].split("\n")[1], package
+    found = text.split("[tool.setuptools.packages.find]")[1].split("\n\n")[0]
+    for package in ("attention_rules",) + BACKENDS + ("conformance",):
+        assert f'"{package}"' in found and f'"{package}.*"' in found, package  # subpackages too
         assert (ROOT / package / "py.typed").exists()
         assert f'{package} = ["py.typed"]' in text
+
+
+PACKAGES = ("attention_rules",) + BACKENDS + ("conformance",)
+SUBPACKAGES = ("conformance.spec", "conformance.peers", "conformance.context_parallel",
+               "conformance.teaching", "jax_attn.integrations", "torch_attn.integrations")
+
+
+def _check(command: list[str], **kwargs) -> str:
+    """Run ``command`` (at most 120 s); its stdout (a failure fails the test)."""
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, **kwargs)
+    assert result.returncode == 0, f"{command}\n{result.stdout}\n{result.stderr}"
+    return result.stdout
+
+
+def test_the_wheel_installs_and_runs_the_harness_outside_the_repository(tmp_path):
+    """The wheel, built from a copy of the sources, holds every package and subpackage,
+    ``py.typed`` and the LICENSE; installed (no dependencies) into a fresh venv without system
+    site packages, it runs ``python -m conformance`` from outside the repository. NumPy and
+    ml_dtypes reach the venv through a ``.pth`` naming their directories: a plain directory in a
+    ``.pth`` is added to ``sys.path`` without running the ``.pth`` files in it, so the editable
+    install of this project (a ``.pth`` with a finder, in the main environment) stays off."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, src / name)
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, src / package,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    wheels = tmp_path / "wheels"
+    _check([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
+            "--no-index", "-q", "-w", str(wheels)], cwd=tmp_path)
+    (wheel,) = wheels.glob("*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), sorted(names)
+    for package in PACKAGES + SUBPACKAGES:
+        assert f"{package.replace('.', '/')}/__init__.py" in names, package
+    assert {f"{package}/py.typed" for package in PACKAGES} <= names
+
+    venv = tmp_path / "venv"
+    _check([sys.executable, "-m", "venv", "--without-pip", str(venv)])
+    python = venv / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+    site = Path(_check([str(python), "-c", "import sysconfig; "
+                        "print(sysconfig.get_paths()['purelib'])"]).strip())
+    _check([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q",
+            "--target", str(site), str(wheel)])
+    deps = {str(Path(importlib.util.find_spec(m).origin).parent.parent)
+            for m in ("numpy", "ml_dtypes")}
+    (site / "main_environment_numpy.pth").write_text("\n".join(sorted(deps)) + "\n")
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    where = _check([str(python), "-c", "import conformance, numpy_attn; "
+                    "print(conformance.__file__); print(numpy_attn.__file__)"],
+                   cwd=outside, env=env).split()
+    for path in map(Path, where):
+        assert path.is_relative_to(site) and not path.is_relative_to(ROOT), path
+    assert Path(sysconfig.get_paths()["purelib"]) != site
+    out = _check([str(python), "-m", "conformance", "--backend", "numpy", "--case", "self",
+                  "--dtype", "float32", "--no-peers"], cwd=outside, env=env)
+    assert "PASS: 1/1 backend cells pass" in out, out

@@ -17,9 +17,10 @@ import importlib.util
 import numpy as np
 import pytest
 
-from conformance import peers, peers_keras, runner
+from conformance import peers, runner
 from conformance.expected import expected
-from conformance.keras_worker import decode, encode
+from conformance.peers import keras_ops
+from conformance.peers.keras_worker import decode, encode
 
 INSTALL = "pip install -e '.[peers]'"
 
@@ -103,13 +104,13 @@ def test_a_keras_worker_that_cannot_start_is_an_error_cell_once() -> None:
     if importlib.util.find_spec("keras") is None:  # importing needs KERAS_BACKEND: find it
         pytest.skip(f"needs keras: {INSTALL}")
     bogus = peers.Peer("keras[bogus]", "keras", INSTALL,
-                       functools.partial(peers_keras.keras_attention, "bogus"))
+                       functools.partial(keras_ops.keras_attention, "bogus"))
     try:
         first = runner.run_peer_cell(bogus, _expected("self", "float32"))
         assert first.status == "error"
         assert "cannot import Keras" in first.detail and "bogus" in first.detail
-        failed = peers_keras._WORKERS["bogus"]
+        failed = keras_ops._WORKERS["bogus"]
         second = runner.run_peer_cell(bogus, _expected("cross", "float32"))
-        assert second.status == "error" and peers_keras._WORKERS["bogus"] is failed  # no restart
+        assert second.status == "error" and keras_ops._WORKERS["bogus"] is failed  # no restart
     finally:
-        peers_keras._WORKERS.pop("bogus", None)
+        keras_ops._WORKERS.pop("bogus", None)

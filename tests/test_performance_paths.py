@@ -374,13 +374,13 @@ def test_numpy_restores_blas_threads_and_is_thread_safe(numpy_small_blocks):
 
 def test_numpy_without_threadpoolctl_runs_in_the_calling_thread(numpy_small_blocks, monkeypatch):
     small_blocks = numpy_small_blocks
-    fast = small_blocks._fast
+    threads = small_blocks._threads
     monkeypatch.setitem(sys.modules, "threadpoolctl", None)  # import fails
-    monkeypatch.setattr(fast, "_threads", {"lock": threading.Lock()})
+    monkeypatch.setattr(threads, "_state", {"lock": threading.Lock()})
     q, k, v = _inputs("gqa_q_longer")
     _compare(small_blocks, q, k, v, is_causal=True)
-    assert fast._threads["controller"] is None
-    assert "pool" not in fast._threads
+    assert threads._state["controller"] is None
+    assert "pool" not in threads._state
 
 
 def test_import_numpy_attn_imports_no_threadpoolctl_and_starts_no_thread():

@@ -103,3 +103,18 @@ def test_dropout_with_a_seeded_rng_repeats_and_other_seeds_differ(backend):
     dropped = first == 0
     assert 0.3 < dropped.mean() < 0.7, f"{dropped.mean():.2f} of the weights dropped, not ~0.5"
     np.testing.assert_allclose(first[~dropped], 2 * no_dropout[~dropped], rtol=1e-5)
+
+
+def test_integers_are_recognised_by_what_they_are_not_by_their_type_name():
+    """``numbers.Integral`` decides: NumPy integers pass, a look-alike named ``int…`` does not."""
+    import attention_rules as rules
+
+    class interval:  # a type whose name starts with "int" and is no integer  # noqa: N801
+        def __int__(self) -> int:
+            return 1
+
+    assert rules.check_window("f", (np.int64(2), np.uint8(0))) == (2, 0)
+    assert rules.check_int("f", "block_q", np.int32(4), 1) == 4
+    for bad in (interval(), np.float32(2.0), np.True_, np.array(2)):
+        with pytest.raises(ValueError, match="window must be a pair"):
+            rules.check_window("f", (bad, 0))

@@ -7,9 +7,11 @@ import re
 import numpy as np
 import pytest
 
-from conformance import backends, compare, seed_example, walkthrough
+from conformance import backends, compare
 from conformance.__main__ import main
-from conformance.seed_example import ARTICLE_INCONSISTENT
+from conformance.spec import seed_example
+from conformance.spec.seed_example import ARTICLE_INCONSISTENT
+from conformance.teaching import walkthrough
 
 INSTALLED = [n for n in backends.SPEC_BACKENDS if backends.get(n).available()]
 
@@ -83,7 +85,7 @@ def test_missing_backend_is_reported_with_its_install_command(monkeypatch, capsy
 
 def test_pictures_command_writes_every_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    from conformance import pictures
+    from conformance.teaching import pictures
 
     assert main(["pictures", str(tmp_path)]) == 0
     for name in pictures.PICTURES:

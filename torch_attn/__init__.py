@@ -3,7 +3,7 @@
 Layout ``(..., heads, seq, head_dim)``; boolean masks mean True = may attend; fully masked rows
 give exactly 0 (output and gradient). Functions keep their inputs' device and dtype, support
 autograd and ``torch.compile``, and use ``torch.nn.functional.scaled_dot_product_attention``
-when it follows the spec. Modules are ``torch.nn.Module``s. See ``conformance/spec.py`` for the
+when it follows the spec. Modules are ``torch.nn.Module``s. See ``conformance/spec/`` for the
 full specification.
 """
 

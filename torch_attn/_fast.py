@@ -17,7 +17,7 @@ path can follow the spec:
   (``spec.NON_FINITE``) is what the explicit steps compute.
 
 ``"blocked"``: a soft-cap, a window, or the causal rule bottom-right with ``q_len != kv_len``
-(SDPA's ``is_causal`` is top-left) are beyond SDPA's own options. ``blockwise._BlockwiseAttention``
+(SDPA's ``is_causal`` is top-left) are beyond SDPA's own options. ``blockwise.BlockwiseFunction``
 (``_blocked_attention``) computes them in ``(BLOCK_Q, BLOCK_KV)`` tiles with the online softmax,
 never computes a tile that the causal rule or the window mask entirely, and recomputes each tile
 in its backward pass from the saved log-sum-exp, so neither pass holds more than a few tiles.
@@ -28,16 +28,18 @@ the steps). It runs from ``MIN_SCORES`` score entries and ``MIN_Q_LEN`` queries:
   arrays for autograd (forward + backward at 4,096 tokens, 8 heads: 2.1 GiB of extra memory
   against 0.1 GiB for the tiles; times in ``benchmarks/torch_beyond_sdpa.py``);
 * for a window or bottom-right alone only when the tiles to compute are at most
-  ``MAX_TILE_FRACTION`` of the score matrix: SDPA given the band as a boolean mask computes
-  every entry but about three times as fast per entry as the tiles (no score matrix either).
+  ``MAX_TILE_FRACTION`` of the score matrix: SDPA (given the band as a boolean mask, or
+  bottom-right alone as below) computes every entry but about three times as fast per entry
+  as the tiles (no score matrix either).
 
 Gradients: ``backward.py`` runs autograd through ``fast_attention``, so SDPA's own backward or
-``_BlockwiseAttention.backward`` computes them; torch_attn needs no ``fast_attention_vjp`` (the
+``BlockwiseFunction.backward`` computes them; torch_attn needs no ``fast_attention_vjp`` (the
 function numpy_attn and jax_attn write by hand).
 
 Everything else takes SDPA: the boolean mask, the causal rule and the window become ONE
 explicit boolean ``attn_mask`` (SDPA's own ``is_causal`` when nothing else is to be combined and
-the rule is top-left, or ``q_len == kv_len`` where both alignments coincide); a
+the rule is top-left, or ``q_len == kv_len`` where both alignments coincide); the causal rule
+bottom-right alone with ``q_len != kv_len`` takes no mask of ours (``_bottom_right_attention``); a
 bias becomes one float ``attn_mask``, ``-inf`` where not allowed; grouped-query heads go
 through ``enable_gqa``; ``v_dim != head_dim`` and 2-D inputs are supported; float16/bfloat16
 are given to SDPA as float32 copies (the spec's float32 weighted sum: SDPA's half kernels
@@ -51,12 +53,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 import attention_rules as rules
 
-from . import functional  # the steps the fast path must equal, and reuses
+from ._core import NEG_INF, _allowed, _groups, _to_compute
+from .blockwise import BlockwiseFunction
 
-NEG_INF = float("-inf")
 _BLOCKED = rules.FAST_PATHS["torch_attn"]["blocked"]
 MIN_SCORES = _BLOCKED["min_scores"]  # below this many score entries SDPA / the steps are as fast
 MIN_Q_LEN = _BLOCKED["min_q_len"]  # few queries (decoding): SDPA with a small mask is faster
@@ -65,7 +68,7 @@ BLOCK_KV = 512  # keys per tile; 256 × 512 beat 512 × 1024 and 128 × 512 (2,0
 MAX_TILE_FRACTION = _BLOCKED["max_tile_fraction"]  # window / bottom-right: tiles vs SDPA + mask
 
 # CPU SDPA gives fully masked rows an output and a gradient of exactly 0 (checked on torch 2.13
-# by tests/test_torch_specific.py); other devices and older versions are not relied upon.
+# by tests/test_torch_fast_path.py); other devices and older versions are not relied upon.
 CPU_SDPA_ZEROES_MASKED_ROWS = torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
 
 
@@ -159,17 +162,15 @@ def _sdpa_attention(
 ) -> torch.Tensor:
     """The whole pipeline in one SDPA call, in the input dtype (``torch.compile``-able)."""
     dtype = query.dtype
-    query = functional._to_compute(query)
-    key, value = functional._to_compute(key), functional._to_compute(value)
+    query, key, value = _to_compute(query), _to_compute(key), _to_compute(value)
     q_len, kv_len = query.shape[-2], key.shape[-2]
     sdpa_causal = is_causal and mask is None and bias is None and window is None
+    if sdpa_causal and causal_alignment == "bottom_right" and q_len != kv_len:
+        return _bottom_right_attention(query, key, value, scale).to(dtype)
     # SDPA's is_causal is top-left, which bottom-right equals when q_len == kv_len
-    sdpa_causal = sdpa_causal and (causal_alignment == "top_left" or q_len == kv_len)
     attn_mask = None
     if not sdpa_causal:
-        attn_mask = functional._allowed(
-            q_len, kv_len, mask, is_causal, causal_alignment, window, query.device
-        )
+        attn_mask = _allowed(q_len, kv_len, mask, is_causal, causal_alignment, window, query.device)
     if bias is not None:  # one float mask: bias where allowed, -inf elsewhere
         float_mask = bias.to(query.device, query.dtype)
         attn_mask = float_mask if attn_mask is None else float_mask.masked_fill(~attn_mask, NEG_INF)
@@ -183,11 +184,45 @@ def _sdpa_attention(
             attn_mask = torch.where(row_ok, attn_mask, 0.0)
     output = F.scaled_dot_product_attention(
         query, key, value, attn_mask=attn_mask, is_causal=sdpa_causal, scale=scale,
-        enable_gqa=functional._groups(query.shape, key.shape) > 1,
+        enable_gqa=_groups(query.shape, key.shape) > 1,
     )  # (..., heads, q_len, v_dim)
     if row_ok is not None:
         output = torch.where(row_ok, output, 0.0)  # ...and is zeroed here, gradient 0 too
     return output.to(dtype)
+
+
+def _bottom_right_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """The causal rule bottom-right alone, ``q_len != kv_len``, without a ``(q_len, kv_len)``
+    mask of ours: query ``(..., heads, q_len, head_dim)``, key ``(..., kv_heads, kv_len,
+    head_dim)`` and value ``(..., kv_heads, kv_len, v_dim)`` in the compute dtype give
+    ``(..., heads, q_len, v_dim)``.
+
+    ``q_len > kv_len``: the first ``q_len - kv_len`` queries see no key (0, gradient 0) and the
+    last ``kv_len`` meet the keys in a square, where bottom-right is SDPA's top-left
+    ``is_causal``: no mask at all, on every device. ``q_len < kv_len`` (every row keeps a key):
+    torch's ``causal_lower_right`` bias, served without a mask by CUDA's memory-efficient
+    kernel; torch 2.13's CPU SDPA has no lower-right kernel, so torch builds the boolean itself
+    (``torch.tril``, 1 byte per entry: 1 MiB at 512 × 2,048, against 11 MiB for our int64
+    distance and its comparisons) before its own float copy of it. Under ``torch.compile`` the
+    band is our boolean mask, as before (a graph cannot build a ``CausalBias``)."""
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    enable_gqa = _groups(query.shape, key.shape) > 1
+    if q_len < kv_len:
+        if torch.compiler.is_compiling():  # torch 2.13 traces no new CausalBias: our mask
+            attn_mask = _allowed(q_len, kv_len, None, True, "bottom_right", None, query.device)
+        else:
+            attn_mask = causal_lower_right(q_len, kv_len)
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attn_mask, scale=scale, enable_gqa=enable_gqa
+        )  # (..., heads, q_len, v_dim)
+    empty = q_len - kv_len  # rows whose every key lies in their future
+    seen = F.scaled_dot_product_attention(
+        query[..., empty:, :], key, value, is_causal=True, scale=scale, enable_gqa=enable_gqa
+    )  # (..., heads, kv_len, v_dim)
+    zeros = seen.new_zeros(seen.shape[:-2] + (empty, seen.shape[-1]))  # (..., heads, empty, v)
+    return torch.cat([zeros, seen], dim=-2)  # (..., heads, q_len, v_dim)
 
 
 def _blocked_attention(
@@ -198,11 +233,8 @@ def _blocked_attention(
     bias: torch.Tensor | None,
     args: rules.Arguments,
 ) -> torch.Tensor:
-    """The pipeline in tiles (``blockwise._BlockwiseAttention``), in the input dtype; autograd
+    """The pipeline in tiles (``blockwise.BlockwiseFunction``), in the input dtype; autograd
     sees one node whose backward recomputes the tiles."""
-    # imported here: blockwise.py imports functional.py, which imports this module
-    from .blockwise import _BlockwiseAttention
-
     q_len, kv_len = query.shape[-2], key.shape[-2]
     rank = len(args.scores_shape)  # mask and bias full rank, so tiles slice the last two axes
     if mask is not None:
@@ -212,4 +244,4 @@ def _blocked_attention(
     lo, hi = rules.band(q_len, kv_len, args.is_causal, args.causal_alignment, args.window)
     plan = rules.plan(q_len, kv_len, BLOCK_Q, BLOCK_KV, lo, hi)  # masked tiles left out
     config = (plan, lo, hi, args.scale, args.softcap)
-    return _BlockwiseAttention.apply(query, key, value, bias, mask, None, config)
+    return BlockwiseFunction.apply(query, key, value, bias, mask, None, config)

@@ -1,7 +1,7 @@
 """The backward pass of attention: ``torch.autograd`` through the forward composition.
 
 numpy_attn writes this derivation out by hand (FlashAttention's backward); here PyTorch's
-autograd differentiates the forward pipeline (``functional._attention``) itself, so the
+autograd differentiates the forward pipeline (``functional.pipeline``) itself, so the
 conformance harness compares two independent gradient computations (three with jax_attn's
 ``jax.vjp``).
 The forward's safe softmax keeps gradients of masked positions and fully masked rows at 0.
@@ -15,7 +15,8 @@ import torch
 
 import attention_rules as rules
 
-from .functional import _array, _attention, _describe, _group_heads
+from ._core import _array, _describe
+from .functional import pipeline
 
 
 def scaled_dot_product_attention_vjp(
@@ -66,7 +67,7 @@ def scaled_dot_product_attention_vjp(
     if bias is not None:
         inputs.append(bias.detach().requires_grad_(True))
     with torch.enable_grad():
-        output = _attention(  # validated above
+        output = pipeline(  # validated above
             *inputs[:3], mask, inputs[3] if bias is not None else None, dropout_mask, None, args
         )
         grads = torch.autograd.grad(output, inputs, grad_outputs=grad_output, allow_unused=True)
@@ -75,31 +76,3 @@ def scaled_dot_product_attention_vjp(
     )
     return grads[:3] + ((grads[3] if bias is not None else None),)
 
-
-# ------------------------------------------------------------------------------------------
-# Helpers of the hand-written backward passes (blockwise.py's here; numpy_attn's backward.py
-# too): the same names and contracts in every backend
-# ------------------------------------------------------------------------------------------
-
-
-def _sum_to_shape(x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """Sum ``x`` over the axes along which an array of ``shape`` was broadcast to ``x.shape``."""
-    leading = x.ndim - len(shape)
-    x = x.sum(dim=tuple(range(leading))) if leading else x
-    stretched = tuple(axis for axis, size in enumerate(shape) if size == 1 and x.shape[axis] != 1)
-    return x.sum(dim=stretched, keepdim=True) if stretched else x
-
-
-def _sum_groups(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """``(..., heads, T, D)`` → ``(..., kv_heads, T, D)``: add the query heads sharing a kv head."""
-    if groups == 1:
-        return x
-    return _group_heads(x, groups).sum(dim=-3)
-
-
-def _matmul_grouped(a: torch.Tensor, b: torch.Tensor, groups: int) -> torch.Tensor:
-    """``a (..., heads, T, S) @ b (..., kv_heads, S, D)`` with the grouped-query head mapping."""
-    if groups == 1:
-        return a @ b
-    product = _group_heads(a, groups) @ b[..., None, :, :]  # (..., kv_heads, groups, T, D)
-    return product.reshape(a.shape[:-1] + (b.shape[-1],))  # (..., heads, T, D)

@@ -17,10 +17,11 @@ arrays: the causal rule (both alignments), the sliding window and per-sequence k
 (``kv_lengths``) are evaluated per tile, and a tile that the causal rule or the window masks
 entirely is never computed. The backward pass keeps only the log-sum-exp ``lse = m + log l``
 of each row and recomputes every tile's weights as ``exp(s - lse)``: a custom
-``torch.autograd.Function`` (``_BlockwiseAttention``), so autograd never stores a tile.
+``torch.autograd.Function`` (``BlockwiseFunction``), so autograd never stores a tile.
 ``scaled_dot_product_attention``'s fast path (``_fast.py``) runs the same Function for large
 inputs with a soft-cap, a window or bottom-right causal with ``q_len != kv_len``, its boolean
-``mask`` sliced per tile like the bias (torch only: the public functions here take none).
+``mask`` sliced per tile like the bias (torch only: the public functions here take none);
+``context_parallel.py`` runs ``forward_tiles`` and ``backward_tiles`` on pairs of chunks.
 """
 
 from __future__ import annotations
@@ -28,16 +29,25 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
 import torch
 
 import attention_rules as rules
 
-from .backward import _matmul_grouped, _sum_groups, _sum_to_shape
-from .functional import _array, _describe, _groups, _in_band, _softcap, _to_compute
-from .masks import _as_tensor, _dtype_name
+from ._core import (
+    NEG_INF,
+    _array,
+    _as_tensor,
+    _describe,
+    _describe_lengths,
+    _groups,
+    _in_band,
+    _matmul_grouped,
+    _softcap,
+    _sum_groups,
+    _sum_to_shape,
+    _to_compute,
+)
 
-NEG_INF = float("-inf")
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_KV = 1024
 
@@ -91,7 +101,7 @@ def blockwise_attention(
     query, key, value, bias = _array(query), _array(key), _array(value), _array(bias)
     bias, kv_lengths, plan, lo, hi = _prepare(fn, query, key, bias, kv_lengths, args)
     config = (plan, lo, hi, args.scale, args.softcap)
-    return _BlockwiseAttention.apply(query, key, value, bias, None, kv_lengths, config)
+    return BlockwiseFunction.apply(query, key, value, bias, None, kv_lengths, config)
 
 
 def blockwise_attention_vjp(
@@ -139,7 +149,7 @@ def blockwise_attention_vjp(
     if bias is not None:
         inputs.append(bias.detach().requires_grad_(True))
     with torch.enable_grad():
-        output = _BlockwiseAttention.apply(
+        output = BlockwiseFunction.apply(
             *inputs[:3], inputs[3] if bias is not None else None, None, kv_lengths, config
         )
         grads = torch.autograd.grad(output, inputs, grad_outputs=grad_output, allow_unused=True)
@@ -154,7 +164,7 @@ def blockwise_attention_vjp(
 # ------------------------------------------------------------------------------------------
 
 
-def _forward(
+def forward_tiles(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -167,9 +177,24 @@ def _forward(
     scale: float,
     softcap: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``output (..., heads, q_len, v_dim)`` and ``lse (..., heads, q_len, 1)`` in the compute
-    dtype; ``lse`` is ``+inf`` on fully masked rows, so ``exp(s - lse)`` is 0 there. ``mask``
-    (full rank, True = may attend) is the fast path's: the public functions pass None."""
+    """The online softmax over the tiles of ``plan``, on validated inputs.
+
+    Args:
+      query: ``(..., heads, q_len, head_dim)``.
+      key: ``(..., kv_heads, kv_len, head_dim)``.
+      value: ``(..., kv_heads, kv_len, v_dim)``.
+      bias: full rank ``(..., heads | 1, q_len | 1, kv_len | 1)``, or None.
+      mask: boolean, full rank like ``bias`` (True = may attend), or None: the fast path's; the
+        public functions pass None.
+      kv_lengths: ints ``(...)`` shaped like the batch axes, or None: key ``j`` of sequence
+        ``b`` is attended only if ``j < kv_lengths[b]``.
+      plan: ``rules.plan``'s tiles; lo, hi: the band ``lo <= j - i <= hi``.
+      scale: multiplies ``query @ keyᵀ``; softcap: ``softcap · tanh(s / softcap)`` or None.
+
+    Returns:
+      ``output (..., heads, q_len, v_dim)`` and ``lse (..., heads, q_len, 1)`` in the compute
+      dtype; ``lse`` is ``+inf`` on fully masked rows, so ``exp(s - lse)`` is 0 there.
+    """
     q = _to_compute(query) * scale  # (..., heads, q_len, head_dim)
     k, v = _to_compute(key), _to_compute(value)  # (..., kv_heads, kv_len, head_dim | v_dim)
     groups = _groups(q.shape, k.shape)
@@ -201,7 +226,7 @@ def _forward(
     return output, lse
 
 
-def _backward(
+def backward_tiles(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -219,8 +244,21 @@ def _backward(
     bias_needs_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """FlashAttention's backward per tile (numpy_attn's ``backward.py`` derives it for the whole
-    matrix); gradients in the compute dtype, ``grad_bias`` shaped like the full-rank bias (None
-    without a bias or when ``bias_needs_grad`` is False)."""
+    matrix), recomputing each tile's weights as ``exp(s - lse)``.
+
+    Args:
+      query, key, value, bias, mask, kv_lengths, plan, lo, hi, scale, softcap: as in
+        ``forward_tiles``.
+      output: ``(..., heads, q_len, v_dim)``, ``forward_tiles``' output (compute dtype).
+      lse: ``(..., heads, q_len, 1)``, ``forward_tiles``' log-sum-exp (``+inf``: empty row).
+      grad_output: ``(..., heads, q_len, v_dim)``.
+      bias_needs_grad: False skips ``grad_bias``.
+
+    Returns:
+      ``(grad_query, grad_key, grad_value, grad_bias)`` shaped like query, key, value and the
+      full-rank bias, in the compute dtype; ``grad_bias`` is None without a bias or when
+      ``bias_needs_grad`` is False.
+    """
     q = _to_compute(query)  # (..., heads, q_len, head_dim), unscaled
     k, v = _to_compute(key), _to_compute(value)
     d_out = _to_compute(grad_output)  # (..., heads, q_len, v_dim)
@@ -259,14 +297,17 @@ def _backward(
     return grad_q, grad_k, grad_v, grad_bias
 
 
-class _BlockwiseAttention(torch.autograd.Function):
-    """torch only: autograd sees one node; its backward recomputes every tile (``_backward``)."""
+class BlockwiseFunction(torch.autograd.Function):
+    """torch only: the tiles as one autograd node, ``BlockwiseFunction.apply(query, key, value,
+    bias, mask, kv_lengths, config)`` with ``config = (plan, lo, hi, scale, softcap)`` and the
+    arrays of ``forward_tiles``; returns ``(..., heads, q_len, v_dim)`` in the input dtype. Its
+    backward recomputes every tile (``backward_tiles``)."""
 
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 bias: torch.Tensor | None, mask: torch.Tensor | None,
                 kv_lengths: torch.Tensor | None, config: tuple) -> Any:
-        output, lse = _forward(query, key, value, bias, mask, kv_lengths, *config)
+        output, lse = forward_tiles(query, key, value, bias, mask, kv_lengths, *config)
         ctx.save_for_backward(query, key, value, bias, mask, kv_lengths, output, lse)
         ctx.config = config
         return output.to(query.dtype)
@@ -274,7 +315,7 @@ class _BlockwiseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> Any:
         query, key, value, bias, mask, kv_lengths, output, lse = ctx.saved_tensors
-        grad_q, grad_k, grad_v, grad_bias = _backward(
+        grad_q, grad_k, grad_v, grad_bias = backward_tiles(
             query, key, value, bias, mask, kv_lengths, *ctx.config, output, lse, grad_output,
             bias_needs_grad=ctx.needs_input_grad[3],
         )
@@ -302,16 +343,6 @@ def _arguments(
         window=window, scale=scale, softcap=softcap, kv_lengths=_describe_lengths(kv_lengths),
         block_q=block_q, block_kv=block_kv,
     )
-
-
-def _describe_lengths(kv_lengths: Any) -> rules.ArrayInfo | None:
-    """``(shape, dtype name)`` of ``kv_lengths`` (a list of ints is welcome)."""
-    if kv_lengths is None:
-        return None
-    if isinstance(kv_lengths, torch.Tensor):
-        return tuple(kv_lengths.shape), _dtype_name(kv_lengths)
-    kv_lengths = np.asarray(kv_lengths)  # torch: named as NumPy names them
-    return tuple(kv_lengths.shape), kv_lengths.dtype.name
 
 
 def _prepare(

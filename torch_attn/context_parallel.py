@@ -32,16 +32,22 @@ from __future__ import annotations
 import zlib
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 import attention_rules as rules
 from attention_rules import context_parallel as cp
 
-from .blockwise import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, _backward, _forward
-from .functional import _array, _describe, _to_compute
-from .masks import _as_tensor, _dtype_name
+from ._core import (
+    _array,
+    _as_tensor,
+    _describe,
+    _describe_lengths,
+    _dtype_name,
+    _merge_partials,
+    _to_compute,
+)
+from .blockwise import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, backward_tiles, forward_tiles
 
 # ------------------------------------------------------------------------------------------
 # Public functions
@@ -175,16 +181,6 @@ def _arguments(
     return args, sched
 
 
-def _describe_lengths(kv_lengths: Any) -> rules.ArrayInfo | None:
-    """``(shape, dtype name)`` of ``kv_lengths`` (a list of ints is welcome)."""
-    if kv_lengths is None:
-        return None
-    if isinstance(kv_lengths, torch.Tensor):
-        return tuple(kv_lengths.shape), _dtype_name(kv_lengths)
-    kv_lengths = np.asarray(kv_lengths)  # torch: named as NumPy names them
-    return tuple(kv_lengths.shape), kv_lengths.dtype.name
-
-
 def _global(info: rules.ArrayInfo, world_size: int) -> rules.ArrayInfo:
     """torch only: a shard's ``(shape, dtype)`` as the whole sequence's (sequence axis × N)."""
     shape, dtype = info
@@ -228,7 +224,7 @@ def _call_text(call: tuple) -> str:
 
 
 # ------------------------------------------------------------------------------------------
-# The per-block math: blockwise.py's tiles on a pair of chunks, and the merge
+# The per-block math: blockwise.py's tiles on a pair of chunks (merged by _merge_partials)
 # ------------------------------------------------------------------------------------------
 
 
@@ -249,19 +245,9 @@ def _attend_pair(
     if not any(blocks for _, _, blocks in tiles):
         return None  # never computed
     lengths = None if kv_lengths is None else kv_lengths - kv_start  # in the chunk's indices
-    output, lse = _forward(q, k, v, None, None, lengths, tiles, lo, hi, args.scale,
-                           args.softcap)  # no bias, no mask
+    output, lse = forward_tiles(q, k, v, None, None, lengths, tiles, lo, hi, args.scale,
+                                args.softcap)  # no bias, no mask
     return output, torch.where(lse == torch.inf, -torch.inf, lse)  # blockwise: +inf on empty
-
-
-def _merge(
-    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over the keys of ``a`` and ``b`` together from each one's ``(output, lse)``."""
-    lse = torch.logaddexp(lse_a, lse_b)  # (..., rows, 1); -inf: no key in either
-    safe = torch.where(lse == -torch.inf, 0.0, lse)  # no -inf - -inf
-    return torch.exp(lse_a - safe) * out_a + torch.exp(lse_b - safe) * out_b, lse
-
 
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lengths: torch.Tensor | None,
@@ -282,7 +268,7 @@ def _attend(
             part = _attend_pair(q_part, k[..., cols, :], v[..., cols, :], kv_lengths, q_start,
                                 kv_start, sched, args)
             if part is not None:
-                out, lse = _merge(out, lse, *part)
+                out, lse = _merge_partials(out, lse, *part)
         outputs.append(out)
         lses.append(lse)
     return torch.cat(outputs, dim=-2), torch.cat(lses, dim=-2)
@@ -308,7 +294,7 @@ def _attend_backward(
             if not any(blocks for _, _, blocks in tiles):
                 continue  # never computed
             lengths = None if kv_lengths is None else kv_lengths - kv_start
-            dq, dk, dv, _ = _backward(
+            dq, dk, dv, _ = backward_tiles(
                 q[..., rows, :], k[..., cols, :], v[..., cols, :], None, None, lengths, tiles, lo,
                 hi, args.scale, args.softcap, output[..., rows, :], lse[..., rows, :],
                 grad_output[..., rows, :])
@@ -357,7 +343,7 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         pending = _ring_shift_start([k, v], 1, comm) if step + 1 < sched.steps else None
         part = _attend(q, k, v, kv_lengths, sched.q_segments[rank], sched.kv_segments[origin],
                        sched, args)
-        result = part if result is None else _merge(*result, *part)
+        result = part if result is None else _merge_partials(*result, *part)
         if pending is not None:
             k, v = _ring_shift_finish(pending)
     output, lse = result

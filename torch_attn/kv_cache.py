@@ -14,7 +14,7 @@ import torch
 
 import attention_rules as rules
 
-from .masks import _as_tensor
+from ._core import _as_tensor
 
 
 def _dtype(dtype: Any) -> torch.dtype:

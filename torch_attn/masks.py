@@ -4,33 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 import attention_rules as rules
 
-
-def _dtype_name(x: torch.Tensor) -> str:
-    # torch's dtype names without the prefix: "float32", "bool", "int64"…
-    return str(x.dtype).removeprefix("torch.")
-
-
-def _as_tensor(x: Any, device: Any = None) -> torch.Tensor:
-    """A tensor as is (moved to ``device`` if given); anything else through NumPy, so Python
-    lists get NumPy's dtypes (float64, int64) and messages match numpy_attn's."""
-    if isinstance(x, torch.Tensor):
-        return x if device is None else x.to(device)
-    array = np.asarray(x)
-    if array.dtype.name == "bfloat16":  # ml_dtypes' bfloat16: torch reads it through float32
-        return torch.from_numpy(array.astype(np.float32)).to(device, torch.bfloat16)
-    return torch.as_tensor(array, device=device)
-
-
-def _positions(q_len: int, kv_len: int, offset: int, device: Any = None) -> torch.Tensor:
-    """``j - (i + offset)`` for every query ``i`` and key ``j``: ``(q_len, kv_len)``."""
-    query_pos = torch.arange(q_len, device=device)[:, None] + offset  # (q_len, 1)
-    key_pos = torch.arange(kv_len, device=device)[None, :]  # (1, kv_len)
-    return key_pos - query_pos  # (q_len, kv_len)
+from ._core import _as_tensor, _dtype_name, _in_band
 
 
 def causal_mask(q_len: int, kv_len: int, *, offset: int = 0, device: Any = None) -> torch.Tensor:
@@ -49,7 +27,8 @@ def causal_mask(q_len: int, kv_len: int, *, offset: int = 0, device: Any = None)
     q_len = rules.check_int(fn, "q_len", q_len)
     kv_len = rules.check_int(fn, "kv_len", kv_len)
     offset = rules.check_int(fn, "offset", offset, minimum=None)
-    return _positions(q_len, kv_len, offset, device) <= 0
+    lo, hi = rules.band(q_len, kv_len, True, "top_left", None)  # j - i <= 0
+    return _in_band(offset, q_len, 0, kv_len, lo, hi, device)  # (q_len, kv_len), i from offset
 
 
 def sliding_window_mask(
@@ -72,13 +51,8 @@ def sliding_window_mask(
     kv_len = rules.check_int(fn, "kv_len", kv_len)
     offset = rules.check_int(fn, "offset", offset, minimum=None)
     left, right = rules.check_window(fn, window)
-    distance = _positions(q_len, kv_len, offset, device)  # (q_len, kv_len): j - (i + offset)
-    allowed = torch.ones((q_len, kv_len), dtype=torch.bool, device=distance.device)
-    if left is not None:
-        allowed &= distance >= -left
-    if right is not None:
-        allowed &= distance <= right
-    return allowed
+    lo, hi = rules.band(q_len, kv_len, False, "top_left", (left, right))  # -left <= j - i <= right
+    return _in_band(offset, q_len, 0, kv_len, lo, hi, device)  # (q_len, kv_len), i from offset
 
 
 def _lengths(fn: str, name: str, lengths: Any, max_len: int, device: Any) -> torch.Tensor:

@@ -16,9 +16,9 @@ from torch import nn
 
 import attention_rules as rules
 
+from ._core import _as_tensor, _to_numpy
 from .functional import scaled_dot_product_attention
 from .kv_cache import KVCache
-from .masks import _as_tensor
 
 
 def _uniform(rng: torch.Generator | None, shape: tuple[int, ...]) -> torch.Tensor:
@@ -30,18 +30,6 @@ def _xavier(rng: torch.Generator | None, fan_in: int, fan_out: int) -> torch.Ten
     """Xavier/Glorot uniform ``(fan_in, fan_out)``: bound ``sqrt(6 / (fan_in + fan_out))``."""
     bound = (6.0 / (fan_in + fan_out)) ** 0.5
     return torch.empty(fan_in, fan_out).uniform_(-bound, bound, generator=rng)
-
-
-def _to_numpy(x: Any) -> np.ndarray:
-    """A copy as a NumPy array; bfloat16 becomes ml_dtypes' bfloat16, as in the other backends."""
-    if not isinstance(x, torch.Tensor):
-        return np.array(x)
-    x = x.detach().cpu()
-    if x.dtype == torch.bfloat16:  # NumPy has no bfloat16 of its own
-        import ml_dtypes
-
-        return x.float().numpy().astype(ml_dtypes.bfloat16)
-    return x.numpy().copy()
 
 
 class _Module(nn.Module):
@@ -59,10 +47,25 @@ class _Module(nn.Module):
         updated in place (the same ``nn.Parameter`` objects, with the arrays' dtype)."""
         fn = f"{type(self).__name__}.load_weights"
         _check_weight_dict(fn, self.export_weights(), weights)
-        for name in self._weight_names:
-            parameter = getattr(self, name)
-            parameter.data = _as_tensor(weights[name]).detach().to(parameter.device).clone()
+        with torch.no_grad():  # shapes checked above; autograd records no loading
+            for name in self._weight_names:
+                parameter = getattr(self, name)
+                source = _as_tensor(weights[name])  # the arrays' dtype
+                if source.dtype != parameter.dtype:
+                    _convert(parameter, source.dtype)
+                parameter.copy_(source)  # onto the parameter's device
         return self
+
+
+def _convert(parameter: nn.Parameter, dtype: torch.dtype) -> None:
+    """torch only: the same ``Parameter`` object in ``dtype``, the way ``nn.Module.to(dtype)``
+    converts its parameters (swapped when ``torch.__future__`` asks for it, else its ``data``
+    replaced: the only way to change a parameter's dtype in place)."""
+    converted = parameter.detach().to(dtype)
+    if torch.__future__.get_swap_module_params_on_conversion():
+        torch.utils.swap_tensors(parameter, nn.Parameter(converted, parameter.requires_grad))
+    else:
+        parameter.data = converted
 
 
 def _check_weight_dict(fn: str, expected: dict[str, Any], weights: dict[str, Any]) -> None:

@@ -9,7 +9,7 @@ that one goes::
                                    rngs=nnx.Rngs(0))
     use_jax_attn(model)  # or: every MultiHeadAttention of a model built already
 
-How Flax's arguments map onto the spec (``conformance/spec.py``):
+How Flax's arguments map onto the spec (``conformance/spec/functions.py``):
 
 * layout: Flax passes ``(batch..., seq, heads, head_dim)`` ("BTNH"); the spec's layout is
   ``(batch..., heads, seq, head_dim)``, so the seq and heads axes are swapped on the way in and

@@ -14,7 +14,7 @@ the mask it passes, ``attention_mask``). Without the second, transformers builds
 for an unknown name: a padded batch reaches the attention function with ``attention_mask=None``
 and padding is silently attended.
 
-How transformers' arguments map onto the spec (``conformance/spec.py``):
+How transformers' arguments map onto the spec (``conformance/spec/functions.py``):
 
 * layout: transformers passes ``(batch, heads, seq, head_dim)`` as the spec and expects the
   output back as ``(batch, seq, heads, head_dim)``;

@@ -1,0 +1,89 @@
+"""The frameworks' own attention kernels, as extra report columns ("peers"): the registry.
+
+Each peer is a thin adapter from a case's inputs to one framework function, changing only what
+the framework's conventions require; each framework API has a file of its own here, with its
+adapters and what they cannot express:
+
+==========================  =====================================================================
+``torch_nn``                ``torch.sdpa`` (``torch.nn.functional.scaled_dot_product_attention``)
+                            and ``torch.MHA`` (``torch.nn.MultiheadAttention``)
+``jax_nn``                  ``jax.nn`` (``jax.nn.dot_product_attention``)
+``keras_ops``               ``keras[numpy]``, ``keras[jax]``, ``keras[torch]``
+                            (``keras.ops.dot_product_attention``), one worker process per Keras
+                            backend (``keras_worker``)
+``flax_nnx``                ``flax.nnx`` (``flax.nnx.dot_product_attention``)
+``transformers_attention``  ``transformers.eager`` and ``transformers.sdpa``
+``onnx_attention``          ``onnxruntime`` (one ONNX ``Attention`` node)
+``inputs``                  a case's inputs in the peers' conventions (4-D, BTNH, joined masks,
+                            n/a), shared by every adapter
+==========================  =====================================================================
+
+A peer whose packages are not installed is reported as missing, with its install command, never
+as an error.
+
+A peer is only an adapter: ``compute(exp)`` returns the steps it can give (``output``, sometimes
+``output_weights``) as NumPy arrays, and ``runner.run_peer_cell`` compares them like a backend's.
+A peer that cannot express a case raises ``NotApplicable`` (shown as "n/a"). Where a peer
+differs from the spec on purpose, ``spec.KNOWN_DIFFERENCES`` says so and why; the report then
+shows "known: …" instead of a failure. Peers never decide the exit code. To add a peer (a new
+column): write its ``compute`` function in a file of its own here, and add one ``Peer`` line to
+``PEERS``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..expected import Expected
+from ..usage import UsageError
+from . import flax_nnx, jax_nn, keras_ops, onnx_attention, torch_nn, transformers_attention
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A framework kernel as a report column."""
+
+    name: str
+    framework: str  # the package it needs
+    install: str
+    compute: Callable[[Expected], dict[str, np.ndarray]]
+    requires: tuple[str, ...] = ()  # further packages it needs
+
+    def available(self) -> bool:
+        """True when the framework and every package of ``requires`` are installed (found
+        without importing them)."""
+        return all(importlib.util.find_spec(name) is not None
+                   for name in (self.framework, *self.requires))
+
+
+_TORCH = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+_PEERS_EXTRA = "pip install -e '.[peers]'"
+
+PEERS: tuple[Peer, ...] = (
+    Peer("torch.sdpa", "torch", _TORCH, torch_nn.torch_sdpa),
+    Peer("torch.MHA", "torch", _TORCH, torch_nn.torch_mha),
+    Peer("jax.nn", "jax", "pip install jax", jax_nn.jax_nn),
+    Peer("keras[numpy]", "keras", _PEERS_EXTRA, keras_ops.keras_numpy),
+    Peer("keras[jax]", "keras", f"{_PEERS_EXTRA} jax", keras_ops.keras_jax, ("jax",)),
+    Peer("keras[torch]", "keras", f"{_PEERS_EXTRA} and {_TORCH}", keras_ops.keras_torch,
+         ("torch",)),
+    Peer("flax.nnx", "flax", _PEERS_EXTRA, flax_nnx.flax_nnx, ("jax",)),
+    Peer("transformers.eager", "transformers", f"{_PEERS_EXTRA} and {_TORCH}",
+         transformers_attention.transformers_eager, ("torch",)),
+    Peer("transformers.sdpa", "transformers", f"{_PEERS_EXTRA} and {_TORCH}",
+         transformers_attention.transformers_sdpa, ("torch",)),
+    Peer("onnxruntime", "onnxruntime", _PEERS_EXTRA, onnx_attention.onnxruntime_attention,
+         ("onnx",)),
+)
+
+
+def get(name: str) -> Peer:
+    """The peer called ``name``."""
+    for peer in PEERS:
+        if peer.name == name:
+            return peer
+    raise UsageError(f"unknown peer {name!r}; known: {', '.join(p.name for p in PEERS)}")

@@ -1,0 +1,114 @@
+"""torch.nn's attention as peers: ``torch.sdpa`` and ``torch.MHA``.
+
+``torch.sdpa``
+  ``torch.nn.functional.scaled_dot_product_attention``: same layout and mask polarity; a bias
+  becomes a float ``attn_mask`` (bias, ``-inf`` where the boolean mask is False);
+  ``enable_gqa=True`` for grouped-query cases; ``is_causal`` as given (torch is top-left only).
+``torch.MHA``
+  ``torch.nn.MultiheadAttention`` with identity projections, so it attends over the case's own
+  query/key/value: heads merged into ``embed_dim``, the boolean mask inverted (its True means
+  "masked out"), a causal case as the usual ``triu`` mask (top-left), key/value heads repeated
+  for grouped-query cases, per-head weights with ``average_attn_weights=False``.
+
+Not expressible (n/a): a window (both), soft-capping and a given dropout keep-mask (both), a
+scale, ``v_dim != head_dim`` and more than one batch axis (``torch.MHA``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .. import backends
+from ..expected import Expected
+from .inputs import need, sdpa_case
+
+# ------------------------------------------------------------------------------ torch SDPA
+
+
+def torch_sdpa(exp: Expected) -> dict[str, np.ndarray]:
+    """The ``torch.sdpa`` peer: ``output (..., heads, q_len, v_dim)`` from torch's SDPA."""
+    import torch
+
+    a, o = sdpa_case(exp, "torch SDPA")
+    need(o.get("window") is None, "torch SDPA has no sliding window")
+    t = backends.torch_asarray
+    q, k, v = (t(a[n]) for n in ("query", "key", "value"))
+    attn_mask = None
+    if a.get("bias") is not None:
+        bias = np.asarray(a["bias"])
+        if a.get("mask") is not None:
+            bias = np.where(np.asarray(a["mask"], bool), bias.astype(np.float64), -np.inf)
+        attn_mask = t(np.asarray(bias).astype(a["query"].dtype))
+    elif a.get("mask") is not None:
+        attn_mask = t(np.asarray(a["mask"], bool))
+    kwargs: dict[str, Any] = {"attn_mask": attn_mask, "is_causal": bool(o.get("is_causal"))}
+    if o.get("scale") is not None:
+        kwargs["scale"] = float(o["scale"])
+    if q.ndim >= 3 and k.shape[-3] != q.shape[-3]:
+        kwargs["enable_gqa"] = True
+    with torch.no_grad():
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
+    return {"output": backends.torch_to_numpy(out)}
+
+
+# ------------------------------------------------------------------------------ torch MHA
+
+
+def torch_mha(exp: Expected) -> dict[str, np.ndarray]:
+    """The ``torch.MHA`` peer: ``output (..., heads, q_len, head_dim)`` and per-head
+    ``output_weights (..., heads, q_len, kv_len)`` from ``torch.nn.MultiheadAttention``."""
+    import torch
+
+    a, o = sdpa_case(exp, "torch.nn.MultiheadAttention")
+    need(o.get("window") is None, "torch.nn.MultiheadAttention has no sliding window")
+    need(o.get("scale") is None, "torch.nn.MultiheadAttention always scales by head_dim ** -0.5")
+    q, k, v = (np.asarray(a[n]) for n in ("query", "key", "value"))
+    need(v.shape[-1] == q.shape[-1], "torch.nn.MultiheadAttention needs v_dim == head_dim")
+    if q.ndim == 2:
+        q, k, v = q[None], k[None], v[None]  # one head
+    need(q.ndim in (3, 4), "torch.nn.MultiheadAttention takes at most one batch axis")
+    heads, q_len, head_dim = q.shape[-3:]
+    kv_len = k.shape[-2]
+    if k.shape[-3] != heads:  # grouped-query: repeat each key/value head
+        k, v = (np.repeat(x, heads // k.shape[-3], axis=-3) for x in (k, v))
+    embed = heads * head_dim
+
+    def merge(x: np.ndarray) -> np.ndarray:  # (..., heads, T, D) → (..., T, heads·D)
+        x = np.swapaxes(x, -2, -3)
+        return x.reshape(x.shape[:-2] + (embed,))
+
+    allowed = np.ones(q.shape[:-3] + (heads, q_len, kv_len), bool)
+    if a.get("mask") is not None:
+        mask = np.asarray(a["mask"], bool)
+        allowed = allowed & (mask if mask.ndim >= 2 else mask[None])
+    if o.get("is_causal"):  # the usual triu "subsequent" mask: top-left
+        allowed = allowed & ~np.triu(np.ones((q_len, kv_len), bool), 1)
+    attn_mask: Any = None
+    if a.get("bias") is not None or not allowed.all():
+        flat = allowed.reshape((-1, q_len, kv_len))  # (batch·heads, q_len, kv_len)
+        if a.get("bias") is not None:
+            bias = np.broadcast_to(np.asarray(a["bias"], np.float64), allowed.shape)
+            float_mask = np.where(allowed, bias, -np.inf).reshape(flat.shape)
+            attn_mask = backends.torch_asarray(float_mask.astype(a["query"].dtype))
+        else:
+            attn_mask = torch.from_numpy(~flat)  # MultiheadAttention: True = masked out
+        if q.ndim == 3:
+            attn_mask = attn_mask if attn_mask.shape[0] == heads else attn_mask[0]
+    dtype = backends.torch_asarray(a["query"][..., :1]).dtype
+    mha = torch.nn.MultiheadAttention(embed, heads, bias=False, batch_first=True, dtype=dtype)
+    with torch.no_grad():
+        mha.in_proj_weight.copy_(torch.eye(embed, dtype=dtype).repeat(3, 1))
+        mha.out_proj.weight.copy_(torch.eye(embed, dtype=dtype))
+        mha.eval()
+        t = backends.torch_asarray
+        qm, km, vm = t(merge(q)), t(merge(k)), t(merge(v))
+        out, weights = mha(qm, km, vm, attn_mask=attn_mask, need_weights=True,
+                           average_attn_weights=False)
+    out_np = backends.torch_to_numpy(out)  # (..., q_len, heads·D)
+    out_np = np.swapaxes(out_np.reshape(out_np.shape[:-1] + (heads, head_dim)), -2, -3)
+    w_np = backends.torch_to_numpy(weights)
+    shape = exp.values["output"].shape
+    return {"output": out_np.reshape(shape),
+            "output_weights": w_np.reshape(exp.values["output_weights"].shape)}

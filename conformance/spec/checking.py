@@ -1,0 +1,41 @@
+"""Checking another implementation.
+
+How any importable module is checked against this spec (``docs/checking.md``).
+"""
+
+from __future__ import annotations
+
+PLUGIN_CONTRACT = (
+    "Any importable module can be checked: python -m conformance --backend mypkg.attention. It "
+    "must define scaled_dot_product_attention with the signature above; every other name of "
+    "FUNCTIONS and MODULES is optional, and the harness runs exactly the steps the module "
+    "provides and lists the rest once as not provided. It takes and returns NumPy arrays, or "
+    "defines asarray(numpy_array) and to_numpy(x) for its own array type (and rng(seed) for "
+    "dropout). It may declare UNSUPPORTED, a set of names of PLUGIN_FEATURES, or raise "
+    "NotImplementedError: those cells are reported as unsupported, not failed. With "
+    'LAYOUT = "bshd" its query, key, value (and their gradients and the output) are '
+    "(..., seq, heads, head_dim); masks, bias and weights keep (..., heads, q_len, kv_len)."
+)
+
+#: What a checked module may declare it does not support (``UNSUPPORTED = {...}``): each name,
+#: and what a case must use to need it.
+PLUGIN_FEATURES = {
+    "mask": "a boolean mask",
+    "bias": "an additive bias",
+    "causal": "is_causal=True",
+    "bottom_right": 'causal_alignment="bottom_right" with is_causal or window',
+    "window": "a sliding window",
+    "scale": "a scale other than the default",
+    "softcap": "soft-capping",
+    "dropout": "dropout_p > 0 with a dropout_mask",
+    "grouped_query": "fewer key/value heads than query heads (kv_heads < heads)",
+    "v_dim": "a value feature size v_dim != head_dim",
+    "2d_inputs": "2-D inputs (seq, head_dim) without a heads axis",
+    "non_finite": "NaN or Inf inputs (NON_FINITE)",
+    "return_weights": "return_weights=True",
+    "errors": "the bad inputs of ERRORS (exception type and message)",
+    "float64": "float64 inputs",
+    "float32": "float32 inputs",
+    "bfloat16": "bfloat16 inputs",
+    "float16": "float16 inputs",
+}

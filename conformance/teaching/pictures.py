@@ -1,0 +1,172 @@
+"""``python -m conformance pictures DIR``: attention-weight heatmaps, one PNG per mask type.
+
+Every picture is computed with numpy_attn (the spec's pipeline) and drawn with matplotlib,
+imported lazily with the Agg backend. Rows are queries, columns keys; a white cell is a masked
+position (weight exactly 0), a fully masked row is white from end to end.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..spec import seed_example
+
+#: file name → title; the order of ``write``.
+PICTURES = {
+    "walkthrough.png": "the article's sentence: softmax(ω/√2) and causal weights",
+    "causal.png": "causal masks with q_len 6 < kv_len 10: the two alignments",
+    "padding.png": "padding: kv_lengths [10, 6], q_lengths [10, 7]",
+    "window.png": "sliding window (2, 1), 12 tokens",
+    "cross.png": "cross-attention: 6 queries over 8 keys",
+    "gqa.png": "grouped-query: 4 query heads share 2 key/value heads",
+}
+
+
+def _weights(q_len: int, kv_len: int, heads: int = 1, kv_heads: int = 1, seed: int = 0,
+             **options: Any) -> np.ndarray:
+    import numpy_attn as na
+
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((heads, q_len, 8))
+    k = rng.standard_normal((kv_heads, kv_len, 8))
+    v = rng.standard_normal((kv_heads, kv_len, 8))
+    _, w = na.scaled_dot_product_attention(q, k, v, return_weights=True, **options)
+    return w
+
+
+def _article_weights() -> tuple[np.ndarray, np.ndarray]:
+    import numpy_attn as na
+
+    x = np.array(seed_example.EMBEDDING, np.float64)
+    w = {n: np.array(a, np.float64) for n, a in seed_example.self_attention_weights().items()}
+    scores = na.attention_scores(x @ w["W_query"], x @ w["W_key"])
+    return na.attention_weights(scores), na.attention_weights(na.mask_scores(scores,
+                                                                             is_causal=True))
+
+
+def _panel(ax: Any, weights: np.ndarray, title: str, xlabels: list[str] | None = None,
+           ylabels: list[str] | None = None, annotate: bool = False) -> Any:
+    import matplotlib.pyplot as plt
+
+    shown = np.ma.masked_where(weights == 0, weights)  # masked positions: white
+    cmap = plt.get_cmap("viridis").with_extremes(bad="white")
+    image = ax.imshow(shown, cmap=cmap, vmin=0, vmax=max(float(weights.max()), 1e-12))
+    q_len, kv_len = weights.shape
+    ax.set_xticks(range(kv_len), xlabels or [str(j) for j in range(kv_len)],
+                  rotation=45 if xlabels else 0, ha="right" if xlabels else "center")
+    ax.set_yticks(range(q_len), ylabels or [str(i) for i in range(q_len)])
+    ax.set_xticks(np.arange(-0.5, kv_len), minor=True)
+    ax.set_yticks(np.arange(-0.5, q_len), minor=True)
+    ax.grid(which="minor", color="0.85", linewidth=0.5)
+    ax.tick_params(which="minor", length=0)
+    ax.set_xlabel("key")
+    ax.set_ylabel("query")
+    ax.set_title(title, fontsize=10)
+    if annotate:
+        for i in range(q_len):
+            for j in range(kv_len):
+                if weights[i, j] > 0:
+                    color = "black" if weights[i, j] > 0.6 * weights.max() else "white"
+                    ax.text(j, i, f"{weights[i, j]:.2f}", ha="center", va="center",
+                            fontsize=7, color=color)
+    return image
+
+
+def _figure(ncols: int, width: float = 4.2, height: float = 4.0) -> tuple[Any, Any]:
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, ncols, figsize=(width * ncols, height), squeeze=False,
+                             layout="constrained")
+    return fig, axes[0]
+
+
+def draw(name: str) -> Any:
+    """The matplotlib figure of picture ``name`` (a key of ``PICTURES``)."""
+    if name == "walkthrough.png":
+        plain, causal = _article_weights()
+        tokens = seed_example.SENTENCE.split()
+        fig, axes = _figure(2, 4.6, 4.4)
+        _panel(axes[0], plain, "softmax(ω / √2)", tokens, tokens, annotate=True)
+        image = _panel(axes[1], causal, "causal: −inf before softmax", tokens, tokens,
+                       annotate=True)
+    elif name == "causal.png":
+        fig, axes = _figure(2, 4.4, 3.7)
+        titles = {"top_left": "top_left (torch SDPA, jax.nn):\nquery i sees keys 0..i",
+                  "bottom_right": "bottom_right (flash-attn, KV cache):\nthe last query "
+                                  "sees every key"}
+        for ax, (alignment, title) in zip(axes, titles.items(), strict=True):
+            w = _weights(6, 10, is_causal=True, causal_alignment=alignment)[0]
+            image = _panel(ax, w, title)
+    elif name == "padding.png":
+        import numpy_attn as na
+
+        mask = na.padding_mask(np.array([10, 6]), 10, q_lengths=np.array([10, 7]), q_len=10)
+        fig, axes = _figure(2, 4.0, 4.6)
+        rng = np.random.default_rng(1)
+        q, k, v = (rng.standard_normal((2, 1, 10, 8)) for _ in range(3))
+        _, w = na.scaled_dot_product_attention(q, k, v, mask=mask, return_weights=True)
+        _panel(axes[0], w[0, 0], "sequence 0: length 10")
+        image = _panel(axes[1], w[1, 0], "sequence 1: 6 keys, 7 queries\n(rows 7-9: fully "
+                                          "masked → 0)")
+    elif name == "window.png":
+        fig, axes = _figure(2, 4.2, 4.6)
+        _panel(axes[0], _weights(12, 12, window=(2, 1))[0], "window=(2, 1)")
+        image = _panel(axes[1], _weights(12, 12, window=(2, 0), is_causal=True)[0],
+                       "window=(2, 0), is_causal")
+    elif name == "cross.png":
+        tokens = seed_example.SENTENCE.split()
+        x = np.array(seed_example.EMBEDDING)
+        x_2 = np.array(seed_example.cross_second_input())
+        w = {n: np.array(a) for n, a in seed_example.self_attention_weights().items()}
+        import numpy_attn as na
+
+        weights = na.attention_weights(na.attention_scores(x @ w["W_query"], x_2 @ w["W_key"]))
+        fig, axes = _figure(1, 5.6, 4.2)
+        image = _panel(axes[0], weights, "CrossAttention(3, 2, 4): the article's 6 tokens "
+                       "over\nsecond_input = torch.rand(8, 3)",
+                       [f"x₂[{j}]" for j in range(8)], tokens, annotate=True)
+    elif name == "gqa.png":
+        w = _weights(6, 6, heads=4, kv_heads=2, seed=3, is_causal=True)
+        fig, axes = _figure(4, 3.2, 3.9)
+        for h in range(4):
+            image = _panel(axes[h], w[h], f"query head {h} → kv head {h // 2}")
+    else:
+        raise KeyError(f"unknown picture {name!r}; known: {', '.join(PICTURES)}")
+    fig.colorbar(image, ax=list(axes), shrink=0.8, label="attention weight")
+    fig.suptitle(PICTURES[name])
+    return fig
+
+
+def write(directory: str | Path, names: list[str] | None = None) -> list[Path]:
+    """Write the pictures (all by default) as PNG files into ``directory``; their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in names or list(PICTURES):
+        fig = draw(name)
+        path = out / name
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main(args: argparse.Namespace) -> int:
+    """``python -m conformance pictures DIR``."""
+    try:
+        written = write(args.directory)
+    except ImportError as exc:
+        print(f"error: pictures need matplotlib ({exc.name}): pip install matplotlib")
+        return 2
+    for path in written:
+        print(path)
+    return 0

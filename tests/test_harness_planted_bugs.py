@@ -1,0 +1,217 @@
+"""The conformance harness catches real bugs: meta-tests plant classic bugs in a fake backend
+(numpy_attn with one flaw) and check that the harness fails exactly the cases that expose each
+bug and names the bug (the non-finite cases catch a NaN that vanishes and a masked NaN that
+spreads); the report of a wrong backend names its failing cases and exits 1; the property
+checks apply the harness's rule, pass on numpy_attn, and shrink a planted bug to a runnable
+reproducer.
+"""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+from harness_helpers import NEEDS_HYPOTHESIS, _expected
+
+import numpy_attn
+from conformance import (
+    backends,
+    cases,
+    expected,
+    properties,
+    runner,
+    spec,
+)
+from conformance.__main__ import main
+
+# ------------------------------------------------------------------------------ planted bugs
+
+
+def _fake(name: str, **overrides: object) -> backends.Backend:
+    module = types.ModuleType(name)
+    for fn in spec.FUNCTIONS + spec.MODULES:
+        if hasattr(numpy_attn, fn):
+            setattr(module, fn, getattr(numpy_attn, fn))
+    for key, value in overrides.items():
+        setattr(module, key, value)
+    return backends.from_module(module, name=name)
+
+
+def _wrap(transform):  # noqa: ANN001, ANN202 - test helper
+    """mask_scores and scaled_dot_product_attention with kwargs transformed."""
+
+    def mask_scores(scores, **kw):  # noqa: ANN001, ANN202
+        return numpy_attn.mask_scores(scores, **transform(kw))
+
+    def sdpa(q, k, v, **kw):  # noqa: ANN001, ANN202
+        return numpy_attn.scaled_dot_product_attention(q, k, v, **transform(kw))
+
+    return {"mask_scores": mask_scores, "scaled_dot_product_attention": sdpa}
+
+
+def _flip_mask(kw: dict) -> dict:
+    if kw.get("mask") is not None:
+        kw["mask"] = ~np.asarray(kw["mask"])
+    return kw
+
+
+def _top_left(kw: dict) -> dict:
+    kw["causal_alignment"] = "top_left"
+    return kw
+
+
+def _composed(softmax, masking=numpy_attn.mask_scores):  # noqa: ANN001, ANN202
+    """attention_weights, mask_scores and a scaled_dot_product_attention built on a given
+    softmax and a given masking of the scores."""
+
+    def weights(scores):  # noqa: ANN001, ANN202
+        return softmax(np.asarray(scores).astype(np.float32 if scores.dtype != np.float64
+                                                 else np.float64))
+
+    def sdpa(q, k, v, *, mask=None, bias=None, is_causal=False, causal_alignment="top_left",
+             window=None, scale=None, softcap=None, dropout_p=0.0, dropout_mask=None, rng=None,
+             return_weights=False):  # noqa: ANN001, ANN202
+        s = numpy_attn.attention_scores(q, k, scale=scale, softcap=softcap)
+        s = masking(s, mask=mask, bias=bias, is_causal=is_causal,
+                    causal_alignment=causal_alignment, window=window)
+        w = weights(s)
+        kept = numpy_attn.apply_dropout(w, dropout_p, dropout_mask=dropout_mask) if dropout_p else w
+        out = numpy_attn.attention_output(kept, v).astype(q.dtype)
+        return (out, w.astype(q.dtype)) if return_weights else out
+
+    return {"attention_weights": weights, "mask_scores": masking,
+            "scaled_dot_product_attention": sdpa}
+
+
+def _softmax_no_max(s: np.ndarray) -> np.ndarray:
+    e = np.exp(s)
+    return e / e.sum(-1, keepdims=True)
+
+
+def _softmax_nan_rows(s: np.ndarray) -> np.ndarray:
+    e = np.exp(s - s.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def _softmax_nan_to_zero(s: np.ndarray) -> np.ndarray:
+    """A kernel that treats a row without a finite maximum like a fully masked row."""
+    w = numpy_attn.attention_weights(s)
+    return np.where(np.isnan(w).any(-1, keepdims=True), 0, w).astype(w.dtype)
+
+
+def _mask_by_adding(scores, *, mask=None, **kw):  # noqa: ANN001, ANN202
+    """Masks by adding -inf (NaN + -inf stays NaN) instead of replacing the score."""
+    if mask is None:
+        return numpy_attn.mask_scores(scores, **kw)
+    out = numpy_attn.mask_scores(scores, **kw)
+    return out + np.where(np.asarray(mask), 0, -np.inf).astype(out.dtype)
+
+
+def _tile_heads(q: np.ndarray, kv: np.ndarray) -> np.ndarray:
+    if q.ndim < 3 or kv.shape[-3] == q.shape[-3]:
+        return kv
+    reps = [1] * kv.ndim
+    reps[-3] = q.shape[-3] // kv.shape[-3]
+    return np.tile(kv, reps)  # query head h meets kv head h % kv_heads
+
+
+def _gqa_modulo() -> dict:
+    def scores(q, k, **kw):  # noqa: ANN001, ANN202
+        return numpy_attn.attention_scores(q, _tile_heads(q, k), **kw)
+
+    def output(w, v):  # noqa: ANN001, ANN202
+        return numpy_attn.attention_output(w, _tile_heads(w, v))
+
+    def sdpa(q, k, v, **kw):  # noqa: ANN001, ANN202
+        return numpy_attn.scaled_dot_product_attention(q, _tile_heads(q, k), _tile_heads(q, v),
+                                                       **kw)
+
+    return {"attention_scores": scores, "attention_output": output,
+            "scaled_dot_product_attention": sdpa}
+
+
+PLANTED = {
+    # bug: (overrides, cases that must fail, cases that must pass, words of the diagnosis)
+    "mask_polarity": (_wrap(_flip_mask), {"padding", "mask_and_bias", "fully_masked_rows"},
+                      {"self", "causal_bottom_right", "gqa"}, "mask polarity flipped"),
+    "top_left_for_bottom_right": (
+        _wrap(_top_left),
+        {"causal_bottom_right", "causal_bottom_right_q_longer", "window_causal_bottom_right"},
+        {"causal_top_left", "causal_top_left_q_longer", "mask_and_bias"},
+        "wrong causal alignment"),
+    "softmax_without_max": (_composed(_softmax_no_max), {"huge_logits"},
+                            {"self", "bias", "gqa"}, "overflows"),
+    "nan_on_empty_rows": (_composed(_softmax_nan_rows),
+                          {"fully_masked_rows", "padding", "causal_bottom_right_q_longer"},
+                          {"self", "huge_logits", "causal_top_left"}, "NaN"),
+    "gqa_modulo": (_gqa_modulo(), {"gqa", "three_d_gqa_causal"}, {"mqa", "self", "padding"},
+                   "grouped-query mapping"),
+    "nan_row_gives_zero": (_composed(_softmax_nan_to_zero), {"nan_query", "inf_key"},
+                           {"self", "nan_value", "nan_key_masked", "padding"},
+                           "treated like a fully masked row"),
+    "masking_adds_minus_inf": (_composed(numpy_attn.attention_weights, _mask_by_adding),
+                               {"nan_key_masked"}, {"self", "padding", "nan_query"},
+                               "masking must replace a masked score by -inf"),
+}
+
+
+@pytest.mark.parametrize("bug", PLANTED)
+def test_planted_bug_is_caught_and_named(bug: str) -> None:
+    overrides, must_fail, must_pass, words = PLANTED[bug]
+    fake = _fake(f"fake_{bug}", **overrides)
+    for dtype in ("float64", "float32"):
+        cells = {c: runner.run_cell(fake, _expected(c, dtype)) for c in must_fail | must_pass}
+        failed = {c for c, cell in cells.items() if cell.status != "ok"}
+        assert failed == must_fail, f"{bug} {dtype}: failed {sorted(failed)}"
+        for c in must_fail:
+            assert words in cells[c].detail, f"{bug} {dtype} {c}: {cells[c].detail}"
+            assert f"--case {c} --dtype {dtype} --backend fake_{bug}" in cells[c].rerun
+
+
+def test_report_names_failing_cases_and_exit_code(capsys: pytest.CaptureFixture) -> None:
+    code = main(["--backend", "examples.wrong_attention", "--dtype", "float32", "--no-errors",
+                 "--verbose"])
+    out = capsys.readouterr().out
+    assert code == 1
+    for case in ("padding", "mask_and_bias", "causal_bottom_right"):
+        assert f"examples.wrong_attention · {case} · float32" in out
+    assert "mask polarity flipped" in out and "wrong causal alignment" in out
+    assert "python -m conformance --case padding --dtype float32 --backend " \
+           "examples.wrong_attention" in out
+    assert out.strip().splitlines()[-1].startswith("FAIL:")
+
+
+# ------------------------------------------------------------------------------ properties
+
+
+def test_properties_pass_on_numpy() -> None:
+    pytest.importorskip("hypothesis", reason=NEEDS_HYPOTHESIS)
+    result = properties.run([backends.get("numpy")], 40)
+    assert result.passed, result.text()
+    assert result.backends[0].examples >= 40
+
+
+def test_properties_apply_the_harness_rule() -> None:
+    """A property example's ratio is the harness's ``compare`` ratio on the same example."""
+    numpy_backend = backends.get("numpy")
+    layout = next(lay for lay in properties.LAYOUTS if lay.causal)  # no permutation check
+    problem = properties.Problem(layout, "float32", 10.0, False, 7)
+    a, o = problem.arrays()
+    exp = expected.expected_for(cases.CaseData(a, o), "sdpa", "float32", gradients=False)
+    cell = runner.run_cell(numpy_backend, exp, steps=["output", "output_weights"])
+    assert properties.check_problem(numpy_backend, problem) == pytest.approx(cell.ratio)
+
+
+def test_properties_shrink_a_planted_bug_to_runnable_code(capsys: pytest.CaptureFixture) -> None:
+    pytest.importorskip("hypothesis", reason=NEEDS_HYPOTHESIS)
+    fake = backends.register(_fake("fake_mask_polarity_prop", **_wrap(_flip_mask)))
+    try:  # registered, so the reproducer's backends.load finds it
+        result = properties.run([fake], 60)
+        assert not result.passed
+        code = result.backends[0].reproducer
+        assert "scaled_dot_product_attention(" in code and "mask" in code
+        exec(compile(code, "<reproducer>", "exec"), {})  # runs as printed
+        assert "output - reference" in capsys.readouterr().out
+    finally:
+        backends.unregister(fake.name)
