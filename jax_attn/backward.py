@@ -13,6 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 import attention_rules as rules
 
@@ -73,3 +75,37 @@ def scaled_dot_product_attention_vjp(
     _, pullback = jax.vjp(attend, query, key, value, bias)
     return pullback(grad_output)
 
+
+def module_weight_grads(
+    module: Any,
+    args: tuple[Any, ...],
+    grad_output: Any,
+    arrays: dict[str, Any] | None = None,
+    static: tuple[tuple[str, Any], ...] = (),
+) -> dict[str, np.ndarray]:
+    """Gradient of every weight of a module: ``jax.vjp`` of
+    ``module.forward(*args, **arrays, **static)`` against ``grad_output`` (the output's shape,
+    e.g. ``(..., seq, d_out)``); returns ``{weight name: gradient}``, each of its weight's shape.
+
+    numpy_attn's modules write this backward pass out by hand; here the module is a pytree, so
+    its gradient is a module of the same structure whose "weights" are the gradients. The vjp
+    runs as one ``jax.jit``-compiled program (cached by module structure, input shapes and the
+    static keyword arguments), and the gradients become NumPy arrays only at the end.
+    """
+    arrays = {} if arrays is None else arrays
+    try:
+        hash(static)
+    except TypeError:  # an unhashable static argument (e.g. a list window): run eagerly
+        return _weight_grads_eager(module, args, grad_output, arrays, static).export_weights()
+    return _weight_grads_jit(module, args, grad_output, arrays, static).export_weights()
+
+
+def _weight_grads_eager(module: Any, args: tuple[Any, ...], grad_output: Any,
+                        arrays: dict[str, Any], static: tuple[tuple[str, Any], ...]) -> Any:
+    """The gradients as a module of ``module``'s kind (its cotangent); jitted just below."""
+    kwargs = {**arrays, **dict(static)}
+    _, pullback = jax.vjp(lambda m: m.forward(*args, **kwargs), module)
+    return pullback(jnp.asarray(grad_output))[0]
+
+
+_weight_grads_jit = jax.jit(_weight_grads_eager, static_argnums=(4,))

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import attention_rules as rules
 
 from ._core import _check_device, _place
+from .functional import scaled_dot_product_attention
 
 
 def _dtype(dtype: Any) -> jnp.dtype:
@@ -128,3 +129,27 @@ class KVCache:
         value_buffer = jax.lax.dynamic_update_slice_in_dim(self.value_buffer, value, start, axis)
         return KVCache(key_buffer, value_buffer, stop)
 
+
+def decode_step(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    cache: KVCache | None,
+    max_len: int | None,
+) -> tuple[jax.Array, KVCache]:
+    """One decoding step of a module: append ``key``/``value`` ``(..., kv_heads, n, dim)`` to
+    the cache (a new one of ``max_len`` positions when None), then attend
+    ``query (..., heads, n, head_dim)`` over every cached position with the bottom-right causal
+    rule: ``(..., heads, n, v_dim)``."""
+    if cache is None:
+        max_len = key.shape[-2] if max_len is None else max_len
+        cache = KVCache.empty(key.shape[:-3], key.shape[-3], max_len, key.shape[-1],
+                              value.shape[-1], dtype=key.dtype)
+    start = cache.length  # jax: may be traced, so the whole buffer is attended with a mask
+    cache = cache.append(key, value)
+    query = query.astype(cache.key_buffer.dtype)
+    n = query.shape[-2]
+    # bottom-right causal over the filled part: key j <= start + i (later slots are not filled)
+    mask = jnp.arange(cache.max_len)[None, :] <= start + jnp.arange(n)[:, None]  # (n, max_len)
+    context = scaled_dot_product_attention(query, cache.key_buffer, cache.value_buffer, mask=mask)
+    return context, cache

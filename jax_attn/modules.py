@@ -6,14 +6,10 @@ differentiated with ``jax.grad`` (the gradient is a module of the same kind) and
 ``jax.tree_util.tree_map``. Modules are built from an explicit ``jax.random`` key passed as
 ``rng=`` (``rng=None`` is a ValueError), and draw their weights in numpy_attn's order.
 
-Every module exports its weights to a flat dict of NumPy arrays and loads them back, with the
-same keys in every backend. ``load_weights`` returns a NEW module (the original is unchanged)
-and keeps the dtype of the arrays it is given, so a float64 dict gives a float64 module (with
-``jax.config.update("jax_enable_x64", True)``). ``train()``/``eval()`` set the mode in place
-and return the module, as in numpy_attn and torch_attn (the mode is the one attribute that
-changes; weights never do): dropout applies in training mode when ``forward`` gets an ``rng``
-key, and ``backward`` refuses a module whose dropout is active. Projections use
-``precision=Precision.HIGHEST``, like the functional module.
+Weights export to a flat dict of NumPy arrays with the same keys in every backend;
+``load_weights`` returns a NEW module in the arrays' dtype. ``train()``/``eval()`` set the mode
+in place (the one attribute that changes) and return the module; dropout needs an ``rng`` key.
+Projections use ``precision=Precision.HIGHEST``, like the functional module.
 """
 
 from __future__ import annotations
@@ -27,8 +23,9 @@ import numpy as np
 import attention_rules as rules
 
 from ._core import HIGHEST
+from .backward import module_weight_grads
 from .functional import scaled_dot_product_attention
-from .kv_cache import KVCache
+from .kv_cache import KVCache, decode_step
 
 
 def _uniform(rng: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -45,10 +42,8 @@ def _xavier(rng: jax.Array, fan_in: int, fan_out: int) -> jax.Array:
 def _rng(fn: str, rng: Any, count: int) -> list[jax.Array]:
     # JAX has no global random state: one explicit key, split into one key per weight.
     if rng is None:
-        raise ValueError(
-            f"{fn}: rng must be a jax.random key (e.g. jax.random.key(0)) to draw the initial "
-            f"weights; got rng=None"
-        )
+        raise ValueError(f"{fn}: rng must be a jax.random key (e.g. jax.random.key(0)) to draw "
+                         "the initial weights; got rng=None")
     return list(jax.random.split(rng, count))
 
 
@@ -134,40 +129,6 @@ def _check_no_dropout(module: _Module) -> None:
     )
 
 
-def _weight_grads(
-    module: _Module,
-    args: tuple[Any, ...],
-    grad_output: Any,
-    arrays: dict[str, Any] | None = None,
-    static: tuple[tuple[str, Any], ...] = (),
-) -> dict[str, np.ndarray]:
-    """Gradient of every weight: ``jax.vjp`` of ``module.forward(*args, **arrays, **static)``
-    against ``grad_output``.
-
-    numpy_attn's modules write this backward pass out by hand; here the module is a pytree, so
-    its gradient is a module of the same structure whose "weights" are the gradients. The vjp
-    runs as one ``jax.jit``-compiled program (cached by module structure, input shapes and the
-    static keyword arguments), and the gradients become NumPy arrays only at the end.
-    """
-    arrays = {} if arrays is None else arrays
-    try:
-        hash(static)
-    except TypeError:  # an unhashable static argument (e.g. a list window): run eagerly
-        return _weight_grads_eager(module, args, grad_output, arrays, static).export_weights()
-    return _weight_grads_jit(module, args, grad_output, arrays, static).export_weights()
-
-
-def _weight_grads_eager(module: _Module, args: tuple[Any, ...], grad_output: Any,
-                        arrays: dict[str, Any], static: tuple[tuple[str, Any], ...]) -> _Module:
-    """The gradients as a module of ``module``'s kind (its cotangent); jitted just below."""
-    kwargs = {**arrays, **dict(static)}
-    _, pullback = jax.vjp(lambda m: m.forward(*args, **kwargs), module)
-    return pullback(jnp.asarray(grad_output))[0]
-
-
-_weight_grads_jit = jax.jit(_weight_grads_eager, static_argnums=(4,))
-
-
 @jax.tree_util.register_pytree_node_class
 class SelfAttention(_Module):
     """The article's self-attention: one head, ``softmax(q kᵀ / sqrt(d_out_kq)) v``.
@@ -195,7 +156,7 @@ class SelfAttention(_Module):
 
     def backward(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
         """Weight gradients for ``x: (..., seq, d_in)``, ``grad_output: (..., seq, d_out_v)``."""
-        return _weight_grads(self, (x,), grad_output)
+        return module_weight_grads(self, (x,), grad_output)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -221,7 +182,7 @@ class CrossAttention(_Module):
 
     def backward(self, x_1: Any, x_2: Any, grad_output: Any) -> dict[str, np.ndarray]:
         """Weight gradients; ``grad_output: (..., q_len, d_out_v)``."""
-        return _weight_grads(self, (x_1, x_2), grad_output)
+        return module_weight_grads(self, (x_1, x_2), grad_output)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -258,7 +219,7 @@ class CausalSelfAttention(_Module):
     def backward(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
         """Weight gradients, without dropout (``eval()`` or ``dropout_p=0``)."""
         _check_no_dropout(self)
-        return _weight_grads(self, (x,), grad_output)
+        return module_weight_grads(self, (x,), grad_output)
 
     def decode(
         self, x: Any, cache: KVCache | None = None, *, max_len: int | None = None
@@ -278,32 +239,8 @@ class CausalSelfAttention(_Module):
         queries = _matmul(x, self.W_query)[..., None, :, :]  # (..., 1, n, d_out_kq): one head
         keys = _matmul(x, self.W_key)[..., None, :, :]  # (..., 1, n, d_out_kq)
         values = _matmul(x, self.W_value)[..., None, :, :]  # (..., 1, n, d_out_v)
-        context, cache = _decode(queries, keys, values, cache, max_len)
+        context, cache = decode_step(queries, keys, values, cache, max_len)
         return context[..., 0, :, :], cache  # (..., n, d_out_v)
-
-
-def _decode(
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    cache: KVCache | None,
-    max_len: int | None,
-) -> tuple[jax.Array, KVCache]:
-    """Append ``key``/``value`` ``(..., kv_heads, n, dim)`` to the cache (a new one of
-    ``max_len`` positions when None), then attend ``query (..., heads, n, head_dim)`` over every
-    cached position with the bottom-right causal rule: ``(..., heads, n, v_dim)``."""
-    if cache is None:
-        max_len = key.shape[-2] if max_len is None else max_len
-        cache = KVCache.empty(key.shape[:-3], key.shape[-3], max_len, key.shape[-1],
-                              value.shape[-1], dtype=key.dtype)
-    start = cache.length  # jax: may be traced, so the whole buffer is attended with a mask
-    cache = cache.append(key, value)
-    query = query.astype(cache.key_buffer.dtype)
-    n = query.shape[-2]
-    # bottom-right causal over the filled part: key j <= start + i (later slots are not filled)
-    mask = jnp.arange(cache.max_len)[None, :] <= start + jnp.arange(n)[:, None]  # (n, max_len)
-    context = scaled_dot_product_attention(query, cache.key_buffer, cache.value_buffer, mask=mask)
-    return context, cache
 
 
 @jax.tree_util.register_pytree_node_class
@@ -345,7 +282,7 @@ class MultiHeadAttentionWrapper(_Module):
 
     def backward(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
         """Weight gradients ``heads.{h}.W_*``; ``grad_output: (..., seq, num_heads * d_out_v)``."""
-        return _weight_grads(self, (x,), grad_output)
+        return module_weight_grads(self, (x,), grad_output)
 
     def export_weights(self) -> dict[str, np.ndarray]:
         """Flat dict ``heads.{h}.W_*`` → NumPy array."""
@@ -484,7 +421,7 @@ class MultiHeadAttention(_Module):
         _check_no_dropout(self)
         static = (("is_causal", is_causal), ("causal_alignment", causal_alignment),
                   ("window", window))
-        return _weight_grads(self, (x, context), grad_output, {"mask": mask}, static)
+        return module_weight_grads(self, (x, context), grad_output, {"mask": mask}, static)
 
     def decode(
         self, x: Any, cache: KVCache | None = None, *, max_len: int | None = None
@@ -504,7 +441,7 @@ class MultiHeadAttention(_Module):
         query = self._project(x, "query", self.num_heads)  # (..., heads, n, head_dim)
         key = self._project(x, "key", self.num_kv_heads)  # (..., kv_heads, n, head_dim)
         value = self._project(x, "value", self.num_kv_heads)
-        context_vec, cache = _decode(query, key, value, cache, max_len)
+        context_vec, cache = decode_step(query, key, value, cache, max_len)
         merged = jnp.swapaxes(context_vec, -2, -3)  # (..., n, heads, head_dim)
         merged = merged.reshape(merged.shape[:-2] + (-1,))  # (..., n, heads * head_dim)
         output = _matmul(merged, self.W_out)  # (..., n, d_model)

@@ -14,6 +14,7 @@ import numpy as np
 import attention_rules as rules
 
 from ._core import _check_device
+from .functional import scaled_dot_product_attention
 
 
 def _dtype(dtype: Any) -> np.dtype:
@@ -102,3 +103,25 @@ class KVCache:
         self._length = stop
         return self
 
+
+def decode_step(
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    cache: KVCache | None,
+    max_len: int | None,
+) -> tuple[np.ndarray, KVCache]:
+    """One decoding step of a module: append ``key``/``value`` ``(..., kv_heads, n, dim)`` to
+    the cache (a new one of ``max_len`` positions when None), then attend
+    ``query (..., heads, n, head_dim)`` over every cached position with the bottom-right causal
+    rule: ``(..., heads, n, v_dim)``."""
+    if cache is None:
+        max_len = key.shape[-2] if max_len is None else max_len
+        cache = KVCache.empty(key.shape[:-3], key.shape[-3], max_len, key.shape[-1],
+                              value.shape[-1], dtype=key.dtype)
+    cache = cache.append(key, value)
+    query = query.astype(cache.key_buffer.dtype, copy=False)
+    context = scaled_dot_product_attention(
+        query, cache.keys, cache.values, is_causal=True, causal_alignment="bottom_right"
+    )
+    return context, cache

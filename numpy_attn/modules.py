@@ -19,7 +19,7 @@ import attention_rules as rules
 
 from .backward import projection_grads, scaled_dot_product_attention_vjp
 from .functional import scaled_dot_product_attention
-from .kv_cache import KVCache
+from .kv_cache import KVCache, decode_step
 
 
 def _uniform(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
@@ -212,30 +212,8 @@ class CausalSelfAttention(_Module):
         queries = _matmul(x, self.W_query)[..., None, :, :]  # (..., 1, n, d_out_kq): one head
         keys = _matmul(x, self.W_key)[..., None, :, :]  # (..., 1, n, d_out_kq)
         values = _matmul(x, self.W_value)[..., None, :, :]  # (..., 1, n, d_out_v)
-        context, cache = _decode(queries, keys, values, cache, max_len)
+        context, cache = decode_step(queries, keys, values, cache, max_len)
         return context[..., 0, :, :], cache  # (..., n, d_out_v)
-
-
-def _decode(
-    query: np.ndarray,
-    key: np.ndarray,
-    value: np.ndarray,
-    cache: KVCache | None,
-    max_len: int | None,
-) -> tuple[np.ndarray, KVCache]:
-    """Append ``key``/``value`` ``(..., kv_heads, n, dim)`` to the cache (a new one of
-    ``max_len`` positions when None), then attend ``query (..., heads, n, head_dim)`` over every
-    cached position with the bottom-right causal rule: ``(..., heads, n, v_dim)``."""
-    if cache is None:
-        max_len = key.shape[-2] if max_len is None else max_len
-        cache = KVCache.empty(key.shape[:-3], key.shape[-3], max_len, key.shape[-1],
-                              value.shape[-1], dtype=key.dtype)
-    cache = cache.append(key, value)
-    query = query.astype(cache.key_buffer.dtype, copy=False)
-    context = scaled_dot_product_attention(
-        query, cache.keys, cache.values, is_causal=True, causal_alignment="bottom_right"
-    )
-    return context, cache
 
 
 class MultiHeadAttentionWrapper(_Module):
@@ -441,7 +419,7 @@ class MultiHeadAttention(_Module):
         query = self._project(x, "query", self.num_heads)  # (..., heads, n, head_dim)
         key = self._project(x, "key", self.num_kv_heads)  # (..., kv_heads, n, head_dim)
         value = self._project(x, "value", self.num_kv_heads)
-        context_vec, cache = _decode(query, key, value, cache, max_len)
+        context_vec, cache = decode_step(query, key, value, cache, max_len)
         merged = np.swapaxes(context_vec, -2, -3)  # (..., n, heads, head_dim)
         merged = merged.reshape(merged.shape[:-2] + (-1,))  # (..., n, heads * head_dim)
         output = _matmul(merged, self.W_out)  # (..., n, d_model)

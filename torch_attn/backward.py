@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 import attention_rules as rules
 
-from ._core import _array, _describe
+from ._core import _array, _as_tensor, _describe, _to_numpy
 from .functional import pipeline
 
 
@@ -76,3 +77,22 @@ def scaled_dot_product_attention_vjp(
     )
     return grads[:3] + ((grads[3] if bias is not None else None),)
 
+
+def module_weight_grads(
+    module: Any, output: torch.Tensor, grad_output: Any
+) -> dict[str, np.ndarray]:
+    """Gradient of every weight of a module: ``torch.autograd.grad`` of ``output`` (e.g.
+    ``(..., seq, d_out)``) against ``grad_output`` (its shape); returns ``{weight name:
+    gradient}`` as NumPy arrays, each of its weight's shape.
+
+    numpy_attn's modules write this backward pass out by hand; here autograd differentiates the
+    forward pass that produced ``output`` (the parameters' ``.grad`` are left untouched).
+    """
+    names = list(module.export_weights())
+    parameters = [module.get_parameter(name) for name in names]
+    grad_output = _as_tensor(grad_output).to(output.device, output.dtype)
+    grads = torch.autograd.grad(output, parameters, grad_outputs=grad_output, allow_unused=True)
+    return {
+        name: _to_numpy(torch.zeros_like(p) if g is None else g)
+        for name, p, g in zip(names, parameters, grads, strict=True)
+    }

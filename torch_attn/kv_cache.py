@@ -15,6 +15,7 @@ import torch
 import attention_rules as rules
 
 from ._core import _as_tensor
+from .functional import scaled_dot_product_attention
 
 
 def _dtype(dtype: Any) -> torch.dtype:
@@ -103,3 +104,33 @@ class KVCache:
         self._length = stop
         return self
 
+
+def decode_step(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: KVCache | None,
+    max_len: int | None,
+) -> tuple[torch.Tensor, KVCache]:
+    """One decoding step of a module: append ``key``/``value`` ``(..., kv_heads, n, dim)`` to
+    the cache (a new one of ``max_len`` positions when None), then attend
+    ``query (..., heads, n, head_dim)`` over every cached position with the bottom-right causal
+    rule: ``(..., heads, n, v_dim)``.
+
+    torch: the cache stores values without history; when grad mode is on, this call's own
+    keys and values are attended with theirs (the cached positions are constants)."""
+    if cache is None:
+        max_len = key.shape[-2] if max_len is None else max_len
+        cache = KVCache.empty(tuple(key.shape[:-3]), key.shape[-3], max_len, key.shape[-1],
+                              value.shape[-1], dtype=key.dtype, device=key.device)
+    start = cache.length
+    cache = cache.append(key, value)
+    query = query.to(cache.key_buffer.dtype)
+    keys, values = cache.keys, cache.values  # (..., kv_heads, length, head_dim | v_dim)
+    if torch.is_grad_enabled():  # torch: a copy whose last n positions keep their history
+        keys = torch.cat([keys[..., :start, :], key.to(keys.dtype)], dim=-2)
+        values = torch.cat([values[..., :start, :], value.to(values.dtype)], dim=-2)
+    context = scaled_dot_product_attention(
+        query, keys, values, is_causal=True, causal_alignment="bottom_right"
+    )
+    return context, cache

@@ -17,8 +17,9 @@ from torch import nn
 import attention_rules as rules
 
 from ._core import _as_tensor, _to_numpy
+from .backward import module_weight_grads
 from .functional import scaled_dot_product_attention
-from .kv_cache import KVCache
+from .kv_cache import KVCache, decode_step
 
 
 def _uniform(rng: torch.Generator | None, shape: tuple[int, ...]) -> torch.Tensor:
@@ -75,22 +76,6 @@ def _check_weight_dict(fn: str, expected: dict[str, Any], weights: dict[str, Any
     )
 
 
-def _weight_grads(module: _Module, output: torch.Tensor, grad_output: Any) -> dict[str, np.ndarray]:
-    """Gradient of every weight: ``torch.autograd.grad`` of ``output`` against ``grad_output``.
-
-    numpy_attn's modules write this backward pass out by hand; here autograd differentiates the
-    forward pass that produced ``output`` (the parameters' ``.grad`` are left untouched).
-    """
-    names = list(module.export_weights())
-    parameters = [module.get_parameter(name) for name in names]
-    grad_output = _as_tensor(grad_output).to(output.device, output.dtype)
-    grads = torch.autograd.grad(output, parameters, grad_outputs=grad_output, allow_unused=True)
-    return {
-        name: _to_numpy(torch.zeros_like(p) if g is None else g)
-        for name, p, g in zip(names, parameters, grads, strict=True)
-    }
-
-
 def _check_no_dropout(module: _Module) -> None:
     rules.check_backward_without_dropout(
         type(module).__name__, module.training and module.dropout_p > 0, module.dropout_p
@@ -125,7 +110,7 @@ class SelfAttention(_Module):
     def backward(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
         """Weight gradients for ``x: (..., seq, d_in)``, ``grad_output: (..., seq, d_out_v)``."""
         with torch.enable_grad():
-            return _weight_grads(self, self.forward(x), grad_output)
+            return module_weight_grads(self, self.forward(x), grad_output)
 
 
 class CrossAttention(_Module):
@@ -151,7 +136,7 @@ class CrossAttention(_Module):
     def backward(self, x_1: Any, x_2: Any, grad_output: Any) -> dict[str, np.ndarray]:
         """Weight gradients; ``grad_output: (..., q_len, d_out_v)``."""
         with torch.enable_grad():
-            return _weight_grads(self, self.forward(x_1, x_2), grad_output)
+            return module_weight_grads(self, self.forward(x_1, x_2), grad_output)
 
 
 class CausalSelfAttention(_Module):
@@ -189,7 +174,7 @@ class CausalSelfAttention(_Module):
         """Weight gradients, without dropout (``eval()`` or ``dropout_p=0``)."""
         _check_no_dropout(self)
         with torch.enable_grad():
-            return _weight_grads(self, self.forward(x), grad_output)
+            return module_weight_grads(self, self.forward(x), grad_output)
 
     def decode(
         self, x: Any, cache: KVCache | None = None, *, max_len: int | None = None
@@ -211,7 +196,7 @@ class CausalSelfAttention(_Module):
             queries = (x @ self.W_query)[..., None, :, :]  # (..., 1, n, d_out_kq): one head
             keys = (x @ self.W_key)[..., None, :, :]  # (..., 1, n, d_out_kq)
             values = (x @ self.W_value)[..., None, :, :]  # (..., 1, n, d_out_v)
-            context, cache = _decode(queries, keys, values, cache, max_len)
+            context, cache = decode_step(queries, keys, values, cache, max_len)
         return context[..., 0, :, :], cache  # (..., n, d_out_v)
 
 
@@ -220,36 +205,6 @@ def _decode_records_graph(module: _Module) -> bool:
     grad mode is on AND the module is in training mode. ``eval()`` decoding is inference and
     runs as under ``torch.no_grad()``, so a long decoding loop keeps no graph alive."""
     return torch.is_grad_enabled() and module.training
-
-
-def _decode(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cache: KVCache | None,
-    max_len: int | None,
-) -> tuple[torch.Tensor, KVCache]:
-    """Append ``key``/``value`` ``(..., kv_heads, n, dim)`` to the cache (a new one of
-    ``max_len`` positions when None), then attend ``query (..., heads, n, head_dim)`` over every
-    cached position with the bottom-right causal rule: ``(..., heads, n, v_dim)``.
-
-    torch: the cache stores values without history; when grad mode is on, this call's own
-    keys and values are attended with theirs (the cached positions are constants)."""
-    if cache is None:
-        max_len = key.shape[-2] if max_len is None else max_len
-        cache = KVCache.empty(tuple(key.shape[:-3]), key.shape[-3], max_len, key.shape[-1],
-                              value.shape[-1], dtype=key.dtype, device=key.device)
-    start = cache.length
-    cache = cache.append(key, value)
-    query = query.to(cache.key_buffer.dtype)
-    keys, values = cache.keys, cache.values  # (..., kv_heads, length, head_dim | v_dim)
-    if torch.is_grad_enabled():  # torch: a copy whose last n positions keep their history
-        keys = torch.cat([keys[..., :start, :], key.to(keys.dtype)], dim=-2)
-        values = torch.cat([values[..., :start, :], value.to(values.dtype)], dim=-2)
-    context = scaled_dot_product_attention(
-        query, keys, values, is_causal=True, causal_alignment="bottom_right"
-    )
-    return context, cache
 
 
 class MultiHeadAttentionWrapper(_Module):
@@ -273,7 +228,7 @@ class MultiHeadAttentionWrapper(_Module):
     def backward(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
         """Weight gradients ``heads.{h}.W_*``; ``grad_output: (..., seq, num_heads * d_out_v)``."""
         with torch.enable_grad():
-            return _weight_grads(self, self.forward(x), grad_output)
+            return module_weight_grads(self, self.forward(x), grad_output)
 
     def export_weights(self) -> dict[str, np.ndarray]:
         """Flat dict ``heads.{h}.W_*`` → NumPy array."""
@@ -408,7 +363,7 @@ class MultiHeadAttention(_Module):
         with torch.enable_grad():
             output = self.forward(x, context, mask=mask, is_causal=is_causal,
                                   causal_alignment=causal_alignment, window=window)
-            return _weight_grads(self, output, grad_output)
+            return module_weight_grads(self, output, grad_output)
 
     def decode(
         self, x: Any, cache: KVCache | None = None, *, max_len: int | None = None
@@ -430,7 +385,7 @@ class MultiHeadAttention(_Module):
             query = self._project(x, "query", self.num_heads)  # (..., heads, n, head_dim)
             key = self._project(x, "key", self.num_kv_heads)  # (..., kv_heads, n, head_dim)
             value = self._project(x, "value", self.num_kv_heads)
-            context_vec, cache = _decode(query, key, value, cache, max_len)
+            context_vec, cache = decode_step(query, key, value, cache, max_len)
             merged = context_vec.transpose(-2, -3)  # (..., n, heads, head_dim)
             merged = merged.reshape(merged.shape[:-2] + (-1,))  # (..., n, heads * head_dim)
             output = merged @ self.W_out  # (..., n, d_model)
