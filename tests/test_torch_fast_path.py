@@ -307,3 +307,18 @@ def test_torch_compile():
     ref = _numpy_ref(q, k, v, mask=mask, is_causal=True, softcap=3.0)
     torch.testing.assert_close(got, ref)
     assert torch.equal(weights[..., 1, :], torch.zeros_like(weights[..., 1, :]))
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.0, -0.7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_zero_and_negative_scales_with_a_mask_give_numbers(scale, dtype):
+    """torch's SDPA multiplies the masked ``-inf`` by the scale (NaN rows for 0, ``+inf`` for a
+    negative scale); the spec masks after scaling, so every row is a number."""
+    q, k, v = _qkv((2, 3, 9, 8), (2, 3, 9, 8), dtype=dtype)
+    mask = torch.rand(2, 1, 9, 9, generator=torch.Generator().manual_seed(1)) > 0.3
+    for kw in ({"is_causal": True}, {"mask": mask}):
+        out = torch_attn.scaled_dot_product_attention(q, k, v, scale=scale, **kw)
+        want = _numpy_ref(q, k, v, scale=scale, **kw)
+        assert not out.isnan().any(), (scale, kw.keys())
+        tol = 1e-5 if dtype == torch.float32 else 2e-3
+        torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)

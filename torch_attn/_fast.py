@@ -95,6 +95,8 @@ def use_fast_path(
         return "blocked"
     if args.softcap is not None:
         return None  # SDPA has no softcap
+    if args.scale <= 0.0:  # -0.0 too: SDPA scales the masked -inf (0·-inf = NaN, -c·-inf = +inf)
+        return None
     return "sdpa"
 
 
