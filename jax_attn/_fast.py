@@ -95,9 +95,9 @@ def use_fast_path(
       args: the normalised options (``rules.attention_arguments``).
       backend: a platform name (``"cpu"``, ``"gpu"``) instead of the query's.
     """
-    platforms = _platforms(query) if backend is None else {backend}
     if args.return_weights or args.dropout_p > 0.0:
         return None  # neither path returns the weights or takes a keep-mask
+    platforms = _platforms(query) if backend is None else {backend}
     if platforms <= set(CUDNN_PLATFORMS) and _cudnn_fits(query, key, value, mask, bias, args):
         return "cudnn"
     if platforms <= set(BLOCKED_PLATFORMS) and rules.large_enough(
