@@ -17,7 +17,9 @@ from __future__ import annotations
 import io
 import os
 import stat
+import struct
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +102,19 @@ def _nbytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
 def read_npz(data: bytes, label: str,
              error: type[Exception] = UntrustedFileError) -> dict[str, np.ndarray]:
     """Every member of the ``.npz`` bytes ``data``, headers and sizes checked before any array
-    is allocated (``label`` names the file in ``error``'s messages)."""
+    is allocated (``label`` names the file in ``error``'s messages); a broken zip or ``.npy``
+    is an ``error`` too, never a traceback."""
+    try:
+        return _read_npz(data, label, error)
+    except error:
+        raise
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, struct.error, EOFError, OSError,
+            ValueError, KeyError, TypeError, OverflowError, NotImplementedError,
+            RuntimeError) as exc:
+        raise error(f"{label} is not a readable .npz ({type(exc).__name__}: {exc})") from exc
+
+
+def _read_npz(data: bytes, label: str, error: type[Exception]) -> dict[str, np.ndarray]:
     zf = zipfile.ZipFile(io.BytesIO(data))
     infos = zf.infolist()
     if len(infos) > MAX_MEMBERS:
