@@ -230,8 +230,9 @@ def _explicit(q, k, v, allowed, scale=8 ** -0.5):
 
 
 def test_mask_formats_and_bottom_right_decoding():
-    """The 4-D boolean and additive masks, a 2-D padding mask, and no mask with a cache
-    (3 queries at the end of 5 keys: bottom-right causal) all give the explicit result."""
+    """The 4-D boolean and additive masks, a 2-D padding mask (with the module's causal rule
+    and window, which a 2-D mask does not hold), and no mask with a cache (3 queries at the
+    end of 5 keys: bottom-right causal) all give the explicit result."""
     q, k, v = _direct_inputs()
     module = torch.nn.Module().eval()
     keys = torch.tensor([[True] * 5, [False, True, True, True, True]])  # (2, 5)
@@ -249,6 +250,11 @@ def test_mask_formats_and_bottom_right_decoding():
     out, _ = hf.attention_forward(module, q, k, v, keys, is_causal=False)
     torch.testing.assert_close(out, _explicit(q, k, v, keys[:, None, None, :]), rtol=0,
                                atol=1e-12)
+    out, _ = hf.attention_forward(module, q, k, v, keys)  # 2-D padding: still causal
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    out, _ = hf.attention_forward(module, q, k, v, keys.int(), sliding_window=2)
+    window_keys = causal & ~torch.ones(3, 5).tril(0).bool() & keys[:, None, None, :]
+    torch.testing.assert_close(out, _explicit(q, k, v, window_keys), rtol=0, atol=1e-12)
     out, weights = hf.attention_forward(module, q, k, v, None, sliding_window=2,
                                         output_attentions=True)
     window = causal & ~torch.ones(3, 5).tril(0).bool()  # j in (i + 2 - 2, i + 2]

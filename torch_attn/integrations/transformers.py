@@ -23,9 +23,10 @@ How transformers' arguments map onto the spec (``conformance/spec/functions.py``
   window; a float (additive) 4-D mask given by the caller becomes ``mask`` (entries above the
   dtype's most negative value) plus ``bias`` (its other entries); a 2-D ``(batch, kv_len)``
   padding mask becomes ``(batch, 1, 1, kv_len)``;
-* no mask (no padding, and the queries are the last ``q_len`` of the keys): the module's causal
-  flag as ``is_causal`` with ``causal_alignment="bottom_right"`` (decoding with a cache), and
-  ``sliding_window`` as ``window=(sliding_window - 1, None)``;
+* no mask, or a 2-D padding mask (which holds no causal rule; the queries are the last
+  ``q_len`` of the keys): the module's causal flag as ``is_causal`` with
+  ``causal_alignment="bottom_right"`` (decoding with a cache), and ``sliding_window`` as
+  ``window=(sliding_window - 1, None)``;
 * ``scaling`` → ``scale``, ``softcap`` → ``softcap`` (Gemma 2's logit soft-capping),
   ``position_bias`` → ``bias``, grouped-query key/value heads as they come (no repeat);
 * ``dropout`` → ``dropout_p`` while ``module.training`` (torch's global generator);
@@ -88,7 +89,7 @@ def attention_forward(
       scaling: score scale (default ``head_dim ** -0.5``).
       softcap: logit soft-cap, ``softcap · tanh(scores / softcap)``, or None.
       sliding_window: keys ``sliding_window - 1`` or fewer positions back; used only when
-        ``attention_mask`` is None (a mask from ``attention_mask`` already holds the window).
+        ``attention_mask`` is None or 2-D (a 4-D mask already holds the window).
       kwargs: ``is_causal`` overrides the module's flag; ``position_bias`` (float,
         broadcastable to ``(batch, heads, q_len, kv_len)``) is added to the scores;
         ``output_attentions=True`` returns the weights; ``s_aux`` (attention sinks) is not
@@ -108,7 +109,7 @@ def attention_forward(
     if bias is not None:
         bias = bias.to(query.dtype)  # a float mask may come in another float dtype
     is_causal, window = False, None
-    if attention_mask is None:  # no padding: the structure the mask builder left out
+    if attention_mask is None or attention_mask.ndim == 2:  # the structure a 4-D mask holds
         is_causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
         if sliding_window is not None and kv_len > sliding_window:
             window = (sliding_window - 1, None)
