@@ -16,8 +16,10 @@ Subcommands (``run`` is the default)::
 ``--backend`` takes ``numpy``, ``jax``, ``torch``, a peer (``torch.sdpa``,
 ``torch.MHA``, ``jax.nn``) or the dotted path of your own module
 (``mypkg.attention``, see ``plugins``: its report is ``verdict``'s focused one, ``--verbose``
-for every cell). Exit code 0 only when every spec/user backend passes, 1 when one fails, 2 for a
-mistake in the command (``usage.UsageError``: an unknown case, backend or golden directory, a
+for every cell). Exit code 0 only when something was checked and every spec/user backend
+passes, 1 when one fails, 2 when nothing was checked (every cell n/a, unsupported or not
+provided: a PASS on nothing is no PASS) and for a mistake in the command
+(``usage.UsageError``: an unknown case, backend or golden directory, a
 named backend or an option's package that is not installed — printed as one line with the
 install command, before any work — or a checked module whose import fails, printed with its
 traceback). Anything else is a bug and shows its traceback.
@@ -36,7 +38,8 @@ from collections.abc import Callable
 
 from .backends import DTYPES
 from .plugins import PluginImportError
-from .usage import UsageError
+from .results import RunResult
+from .usage import UsageError, at_least
 
 
 def _add_run(p: argparse.ArgumentParser) -> None:
@@ -51,7 +54,7 @@ def _add_run(p: argparse.ArgumentParser) -> None:
                        help="also run the frameworks' kernels (default without --backend)")
     peers.add_argument("--no-peers", dest="peers", action="store_false")
     p.add_argument("--no-errors", action="store_true", help="skip the bad-input checks")
-    p.add_argument("--hypothesis", type=int, metavar="N", default=None,
+    p.add_argument("--hypothesis", type=at_least(0), metavar="N", default=None,
                    help="N property-based examples per backend (0: none; default: "
                         "100 in a full run, 0 with --case or --dtype)")
     p.add_argument("--json", metavar="FILE", help="write the full report as JSON")
@@ -94,6 +97,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
         written = report.write_plots(result, args.plot)
         print(f"plots: {len(written)} PNG files in {args.plot}", file=sys.stderr)
     print(verdict.text(result, args.verbose))
+    return exit_code(result)
+
+
+def exit_code(result: RunResult) -> int:
+    """0 when something was checked and everything checked passed, 1 when a check failed, 2
+    (with a one-line reason on stderr) when nothing was checked: a PASS on nothing is no PASS."""
+    reason = result.nothing_checked()
+    if reason:
+        print(f"error: {reason}", file=sys.stderr)
+        return 2
     return 0 if result.ok else 1
 
 
@@ -132,7 +145,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         report.write_json(result, args.json)
     if args.markdown:
         report.write_markdown(result, args.markdown)
-    return 0 if result.ok and result.columns else 1
+    return exit_code(result)
 
 
 def _add_walkthrough(p: argparse.ArgumentParser) -> None:

@@ -35,6 +35,7 @@ import numpy as np
 
 from . import backends as backends_mod
 from . import spec
+from .usage import UsageError, at_least
 
 MODES = ("sequential", "threads")
 STEPS = ("output", "grad_query", "grad_key", "grad_value")
@@ -263,9 +264,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m conformance.repeat", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", action="append", help="repeatable; default: all three")
-    parser.add_argument("--threads", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=at_least(1), default=4,
+                        help="threads calling at once (at least 1)")
+    parser.add_argument("--rounds", type=at_least(1), default=2,
+                        help="times each thread makes every call (at least 1)")
     args = parser.parse_args(argv)
+    for name in args.backend or ():
+        backend = backends_mod.load(name)  # an unknown name: UsageError
+        if not backend.available():
+            raise UsageError(f"backend {name!r} is not installed; install: {backend.install}")
     results = check_repeat(args.backend or backends_mod.SPEC_BACKENDS, threads=args.threads,
                            rounds=args.rounds)
     print(format_results(results))
@@ -273,4 +280,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from .usage import exit_code_of
+
+    sys.exit(exit_code_of(main))

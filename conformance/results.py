@@ -176,6 +176,24 @@ class RunResult:
     notes: list[str] = field(default_factory=list)
 
     @property
+    def checked(self) -> int:
+        """How many checks ran: cells compared (not n/a, unsupported or not provided), bad
+        inputs tried and property examples run. 0 means the run proves nothing."""
+        cells = sum(c.status not in ("n/a", *NOT_CHECKED) for c in self.cells)
+        examples = sum(b.examples for b in self.properties.backends) if self.properties else 0
+        return cells + len(self.errors) + examples
+
+    def nothing_checked(self) -> str:
+        """Why nothing was checked (one line), or "" when something was."""
+        if self.checked:
+            return ""
+        if not self.cells:
+            return "nothing was checked: no case × dtype was run"
+        statuses = sorted({c.status for c in self.cells})
+        return (f"nothing was checked: all {len(self.cells)} cell(s) are "
+                f"{' or '.join(statuses)} (--verbose shows why)")
+
+    @property
     def ok(self) -> bool:
         """True when every spec/user backend cell passed (and errors/properties conform)."""
         cells_ok = not any(c.failed for c in self.cells)

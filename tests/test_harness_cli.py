@@ -57,6 +57,32 @@ def test_cli_usage_errors_exit_2_with_one_line(capsys: pytest.CaptureFixture) ->
     assert "no_such_module_xyz" in err and "install" in err
 
 
+def test_exit_0_needs_something_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture) -> None:
+    """A run that checks nothing is exit 2 with a one-line reason, never a PASS; counts below
+    their minimum are usage errors in every subcommand; a golden selection of nothing is 2."""
+    (tmp_path / "declines_all.py").write_text(
+        "UNSUPPORTED = ('float64', 'float32', 'bfloat16', 'float16')\n"
+        "def scaled_dot_product_attention(query, key, value, **kwargs):\n"
+        "    raise NotImplementedError\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["--backend", "declines_all", "--case", "self", "--dtype", "float32"]
+    assert main([*argv, "--no-errors"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: nothing was checked") and err.count("\n") == 1
+    assert main(["--backend", "numpy", "--case", "self", "--dtype", "float32",
+                 "--no-errors"]) == 0
+    for argv in (["repeat", "--threads", "0"], ["repeat", "--rounds", "0"],
+                 ["context-parallel", "--world-size", "0"], ["--hypothesis", "-1"]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2, argv
+        assert "below the minimum" in capsys.readouterr().err
+    golden.export(tmp_path / "g", ["self"], ["float32"])
+    assert main(["check", str(tmp_path / "g"), "--backend", "numpy", "--case", "slef"]) == 2
+    assert "selects no file" in capsys.readouterr().err
+
+
 def test_cli_internal_faults_are_not_user_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     """A KeyError inside the harness is a bug: it propagates (a traceback, exit 1)."""
 

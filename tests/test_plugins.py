@@ -245,6 +245,8 @@ def test_numpy_only_every_command_works_or_names_the_install(tmp_path: Path) -> 
         "check_jax": ["check", str(gold), "--backend", "jax"],
         "check_numpy": ["check", str(gold), "--backend", "numpy"],
         "pictures": ["pictures", str(plots)],
+        "context_parallel": ["context-parallel"],
+        "repeat_torch": ["repeat", "--backend", "torch"],
     }
     proc = subprocess.run([sys.executable, "-c", _SHIM, json.dumps(list(commands.values()))],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -255,7 +257,8 @@ def test_numpy_only_every_command_works_or_names_the_install(tmp_path: Path) -> 
     installs = {"torch": "pip install torch==2.13.0", "peer": "install",
                 "hypothesis": "pip install hypothesis", "plot": "pip install matplotlib",
                 "walkthrough_torch": "pip install torch==2.13.0", "check_jax": "pip install jax",
-                "pictures": "pip install matplotlib"}
+                "pictures": "pip install matplotlib", "context_parallel": "pip install jax",
+                "repeat_torch": "pip install torch==2.13.0"}
     for name, install in installs.items():
         res = got[name]
         assert res["code"] == 2 and res["out"] == "", (name, res)  # before any work

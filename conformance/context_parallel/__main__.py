@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import sys
 
+from ..usage import exit_code_of
 from .run import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_code_of(main))

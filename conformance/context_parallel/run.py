@@ -36,6 +36,7 @@ from pathlib import Path
 
 from attention_rules import context_parallel as cp
 
+from ..usage import at_least, require_frameworks
 from .cases import BACKENDS, CASES, DEADLINE_S, STRATEGIES, WORLD_SIZES
 from .checks import CPResult
 from .numpy_checks import run_numpy
@@ -125,14 +126,15 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("command", nargs="?", default="run", choices=("run", "schedule"))
     parser.add_argument("--backend", nargs="+", default=list(BACKENDS), choices=BACKENDS)
-    parser.add_argument("--world-size", nargs="+", type=int, default=None)
+    parser.add_argument("--world-size", nargs="+", type=at_least(1), default=None)
     parser.add_argument("--strategy", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     parser.add_argument("--case", nargs="+", default=None,
                         help=f"{', '.join(c.name for c in CASES)}; NAME@N: at world size N only")
     parser.add_argument("--load-balance", action="store_true", help="schedule: zig-zag")
     parser.add_argument("--causal", action="store_true", help="schedule: the causal rule")
     parser.add_argument("--window", nargs=2, type=int, default=None, help="schedule: LEFT RIGHT")
-    parser.add_argument("--seq-len", type=int, default=None, help="schedule: q_len = kv_len")
+    parser.add_argument("--seq-len", type=at_least(1), default=None,
+                        help="schedule: q_len = kv_len")
     parser.add_argument("--worker", choices=("jax", "torch"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.command == "schedule":
@@ -150,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = worker(world_sizes, tuple(args.strategy), args.case and tuple(args.case))
         print(json.dumps([asdict(r) for r in rows]))
         return 0
+    require_frameworks(args.backend, "context-parallel " + " ".join(args.backend),
+                       "or --backend numpy: numpy_attn's ranks are simulated in one process")
     results = run_context_parallel(tuple(args.backend), world_sizes, tuple(args.strategy),
                                    args.case and tuple(args.case))
     print(report(results))
