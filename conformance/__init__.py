@@ -1,7 +1,7 @@
 """The conformance harness: one spec, every backend, identical seeded inputs.
 
 Imports run one way, from the spec to the command line. The core is flat, one concern per file;
-five wings have a folder each (their ``__init__`` says what each file holds):
+six wings have a folder each (their ``__init__`` says what each file holds):
 
 ====================  =========================================================================
 ``spec/``             the specification (standard library only), one file per chapter: rules,
@@ -24,12 +24,17 @@ five wings have a folder each (their ``__init__`` says what each file holds):
 ``compare``           the one tolerance rule (``compare``), ``StepResult``
 ``diagnose``          plain-words reasons for a failure — **add a diagnosis here**
 ``results``           ``Cell``, ``RunResult`` and the other result types, known differences
+``alternatives``      the alternative semantics each known difference names, computed from a
+                      case in float64, and the verdict known / unexpected of a peer's cell
 ``steps``             how a backend computes each compared step — **add a compared step here**
 ``peers/``            the frameworks' own kernels as extra columns: the registry ``PEERS`` in
                       its ``__init__`` — **add a peer here**: its adapter in a file of its own
                       (``torch_nn``, ``jax_nn``, ``keras_ops`` with its ``keras_worker``,
                       ``flax_nnx``, ``transformers_attention``, ``onnx_attention``), one line in
                       ``PEERS``; ``inputs``: a case's inputs in the peers' conventions
+``isolation/``        a checked module runs isolated: copies of every array, a mutated input
+                      named, ``SystemExit`` caught (``guard``); a module given by its path in
+                      one worker process with a per-call ``--timeout`` (``worker``, ``serve``)
 ``errors``            bad inputs of ``spec.ERRORS`` — **add a bad input here**
 ``properties``        Hypothesis property checks (``--hypothesis N``)
 ``runner``            runs cells, bad inputs and properties into one ``RunResult``
@@ -45,8 +50,9 @@ five wings have a folder each (their ``__init__`` says what each file holds):
                       workers (subprocesses) and the run (``python -m conformance
                       context-parallel``)
 ``repeat``            the bitwise-repeat promises of ``spec.REPEATABLE``, sequential and threaded
-``teaching/``         the seed article step by step (``walkthrough_steps``, ``walkthrough``) and
-                      its heatmaps (``pictures``), beside the run
+``teaching/``         the seed article step by step (``walkthrough_steps``, ``walkthrough``),
+                      its heatmaps (``pictures``) and the graded exercises of ``learn/``
+                      (``exercise_catalogue``, ``exercises``), beside the run
 ``__main__``          ``python -m conformance``
 ====================  =========================================================================
 

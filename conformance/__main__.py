@@ -10,6 +10,7 @@ Subcommands (``run`` is the default)::
     python -m conformance spec [...]            # the generated spec document
     python -m conformance walkthrough [--backend numpy|jax|torch|all]  # the article, step by step
     python -m conformance pictures DIR          # attention-weight heatmaps (PNG)
+    python -m conformance exercise N --backend B --file F  # grade a learn/ exercise (--list)
     python -m conformance context-parallel [...]  # context parallelism, world sizes 2 and 4
     python -m conformance repeat [...]          # same inputs, same bits (spec.REPEATABLE)
 
@@ -63,6 +64,15 @@ def _add_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", "-v", action="store_true",
                    help="a checked module's report: every cell, not only the focused verdict")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
+    _add_timeout(p)
+
+
+def _add_timeout(p: argparse.ArgumentParser) -> None:
+    from .isolation import DEFAULT_TIMEOUT_S, seconds_argument
+
+    p.add_argument("--timeout", type=seconds_argument, metavar="S", default=DEFAULT_TIMEOUT_S,
+                   help=f"seconds one call of a checked module may take before its cell is a "
+                        f"timeout (default {DEFAULT_TIMEOUT_S:g}; 0: no limit)")
 
 
 def require(module: str, install: str, what: str) -> None:
@@ -84,7 +94,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.hypothesis:
         require("hypothesis", "pip install hypothesis", "--hypothesis")
     result = runner.run(args.backend, args.case, args.dtype, peers=args.peers,
-                        check_errors=not args.no_errors, hypothesis=args.hypothesis)
+                        check_errors=not args.no_errors, hypothesis=args.hypothesis,
+                        timeout=args.timeout)
     if not result.columns:
         print(report.missing_section(result), file=sys.stderr)
         print("error: no backend to run", file=sys.stderr)
@@ -134,12 +145,14 @@ def _add_check(p: argparse.ArgumentParser) -> None:
     p.add_argument("--markdown", metavar="FILE")
     p.add_argument("--verbose", "-v", action="store_true",
                    help="a checked module's report: every cell, not only the focused verdict")
+    _add_timeout(p)
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from . import golden, report, verdict
 
-    result = golden.check(args.directory, args.backend, args.case, args.dtype)
+    result = golden.check(args.directory, args.backend, args.case, args.dtype,
+                          timeout=args.timeout)
     print(verdict.text(result, args.verbose))
     if args.json:
         report.write_json(result, args.json)
@@ -171,6 +184,18 @@ def _cmd_pictures(args: argparse.Namespace) -> int:
     return pictures.main(args)
 
 
+def _add_exercise(p: argparse.ArgumentParser) -> None:
+    from .teaching import exercises
+
+    exercises.add_arguments(p)
+
+
+def _cmd_exercise(args: argparse.Namespace) -> int:
+    from .teaching import exercises
+
+    return exercises.main(args)
+
+
 def _cmd_spec(argv: list[str]) -> int:
     from .spec import specdoc
 
@@ -197,6 +222,7 @@ COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
     "check": (_add_check, _cmd_check),
     "walkthrough": (_add_walkthrough, _cmd_walkthrough),
     "pictures": (_add_pictures, _cmd_pictures),
+    "exercise": (_add_exercise, _cmd_exercise),
 }
 #: Subcommands that own their argument parsing: name → handler(argv).
 RAW_COMMANDS: dict[str, Callable[[list[str]], int]] = {
@@ -214,6 +240,7 @@ HELP = {
     "2 and 4 against the float64 reference; `schedule` draws the ring",
     "walkthrough": "the seed article's worked example, step by step, backends side by side",
     "pictures": "write attention-weight heatmaps (PNG) for every mask type (needs matplotlib)",
+    "exercise": "grade your answer to an exercise of learn/ (build attention step by step)",
 }
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from . import plugins
+from . import isolation, plugins
 from .usage import UsageError
 
 try:  # bfloat16 for NumPy
@@ -61,6 +61,8 @@ class Backend:
     #: What a checked module provides and declares (``plugins.Contract``); None for numpy,
     #: jax and torch, which provide everything.
     contract: plugins.Contract | None = None
+    #: A checked module given by its path: the worker process it runs in (``isolation``).
+    _worker: isolation.Worker | None = None
 
     @property
     def module(self) -> ModuleType:
@@ -131,6 +133,12 @@ class Backend:
         """``module.name``, compiled where the backend compiles (see ``compiled``)."""
         fn = getattr(self.module, name)
         return self.compiled(("function", name, static, id(fn)), lambda: fn, static)
+
+    def set_timeout(self, seconds: float | None) -> None:
+        """Seconds one call of a checked module run in a worker process may take (None: no
+        limit); the spec's backends and a module given as a module object have none."""
+        if self._worker is not None:
+            self._worker.timeout = seconds
 
     def release(self) -> None:
         """Free compiled programs the harness no longer needs (between cases)."""
@@ -307,6 +315,12 @@ def from_module(module: ModuleType | str, name: str | None = None) -> Backend:
     functions and modules; it takes and returns NumPy arrays, or provides ``asarray(np_array)``
     and ``to_numpy(x)`` for its own array type, and optionally ``rng(seed)`` (default:
     ``numpy.random.default_rng``), ``UNSUPPORTED`` and ``LAYOUT`` (``spec.PLUGIN_CONTRACT``).
+
+    The module runs isolated (``isolation``): a dotted path in a worker process, every call
+    within ``set_timeout``'s limit; a module object in this process. Either way every call
+    gets copies of its arrays and is checked for mutating them, and the backend takes and
+    returns NumPy arrays: ``asarray`` and ``to_numpy`` are applied where the module runs, and
+    ``rng(seed)`` is an ``isolation.Seed`` that becomes the module's generator there.
     """
     path = module if isinstance(module, str) else module.__name__
     backend = Backend(
@@ -315,22 +329,22 @@ def from_module(module: ModuleType | str, name: str | None = None) -> Backend:
         install=f"make {path!r} importable (pip install it, or run from its folder)",
         _asarray=lambda x: x,
         _to_numpy=np.asarray,
-        _rng=np.random.default_rng,
+        _rng=isolation.Seed,
     )
+    if isinstance(module, str):
+        worker = backend._worker = isolation.Worker(path, isolation.DEFAULT_TIMEOUT_S)
 
-    def load() -> ModuleType:
-        real = plugins.import_plugin(path) if isinstance(module, str) else module
-        backend.contract = plugins.contract_of(real, path)
-        return plugins.view(real, backend.contract)
+        def load() -> ModuleType:
+            view = worker.view()  # starts the worker: UsageError when the module is broken
+            backend.contract = worker.contract
+            return view
+    else:
+        def load() -> ModuleType:
+            backend.contract = plugins.contract_of(module, path)
+            return isolation.local_view(plugins.view(module, backend.contract),
+                                        backend.contract)
 
     backend._import = load
-
-    def hook(attr: str, default: Callable[..., Any]) -> Callable[..., Any]:
-        return lambda *args: getattr(backend.module, attr, default)(*args)
-
-    backend._asarray = hook("asarray", lambda x: x)
-    backend._to_numpy = hook("to_numpy", np.asarray)
-    backend._rng = hook("rng", np.random.default_rng)
     return backend
 
 

@@ -1,13 +1,19 @@
 """Why a spec backend failed a step, in plain words.
 
-``diagnose(exp, step, actual)`` asks every function of ``DIAGNOSES`` and joins what they say:
+``diagnose(exp, step, actual)`` asks every function of ``DIAGNOSES`` and joins what they say
+(``SEPARATOR``; ``split`` takes a joined text apart again, ``short`` names one diagnosis):
 
 * ``planted_mistake`` replays the reference with one classic mistake planted at a time
   (``HYPOTHESES``: flipped mask polarity, the other causal alignment, ``h % kv_heads``
-  grouping, an ignored argument …) and names the first that reproduces the backend's result;
+  grouping, an ignored argument, a wrong custom scale …) and names the first that reproduces
+  the backend's result. On non-finite inputs the replay must reproduce the NaN pattern exactly
+  too (``compare``'s rule), so a NaN-handling bug is not mistaken for a planted one;
 * ``non_finite_rows`` explains NaN where the spec gives 0 or a finite value (fully masked rows,
   softmax overflow), and NaN missing or spreading on the non-finite cases (the spec's IEEE rule);
 * ``mean_of_value`` recognises fully masked rows that give the mean of ``value``.
+
+A wrong layout (a ``(..., seq, heads, head_dim)`` module without ``LAYOUT = "bshd"``) needs the
+module itself, not one result: ``verdict`` reruns the failing cells transposed.
 
 To add a diagnosis: a hypothesis (a change of the inputs or options that makes the reference
 commit the mistake) to ``HYPOTHESES``, or a function ``(exp, step, actual) -> str`` to
@@ -25,6 +31,9 @@ from . import reference
 from .cases import CaseData
 from .compare import compare
 from .expected import Expected, pipeline
+
+#: Joins the diagnoses of one step (a diagnosis itself may contain "; ").
+SEPARATOR = "; also: "
 
 #: ``(arrays, options) -> (arrays, options)`` with the mistake planted, or None if the case
 #: cannot show it.
@@ -63,6 +72,16 @@ def _drop(name: str, default: Any = None) -> Hypothesis:
     return hypothesis
 
 
+def _scale_as(text: str, wrong: Callable[[float, int], float]) -> tuple[str, Hypothesis]:
+    """A hypothesis: the custom ``scale`` is used as ``wrong(scale, head_dim)``."""
+    def hypothesis(a: dict, o: dict) -> tuple[dict, dict] | None:
+        if o.get("scale") is None:
+            return None
+        return a, {**o, "scale": wrong(float(o["scale"]), a["query"].shape[-1])}
+
+    return text, hypothesis
+
+
 def _no_rescale(a: dict, o: dict) -> tuple[dict, dict] | None:
     if not o.get("dropout_p"):
         return None
@@ -78,7 +97,14 @@ HYPOTHESES: tuple[tuple[str, Hypothesis], ...] = (
      "h // (heads // kv_heads)", _gqa_modulo),
     ("the mask is ignored", _drop("mask")),
     ("the bias is ignored", _drop("bias")),
-    ("the scale argument is ignored (head_dim ** -0.5 used)", _drop("scale")),
+    ("the custom scale is ignored (head_dim ** -0.5 used): the spec multiplies the scores by "
+     "the given scale alone", _drop("scale")),
+    _scale_as("the custom scale is multiplied by 1/sqrt(head_dim) as well: the spec multiplies "
+              "the scores by the given scale alone", lambda scale, d: scale * d ** -0.5),
+    _scale_as("the scores are divided by the custom scale: the spec multiplies them by it",
+              lambda scale, d: 1.0 / scale if scale else scale),
+    _scale_as("the custom scale is applied twice (scale ** 2, to query and to key): the spec "
+              "applies it once, to the scores", lambda scale, d: scale * scale),
     ("soft-capping is skipped", _drop("softcap")),
     ("the dropout keep-mask is ignored", _drop("dropout_mask")),
     ("the window is ignored", _drop("window")),
@@ -88,9 +114,8 @@ HYPOTHESES: tuple[tuple[str, Hypothesis], ...] = (
 
 
 def planted_mistake(exp: Expected, step: str, actual: np.ndarray) -> str:
-    """The first hypothesis whose reference result the backend's result matches."""
-    if not exp.data.finite:  # NaN spreads under several mistakes alike: non_finite_rows says
-        return ""
+    """The first hypothesis whose reference result the backend's result matches (NaN, ±inf
+    and the spec's exact zeros included; the spec's unspecified positions accept anything)."""
     for text, hypothesis in HYPOTHESES:
         variant = hypothesis(exp.data.arrays, exp.data.options)
         if variant is None:
@@ -102,7 +127,8 @@ def planted_mistake(exp: Expected, step: str, actual: np.ndarray) -> str:
             continue
         if step not in alt:
             continue
-        res = compare(step, actual, alt[step], exp.baseline[step], exp.dtype)
+        res = compare(step, actual, alt[step], exp.baseline[step], exp.dtype,
+                      unspecified=exp.unspecified.get(step))
         if res.passed and not np.array_equal(alt[step], exp.values[step], equal_nan=True):
             return text
     return ""
@@ -183,8 +209,19 @@ def diagnose(exp: Expected, step: str, actual: Any) -> str:
         text = diagnosis(exp, step, actual)
         if text and text not in reasons:
             reasons.append(text)
-    return "; ".join(reasons)
+    return SEPARATOR.join(reasons)
 
 
-__all__ = ["DIAGNOSES", "HYPOTHESES", "diagnose", "mean_of_value", "non_finite_rows",
-           "planted_mistake"]
+def split(reasons: str) -> list[str]:
+    """The single diagnoses of a text ``diagnose`` joined (``SEPARATOR``), in order."""
+    return [r for r in reasons.split(SEPARATOR) if r]
+
+
+def short(reason: str) -> str:
+    """The name of one diagnosis: its words before the first colon or semicolon (``wrong causal
+    alignment``); two cells with the same name show the same bug."""
+    return reason.split(":")[0].split(";")[0].strip()
+
+
+__all__ = ["DIAGNOSES", "HYPOTHESES", "SEPARATOR", "diagnose", "mean_of_value",
+           "non_finite_rows", "planted_mistake", "short", "split"]

@@ -1,19 +1,32 @@
 """Property checks (``--hypothesis N``): Hypothesis draws problems, every backend must conform.
 
-A problem's structure — shapes, mask kind, bias, causal rule — is one of ``LAYOUTS`` (ranks 2-4,
-lengths 1-5, odd head sizes, grouped heads, fully masked rows, both causal alignments), its dtype
-one of the four; its data is drawn freely (values of magnitude 1e-3 to 100, i.e. logits up to
-~1e5, mask contents, a seed). A backend that compiles (JAX: ``Backend.function``) thus compiles
-at most ``len(LAYOUTS) × 4`` programs, however many examples run. For each problem a backend must
+A problem's structure — shapes, mask kind, bias, causal rule, custom scale, soft-cap, window — is
+one of ``LAYOUTS`` (ranks 2-4, lengths 1-5, odd head sizes, grouped heads, value head sizes of
+their own, fully masked rows, both causal alignments, windows with and without a causal rule,
+scales from 0.05 to 2), its dtype one of the four; its data is drawn freely (values of
+magnitude 1e-3 to 100, i.e. logits up to ~1e5, mask contents, a seed). A backend that compiles
+(JAX: ``Backend.function``) thus compiles at most ``len(LAYOUTS) × 4`` programs, however many
+examples run. A checked module draws only the layouts and dtypes whose features its contract
+supports (``plugins.Contract.unsupported``; ``layouts_for``); an example that still raises
+``NotImplementedError`` is rejected (``runner.property_view``), never failed. For each problem
+a backend must
 
 * conform: ``output`` and ``weights`` pass ``compare`` against the float64 reference, with the
   naive baseline measured on the same example — the harness's one rule (``spec.TOLERANCES``);
 * ignore keys no query may attend: changing their values leaves the output bit-identical;
 * conform on the same problem with keys, values, mask and bias permuted along the keys (without
-  a causal rule, where positions carry no meaning), whose reference is the same output.
+  a causal rule or a window, where positions carry no meaning), whose reference is the same
+  output.
 
 Rows of weights summing to 1 (or all 0) follow from the comparison of the weights. A failure is
 shrunk by Hypothesis to a minimal problem and printed as runnable code.
+
+Counting: ``--hypothesis N`` runs exactly N examples per backend when none fails (Hypothesis'
+``max_examples`` counts valid examples; rejected ones are counted apart). When one fails, the
+count stops at it (``examples``: the passing ones and the failing one); the calls Hypothesis
+then makes to shrink it are counted apart (``shrink_calls``). ``worst_ratio`` is over the
+passing examples; ``failure_ratio`` is the minimal failing example's (None when the failure is
+not a comparison, e.g. an exception).
 """
 
 from __future__ import annotations
@@ -25,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from . import plugins
 from .backends import DTYPES, Backend, numpy_dtype
 from .cases import CaseData
 from .compare import compare_step
@@ -46,25 +60,43 @@ class Layout:
     head_dim: int
     v_dim: int
     mask: str  # none | full (..., heads, q_len, kv_len) | keys (q_len, kv_len)
-    bias: bool  # a (q_len, kv_len) bias
+    bias: bool  # a (q_len, kv_len) additive bias
     causal: str | None  # None | top_left | bottom_right
+    scale: float | None = None  # a custom scale (None: head_dim ** -0.5)
+    softcap: float | None = None
+    window: tuple[int | None, int | None] | None = None  # (left, right), None: unbounded
+    align: str = "top_left"  # the causal_alignment of a window without a causal rule
+
+    def options(self) -> dict[str, Any]:
+        """The scalar options of ``scaled_dot_product_attention`` this layout passes."""
+        o: dict[str, Any] = {}
+        if self.causal:
+            o = {"is_causal": True, "causal_alignment": self.causal}
+        elif self.window is not None and self.align != "top_left":
+            o = {"causal_alignment": self.align}
+        for name in ("scale", "softcap", "window"):
+            if getattr(self, name) is not None:
+                o[name] = getattr(self, name)
+        return o
 
 
-LAYOUTS: tuple[Layout, ...] = (
-    Layout((), None, None, 1, 1, 1, 1, "none", False, None),
-    Layout((), None, None, 5, 3, 8, 8, "keys", True, None),
-    Layout((), None, None, 3, 5, 3, 3, "none", False, "bottom_right"),
-    Layout((), 2, 1, 3, 5, 8, 3, "full", False, "top_left"),
-    Layout((), 4, 2, 5, 2, 3, 3, "none", True, "bottom_right"),  # q_len > kv_len: empty rows
-    Layout((), 4, 4, 2, 2, 1, 3, "keys", False, None),
-    Layout((1,), 4, 4, 5, 5, 8, 8, "full", True, None),
-    Layout((2,), 4, 2, 3, 3, 8, 8, "none", False, "top_left"),
-    Layout((2,), 2, 2, 1, 5, 3, 8, "full", False, "bottom_right"),  # one decoding step
-    Layout((1,), 4, 1, 5, 3, 1, 3, "keys", True, "top_left"),
-    Layout((2,), 1, 1, 5, 1, 8, 1, "none", True, None),
-    Layout((1,), 2, 1, 2, 3, 3, 3, "full", True, "bottom_right"),
-    Layout((2,), 4, 2, 5, 5, 3, 3, "keys", False, "bottom_right"),
-    Layout((), 2, 2, 5, 5, 8, 8, "full", False, None),
+L = Layout
+LAYOUTS: tuple[Layout, ...] = (  # as many as before scales, windows and soft-caps were drawn
+    L((), None, None, 1, 1, 1, 1, "none", False, None),
+    L((), None, None, 5, 3, 8, 8, "keys", True, None, scale=0.3),
+    L((), None, None, 3, 5, 3, 3, "none", False, "bottom_right", window=(1, None)),
+    L((), 2, 1, 3, 5, 8, 3, "full", False, "top_left", scale=2.0),
+    L((), 4, 2, 5, 2, 3, 3, "none", True, "bottom_right"),  # q_len > kv_len: empty rows
+    L((), 4, 4, 2, 2, 1, 3, "keys", False, None),
+    L((1,), 4, 4, 5, 5, 8, 8, "full", True, None, softcap=2.5),
+    L((2,), 4, 2, 3, 3, 8, 8, "none", False, "top_left", scale=0.05),
+    L((2,), 2, 2, 1, 5, 3, 8, "full", False, "bottom_right"),  # one decoding step
+    L((1,), 4, 1, 5, 3, 1, 3, "keys", True, "top_left", window=(1, None)),
+    L((2,), 1, 1, 5, 1, 8, 1, "none", True, None, scale=1.0, window=(1, 0),
+      align="bottom_right"),  # rows 0-3 see no key
+    L((1,), 2, 1, 2, 3, 3, 3, "full", True, "bottom_right", scale=0.7, softcap=1.5),
+    L((2,), 4, 2, 5, 5, 3, 3, "keys", False, None, scale=0.3, window=(1, 1)),
+    L((), 2, 2, 5, 5, 8, 8, "full", False, None, scale=0.4),
 )
 
 
@@ -102,20 +134,30 @@ class Problem:
             a["mask"] = np.broadcast_to(keys, (lay.q_len, lay.kv_len)).copy()
         if lay.bias:
             a["bias"] = rng.standard_normal((lay.q_len, lay.kv_len)).astype(dt)
-        o: dict[str, Any] = {}
-        if lay.causal:
-            o = {"is_causal": True, "causal_alignment": lay.causal}
-        return a, o
+        return a, lay.options()
 
 
-def problems() -> Any:
-    """The Hypothesis strategy of problems."""
+def features(layout: Layout) -> frozenset[str]:
+    """The names of ``spec.PLUGIN_FEATURES`` a layout's problems use, dtypes aside."""
+    a, o = Problem(layout, "float64", 1.0, False, 0).arrays()
+    return plugins.features(a, o, "float64") - {"float64"}
+
+
+def layouts_for(unsupported: frozenset[str] = frozenset()
+                ) -> tuple[tuple[Layout, ...], tuple[str, ...]]:
+    """The layouts and dtypes whose features are all outside ``unsupported``."""
+    return (tuple(lay for lay in LAYOUTS if not features(lay) & unsupported),
+            tuple(d for d in DTYPES if d not in unsupported))
+
+
+def problems(layouts: tuple[Layout, ...] = LAYOUTS, dtypes: tuple[str, ...] = DTYPES) -> Any:
+    """The Hypothesis strategy of problems (of ``layouts`` in ``dtypes``)."""
     from hypothesis import strategies as st
 
     return st.builds(
         Problem,
-        layout=st.sampled_from(LAYOUTS),
-        dtype=st.sampled_from(DTYPES),
+        layout=st.sampled_from(layouts),
+        dtype=st.sampled_from(dtypes),
         magnitude=st.sampled_from(MAGNITUDES),
         empty_row=st.booleans(),
         seed=st.integers(0, 2**16),
@@ -134,14 +176,24 @@ def _sdpa(backend: Backend, a: dict[str, np.ndarray], o: dict[str, Any]
     return backend.to_numpy(out), backend.to_numpy(w)
 
 
+class Mismatch(AssertionError):
+    """A property example that does not conform; ``ratio``: its worst error / tolerance."""
+
+    def __init__(self, message: str, ratio: float) -> None:
+        super().__init__(message)
+        self.ratio = ratio
+
+
 def _conform(exp: Expected, out: np.ndarray, w: np.ndarray, what: str = "") -> float:
     worst = 0.0
     for step, actual in (("output", out), ("output_weights", w)):
         res = compare_step(exp, step, actual, "input")
-        assert res.passed, (
-            f"{step}{what} differs from the float64 reference: worst {res.ratio:.3g}x tolerance "
-            f"at {res.index}: actual {res.actual}, expected {res.expected}, tolerance "
-            f"{res.bound:.3g}" + (f" ({res.note})" if res.note else ""))
+        if not res.passed:
+            raise Mismatch(
+                f"{step}{what} differs from the float64 reference: worst {res.ratio:.3g}x "
+                f"tolerance at {res.index}: actual {res.actual}, expected {res.expected}, "
+                f"tolerance {res.bound:.3g}" + (f" ({res.note})" if res.note else ""),
+                res.ratio)
         worst = max(worst, res.ratio)
     return worst
 
@@ -157,7 +209,8 @@ def _unused_keys(exp: Expected, value: np.ndarray) -> np.ndarray:
 
 
 def check_problem(backend: Backend, problem: Problem) -> float:
-    """Every property on one backend; the worst ratio, or AssertionError in plain words."""
+    """Every property on one backend; the worst ratio, or AssertionError in plain words
+    (``Mismatch``, with the ratio, for a result outside the tolerance)."""
     a, o = problem.arrays()
     exp = expected_for(CaseData(a, o), "sdpa", problem.dtype, gradients=False)
     out, w = _sdpa(backend, a, o)
@@ -169,7 +222,8 @@ def check_problem(backend: Backend, problem: Problem) -> float:
         out2, _ = _sdpa(backend, {**a, "value": poisoned}, o)
         assert np.array_equal(out2, out, equal_nan=True), (
             "changing the values of keys that no query may attend changed the output")
-    if not problem.layout.causal and problem.layout.kv_len > 1:
+    if not problem.layout.causal and problem.layout.window is None \
+            and problem.layout.kv_len > 1:
         perm = np.random.default_rng(problem.seed + 1).permutation(problem.layout.kv_len)
         b = dict(a)
         b["key"], b["value"] = a["key"][..., perm, :], a["value"][..., perm, :]
@@ -212,32 +266,54 @@ def reproducer(backend: Backend, problem: Problem, message: str) -> str:
 
 
 def run_backend(backend: Backend, n: int) -> BackendProperties:
-    """``n`` drawn problems on one backend, shrinking the first failure."""
+    """``n`` drawn problems on one backend (exactly ``n`` when none fails), shrinking the first
+    failure; a checked module draws only what its contract supports (``layouts_for``)."""
     from hypothesis import HealthCheck, Verbosity, given, settings
+    from hypothesis.errors import Unsatisfiable, UnsatisfiedAssumption
 
     outcome = BackendProperties(backend.name)
+    _ = backend.module  # a checked module's contract is known once it is imported
+    contract = backend.contract
+    layouts, dtypes = layouts_for(contract.unsupported if contract is not None else frozenset())
+    if not layouts or not dtypes:
+        outcome.note = ("no example to draw: every layout or every dtype uses a feature "
+                        "declared unsupported")
+        return outcome
     last: dict[str, Any] = {}
     start = time.perf_counter()
 
     @settings(max_examples=n, deadline=None, database=None, derandomize=True,
               verbosity=Verbosity.quiet, print_blob=False,
               suppress_health_check=list(HealthCheck))
-    @given(problems())
+    @given(problems(layouts, dtypes))
     def prop(problem: Problem) -> None:
-        outcome.examples += 1
+        failed = "problem" in last  # from here on Hypothesis shrinks the failure
         try:
             ratio = check_problem(backend, problem)
-        except Exception as exc:
-            last["problem"], last["message"] = problem, f"{type(exc).__name__}: {exc}"
+        except UnsatisfiedAssumption:
+            outcome.rejected += 0 if failed else 1
             raise
-        outcome.worst_ratio = max(outcome.worst_ratio, ratio)
+        except Exception as exc:
+            outcome.examples += 0 if failed else 1
+            outcome.shrink_calls += 1 if failed else 0
+            last["problem"], last["message"] = problem, f"{type(exc).__name__}: {exc}"
+            last["ratio"] = exc.ratio if isinstance(exc, Mismatch) else None
+            raise
+        if failed:
+            outcome.shrink_calls += 1
+        else:
+            outcome.examples += 1
+            outcome.worst_ratio = max(outcome.worst_ratio, ratio)
 
     try:
         prop()
+    except Unsatisfiable:
+        outcome.note = "no example ran: every drawn example was rejected (NotImplementedError)"
     except Exception:  # noqa: BLE001 - Hypothesis re-raises the minimal failure
         if "problem" not in last:
             raise
         outcome.failure = last["message"]
+        outcome.failure_ratio = last["ratio"]
         outcome.reproducer = reproducer(backend, last["problem"], last["message"])
     outcome.seconds = time.perf_counter() - start
     return outcome
@@ -252,5 +328,5 @@ def run(backend_list: list[Backend], n: int) -> PropertyResult:
     return result
 
 
-__all__ = ["LAYOUTS", "Layout", "Problem", "check_problem", "problems", "reproducer",
-           "run", "run_backend"]
+__all__ = ["LAYOUTS", "Layout", "Mismatch", "Problem", "check_problem", "features",
+           "layouts_for", "problems", "reproducer", "run", "run_backend"]

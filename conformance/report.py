@@ -1,11 +1,14 @@
 """What a user sees: the compact table, failure explanations, JSON, Markdown and plots.
 
 Cells read ``ok 0.31`` (passed; worst error is 0.31 of the tolerance), ``FAIL 2e+03``,
-``known: …`` (a peer's documented difference, ``spec.KNOWN_DIFFERENCES``), ``n/a`` (the column
-cannot express the case), ``error`` (the implementation raised), ``unsupported`` or ``not
-provided`` (a checked module's contract, ``plugins``); ``legend`` says so under the table. The
-focused report of a checked module is ``verdict``'s. Only spec/user backends decide the exit
-code; peers are context. The report only reads ``results.RunResult``.
+``known: top-left (0.12)`` (a peer's difference of ``spec.KNOWN_DIFFERENCES``, verified: the peer
+matches the entry's alternative semantics, 0.12 of the tolerance away from it), ``unexp.
+2e+03/40`` (a peer that fails the spec and that no entry explains: 2e+03 from the spec, 40 from
+the closest alternative), ``n/a`` (the column cannot express the case), ``error`` (the
+implementation raised), ``unsupported`` or ``not provided`` (a checked module's contract,
+``plugins``); ``legend`` says so under the table. The focused report of a checked module is
+``verdict``'s. Only spec/user backends decide the exit code; peers are context. The report only
+reads ``results.RunResult``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from . import spec
 from .compare import StepResult
 from .results import NOT_CHECKED, Cell, RunResult
 
-CELL_WIDTH = 18
+CELL_WIDTH = 22  # "known: top-left (0.12)" in full
 
 
 def _num(x: float | None) -> str:
@@ -39,8 +42,15 @@ def cell_text(cell: Cell, width: int = CELL_WIDTH) -> str:
         text = f"ok {_num(cell.ratio)}"
     elif cell.status == "FAIL":
         text = f"FAIL {_num(cell.ratio)}"
-    elif cell.status == "known":
-        text = f"known: {cell.detail}"
+    elif cell.status == "known":  # keep the distance in sight when the label is cut
+        label, _, distance = f"known: {cell.detail}".rpartition(" (")
+        distance = f" ({distance}"
+        if len(label) + len(distance) > width:
+            label = label[: max(width - len(distance) - 1, 0)] + "…"
+        text = label + distance
+    elif cell.status == "unexpected":
+        spec_part = _num(cell.ratio) if cell.ratio is not None else "raised"
+        text = f"unexp. {spec_part}/{_num(cell.alternative_ratio) or '-'}"
     elif cell.status == "error":
         text = "error: " + cell.detail.split(":")[0]
     else:
@@ -75,7 +85,11 @@ def legend() -> str:
         "legend: ok/FAIL r: r = worst |actual - expected| / bound over the cell's steps (r <= 1 "
         "passes), bound = atol + rtol·|expected| + k·e, e = the error of a naive implementation "
         "in the same dtype on the same inputs (spec.TOLERANCES); NaN, ±inf and required zeros "
-        "must match exactly (r = inf: they do not). known: a peer's documented difference; n/a: "
+        "must match exactly (r = inf: they do not). known: a (r): a peer's difference a of "
+        "spec.KNOWN_DIFFERENCES, verified: r = worst ratio of the peer to the alternative "
+        "semantics the entry names (r <= 1); unexp. s/a: a peer that fails the spec and that no "
+        "entry explains: s = worst ratio to the spec ('raised': it raised), a = to the closest "
+        "alternative ('-': no entry covers the cell); n/a: "
         "the column cannot express the case; unsupported: a checked module declares a feature "
         "of the case unsupported (or raised NotImplementedError); not provided: it defines none "
         "of the cell's functions.", width=100, subsequent_indent="  ")
@@ -108,14 +122,16 @@ def failures(result: RunResult, *, include_peers: bool = True) -> str:
     """Every failing cell, step by step, with the command that reruns it."""
     out = []
     for cell in result.cells:
-        if cell.status not in ("FAIL", "error"):
+        if cell.status not in ("FAIL", "error", "timeout", "unexpected"):
             continue
         if not cell.spec_backend and not include_peers:
             continue
         tag = "FAIL" if cell.spec_backend else "peer differs (unexpected, not counted)"
         out.append(f"{tag}: {cell.column} · {cell.case} · {cell.dtype}")
-        if cell.status == "error" and not cell.steps:
-            out.append(f"  error: {cell.detail}")
+        if cell.status == "unexpected":
+            out.append(f"  {cell.detail}")
+        if cell.status in ("error", "timeout") and not cell.steps:
+            out.append(f"  {cell.status}: {cell.detail}")
         for step in cell.steps:
             if step.error or not step.passed:
                 out.append("  " + explain_step(cell, step).replace("\n", "\n  "))
@@ -124,17 +140,24 @@ def failures(result: RunResult, *, include_peers: bool = True) -> str:
 
 
 def known_section(result: RunResult) -> str:
-    """The known differences the run met, once each, with their reasons."""
-    seen: dict[tuple[str, str], list[str]] = {}
+    """The known differences the run met, per peer: each combination of entries that explained
+    cells (how many, the worst distance to the alternative), then each entry's reason once."""
+    seen: dict[str, dict[tuple[str, ...], list[Cell]]] = {}
     for cell in result.cells:
         if cell.status == "known":
-            seen.setdefault((cell.column, cell.detail), []).append(f"{cell.case}/{cell.dtype}")
+            seen.setdefault(cell.column, {}).setdefault(cell.alternatives, []).append(cell)
     lines = []
-    for (peer, differs), where in seen.items():
-        entry = next((e for e in spec.KNOWN_DIFFERENCES.get(peer, [])
-                      if e.get("short", e["differs"]) == differs), {})
-        lines.append(f"known: {peer}: {entry.get('differs', differs)} ({len(where)} cells)\n"
-                     f"    why: {entry.get('why', '')}")
+    for peer, combos in seen.items():
+        parts = [f"{' + '.join(shorts)} ({len(cells)} cells, worst distance "
+                 f"{_num(max(c.alternative_ratio or 0.0 for c in cells))})"
+                 for shorts, cells in combos.items()]
+        lines.append(textwrap.fill(f"known: {peer}: " + "; ".join(parts), width=100,
+                                   subsequent_indent="    "))
+        entries = {e.get("short", e["differs"]): e for e in spec.KNOWN_DIFFERENCES.get(peer, [])}
+        for short in dict.fromkeys(s for shorts in combos for s in shorts):
+            entry = entries.get(short, {})
+            lines.append(f"    {short}: {entry.get('differs', '')} (alternative: "
+                         f"{entry.get('alternative', '?')})\n      why: {entry.get('why', '')}")
     return "\n".join(lines)
 
 
@@ -154,16 +177,37 @@ def errors_section(result: RunResult) -> str:
     return "\n".join(lines)
 
 
+#: The kinds of a failing bad-input check, in the order the headline names them.
+_BAD_INPUT_KINDS = ("raise the wrong type", "raise nothing",
+                    "raise the right type with a message that does not name the function and "
+                    "the argument")
+
+
+def bad_inputs_text(result: RunResult) -> str:
+    """``bad inputs: 3 of 40 raise the wrong type, 1 of 40 raise nothing``: the failing
+    bad-input checks of the spec/user backends, by kind ("" when none fails)."""
+    checked = [e for e in result.errors if e.spec_backend]
+    counts = dict.fromkeys(_BAD_INPUT_KINDS, 0)
+    for e in checked:
+        if not e.passed:
+            kind = 1 if not e.raised else 0 if e.raised != e.expected else 2
+            counts[_BAD_INPUT_KINDS[kind]] += 1
+    parts = [f"{n} of {len(checked)} {kind}" for kind, n in counts.items() if n]
+    return "bad inputs: " + ", ".join(parts) if parts else ""
+
+
 def peer_counts(cells: list[Cell]) -> dict[str, int]:
-    """ok / known / n/a / unexpected (FAIL or error) counts of peer cells."""
+    """ok / known / n/a / unexpected (or FAIL or error) counts of peer cells."""
     statuses = [c.status for c in cells]
     return {"ok": statuses.count("ok"), "known": statuses.count("known"),
             "n/a": statuses.count("n/a"),
-            "unexpected": statuses.count("FAIL") + statuses.count("error")}
+            "unexpected": statuses.count("unexpected") + statuses.count("FAIL")
+            + statuses.count("error")}
 
 
 def summary(result: RunResult) -> str:
-    """The last line: counts, missing backends, verdict."""
+    """The last line: counts (backend cells, bad inputs, property examples), missing backends,
+    verdict."""
     spec_cells = [c for c in result.cells if c.spec_backend]
     peer_cells = [c for c in result.cells if not c.spec_backend]
 
@@ -175,6 +219,10 @@ def summary(result: RunResult) -> str:
     if len(checked) < len(spec_cells):
         parts.append(f"{len(spec_cells) - len(checked)} not checked (unsupported or not "
                      f"provided)")
+    bad_inputs = [e for e in result.errors if e.spec_backend]
+    if bad_inputs:
+        parts.append(f"{sum(e.passed for e in bad_inputs)}/{len(bad_inputs)} bad inputs raise "
+                     f"the spec's error")
     if peer_cells:
         counts = peer_counts(peer_cells)
         parts.append(f"peers: {counts['ok']} ok, {counts['known']} known, {counts['n/a']} n/a, "
@@ -237,6 +285,7 @@ def to_dict(result: RunResult) -> dict[str, Any]:
             "case": c.case, "dtype": c.dtype, "column": c.column, "status": c.status,
             "ratio": c.ratio, "detail": c.detail, "spec_backend": c.spec_backend,
             "rerun": c.rerun, "skipped": list(c.skipped), "features": sorted(c.features),
+            "alternatives": list(c.alternatives), "alternative_ratio": c.alternative_ratio,
             "steps": [{
                 "step": s.step, "ratio": s.ratio, "passed": s.passed,
                 "index": list(s.index) if s.index is not None else None,

@@ -7,7 +7,6 @@ worst ratio over its steps (``compare.StepResult``) and a detail text.
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,8 +30,11 @@ class Cell:
     case: str
     dtype: str
     column: str
-    status: str = "ok"  # ok | FAIL | error | known | n/a | unsupported | not provided
-    ratio: float | None = 0.0
+    #: ok | FAIL | error | timeout (a checked module's call that did not return in time:
+    #: ``isolation``) | n/a | unsupported | not provided; a peer's failure becomes known
+    #: (its known difference verified) or unexpected (``alternatives.classify``).
+    status: str = "ok"
+    ratio: float | None = 0.0  # worst ratio to the spec over the steps
     steps: list[StepResult] = field(default_factory=list)
     detail: str = ""  # error text, n/a reason, known-difference text or diagnosis
     spec_backend: bool = True
@@ -43,6 +45,11 @@ class Cell:
     features: frozenset[str] = frozenset()
     #: The diagnoses of the failed steps (``diagnose``), first one first.
     reasons: list[str] = field(default_factory=list)
+    #: A known or unexpected peer cell: the shorts of the entries of ``spec.KNOWN_DIFFERENCES``
+    #: whose alternatives explain it (unexpected: the closest combination tried) …
+    alternatives: tuple[str, ...] = ()
+    #: … and the worst ratio of its failing steps to that alternative (None: no entry covers it).
+    alternative_ratio: float | None = None
 
     @property
     def failed(self) -> bool:
@@ -75,17 +82,11 @@ def error_text(exc: BaseException) -> str:
     return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
-def known_difference(peer: str, case: str, dtype: str) -> dict[str, Any] | None:
-    """The entry of ``spec.KNOWN_DIFFERENCES`` that covers ``peer`` on ``case``, if any."""
-    for entry in spec.KNOWN_DIFFERENCES.get(peer, []):
-        patterns = entry["cases"]
-        patterns = [patterns] if isinstance(patterns, str) else patterns
-        dtypes = entry.get("dtypes")
-        if any(fnmatch.fnmatchcase(case, p) for p in patterns) and (
-            dtypes is None or dtype in dtypes
-        ):
-            return entry
-    return None
+def known_differences(peer: str, case: str, dtype: str) -> list[dict[str, Any]]:
+    """The entries of ``spec.KNOWN_DIFFERENCES`` that cover ``peer`` on ``case`` (a name the
+    entry lists) in ``dtype`` (every dtype when the entry names none), in their order."""
+    return [entry for entry in spec.KNOWN_DIFFERENCES.get(peer, [])
+            if case in entry["cases"] and dtype in entry.get("dtypes", (dtype,))]
 
 
 @dataclass
@@ -105,14 +106,39 @@ class ErrorResult:
 
 @dataclass
 class BackendProperties:
-    """The outcome of the property checks on one backend."""
+    """The outcome of the property checks on one backend (``properties.run_backend``)."""
 
     backend: str
-    examples: int = 0
+    examples: int = 0  # run: the passing ones, and the failing one where one fails
     failure: str = ""
     reproducer: str = ""
     worst_ratio: float = 0.0  # worst compare ratio over the passing examples
     seconds: float = 0.0
+    failure_ratio: float | None = None  # the minimal failing example's; None: not a comparison
+    shrink_calls: int = 0  # calls Hypothesis made shrinking the failure (not in ``examples``)
+    rejected: int = 0  # examples rejected (NotImplementedError; not in ``examples``)
+    note: str = ""  # why no example ran, where none did
+
+    def line(self) -> str:
+        """``hypothesis · numpy: ok, 100 examples, worst ratio 0.31, 1.2 s``; a failure names
+        the failing example's ratio apart from the passing examples' worst."""
+        extra = f", {self.rejected} rejected (NotImplementedError)" if self.rejected else ""
+        head = f"hypothesis · {self.backend}: "
+        if self.note:
+            return head + self.note
+        if not self.failure:
+            return (head + f"ok, {self.examples} examples, worst ratio {self.worst_ratio:.2f}"
+                    f"{extra}, {self.seconds:.1f} s")
+        if not self.examples:  # the checks ended before an example completed (a fault)
+            return head + f"FAIL before any example completed, {self.seconds:.1f} s"
+        ratio = (f"the failing example: worst error {self.failure_ratio:.3g} x the tolerance"
+                 if self.failure_ratio is not None else "the failing example raised or broke a "
+                 "property other than the tolerance")
+        passed = self.examples - 1
+        before = (f"; the {passed} example(s) before it passed (worst ratio "
+                  f"{self.worst_ratio:.2f})" if passed else "")
+        return (head + f"FAIL at example {self.examples}: {ratio}{before}; "
+                f"{self.shrink_calls} more call(s) to shrink it{extra}, {self.seconds:.1f} s")
 
 
 @dataclass
@@ -137,9 +163,7 @@ class PropertyResult:
         """One line per backend, and each failure with its minimal reproducer."""
         lines = []
         for b in self.backends:
-            verdict = "FAIL" if b.failure else "ok"
-            lines.append(f"hypothesis · {b.backend}: {verdict}, {b.examples} examples, worst "
-                         f"ratio {b.worst_ratio:.2f}, {b.seconds:.1f} s")
+            lines.append(b.line())
             if b.failure:
                 lines.append(f"FAIL hypothesis · {b.backend}: {b.failure}\n"
                              f"  minimal reproducer (runnable):\n\n{b.reproducer}\n")
@@ -203,4 +227,4 @@ class RunResult:
 
 
 __all__ = ["NOT_CHECKED", "BackendProperties", "Cell", "Column", "ErrorResult", "NotApplicable",
-           "PropertyResult", "RunResult", "error_text", "known_difference", "rerun_command"]
+           "PropertyResult", "RunResult", "error_text", "known_differences", "rerun_command"]

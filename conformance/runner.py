@@ -23,23 +23,25 @@ from typing import Any
 
 import numpy as np
 
+from . import alternatives, plugins
 from . import backends as backends_mod
 from . import cases as cases_mod
 from . import errors as errors_mod
 from . import peers as peers_mod
-from . import plugins
 from .backends import Backend
 from .compare import StepResult, compare_step
 from .diagnose import diagnose
 from .expected import Expected, expected
+from .isolation import DEFAULT_TIMEOUT_S, PluginFault, check_timeout
 from .results import (
+    BackendProperties,
     Cell,
     Column,
     ErrorResult,
     NotApplicable,
+    PropertyResult,
     RunResult,
     error_text,
-    known_difference,
     rerun_command,
 )
 from .steps import Execution, Step, steps_for
@@ -81,7 +83,10 @@ def run_cell(backend: Backend, exp: Expected, *, column: str | None = None,
 
     A checked module (``backend.contract``) runs only the steps whose functions it defines
     (the others are listed in ``Cell.skipped``); a case using a feature it declares
-    unsupported, or a step raising ``NotImplementedError``, makes the cell "unsupported"."""
+    unsupported, or a step raising ``NotImplementedError``, makes the cell "unsupported".
+    A ``PluginFault`` (a call that mutates its input, raises ``SystemExit``) fails its step,
+    the fault the diagnosis; one that hangs or kills its worker ends the cell ("timeout" or
+    "error", no steps, so the report never shrinks it)."""
     column = column or backend.name
     cell = Cell(exp.case, exp.dtype, column, rerun=rerun_command(exp.case, exp.dtype, column),
                 features=plugins.features(exp.data.arrays, exp.data.options, exp.dtype,
@@ -112,6 +117,15 @@ def run_cell(backend: Backend, exp: Expected, *, column: str | None = None,
             with warnings.catch_warnings(), np.errstate(all="ignore"):
                 warnings.simplefilter("ignore")
                 actual = step.run(exe)
+        except PluginFault as fault:
+            if fault.reason not in cell.reasons:
+                cell.reasons.append(fault.reason)
+            if fault.fatal:
+                cell.steps, cell.status, cell.ratio = [], fault.status, None
+                cell.detail = fault.reason
+                return cell
+            cell.steps.append(StepResult(step.name, float("inf"), False, error=fault.reason))
+            continue
         except NotApplicable as exc:
             cell.status, cell.detail, cell.ratio = "n/a", str(exc), None
             return cell
@@ -131,10 +145,12 @@ def run_cell(backend: Backend, exp: Expected, *, column: str | None = None,
 
 
 def run_peer_cell(peer: peers_mod.Peer, exp: Expected) -> Cell:
-    """Run a peer on one case × dtype; a failure covered by ``spec.KNOWN_DIFFERENCES`` is
-    "known"."""
+    """Run a peer on one case × dtype. A failure is "known" only when the alternative semantics
+    of the entries of ``spec.KNOWN_DIFFERENCES`` that cover it reproduce what the peer returned
+    (or raised), else "unexpected" (``alternatives.classify``); peers never fail the run."""
     cell = Cell(exp.case, exp.dtype, peer.name, spec_backend=False,
                 rerun=rerun_command(exp.case, exp.dtype, peer.name))
+    results, raised = None, None
     try:
         with warnings.catch_warnings(), np.errstate(all="ignore"):
             warnings.simplefilter("ignore")
@@ -143,14 +159,13 @@ def run_peer_cell(peer: peers_mod.Peer, exp: Expected) -> Cell:
         cell.status, cell.detail, cell.ratio = "n/a", str(exc), None
         return cell
     except Exception as exc:  # noqa: BLE001 - a peer failing is a result
+        raised = exc
         cell.status, cell.detail, cell.ratio = "error", error_text(exc), None
     else:
         cell.steps = [judge(exp, step, actual, "input") for step, actual in results.items()]
         cell.finish()
     if cell.status in ("FAIL", "error"):
-        known = known_difference(peer.name, exp.case, exp.dtype)
-        if known is not None:
-            cell.status, cell.detail = "known", known.get("short", known["differs"])
+        alternatives.classify(cell, peer.name, exp, results, raised)
     return cell
 
 
@@ -206,11 +221,13 @@ def run_columns(columns: list[Column], expectations: Iterable[Expected], *,
     return result
 
 
-def resolve_backends(names: list[str] | None) -> tuple[list[Column], dict[str, str]]:
+def resolve_backends(names: list[str] | None, timeout: float = DEFAULT_TIMEOUT_S
+                     ) -> tuple[list[Column], dict[str, str]]:
     """Columns for backend names, peer names or dotted module paths. With ``names`` None: every
     spec backend (numpy, jax, torch) installed, the others returned with their install hint;
-    a named one that is not installed is a ``UsageError`` (one line, before any work)."""
-    peer_names = {p.name for p in peers_mod.PEERS}
+    a named one that is not installed is a ``UsageError`` (one line, before any work). A
+    checked module's worker imports it within ``max(timeout, 120)`` seconds (0: no limit)."""
+    limit, peer_names = check_timeout(timeout), {p.name for p in peers_mod.PEERS}
     columns, missing = [], {}
     for name in names or list(backends_mod.SPEC_BACKENDS):
         if name in peer_names:
@@ -218,6 +235,7 @@ def resolve_backends(names: list[str] | None) -> tuple[list[Column], dict[str, s
             column = Column(source.name, "peer", peer=source)
         else:
             source = backends_mod.load(name)  # a checked module: imported here (UsageError)
+            source.set_timeout(limit)
             column = Column(source.name, "backend", backend=source)
         if source.available():
             columns.append(column)
@@ -228,9 +246,19 @@ def resolve_backends(names: list[str] | None) -> tuple[list[Column], dict[str, s
     return columns, missing
 
 
+def _error_check(backend: Backend, case: errors_mod.ErrorCase) -> ErrorResult:
+    """``errors.check``; a call that fails beyond raising (``PluginFault``) fails the check."""
+    try:
+        return errors_mod.check(backend, case)
+    except PluginFault as fault:
+        return ErrorResult(case.name, backend.name, case.exception, fault.raised, "", False,
+                           fault.reason)
+
+
 def run_errors(backend_list: list[Backend], notes: list[str]) -> list[ErrorResult]:
     """The bad inputs of ``conformance.errors`` on every backend; a checked module gets those
-    of the functions it defines and the features it supports (the rest noted in ``notes``)."""
+    of the functions it defines and the features it supports (the rest noted in ``notes``),
+    a call of it that fails beyond raising failing that check (``_error_check``)."""
     out = errors_mod.run([b for b in backend_list if b.contract is None])
     for b in (b for b in backend_list if b.contract is not None):
         if "errors" in b.contract.unsupported:
@@ -238,7 +266,7 @@ def run_errors(backend_list: list[Backend], notes: list[str]) -> list[ErrorResul
             continue
         chosen = tuple(c for c in errors_mod.ERROR_CASES if b.provides(c.fn)
                        and not plugins.call_features(*c.args()) & b.contract.unsupported)
-        out += errors_mod.run([b], chosen)
+        out += [_error_check(b, c) for c in chosen]
         if len(chosen) < len(errors_mod.ERROR_CASES):
             notes.append(f"bad inputs: {len(chosen)} of {len(errors_mod.ERROR_CASES)} checked "
                          f"on {b.name} (the others call what it does not provide or support)")
@@ -248,7 +276,9 @@ def run_errors(backend_list: list[Backend], notes: list[str]) -> list[ErrorResul
 def property_view(backend: Backend, notes: list[str]) -> Backend | None:
     """The backend as the property checks call it: a checked module's examples that use a
     feature it declares unsupported, or raise ``NotImplementedError``, are rejected (not
-    failed); None when it cannot return the weights the properties compare."""
+    failed); None when it cannot return the weights the properties compare. Its calls stay
+    guarded: a ``PluginFault`` ends its property checks as their failure (``_properties``)."""
+    _ = backend.module  # imported: a checked module's contract is known from here on
     contract = backend.contract
     if contract is None:
         return backend
@@ -274,12 +304,34 @@ def property_view(backend: Backend, notes: list[str]) -> Backend | None:
     return dataclasses.replace(backend, _module=view, _import=None, _compiled={})
 
 
+def _properties(backend: Backend, n: int) -> BackendProperties:
+    """``properties.run`` on one backend; a ``PluginFault`` (a call that hangs, mutates its
+    input, raises ``SystemExit``) is the failure of its property checks."""
+    from . import properties
+
+    start = time.perf_counter()
+    try:
+        return properties.run([backend], n).backends[0]
+    except PluginFault as fault:
+        return BackendProperties(backend.name, failure=fault.reason, reproducer=(
+            f"# no reproducer; rerun: python -m conformance --backend {backend.name} "
+            f"--hypothesis {n}"), seconds=time.perf_counter() - start)
+
+
 def run_expectations(columns: list[Column], expectations: Iterable[Expected],
                      missing: dict[str, str], *, total: int = 0, check_errors: bool = False,
                      hypothesis: int = 0, progress: bool | None = None,
-                     rerun: Callable[[str, str, str], str] = rerun_command) -> RunResult:
+                     rerun: Callable[[str, str, str], str] = rerun_command,
+                     timeout: float = DEFAULT_TIMEOUT_S) -> RunResult:
     """The cells of every expectation × column, then the bad-input checks (``check_errors``)
-    and ``hypothesis`` property examples per backend column, in one ``RunResult``."""
+    and ``hypothesis`` property examples per backend column, in one ``RunResult``. A checked
+    module run in a worker process gets ``timeout`` seconds per call (0: no limit; negative:
+    ``UsageError``), in the cells, the bad-input and the property checks and the verdict's
+    shrinking alike."""
+    limit = check_timeout(timeout)
+    for col in columns:
+        if col.backend is not None:
+            col.backend.set_timeout(limit)
     start = time.perf_counter()
     bar = Progress(total * len(columns), progress)
     try:
@@ -294,12 +346,11 @@ def run_expectations(columns: list[Column], expectations: Iterable[Expected],
         if importlib.util.find_spec("hypothesis") is None:
             result.missing["hypothesis"] = "pip install hypothesis (for the property checks)"
         else:
-            from . import properties
-
             checked = [property_view(b, result.notes) for b in backend_list]
             checked = [b for b in checked if b is not None]
             if checked:
-                result.properties = properties.run(checked, hypothesis)
+                result.properties = PropertyResult(
+                    hypothesis, [_properties(b, hypothesis) for b in checked])
     result.seconds = time.perf_counter() - start
     return result
 
@@ -313,13 +364,16 @@ def run(
     check_errors: bool = True,
     hypothesis: int | None = None,
     progress: bool | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
 ) -> RunResult:
     """The whole conformance run, as ``python -m conformance run`` does it.
 
     ``peers`` None: the peers run when no backend is named. ``hypothesis`` None:
     ``DEFAULT_PROPERTY_EXAMPLES`` per backend when neither cases nor dtypes are selected, else 0.
+    ``timeout``: seconds per call of a checked module given by its path (0: no limit; a
+    negative value is a ``UsageError`` before any work).
     """
-    columns, missing = resolve_backends(backend_names)
+    columns, missing = resolve_backends(backend_names, timeout)  # timeout checked first
     if peers is None:
         peers = backend_names is None
     if peers:
@@ -334,9 +388,11 @@ def run(
     dtypes = list(dtypes or backends_mod.DTYPES)
     expectations = (expected(case, dtype) for case in selected for dtype in dtypes)
     return run_expectations(columns, expectations, missing, total=len(selected) * len(dtypes),
-                            check_errors=check_errors, hypothesis=hypothesis, progress=progress)
+                            check_errors=check_errors, hypothesis=hypothesis, progress=progress,
+                            timeout=timeout)
 
 
-__all__ = ["DEFAULT_PROPERTY_EXAMPLES", "Progress", "judge", "property_view",
+__all__ = ["DEFAULT_PROPERTY_EXAMPLES", "DEFAULT_TIMEOUT_S", "Progress", "check_timeout",
+           "judge", "property_view",
            "resolve_backends", "run", "run_cell", "run_columns", "run_errors",
            "run_expectations", "run_peer_cell"]

@@ -2,9 +2,12 @@
 
 ``shrink(backend, exp, steps, status, reason)`` starts from a failing sdpa cell and tries, one
 at a time, to drop a feature (bias, mask, dropout, soft-capping, scale, window, the causal rule,
-bottom-right alignment, non-finite values), to shrink an axis (batch, heads, q_len, kv_len,
-head_dim, v_dim) or to use a wider dtype; it keeps every change after which the same steps
-still fail the same way (same status, same diagnosis), until no change helps. Every try is a
+bottom-right alignment, non-finite values, a value head_dim other than the query's), to shrink
+an axis (batch, heads, q_len, kv_len, head_dim — with value's when they are equal — v_dim) or
+to use a wider dtype; it keeps every change after which the same steps still fail the same way
+(same status, and the diagnosis ``reason`` among the candidate's), until no change helps. A
+feature the failure does not need is thus gone from the smallest case (a custom-scale bug
+shrinks to value's head_dim equal to the query's, not to a red-herring ``v_dim``). Every try is a
 fresh ``expected_for`` (the float64 reference of the smaller inputs) and ``runner.run_cell``,
 the same rule as the report. ``reproducer(backend, exp, step)`` prints the result as a short
 script that calls the module and prints its result next to the float64 reference.
@@ -57,9 +60,20 @@ def _finite(a: dict, o: dict) -> tuple[dict, dict] | None:
             if n in bad else x for n, x in a.items()}, o
 
 
+def _same_v_dim(a: dict, o: dict) -> tuple[dict, dict] | None:
+    """value's head_dim made the query's: the longer of the two cut to the shorter."""
+    q, v = a["query"], a["value"]
+    if q.shape[-1] == v.shape[-1]:
+        return None
+    n = min(q.shape[-1], v.shape[-1])
+    return {name: _cut(x, 1, n) if name in ("query", "key", "value") else x
+            for name, x in a.items()}, o
+
+
 FEATURE_EDITS: tuple[Edit, ...] = (
     _drop("bias"), _drop("mask", "kv_lengths"), _drop("dropout_mask", "dropout_p"),
     _drop("softcap"), _drop("scale"), _drop("window"), _drop("is_causal"), _top_left, _finite,
+    _same_v_dim,
 )
 
 
@@ -112,9 +126,10 @@ def _axis_edits(a: dict[str, np.ndarray]) -> Iterator[Edit]:
     for n in _sizes(k.shape[-2]):
         yield from edits({"key": (2, n), "value": (2, n), **{s: (1, n) for s in _SCORE_ARRAYS}},
                          n)
+    same = v.shape[-1] == q.shape[-1]  # shrink them together: no v_dim appears on the way
     for n in _sizes(q.shape[-1]):
-        yield from edits({"query": (1, n), "key": (1, n)})
-    for n in _sizes(v.shape[-1]):
+        yield from edits({"query": (1, n), "key": (1, n), **({"value": (1, n)} if same else {})})
+    for n in _sizes(v.shape[-1]) if not same else ():  # v_dim only where the failure has one
         yield from edits({"value": (1, n)})
 
 
@@ -125,8 +140,8 @@ def _cast_all(a: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
 
 def shrink(backend: Backend, exp: Expected, steps: list[str], status: str = "FAIL",
            reason: str = "") -> Expected:
-    """The smallest variant of ``exp`` on which ``steps`` still give ``status`` (and the
-    diagnosis starting like ``reason``); ``exp`` itself when nothing smaller fails."""
+    """The smallest variant of ``exp`` on which ``steps`` still give ``status`` (and a
+    diagnosis containing the start of ``reason``); ``exp`` itself when nothing smaller fails."""
     if exp.kind != "sdpa":
         return exp
     gradients = any("grad" in s for s in steps)
@@ -145,7 +160,7 @@ def shrink(backend: Backend, exp: Expected, steps: list[str], status: str = "FAI
         if any(s not in candidate.values for s in steps):
             return None
         cell = run_cell(backend, candidate, steps=steps)
-        if cell.status != status or (key and not any(r.startswith(key) for r in cell.reasons)):
+        if cell.status != status or (key and not any(key in r for r in cell.reasons)):
             return None
         return candidate
 

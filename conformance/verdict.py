@@ -2,15 +2,30 @@
 
 ``text(result)`` prints, in this order:
 
-1. a one-line verdict that names each bug (the diagnosis of each group of failures);
-2. per group of failing cells (same column, same diagnosis or, without one, the same failing
-   steps): the features it involves, the cases and dtypes, the first failure explained, the
-   smallest failing case ``shrink`` finds as a runnable script, and the rerun command;
+1. a one-line verdict that names each bug (the diagnosis of each group of failures), the
+   failing bad inputs by kind (``report.bad_inputs_text``) and failing property checks;
+2. per group of failing cells (``groups``: one bug, one group): the features it involves, the
+   cases and dtypes, the first failure explained, the smallest failing case ``shrink`` finds as
+   a runnable script, and the rerun command;
 3. a compact table: one row per case, one column per backend, each cell summarised over the
    dtypes (``ok 0.31``, ``FAIL f16``, ``unsupported``);
 4. per checked module: the features checked, those declared unsupported, the functions it does
    not provide (once, never as failures); the bad-input and property lines;
 5. the summary line (``PASS: …`` / ``FAIL: …``) of ``report.summary``.
+
+Grouping: a cell may carry several diagnoses (one per failed step, each possibly joined with
+others: ``diagnose.split``); it joins the group of the diagnosis, by name (``diagnose.short``),
+that the most cases of its column share, so one bug seen through different steps or extra
+symptoms (a NaN case) is one group. Cells without a diagnosis group by the error raised or the
+failing steps.
+
+A wrong layout is diagnosed by rerunning: ``layout_symptoms`` reruns each failing case of a
+checked module with query, key, value (and the results) transposed (``transposed``); the cells
+that then pass form one group that names the fix (``set LAYOUT = "bshd"``, or removing it).
+One cell per case is rerun first; when it passes, the case's other failing dtypes that failed
+the same way (same error type, or the same failing steps) join it without a rerun, the others
+are rerun; after ``LAYOUT_GIVE_UP`` cases that fail transposed too, with none passing, the
+column is left. A rerun costs what the cell cost: the reruns stay a fraction of the run.
 
 ``--verbose`` prints ``report.text`` (every cell, every failure) followed by item 4. A run
 without a checked module prints ``report.text`` unchanged.
@@ -18,16 +33,33 @@ without a checked module prints ``report.text`` unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 
 from . import plugins, report, spec
+from .backends import Backend
+from .diagnose import short, split
 from .results import NOT_CHECKED, Cell, Column, RunResult
+from .runner import run_cell
 from .shrink import reproducer, shape_text, shrink
 
 #: At most this many groups of failures are explained; the rest are counted.
 MAX_GROUPS = 6
 SHORT_DTYPE = {"float64": "f64", "float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 _DTYPE_ORDER = ("float32", "float64", "bfloat16", "float16")
+#: ``layout_symptoms`` stops after this many failing cases that fail transposed too, when none
+#: passed: a module with other bugs pays for at most this many reruns.
+LAYOUT_GIVE_UP = 3
+#: The diagnosis of a layout symptom, by the layout the module declares.
+LAYOUT_REASONS = {
+    "bhsd": 'wrong layout, set LAYOUT = "bshd": the module reads query, key and value as (..., '
+            'seq, heads, head_dim) (flash-attention, jax.nn) without declaring it; each case of '
+            'this group passes once they are handed over in that layout and the output is read '
+            'back the same way. Add LAYOUT = "bshd" to the module (docs/checking.md, Layout)',
+    "bshd": 'wrong layout, remove LAYOUT = "bshd": the module declares (..., seq, heads, '
+            'head_dim) but reads query, key and value in the spec\'s (..., heads, seq, head_dim); '
+            'each case of this group passes once they are not transposed',
+}
 
 
 def checked_columns(result: RunResult) -> list[Column]:
@@ -36,25 +68,96 @@ def checked_columns(result: RunResult) -> list[Column]:
             if c.backend is not None and c.backend.contract is not None]
 
 
-def _short(reason: str) -> str:
-    return reason.split(":")[0].split(";")[0].strip()
+def transposed(backend: Backend) -> Backend:
+    """A checked module called in the other layout than its contract says: query, key, value
+    (and grad_output) and the results of its attention functions swapped ``(..., heads, seq,
+    dim)`` ↔ ``(..., seq, heads, dim)`` on top of the harness's usual view."""
+    contract = backend.contract
+    other = "bshd" if contract.layout == "bhsd" else "bhsd"
+    view = plugins.view(backend.module, dataclasses.replace(contract, layout="bshd"))
+    return dataclasses.replace(backend, _module=view, _import=None, _compiled={},
+                               contract=dataclasses.replace(contract, layout=other))
 
 
-def _group_key(cell: Cell) -> tuple[str, str, str]:
-    if cell.reasons:
-        return cell.column, cell.status, cell.reasons[0]
+def _signature(cell: Cell) -> tuple[str, ...]:
+    """How a cell failed: its status and error type, or its failing steps."""
     if cell.status == "error":
-        return cell.column, "error", cell.detail.split(":")[0]
-    failing = ", ".join(s.step for s in cell.steps if s.error or not s.passed)
-    return cell.column, cell.status, f"no diagnosis; fails {failing}"
+        return ("error", cell.detail.split(":")[0])
+    return (cell.status, *(s.step + ("!" if s.error else "") for s in cell.steps
+                           if s.error or not s.passed))
 
 
-def groups(result: RunResult) -> dict[tuple[str, str, str], list[Cell]]:
-    """Failing backend cells by (column, status, diagnosis), the largest group first."""
+def layout_symptoms(result: RunResult) -> dict[tuple[str, str, str], str]:
+    """``(case, dtype, column) -> LAYOUT_REASONS[declared layout]`` for every failing sdpa cell
+    of a checked module that passes when rerun transposed (``transposed``)."""
+    found: dict[tuple[str, str, str], str] = {}
+    for col in checked_columns(result):
+        failing: dict[str, list[Cell]] = {}
+        for cell in result.cells:
+            exp = result.expectations.get((cell.case, cell.dtype))
+            if cell.column == col.name and cell.status in ("FAIL", "error") and exp is not None \
+                    and exp.kind == "sdpa":
+                failing.setdefault(cell.case, []).append(cell)
+        if not failing:
+            continue
+        other = transposed(col.backend)
+        reason = LAYOUT_REASONS[col.backend.contract.layout]
+        misses = 0
+        try:
+            for cells in failing.values():
+                if misses >= LAYOUT_GIVE_UP and not found:
+                    break
+                passed: set[tuple[str, ...]] = set()  # the failures a rerun explained
+                for cell in sorted(cells, key=lambda c: _DTYPE_ORDER.index(c.dtype)
+                                   if c.dtype in _DTYPE_ORDER else 9):
+                    if _signature(cell) not in passed:
+                        exp = result.expectations[(cell.case, cell.dtype)]
+                        if run_cell(other, exp, column=col.name).status != "ok":
+                            misses += 0 if passed else 1
+                            break  # the case's other dtypes are not tried
+                        passed.add(_signature(cell))
+                    found[(cell.case, cell.dtype, cell.column)] = reason
+        finally:
+            other.release()
+    return found
+
+
+def _diagnoses(cell: Cell) -> list[str]:
+    """The single diagnoses of a cell's failed steps, one per name, first one first."""
+    out: dict[str, str] = {}
+    for reasons in cell.reasons:
+        for reason in split(reasons):
+            out.setdefault(short(reason), reason)
+    return list(out.values())
+
+
+def groups(result: RunResult, layout: dict[tuple[str, str, str], str] | None = None
+           ) -> dict[tuple[str, str, str], list[Cell]]:
+    """Failing backend cells by (column, status, diagnosis), the largest group first: one bug,
+    one group. ``layout`` (``layout_symptoms``) puts its cells in one group per column."""
+    layout = layout or {}
+    failing = [c for c in result.cells
+               if c.spec_backend and c.status in ("FAIL", "error", "timeout")]
+    cases: dict[tuple[str, str], set[str]] = {}  # (column, diagnosis name) -> cases
+    for cell in failing:
+        for reason in _diagnoses(cell):
+            cases.setdefault((cell.column, short(reason)), set()).add(cell.case)
+    texts: dict[tuple[str, str], str] = {}  # the first full text of each name
     out: dict[tuple[str, str, str], list[Cell]] = {}
-    for cell in result.cells:
-        if cell.spec_backend and cell.status in ("FAIL", "error"):
-            out.setdefault(_group_key(cell), []).append(cell)
+    for cell in failing:
+        reasons = _diagnoses(cell)
+        if (cell.case, cell.dtype, cell.column) in layout:
+            key = (cell.column, "FAIL", layout[(cell.case, cell.dtype, cell.column)])
+        elif reasons:  # the name most cases share; a tie goes to the cell's first diagnosis
+            best = max(reasons, key=lambda r: len(cases[(cell.column, short(r))]))
+            key = (cell.column, cell.status,
+                   texts.setdefault((cell.column, short(best)), best))
+        elif cell.status == "error":
+            key = (cell.column, "error", cell.detail.split(":")[0])
+        else:
+            failed = ", ".join(s.step for s in cell.steps if s.error or not s.passed)
+            key = (cell.column, cell.status, f"no diagnosis; fails {failed}")
+        out.setdefault(key, []).append(cell)
     return dict(sorted(out.items(), key=lambda kv: -len({c.case for c in kv[1]})))
 
 
@@ -78,7 +181,9 @@ def explain_group(result: RunResult, number: int, cells: list[Cell], reason: str
     failing = [s for s in cell.steps if s.error or not s.passed]
     exp = result.expectations.get((cell.case, cell.dtype))
     small = None
-    if col.backend is not None and exp is not None and failing and exp.kind == "sdpa":
+    wrong_layout = reason in LAYOUT_REASONS.values()
+    if col.backend is not None and exp is not None and failing and exp.kind == "sdpa" \
+            and not wrong_layout:
         small = shrink(col.backend, exp, [failing[0].step], cell.status,
                        reason if cell.reasons else "")
     dtypes = set(SHORT_DTYPE)
@@ -91,9 +196,10 @@ def explain_group(result: RunResult, number: int, cells: list[Cell], reason: str
             and small.dtype == cell.dtype:
         used |= {cell.dtype}
     label = ", ".join(f for f in spec.PLUGIN_FEATURES if f in used) or "every input"
+    label = "layout" if wrong_layout else label
     lines = [f"{number}. {label} · {col.name}: {len(cases)} case(s) fail "
              f"({_dtypes_text(cells, all_dtypes)}): {', '.join(cases)}"]
-    if cell.reasons:
+    if cell.reasons or wrong_layout:
         lines += textwrap.wrap(f"why: {reason}", 96, initial_indent="   ",
                                subsequent_indent="     ")
     if cell.status == "error" and not cell.steps:
@@ -106,7 +212,7 @@ def explain_group(result: RunResult, number: int, cells: list[Cell], reason: str
         opts = {k: v for k, v in small.data.options.items()}
         lines.append(f"   smallest failing case ({failing[0].step}; {where}"
                      + (f"; {opts}" if opts else "") + "), runnable:")
-        code = reproducer(col.backend, small, failing[0].step, _short(reason))
+        code = reproducer(col.backend, small, failing[0].step, short(reason))
         lines.append(textwrap.indent(code, "     "))
     lines.append(f"   rerun: {cell.rerun}")
     return "\n".join(lines)
@@ -123,9 +229,9 @@ def _summary_cell(cells: list[Cell]) -> str:
         return "" if len(got) == len(cells) else " " + ",".join(SHORT_DTYPE.get(c.dtype, c.dtype)
                                                                 for c in got)
 
-    bad = by.get("FAIL", []) + by.get("error", [])
+    bad = by.get("FAIL", []) + by.get("error", []) + by.get("timeout", [])
     if bad:
-        tag = "FAIL" if "FAIL" in by else "error"
+        tag = next(s for s in ("FAIL", "error", "timeout") if s in by)
         others = [c for c in cells if c not in bad]
         return tag + ("" if not others else " " + ",".join(SHORT_DTYPE.get(c.dtype, c.dtype)
                                                            for c in bad))
@@ -133,10 +239,10 @@ def _summary_cell(cells: list[Cell]) -> str:
     ok = by.get("ok", [])
     if ok:
         parts.append(f"ok {report.cell_text(max(ok, key=lambda c: c.ratio or 0.0))[3:]}")
-    for status, short in (("unsupported", "unsup."), ("not provided", "not provided"),
-                          ("n/a", "n/a")):
+    for status, tag in (("unsupported", "unsup."), ("not provided", "not provided"),
+                        ("n/a", "n/a")):
         if status in by:
-            parts.append(short + (where(status) if ok else ""))
+            parts.append(tag + (where(status) if ok else ""))
     if "known" in by:
         parts.append(report.cell_text(by["known"][0], 24))
     return ", ".join(parts)
@@ -203,15 +309,21 @@ def contract_section(result: RunResult) -> str:
 
 
 def headline(result: RunResult, found: dict[tuple[str, str, str], list[Cell]]) -> str:
-    """The first line: the verdict, naming each bug."""
+    """The first line: the verdict, naming each bug, the failing bad inputs by kind and the
+    failing property checks."""
     names = ", ".join(c.name for c in checked_columns(result))
     if result.ok:
         ran = sum(c.spec_backend and c.status not in NOT_CHECKED for c in result.cells)
         return f"PASS: {names} conforms to the spec on everything it provides ({ran} cells)"
-    bugs = [f"{_short(reason)} ({len({c.case for c in cells})} case(s))"
+    bugs = [f"{short(reason)} ({len({c.case for c in cells})} case(s))"
             for (_, _, reason), cells in found.items()]
-    other = [] if found else ["bad inputs or property checks (below)"]
-    return f"FAIL: {names}: " + "; ".join(bugs + other)
+    bad_inputs = report.bad_inputs_text(result)
+    if bad_inputs:
+        bugs.append(bad_inputs)
+    if result.properties is not None and not result.properties.passed:
+        failed = [b.backend for b in result.properties.backends if b.failure]
+        bugs.append(f"property checks fail on {', '.join(failed)} (below)")
+    return f"FAIL: {names}: " + "; ".join(bugs or ["see below"])
 
 
 def text(result: RunResult, verbose: bool = False) -> str:
@@ -222,7 +334,7 @@ def text(result: RunResult, verbose: bool = False) -> str:
     if verbose:
         full = report.text(result).rsplit("\n\n", 1)
         return "\n\n".join([full[0], contract, *result.notes, full[-1]])
-    found = groups(result)
+    found = groups(result, layout_symptoms(result))
     parts = [headline(result, found)]
     for i, (key, cells) in enumerate(list(found.items())[:MAX_GROUPS], 1):
         parts.append(explain_group(result, i, cells, key[2]))
@@ -244,5 +356,6 @@ def text(result: RunResult, verbose: bool = False) -> str:
     return "\n\n".join(parts)
 
 
-__all__ = ["MAX_GROUPS", "checked_columns", "contract_section", "explain_group", "groups",
-           "headline", "table", "text"]
+__all__ = ["LAYOUT_GIVE_UP", "LAYOUT_REASONS", "MAX_GROUPS", "checked_columns", "contract_section",
+           "explain_group", "groups", "headline", "layout_symptoms", "table", "text",
+           "transposed"]

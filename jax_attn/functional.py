@@ -180,7 +180,7 @@ def attention_output(weights: Any, value: Any) -> jax.Array:
 
 
 def renormalized_causal_weights(weights: Any, *, causal_alignment: str = "top_left") -> jax.Array:
-    """The article's second causal method: zero the weights above the diagonal, renormalise.
+    """The article's first causal method: zero the weights above the diagonal, renormalise.
 
     Equals masking the scores with ``-inf`` before the softmax wherever a row keeps a key;
     a row that keeps none gives 0 (not ``0 / 0``), with a zero gradient.

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = {"backend_differences": ROOT / "docs" / "backend_differences.md",
         "readme": ROOT / "README.md"}
 BLOCK = re.compile(r"```python\n(?P<code>.*?)```\n(?:\n*```text\n(?P<out>.*?)```\n)?", re.S)
-# backend_differences.md section 12 runs the peers' frameworks too
+# backend_differences.md section 14 runs the peers' frameworks too
 NEEDS = ("jax", "torch", "keras", "flax", "transformers", "onnx", "onnxruntime")
 
 _DRIVER = r"""
@@ -121,7 +121,8 @@ def test_backend_differences_covers_every_known_difference():
         name = {"torch.sdpa": "SDPA", "torch.MHA": "MultiheadAttention"}.get(peer, peer)
         assert name in text, peer
     for topic in ("BTNH", "polarity", "bottom-right", "mean of the", "NaN", "jax_enable_x64",
-                  "TF32", "preferred_element_type", "keep-mask", "in place", "static_argnames"):
+                  "TF32", "preferred_element_type", "keep-mask", "in place", "static_argnames",
+                  "TracerBoolConversionError", "clamps", "jax.debug.print"):
         assert topic in text, topic
     with_output = [out for _, out in blocks(DOCS["backend_differences"]) if out is not None]
     assert len(with_output) >= 11

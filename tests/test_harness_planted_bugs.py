@@ -131,6 +131,24 @@ def _gqa_modulo() -> dict:
             "scaled_dot_product_attention": sdpa}
 
 
+def _wrong_scale(wrong):  # noqa: ANN001, ANN202 - test helper
+    """attention_scores and scaled_dot_product_attention with a custom scale used as
+    ``wrong(scale, head_dim)`` (the default scale, None, is left alone)."""
+
+    def fix(q, kw):  # noqa: ANN001, ANN202
+        if kw.get("scale") is not None:
+            kw["scale"] = wrong(kw["scale"], np.shape(q)[-1])
+        return kw
+
+    def scores(q, k, **kw):  # noqa: ANN001, ANN202
+        return numpy_attn.attention_scores(q, k, **fix(q, kw))
+
+    def sdpa(q, k, v, **kw):  # noqa: ANN001, ANN202
+        return numpy_attn.scaled_dot_product_attention(q, k, v, **fix(q, kw))
+
+    return {"attention_scores": scores, "scaled_dot_product_attention": sdpa}
+
+
 PLANTED = {
     # bug: (overrides, cases that must fail, cases that must pass, words of the diagnosis)
     "mask_polarity": (_wrap(_flip_mask), {"padding", "mask_and_bias", "fully_masked_rows"},
@@ -153,6 +171,14 @@ PLANTED = {
     "masking_adds_minus_inf": (_composed(numpy_attn.attention_weights, _mask_by_adding),
                                {"nan_key_masked"}, {"self", "padding", "nan_query"},
                                "masking must replace a masked score by -inf"),
+    # a custom scale gone wrong: only the case with one (scale 0.3) fails, and says how
+    "scale_times_rsqrt_d": (_wrong_scale(lambda scale, d: scale / np.sqrt(d)), {"scale"},
+                            {"self", "softcap", "gqa"},
+                            "custom scale is multiplied by 1/sqrt(head_dim)"),
+    "scale_ignored": (_wrong_scale(lambda scale, d: None), {"scale"}, {"self", "softcap"},
+                      "custom scale is ignored"),
+    "scale_divides": (_wrong_scale(lambda scale, d: 1 / scale), {"scale"}, {"self", "softcap"},
+                      "divided by the custom scale"),
 }
 
 
@@ -189,7 +215,7 @@ def test_properties_pass_on_numpy() -> None:
     pytest.importorskip("hypothesis", reason=NEEDS_HYPOTHESIS)
     result = properties.run([backends.get("numpy")], 40)
     assert result.passed, result.text()
-    assert result.backends[0].examples >= 40
+    assert result.backends[0].examples == 40
 
 
 def test_properties_apply_the_harness_rule() -> None:

@@ -141,11 +141,11 @@ def test_wrong_module_verdict_names_the_bug_with_a_runnable_smallest_case(
     first = out.splitlines()[0]
     assert first.startswith("FAIL: examples.wrong_attention:")
     assert "wrong causal alignment" in first and "mask polarity flipped" in first
-    assert "1. causal, bottom_right · examples.wrong_attention" in out
-    assert "2. mask · examples.wrong_attention" in out
+    assert "1. mask · examples.wrong_attention: 5 case(s)" in out  # nan_key_masked too
+    assert "2. causal, bottom_right · examples.wrong_attention" in out
     assert "query (1, 1, 1, 1)" in out  # shrunk from (2, 4, 5, 8)
     scripts = _reproducers(out)
-    assert len(scripts) == 3
+    assert len(scripts) == 2
     for script in scripts:
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):

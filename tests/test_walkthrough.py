@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -92,3 +93,79 @@ def test_pictures_command_writes_every_png(tmp_path, capsys):
         data = (tmp_path / name).read_bytes()
         assert data.startswith(b"\x89PNG") and len(data) > 10_000, name
     assert len(capsys.readouterr().out.splitlines()) == len(pictures.PICTURES)
+
+
+def test_pictures_say_what_they_show_on_the_image():
+    """Every picture with a masked cell carries the legend "white = masked" on the image; the
+    grouped-query and window pictures say they are causal."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from conformance.teaching import pictures
+
+    for name in pictures.PICTURES:
+        fig = pictures.draw(name)
+        legends = [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+        has_masked = any(np.ma.getmaskarray(ax.images[0].get_array()).any()
+                         for ax in fig.axes if ax.images)
+        assert has_masked == (name != "cross.png"), name
+        assert legends == ([pictures.MASKED_LEGEND] if has_masked else []), name
+        assert "white = masked" in pictures.MASKED_LEGEND
+        title = fig.get_suptitle()
+        if name in ("gqa.png", "window.png"):
+            assert "causal" in title, (name, title)
+        plt.close(fig)
+
+
+def _normal_ratios(line: str) -> str:
+    """A walkthrough line with its worst-error ratios blanked (they depend on the BLAS)."""
+    return re.sub(r"✓ \d+(\.\d+)?(e-?\d+)?", "✓ r", line.rstrip())
+
+
+def test_the_readmes_walkthrough_excerpt_is_real_output():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    learn = readme.split("## Learn:")[1].split("\n## ")[0]
+    excerpt = learn.split("```\n  ▸ ")[1].split("```")[0]
+    lines, _ = walkthrough.walkthrough(INSTALLED, width=100)
+    printed = [_normal_ratios(line) for line in lines]
+    shown = ["  ▸ " + line for line in excerpt.splitlines()[:1]] + excerpt.splitlines()[1:]
+    assert len(shown) >= 8
+    for line in shown:
+        if line.strip() == "...":
+            continue
+        wanted = _normal_ratios(line)
+        if wanted.endswith("; ..."):  # cut short in the README
+            assert any(p.startswith(wanted[:-4]) for p in printed), line
+        elif set(INSTALLED) == set(backends.SPEC_BACKENDS) or not any(
+                name in line for name in backends.SPEC_BACKENDS):
+            assert wanted in printed, line
+
+
+def test_the_seed_article_lists_what_the_articles_numbers_contradict():
+    """docs/seed_article.md: three claims of the article, recomputed from its own matrices."""
+    omega = np.array(seed_example.ARTICLE["attn_scores"])
+    weights = np.array(seed_example.ARTICLE["attn_weights"])
+    assert omega[2].argmin() == 1 and omega[2].argmax() == 2  # lowest: input 2; highest: itself
+    tokens = seed_example.SENTENCE.split()
+    favourite = [tokens[j] for j in weights.argmax(axis=1)]
+    assert favourite == ["short,", "is", "short,", "is", "is", "short,"]  # itself: 2 of 6
+    assert np.isfinite(omega).all() and np.triu(np.ones((6, 6)), 1).sum() == 15  # all computed
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "seed_article.md").read_text(
+        encoding="utf-8")
+    for claim in ("**Query 3's lowest score.**", "with input 2 (`is`, −1.3934)",
+                  "**\"A query attends most to itself", "only 2 of the 6 queries",
+                  "**\"Masking with −inf skips the masked positions.\"**", "all 36 scores"):
+        assert claim in doc, claim
+
+
+def test_the_renormalising_method_is_called_the_articles_first():
+    """The article zeroes and renormalises first, masks with −inf second (its causal section)."""
+    root = Path(__file__).resolve().parent.parent
+    for path in ("numpy_attn/functional.py", "jax_attn/functional.py", "torch_attn/functional.py",
+                 "conformance/spec/functions.py", "docs/spec.md"):
+        text = (root / path).read_text(encoding="utf-8")
+        assert "The article's first causal method: zero the weights above the diagonal" in text
+        assert "second causal method: zero" not in text, path

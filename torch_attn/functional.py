@@ -163,7 +163,7 @@ def attention_output(weights: Any, value: Any) -> torch.Tensor:
 def renormalized_causal_weights(
     weights: Any, *, causal_alignment: str = "top_left"
 ) -> torch.Tensor:
-    """The article's second causal method: zero the weights above the diagonal, renormalise.
+    """The article's first causal method: zero the weights above the diagonal, renormalise.
 
     Equals masking the scores with ``-inf`` before the softmax wherever a row keeps a key;
     a row that keeps none gives 0 (not ``0 / 0``).

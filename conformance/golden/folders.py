@@ -183,11 +183,13 @@ def _load_listed(path: Path, digest: str) -> Expected:
 
 def check(directory: str | Path, backend_names: list[str],
           case_patterns: list[str] | None = None,
-          dtypes: list[str] | None = None) -> RunResult:
+          dtypes: list[str] | None = None,
+          timeout: float = runner.DEFAULT_TIMEOUT_S) -> RunResult:
     """Check implementations against a golden directory; the same report as a normal run.
     Every selected file is loaded and checked before any backend runs; a selection that matches
-    no file is a GoldenError naming what the folder holds."""
-    columns, missing = runner.resolve_backends(backend_names)
+    no file is a GoldenError naming what the folder holds. ``timeout``: seconds per call of a
+    checked module (``runner.run``)."""
+    columns, missing = runner.resolve_backends(backend_names, timeout)
     columns = [c for c in columns if c.backend is not None]
     root = Path(directory)
     digests = _verified(root)
@@ -209,4 +211,5 @@ def check(directory: str | Path, backend_names: list[str],
         return (f"python -m conformance check {directory} --backend {column} --case {case} "
                 f"--dtype {dtype}")
 
-    return runner.run_expectations(columns, loaded, missing, total=len(selected), rerun=rerun)
+    return runner.run_expectations(columns, loaded, missing, total=len(selected), rerun=rerun,
+                                   timeout=timeout)

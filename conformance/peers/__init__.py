@@ -5,15 +5,18 @@ the framework's conventions require; each framework API has a file of its own he
 adapters and what they cannot express:
 
 ==========================  =====================================================================
-``torch_nn``                ``torch.sdpa`` (``torch.nn.functional.scaled_dot_product_attention``)
-                            and ``torch.MHA`` (``torch.nn.MultiheadAttention``)
+``torch_nn``                ``torch.sdpa`` (``torch.nn.functional.scaled_dot_product_attention``),
+                            ``torch.MHA`` and ``torch.MHA[sdpa]``
+                            (``torch.nn.MultiheadAttention`` with ``need_weights=True``, its
+                            default, and ``need_weights=False``, which runs SDPA)
 ``jax_nn``                  ``jax.nn`` (``jax.nn.dot_product_attention``)
 ``keras_ops``               ``keras[numpy]``, ``keras[jax]``, ``keras[torch]``
                             (``keras.ops.dot_product_attention``), one worker process per Keras
                             backend (``keras_worker``)
 ``flax_nnx``                ``flax.nnx`` (``flax.nnx.dot_product_attention``)
 ``transformers_attention``  ``transformers.eager`` and ``transformers.sdpa``
-``onnx_attention``          ``onnxruntime`` (one ONNX ``Attention`` node)
+``onnx_attention``          ``onnxruntime`` (one ONNX ``Attention`` node: opset 24, the CPU
+                            kernel; opset 25 for a window, the function body)
 ``inputs``                  a case's inputs in the peers' conventions (4-D, BTNH, joined masks,
                             n/a), shared by every adapter
 ==========================  =====================================================================
@@ -23,9 +26,15 @@ as an error.
 
 A peer is only an adapter: ``compute(exp)`` returns the steps it can give (``output``, sometimes
 ``output_weights``) as NumPy arrays, and ``runner.run_peer_cell`` compares them like a backend's.
-A peer that cannot express a case raises ``NotApplicable`` (shown as "n/a"). Where a peer
-differs from the spec on purpose, ``spec.KNOWN_DIFFERENCES`` says so and why; the report then
-shows "known: …" instead of a failure. Peers never decide the exit code. To add a peer (a new
+Each adapter calls its framework the way its users do; where users call it two common ways
+that take different code paths, each way is a column (``torch.MHA`` and ``torch.MHA[sdpa]``,
+``transformers.eager`` and ``transformers.sdpa``), or the adapter's docstring says which one it
+takes and why. A peer that cannot express a case raises ``NotApplicable`` (shown as "n/a"); a
+framework that defines the case but fails on it raises, and the cell says so. Where a peer
+differs from the spec, ``spec.KNOWN_DIFFERENCES`` says how and why, and names the alternative
+semantics that explain it; the harness computes that alternative (``conformance.alternatives``)
+and the report shows "known: … (r)" only when the peer matches it (r: its worst ratio to the
+alternative), "unexp." otherwise. Peers never decide the exit code. To add a peer (a new
 column): write its ``compute`` function in a file of its own here, and add one ``Peer`` line to
 ``PEERS``.
 """
@@ -66,6 +75,7 @@ _PEERS_EXTRA = "pip install -e '.[peers]'"
 PEERS: tuple[Peer, ...] = (
     Peer("torch.sdpa", "torch", _TORCH, torch_nn.torch_sdpa),
     Peer("torch.MHA", "torch", _TORCH, torch_nn.torch_mha),
+    Peer("torch.MHA[sdpa]", "torch", _TORCH, torch_nn.torch_mha_sdpa),
     Peer("jax.nn", "jax", "pip install jax", jax_nn.jax_nn),
     Peer("keras[numpy]", "keras", _PEERS_EXTRA, keras_ops.keras_numpy),
     Peer("keras[jax]", "keras", f"{_PEERS_EXTRA} jax", keras_ops.keras_jax, ("jax",)),

@@ -1,9 +1,10 @@
 """``jax.nn.dot_product_attention`` as a peer (column ``jax.nn``).
 
-Layout ``(batch, seq, heads, head_dim)`` (BTNH); the boolean mask (True = may attend) and
-``bias`` broadcast to the scores; ``is_causal`` and ``local_window_size`` as given (both aligned
-top-left). Not expressible (n/a): ``v_dim != head_dim``, more than one batch axis, soft-capping
-and a given dropout keep-mask.
+Called as models call it: under ``jax.jit``, with ``implementation=None`` (on CPU the XLA path;
+cuDNN needs a GPU). Layout ``(batch, seq, heads, head_dim)`` (BTNH); the boolean mask (True =
+may attend) and ``bias`` broadcast to the scores; ``is_causal`` and ``local_window_size`` as
+given (both aligned top-left). Not expressible (n/a): ``v_dim != head_dim``, more than one
+batch axis, soft-capping and a given dropout keep-mask.
 """
 
 from __future__ import annotations

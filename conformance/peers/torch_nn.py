@@ -1,17 +1,27 @@
-"""torch.nn's attention as peers: ``torch.sdpa`` and ``torch.MHA``.
+"""torch.nn's attention as peers: ``torch.sdpa``, ``torch.MHA`` and ``torch.MHA[sdpa]``.
 
 ``torch.sdpa``
   ``torch.nn.functional.scaled_dot_product_attention``: same layout and mask polarity; a bias
   becomes a float ``attn_mask`` (bias, ``-inf`` where the boolean mask is False);
   ``enable_gqa=True`` for grouped-query cases; ``is_causal`` as given (torch is top-left only).
-``torch.MHA``
+``torch.MHA`` and ``torch.MHA[sdpa]``
   ``torch.nn.MultiheadAttention`` with identity projections, so it attends over the case's own
   query/key/value: heads merged into ``embed_dim``, the boolean mask inverted (its True means
-  "masked out"), a causal case as the usual ``triu`` mask (top-left), key/value heads repeated
-  for grouped-query cases, per-head weights with ``average_attn_weights=False``.
+  "masked out"), a causal case as the usual ``triu`` mask (top-left, no ``is_causal`` hint), a
+  bias as a float ``attn_mask``, key/value heads repeated for grouped-query cases. Users call it
+  two ways, and the two take different code paths, so each is a column:
 
-Not expressible (n/a): a window (both), soft-capping and a given dropout keep-mask (both), a
-scale, ``v_dim != head_dim`` and more than one batch axis (``torch.MHA``).
+  * ``torch.MHA``: ``need_weights=True``, the default argument (what ``mha(q, k, v)`` does),
+    with ``average_attn_weights=False``: the per-head weights are compared too. It computes
+    ``softmax(baddbmm(mask, q, kᵀ))`` itself: a fully masked row is NaN.
+  * ``torch.MHA[sdpa]``: ``need_weights=False``, as ``nn.TransformerEncoderLayer`` and the
+    documentation's advice for speed call it: the output only, through
+    ``scaled_dot_product_attention`` (a fully masked row is 0 on CPU). The fused
+    ``torch._native_multi_head_attention`` path needs query, key and value to be one tensor,
+    which identity projections of three different arrays cannot be, so no column reaches it.
+
+Not expressible (n/a): a window (all), soft-capping and a given dropout keep-mask (all), a
+scale, ``v_dim != head_dim`` and more than one batch axis (the MHA columns).
 """
 
 from __future__ import annotations
@@ -58,7 +68,20 @@ def torch_sdpa(exp: Expected) -> dict[str, np.ndarray]:
 
 def torch_mha(exp: Expected) -> dict[str, np.ndarray]:
     """The ``torch.MHA`` peer: ``output (..., heads, q_len, head_dim)`` and per-head
-    ``output_weights (..., heads, q_len, kv_len)`` from ``torch.nn.MultiheadAttention``."""
+    ``output_weights (..., heads, q_len, kv_len)`` from ``torch.nn.MultiheadAttention`` called
+    with ``need_weights=True`` (its default)."""
+    return multihead_attention(exp, need_weights=True)
+
+
+def torch_mha_sdpa(exp: Expected) -> dict[str, np.ndarray]:
+    """The ``torch.MHA[sdpa]`` peer: ``output (..., heads, q_len, head_dim)`` from
+    ``torch.nn.MultiheadAttention`` called with ``need_weights=False`` (through SDPA)."""
+    return multihead_attention(exp, need_weights=False)
+
+
+def multihead_attention(exp: Expected, *, need_weights: bool) -> dict[str, np.ndarray]:
+    """``torch.nn.MultiheadAttention`` with identity projections on the case; ``output`` and,
+    with ``need_weights``, per-head ``output_weights``."""
     import torch
 
     a, o = sdpa_case(exp, "torch.nn.MultiheadAttention")
@@ -104,11 +127,12 @@ def torch_mha(exp: Expected) -> dict[str, np.ndarray]:
         mha.eval()
         t = backends.torch_asarray
         qm, km, vm = t(merge(q)), t(merge(k)), t(merge(v))
-        out, weights = mha(qm, km, vm, attn_mask=attn_mask, need_weights=True,
+        out, weights = mha(qm, km, vm, attn_mask=attn_mask, need_weights=need_weights,
                            average_attn_weights=False)
     out_np = backends.torch_to_numpy(out)  # (..., q_len, heads·D)
     out_np = np.swapaxes(out_np.reshape(out_np.shape[:-1] + (heads, head_dim)), -2, -3)
-    w_np = backends.torch_to_numpy(weights)
-    shape = exp.values["output"].shape
-    return {"output": out_np.reshape(shape),
-            "output_weights": w_np.reshape(exp.values["output_weights"].shape)}
+    result = {"output": out_np.reshape(exp.values["output"].shape)}
+    if need_weights:
+        result["output_weights"] = backends.torch_to_numpy(weights).reshape(
+            exp.values["output_weights"].shape)
+    return result

@@ -16,11 +16,11 @@ it can be read and imported anywhere. One file per chapter, every name re-export
 * ``extras``: the names and integrations of one backend only;
 * ``checking``: what another implementation provides to be checked against this spec.
 
-Beside them: ``known_differences`` (the frameworks' kernels' known differences, as data),
-``seed_example`` (the seed article's worked example, as data) and ``specdoc``, which renders
-``docs/spec.md`` from these files (``python -m conformance spec``); a test fails when the two
-disagree. ``tests/test_signatures.py`` checks every backend's public signatures against the
-stubs.
+Beside them: ``known_differences`` (the frameworks' kernels' known differences, as data, each
+naming the alternative semantics that explain it), ``seed_example`` (the seed article's worked
+example, as data) and ``specdoc``, which renders ``docs/spec.md`` from these files (``python -m
+conformance spec``); a test fails when the two disagree. ``tests/test_signatures.py`` checks
+every backend's public signatures against the stubs.
 
 Axis names used in shapes
 -------------------------
@@ -104,7 +104,7 @@ from .functions import (
     scaled_dot_product_attention_vjp,
     sliding_window_mask,
 )
-from .known_differences import KNOWN_DIFFERENCES
+from .known_differences import KNOWN_ALTERNATIVES, KNOWN_DIFFERENCES
 from .modules import (
     INITIALISATION,
     MODULE_METHODS,
@@ -144,5 +144,5 @@ __all__ = [
     # checking
     "PLUGIN_CONTRACT", "PLUGIN_FEATURES",
     # known_differences
-    "KNOWN_DIFFERENCES",
+    "KNOWN_ALTERNATIVES", "KNOWN_DIFFERENCES",
 ]

@@ -178,7 +178,7 @@ def attention_output(weights: Any, value: Any) -> Any:
 
 
 def renormalized_causal_weights(weights: Any, *, causal_alignment: str = "top_left") -> Any:
-    """The article's second causal method: zero the weights above the diagonal, renormalise.
+    """The article's first causal method: zero the weights above the diagonal, renormalise.
 
     Teaching function. Equal to masking the scores with ``-inf`` before the softmax wherever a
     row keeps at least one key; a row that keeps none gives 0 (not ``0 / 0``).

@@ -2,7 +2,9 @@
 
 Every picture is computed with numpy_attn (the spec's pipeline) and drawn with matplotlib,
 imported lazily with the Agg backend. Rows are queries, columns keys; a white cell is a masked
-position (weight exactly 0), a fully masked row is white from end to end.
+position (weight exactly 0), a fully masked row is white from end to end — and every picture
+with a masked cell says so in a legend on the image itself, so it reads without this text.
+Titles say what is drawn (the causal rule included: ``gqa.png`` is causal).
 """
 
 from __future__ import annotations
@@ -20,10 +22,14 @@ PICTURES = {
     "walkthrough.png": "the article's sentence: softmax(ω/√2) and causal weights",
     "causal.png": "causal masks with q_len 6 < kv_len 10: the two alignments",
     "padding.png": "padding: kv_lengths [10, 6], q_lengths [10, 7]",
-    "window.png": "sliding window (2, 1), 12 tokens",
+    "window.png": "sliding windows over 12 tokens: (2, 1), and (2, 0) with the causal rule",
     "cross.png": "cross-attention: 6 queries over 8 keys",
-    "gqa.png": "grouped-query: 4 query heads share 2 key/value heads",
+    "gqa.png": "grouped-query attention, causal: 4 query heads share 2 key/value heads",
 }
+
+
+#: The legend of every picture with a masked cell.
+MASKED_LEGEND = "white = masked (weight exactly 0)"
 
 
 def _weights(q_len: int, kv_len: int, heads: int = 1, kv_heads: int = 1, seed: int = 0,
@@ -114,9 +120,10 @@ def draw(name: str) -> Any:
                                           "masked → 0)")
     elif name == "window.png":
         fig, axes = _figure(2, 4.2, 4.6)
-        _panel(axes[0], _weights(12, 12, window=(2, 1))[0], "window=(2, 1)")
+        _panel(axes[0], _weights(12, 12, window=(2, 1))[0],
+               "window=(2, 1): query i sees keys i-2 … i+1")
         image = _panel(axes[1], _weights(12, 12, window=(2, 0), is_causal=True)[0],
-                       "window=(2, 0), is_causal")
+                       "window=(2, 0), is_causal:\nkeys i-2 … i")
     elif name == "cross.png":
         tokens = seed_example.SENTENCE.split()
         x = np.array(seed_example.EMBEDDING)
@@ -133,11 +140,16 @@ def draw(name: str) -> Any:
         w = _weights(6, 6, heads=4, kv_heads=2, seed=3, is_causal=True)
         fig, axes = _figure(4, 3.2, 3.9)
         for h in range(4):
-            image = _panel(axes[h], w[h], f"query head {h} → kv head {h // 2}")
+            image = _panel(axes[h], w[h], f"query head {h} → kv head {h // 2}\n(causal)")
     else:
         raise KeyError(f"unknown picture {name!r}; known: {', '.join(PICTURES)}")
     fig.colorbar(image, ax=list(axes), shrink=0.8, label="attention weight")
     fig.suptitle(PICTURES[name])
+    if any(np.ma.getmaskarray(ax.images[0].get_array()).any() for ax in axes):
+        from matplotlib.patches import Patch
+
+        fig.legend(handles=[Patch(facecolor="white", edgecolor="0.4", label=MASKED_LEGEND)],
+                   loc="outside lower center", frameon=False)
     return fig
 
 

@@ -1,0 +1,40 @@
+"""Exercise 7 (PyTorch), one answer: padding masks and fully masked rows.
+
+Graded by ``python -m conformance exercise 7 --backend torch --file
+learn/solutions/torch/ex07_padding.py`` (``tests/test_learn.py`` runs it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def padded_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Attention with a boolean mask: ``softmax(where(mask, q @ kᵀ / √d, −inf)) @ v``.
+
+    ``mask`` is True where the query may attend the key (as in torch SDPA and jax.nn; the
+    opposite of ``torch.nn.MultiheadAttention``'s masks). Padding makes whole rows False: a
+    padded query may attend nothing. The spec's answer for such a row is weights 0 and output
+    exactly 0 — never NaN, never the mean of the values.
+
+    Args:
+      query: ``(..., q_len, d)``; key: ``(..., kv_len, d)``; value: ``(..., kv_len, d_v)``.
+      mask: bool, broadcastable to ``(..., q_len, kv_len)``.
+
+    Returns:
+      ``(..., q_len, d_v)``.
+
+    The body below works until a row is fully masked. Grade it, read the diagnosis, fix it.
+    """
+    scores = query @ key.transpose(-2, -1) / math.sqrt(query.shape[-1])
+    scores = scores.masked_fill(~mask, float("-inf"))  # True = may attend
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max = torch.where(row_max == float("-inf"), 0.0, row_max)  # an empty row
+    e = torch.exp(scores - row_max)  # masked: exp(-inf) = 0
+    total = e.sum(dim=-1, keepdim=True)
+    weights = e / torch.where(total == 0, 1.0, total)  # an empty row: 0 / 1 = 0
+    return weights @ value

@@ -1,0 +1,46 @@
+"""Exercise 8 (PyTorch), one answer: multi-head attention with stacked weights.
+
+Graded by ``python -m conformance exercise 8 --backend torch --file
+learn/solutions/torch/ex08_multi_head.py`` (``tests/test_learn.py`` runs it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def multi_head_attention(
+    x: torch.Tensor,
+    w_query: torch.Tensor,
+    w_key: torch.Tensor,
+    w_value: torch.Tensor,
+    num_heads: int,
+) -> torch.Tensor:
+    """The article's ``MultiHeadAttentionWrapper``, fused: one projection for all heads.
+
+    The wrapper runs ``num_heads`` independent ``SelfAttention`` heads and concatenates their
+    outputs. Stack the heads' weights side by side and one product ``x @ w_query`` projects
+    every head at once: head h owns columns h·d_k … (h+1)·d_k (h·d_v … for values). Split the
+    columns into heads, attend per head (scale by the head's own √d_k), and concatenate the
+    heads' outputs along the last axis. (A production ``MultiHeadAttention`` adds an output
+    projection; with the identity there it equals the wrapper.)
+
+    Args:
+      x: ``(..., T, d_in)``.
+      w_query, w_key: ``(d_in, num_heads·d_k)``; w_value: ``(d_in, num_heads·d_v)``.
+      num_heads: the number of heads.
+
+    Returns:
+      ``(..., T, num_heads·d_v)``. With the article's 4 heads (d_k 2, d_v 1) its row 0 is
+      [-0.0185, 0.0170, 0.1999, -0.0860].
+    """
+    def heads(y):  # (..., T, H·d) → (..., H, T, d)
+        return y.unflatten(-1, (num_heads, -1)).transpose(-2, -3)
+
+    q, k, v = heads(x @ w_query), heads(x @ w_key), heads(x @ w_value)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # the head's own d_k
+    e = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+    out = e / e.sum(dim=-1, keepdim=True) @ v  # (..., H, T, d_v)
+    return out.transpose(-2, -3).flatten(-2)  # (..., T, H·d_v): heads side by side

@@ -1,0 +1,36 @@
+"""Exercise 1 (PyTorch): unnormalised attention scores ω.
+
+Write ``attention_scores`` below (torch tensors (float32) in, a tensor out),
+then grade it from the repository root::
+
+    python -m conformance exercise 1 --backend torch --file learn/torch/ex01_scores.py
+
+(to keep this stub as it is, copy it and pass your copy to ``--file``). The grader compares
+your result with a float64 reference on fixed inputs — the article's numbers where it prints
+them, then a batch — and names the mistake when it recognises it. One answer:
+``learn/solutions/torch/ex01_scores.py``; try first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def attention_scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """How much each query "likes" each key: ω[i, j] = queries[i] · keys[j].
+
+    The article does it for one query (``omega_3 = query_3 @ keys.T``), then for all of them
+    (``attn_scores = queries @ keys.T``): one matrix product. Do not scale yet (exercise 2).
+
+    Args:
+      queries: ``(..., q_len, d_k)``.
+      keys: ``(..., kv_len, d_k)``.
+
+    Returns:
+      ``(..., q_len, kv_len)``: ω, unscaled.
+
+    The grader checks the article's 6 tokens (it prints this 6 × 6 matrix; row 0 starts
+    0.0613, -0.3491), then a batch of 2 sequences × 3 heads. Careful: ``.T`` reverses *every*
+    axis of a batched array; swap only the last two (keys.transpose(-2, -1)).
+    """
+    raise NotImplementedError("exercise 1: write attention_scores")
