@@ -1,7 +1,7 @@
 """The conformance harness: one spec, every backend, identical seeded inputs.
 
 Imports run one way, from the spec to the command line. The core is flat, one concern per file;
-six wings have a folder each (their ``__init__`` says what each file holds):
+eight wings have a folder each (their ``__init__`` says what each file holds):
 
 ====================  =========================================================================
 ``spec/``             the specification (standard library only), one file per chapter: rules,
@@ -43,8 +43,17 @@ six wings have a folder each (their ``__init__`` says what each file holds):
                       (export, the manifest, verify, check through the runner) and
                       ``untrusted`` (bounded reads, ``.npy`` headers before any data)
 ``shrink``            the smallest failing case of a failing cell, as a runnable script
-``report``            text, JSON, Markdown and plots of a ``RunResult``
+``textwidth``         text within a width (``--width``, 100 columns by default): wrapped lines,
+                      table panels, reproducers broken where Python allows
+``plots``             ``--plot DIR``: heatmaps and error-vs-dtype plots (matplotlib)
+``report``            text (``--verbose``), JSON and Markdown of a ``RunResult``
+``terminal``          the default report: a summary per column, the matrix one glyph per dtype,
+                      each known difference once
 ``verdict``           the focused report of a checked module: bugs first, compact table
+``html/``             ``--html FILE``: one self-contained page to explore a ``RunResult`` (the
+                      grid, filters, each cell's steps, known differences, reproducers)
+``suite/``            the pytest plugin: ``pytest --pyargs conformance.suite
+                      --attention-backend mypkg.attention``, one item per case × dtype × step
 ``context_parallel/`` context parallelism: its cases (**add a context-parallel case here**),
                       inputs, checks, bad calls, NumPy's checks (in process), the JAX and torch
                       workers (subprocesses) and the run (``python -m conformance

@@ -3,8 +3,8 @@
 Subcommands (``run`` is the default)::
 
     python -m conformance [run] [--backend B ...] [--case NAME ...] [--dtype D ...]
-                                [--hypothesis N] [--json F] [--markdown F] [--plot DIR]
-                                [--verbose]
+                                [--hypothesis N] [--json F] [--markdown F] [--html F]
+                                [--plot DIR] [--verbose] [--width N]
     python -m conformance export DIR            # golden vectors (.npz + manifest)
     python -m conformance check DIR --backend B [--verbose]  # check against them
     python -m conformance spec [...]            # the generated spec document
@@ -25,6 +25,11 @@ named backend or an option's package that is not installed — printed as one li
 install command, before any work — or a checked module whose import fails, printed with its
 traceback). Anything else is a bug and shows its traceback.
 
+The report's lines fit ``--width N`` columns (100 by default, never wider than the terminal it
+prints to: ``textwidth.resolve_width``); ``--help`` lists the subcommands, then ``run``'s
+options (the options the README uses). A ``--backend`` that is a file path (``myattn.py``,
+``pkg/attention.py``) is told the module name to give (``plugins.file_path_hint``).
+
 To add a subcommand, write ``_add_NAME(parser)`` and ``_cmd_NAME(args)`` and list them in
 ``COMMANDS``.
 """
@@ -34,12 +39,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import re
 import sys
 from collections.abc import Callable
 
 from .backends import DTYPES
 from .plugins import PluginImportError
 from .results import RunResult
+from .textwidth import resolve_width
 from .usage import UsageError, at_least
 
 
@@ -60,11 +67,23 @@ def _add_run(p: argparse.ArgumentParser) -> None:
                         "100 in a full run, 0 with --case or --dtype)")
     p.add_argument("--json", metavar="FILE", help="write the full report as JSON")
     p.add_argument("--markdown", metavar="FILE", help="write the full report as Markdown")
+    p.add_argument("--html", metavar="FILE", help="write one self-contained HTML page to explore "
+                   "the report (offline; docs/checking.md, HTML report)")
     p.add_argument("--plot", metavar="DIR", help="write PNG plots (needs matplotlib)")
     p.add_argument("--verbose", "-v", action="store_true",
-                   help="a checked module's report: every cell, not only the focused verdict")
+                   help="every cell, every failing step and each peer's reasons (default: "
+                        "the summary and the matrix; a checked module's focused verdict)")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     _add_timeout(p)
+    _add_width(p)
+
+
+def _add_width(p: argparse.ArgumentParser) -> None:
+    from .textwidth import DEFAULT_WIDTH, MIN_WIDTH
+
+    p.add_argument("--width", type=at_least(MIN_WIDTH), metavar="N", default=None,
+                   help=f"report lines at most N characters (default {DEFAULT_WIDTH}; never "
+                        f"wider than the terminal when printing to one)")
 
 
 def _add_timeout(p: argparse.ArgumentParser) -> None:
@@ -93,21 +112,28 @@ def _cmd_run(args: argparse.Namespace) -> int:
         require("matplotlib", "pip install matplotlib", "--plot")
     if args.hypothesis:
         require("hypothesis", "pip install hypothesis", "--hypothesis")
+    if args.html:
+        from . import html
+
+        html.check_path(args.html)
     result = runner.run(args.backend, args.case, args.dtype, peers=args.peers,
                         check_errors=not args.no_errors, hypothesis=args.hypothesis,
                         timeout=args.timeout)
     if not result.columns:
-        print(report.missing_section(result), file=sys.stderr)
+        print(report.missing_section(result, resolve_width(args.width, sys.stderr)),
+              file=sys.stderr)
         print("error: no backend to run", file=sys.stderr)
         return 2
     if args.json:
         report.write_json(result, args.json)
     if args.markdown:
         report.write_markdown(result, args.markdown)
+    if args.html:
+        print(f"html: {html.write(result, args.html)}", file=sys.stderr)
     if args.plot:
         written = report.write_plots(result, args.plot)
         print(f"plots: {len(written)} PNG files in {args.plot}", file=sys.stderr)
-    print(verdict.text(result, args.verbose))
+    print(verdict.text(result, args.verbose, resolve_width(args.width)))
     return exit_code(result)
 
 
@@ -143,21 +169,30 @@ def _add_check(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", action="append", choices=DTYPES)
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--markdown", metavar="FILE")
+    p.add_argument("--html", metavar="FILE", help="write one self-contained HTML page")
     p.add_argument("--verbose", "-v", action="store_true",
-                   help="a checked module's report: every cell, not only the focused verdict")
+                   help="every cell, every failing step and each peer's reasons (default: "
+                        "the summary and the matrix; a checked module's focused verdict)")
     _add_timeout(p)
+    _add_width(p)
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from . import golden, report, verdict
 
+    if args.html:
+        from . import html
+
+        html.check_path(args.html)
     result = golden.check(args.directory, args.backend, args.case, args.dtype,
                           timeout=args.timeout)
-    print(verdict.text(result, args.verbose))
+    print(verdict.text(result, args.verbose, resolve_width(args.width)))
     if args.json:
         report.write_json(result, args.json)
     if args.markdown:
         report.write_markdown(result, args.markdown)
+    if args.html:
+        print(f"html: {html.write(result, args.html)}", file=sys.stderr)
     return exit_code(result)
 
 
@@ -245,13 +280,20 @@ HELP = {
 
 
 def parser() -> argparse.ArgumentParser:
-    """The argument parser with every subcommand."""
-    p = argparse.ArgumentParser(prog="python -m conformance", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="command")
+    """The argument parser with every subcommand; its ``--help`` ends with ``run``'s options
+    (``run`` is the default subcommand, and its options are the ones the README uses)."""
+    p = argparse.ArgumentParser(prog="python -m conformance", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", title="subcommands", metavar="SUBCOMMAND")
     for name, (add, _) in COMMANDS.items():
         add(sub.add_parser(name, help=HELP.get(name), description=HELP.get(name)))
     for name in RAW_COMMANDS:
         sub.add_parser(name, help=HELP.get(name), add_help=False)
+    run_help = sub.choices["run"].format_help()
+    options = re.split(r"\n(?:options|optional arguments):\n", run_help, maxsplit=1)[-1]
+    p.epilog = ("options of run, the default subcommand (the others: SUBCOMMAND --help):\n"
+                + options)
+    p.usage = "%(prog)s [SUBCOMMAND] [options]"  # after the subcommands took their prog
     return p
 
 

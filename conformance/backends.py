@@ -363,6 +363,8 @@ def load(name: str) -> Backend:
     """A spec backend by name (``"numpy"``, ``"jax"``, ``"torch"``) or a user module by path."""
     if name in _FACTORIES:
         return get(name)
+    if name not in _CACHE and plugins.file_path_hint(name):  # before a worker starts
+        raise UsageError(plugins.file_path_hint(name))
     if name not in _CACHE:
         _CACHE[name] = from_module(name)
     return _CACHE[name]

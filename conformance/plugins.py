@@ -23,6 +23,7 @@ import traceback
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import Any
 
 import numpy as np
@@ -62,9 +63,33 @@ class Contract:
         return tuple(n for n in OPTIONAL if n not in self.provided)
 
 
+def file_path_hint(path: str) -> str:
+    """"" for a dotted module name; for a file path given instead (``myattn.py``,
+    ``sub/myattn.py``, ``./myattn``, ``/abs/myattn.py``) one line naming the dotted name to give
+    and the folder to run from. A name ending in ``.py`` is always taken for a file (a module
+    called ``py`` inside a package ``myattn`` cannot be checked by that name)."""
+    if not (path.endswith(".py") or "/" in path or "\\" in path):
+        return ""
+    file = PurePosixPath(path.replace("\\", "/"))
+    stem = file.with_suffix("") if file.suffix == ".py" else file
+    parts = [p for p in stem.parts if p not in (".", "/")]
+    fix = "drop '.py'" if len(parts) == 1 else "a dotted module name, not a file path"
+    if file.is_absolute() or ".." in parts or not all(p.isidentifier() for p in parts):
+        folder = str(file.parent)
+        return (f"--backend {path!r}: a module name, not a file path: --backend {stem.name}, "
+                f"run from {folder} (or with PYTHONPATH={folder})")
+    where = f"{parts[0]}/" if len(parts) > 1 else f"{parts[0]}.py"
+    return (f"--backend {path!r}: {fix}: --backend {'.'.join(parts)} (run from the folder "
+            f"that holds {where})")
+
+
 def import_plugin(path: str) -> types.ModuleType:
     """``importlib.import_module(path)``: a missing module is a one-line ``UsageError``; an
-    import that fails inside the module is a ``PluginImportError`` with its traceback."""
+    import that fails inside the module is a ``PluginImportError`` with its traceback; a file
+    path instead of a module name is a ``UsageError`` naming the module name
+    (``file_path_hint``)."""
+    if file_path_hint(path):
+        raise UsageError(file_path_hint(path))
     try:
         return importlib.import_module(path)
     except ModuleNotFoundError as exc:
@@ -205,4 +230,4 @@ def features(arrays: dict[str, Any], options: dict[str, Any], dtype: str,
 
 
 __all__ = ["LAYOUTS", "OPTIONAL", "REQUIRED", "Contract", "PluginImportError",
-           "call_features", "contract_of", "features", "import_plugin", "view"]
+           "call_features", "contract_of", "features", "file_path_hint", "import_plugin", "view"]

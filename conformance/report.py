@@ -1,4 +1,4 @@
-"""What a user sees: the compact table, failure explanations, JSON, Markdown and plots.
+"""The full report (``--verbose``), failure explanations, JSON, Markdown (plots: ``plots``).
 
 Cells read ``ok 0.31`` (passed; worst error is 0.31 of the tolerance), ``FAIL 2e+03``,
 ``known: top-left (0.12)`` (a peer's difference of ``spec.KNOWN_DIFFERENCES``, verified: the peer
@@ -8,11 +8,17 @@ the closest alternative), ``n/a`` (the column cannot express the case), ``error`
 implementation raised), ``unsupported`` or ``not provided`` (a checked module's contract,
 ``plugins``); ``legend`` says so under the table. The focused report of a checked module is
 ``verdict``'s. Only spec/user backends decide the exit code; peers are context. The report only
-reads ``results.RunResult``.
+reads ``results.RunResult`` (and, for ``missing_section``, which packages are installed now).
+
+``text(result, width)`` is the full report, ``--verbose``'s: every cell's text in a table of
+``case dtype`` rows (columns that do not fit ``width`` continue in another panel, ``panels``),
+every failing step, each peer's known differences with their reasons; every line but a
+runnable reproducer fits ``width`` (``fit``). The default terminal report is ``terminal``'s.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import textwrap
@@ -21,9 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from . import spec
+from . import peers, spec, usage
 from .compare import StepResult
+from .plots import write_plots  # noqa: F401 - report.write_plots, as it always was
 from .results import NOT_CHECKED, Cell, RunResult
+from .textwidth import fit, fit_code, fit_command, panels
 
 CELL_WIDTH = 22  # "known: top-left (0.12)" in full
 
@@ -62,24 +70,28 @@ def _grid(result: RunResult) -> dict[tuple[str, str, str], Cell]:
     return {(c.case, c.dtype, c.column): c for c in result.cells}
 
 
-def table(result: RunResult) -> str:
-    """Rows: case × dtype; columns: backends and peers."""
+def table(result: RunResult, width: int | None = None) -> str:
+    """Rows: case × dtype; columns: backends and peers, in panels that fit ``width`` (None:
+    one panel, as wide as it takes)."""
     grid = _grid(result)
     names = [c.name for c in result.columns]
     label_width = max([len(f"{c} {d}") for c, d in result.rows] + [10])
     widths = [max(CELL_WIDTH, len(n)) for n in names]
-    head = "case".ljust(label_width) + " " + " ".join(
-        n.ljust(w) for n, w in zip(names, widths, strict=True))
-    lines = [head, "-" * len(head)]
-    for case, dtype in result.rows:
-        cells = [cell_text(grid[(case, dtype, n)], w) if (case, dtype, n) in grid else ""
-                 for n, w in zip(names, widths, strict=True)]
-        lines.append(f"{case} {dtype}".ljust(label_width) + " "
-                     + " ".join(t.ljust(w) for t, w in zip(cells, widths, strict=True)).rstrip())
-    return "\n".join(lines)
+    blocks = []
+    for panel in panels(label_width, widths, width):
+        head = ("case".ljust(label_width) + " " + " ".join(
+            names[i].ljust(widths[i]) for i in panel)).rstrip()
+        lines = [head, "-" * len(head)]
+        for case, dtype in result.rows:
+            lines.append((f"{case} {dtype}".ljust(label_width) + " " + " ".join(
+                (cell_text(grid[(case, dtype, names[i])], widths[i])
+                 if (case, dtype, names[i]) in grid else "").ljust(widths[i])
+                for i in panel)).rstrip())
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
 
 
-def legend() -> str:
+def legend(width: int = 100) -> str:
     """What the number after ``ok``/``FAIL`` means, with the tolerance formula."""
     return textwrap.fill(
         "legend: ok/FAIL r: r = worst |actual - expected| / bound over the cell's steps (r <= 1 "
@@ -92,7 +104,7 @@ def legend() -> str:
         "alternative ('-': no entry covers the cell); n/a: "
         "the column cannot express the case; unsupported: a checked module declares a feature "
         "of the case unsupported (or raised NotImplementedError); not provided: it defines none "
-        "of the cell's functions.", width=100, subsequent_indent="  ")
+        "of the cell's functions.", width=width, subsequent_indent="  ")
 
 
 def _fmt_value(x: float | None) -> str:
@@ -118,25 +130,29 @@ def explain_step(cell: Cell, step: StepResult) -> str:
     return "\n".join(lines)
 
 
-def failures(result: RunResult, *, include_peers: bool = True) -> str:
-    """Every failing cell, step by step, with the command that reruns it."""
-    out = []
-    for cell in result.cells:
-        if cell.status not in ("FAIL", "error", "timeout", "unexpected"):
-            continue
-        if not cell.spec_backend and not include_peers:
-            continue
-        tag = "FAIL" if cell.spec_backend else "peer differs (unexpected, not counted)"
-        out.append(f"{tag}: {cell.column} · {cell.case} · {cell.dtype}")
-        if cell.status == "unexpected":
-            out.append(f"  {cell.detail}")
-        if cell.status in ("error", "timeout") and not cell.steps:
-            out.append(f"  {cell.status}: {cell.detail}")
-        for step in cell.steps:
-            if step.error or not step.passed:
-                out.append("  " + explain_step(cell, step).replace("\n", "\n  "))
-        out.append(f"  rerun: {cell.rerun}")
-    return "\n".join(out)
+#: The statuses ``failures`` explains: a spec/user backend's failures, a peer's "unexpected".
+FAILING = ("FAIL", "error", "timeout", "unexpected")
+
+
+def failure_text(cell: Cell, width: int | None = None) -> str:
+    """One failing cell (a status of ``FAILING``), step by step, with its rerun command (to
+    fit ``width``, broken with ``\\``)."""
+    tag = "FAIL" if cell.spec_backend else "peer differs (unexpected, not counted)"
+    out = [f"{tag}: {cell.column} · {cell.case} · {cell.dtype}"]
+    if cell.status == "unexpected":
+        out.append(f"  {cell.detail}")
+    if cell.status in ("error", "timeout") and not cell.steps:
+        out.append(f"  {cell.status}: {cell.detail}")
+    for step in cell.steps:
+        if step.error or not step.passed:
+            out.append("  " + explain_step(cell, step).replace("\n", "\n  "))
+    return "\n".join([fit("\n".join(out), width), fit_command(f"  rerun: {cell.rerun}", width)])
+
+
+def failures(result: RunResult, *, include_peers: bool = True, width: int | None = None) -> str:
+    """Every failing cell, step by step, with the command that reruns it (``failure_text``)."""
+    return "\n".join(failure_text(c, width) for c in result.cells if c.status in FAILING
+                     and (c.spec_backend or include_peers))
 
 
 def known_section(result: RunResult) -> str:
@@ -166,11 +182,11 @@ def errors_section(result: RunResult) -> str:
     if not result.errors:
         return ""
     bad = [e for e in result.errors if not e.passed]
-    backends = sorted({e.backend for e in result.errors})
+    names = sorted({e.backend for e in result.errors})
     cases = sorted({e.case for e in result.errors})
     lines = [f"errors: {len(result.errors) - len(bad)}/{len(result.errors)} bad inputs raise the "
              f"spec's exception naming the argument ({len(cases)} cases × "
-             f"{', '.join(backends)})"]
+             f"{', '.join(names)})"]
     for e in bad:
         lines.append(f"  FAIL errors · {e.backend} · {e.case}: {e.problem}"
                      + (f" (message: {e.message[:160]!r})" if e.message else ""))
@@ -205,46 +221,105 @@ def peer_counts(cells: list[Cell]) -> dict[str, int]:
             + statuses.count("error")}
 
 
+def summary_parts(result: RunResult) -> dict[str, str]:
+    """The parts of the summary line, by name: ``cells``, ``not_checked``, ``bad_inputs``,
+    ``peers``, ``properties``, ``seconds`` (only those the run has)."""
+    spec_cells = [c for c in result.cells if c.spec_backend]
+    peer_cells = [c for c in result.cells if not c.spec_backend]
+    checked = [c for c in spec_cells if c.status not in NOT_CHECKED]
+    parts = {"cells": f"{sum(c.status == 'ok' for c in checked)}/{len(checked)} backend cells "
+                      f"pass"}
+    if len(checked) < len(spec_cells):
+        parts["not_checked"] = (f"{len(spec_cells) - len(checked)} not checked (unsupported or "
+                                f"not provided)")
+    bad_inputs = [e for e in result.errors if e.spec_backend]
+    if bad_inputs:
+        parts["bad_inputs"] = (f"{sum(e.passed for e in bad_inputs)}/{len(bad_inputs)} bad "
+                               f"inputs raise the spec's error")
+    if peer_cells:
+        counts = peer_counts(peer_cells)
+        parts["peers"] = (f"peers: {counts['ok']} ok, {counts['known']} known, {counts['n/a']} "
+                          f"n/a, {counts['unexpected']} unexpected")
+    if result.properties is not None:
+        parts["properties"] = result.properties.summary()
+    parts["seconds"] = f"{result.seconds:.1f} s"
+    return parts
+
+
 def summary(result: RunResult) -> str:
     """The last line: counts (backend cells, bad inputs, property examples), missing backends,
     verdict."""
-    spec_cells = [c for c in result.cells if c.spec_backend]
-    peer_cells = [c for c in result.cells if not c.spec_backend]
-
-    def count(cells: list[Cell], status: str) -> int:
-        return sum(c.status == status for c in cells)
-
-    checked = [c for c in spec_cells if c.status not in NOT_CHECKED]
-    parts = [f"{count(checked, 'ok')}/{len(checked)} backend cells pass"]
-    if len(checked) < len(spec_cells):
-        parts.append(f"{len(spec_cells) - len(checked)} not checked (unsupported or not "
-                     f"provided)")
-    bad_inputs = [e for e in result.errors if e.spec_backend]
-    if bad_inputs:
-        parts.append(f"{sum(e.passed for e in bad_inputs)}/{len(bad_inputs)} bad inputs raise "
-                     f"the spec's error")
-    if peer_cells:
-        counts = peer_counts(peer_cells)
-        parts.append(f"peers: {counts['ok']} ok, {counts['known']} known, {counts['n/a']} n/a, "
-                     f"{counts['unexpected']} unexpected")
-    if result.properties is not None:
-        parts.append(result.properties.summary())
-    parts.append(f"{result.seconds:.1f} s")
-    verdict = "PASS" if result.ok else "FAIL"
-    return f"{verdict}: " + "; ".join(parts)
+    return ("PASS" if result.ok else "FAIL") + ": " + "; ".join(summary_parts(result).values())
 
 
-def missing_section(result: RunResult) -> str:
-    """Which backends/peers were not installed, and how to install them."""
-    return "\n".join(f"missing: {name} (install: {how})" for name, how in result.missing.items())
+def summary_lines(result: RunResult, width: int | None) -> str:
+    """``summary`` to fit ``width``: when it does not, the last line keeps the verdict, the
+    backend cells, the bad inputs and the time, and the other parts (peers, property
+    examples, cells not checked) come on the line(s) above it."""
+    line = summary(result)
+    if width is None or len(line) <= width:
+        return line
+    parts = summary_parts(result)
+    last = ("PASS" if result.ok else "FAIL") + ": " + "; ".join(
+        parts[k] for k in ("cells", "bad_inputs", "seconds") if k in parts)
+    above = "; ".join(v for k, v in parts.items() if k not in ("cells", "bad_inputs", "seconds"))
+    return fit(above, width) + "\n" + fit(last, width)
 
 
-def text(result: RunResult) -> str:
-    """The whole terminal report."""
-    parts = [table(result), legend()] if result.cells else []
-    for section in (failures(result), known_section(result), errors_section(result),
-                    result.properties.text() if result.properties is not None else "",
-                    missing_section(result), summary(result)):
+def _packages(name: str) -> tuple[str, ...]:
+    """The packages a missing column needs: a peer's, or the framework a spec backend or tool
+    (``hypothesis``) is named after."""
+    peer = next((p for p in peers.PEERS if p.name == name), None)
+    if peer is not None:
+        return (peer.framework, *peer.requires)
+    return (name,) if name in usage.INSTALL else ()
+
+
+def missing_section(result: RunResult, width: int | None = None) -> str:
+    """What was not installed, one line per missing package: what it would add (columns, the
+    property checks) and its one install command (``usage.INSTALL``), for the packages that
+    are missing now (a column whose other packages are installed names only the missing ones);
+    then the command that installs everything. A column whose packages are all found keeps
+    its own hint."""
+    needs: dict[str, list[str]] = {}
+    hints: dict[str, str] = {}
+    other = []
+    for name, how in result.missing.items():
+        absent = [p for p in _packages(name) if importlib.util.find_spec(p) is None]
+        for package in absent:
+            needs.setdefault(package, []).append(name)
+            hints.setdefault(package, usage.INSTALL.get(package, how))
+        if not absent:
+            other.append(f"missing: {name} (install: {how})")
+    lines = [f"missing: {package} (" + ("the property checks" if names == ["hypothesis"]
+                                        else ", ".join(names)) + f"); install: {hints[package]}"
+             for package, names in needs.items()]
+    if lines:
+        lines.append("everything at once, from a clone: pip install -r requirements.txt")
+    return fit("\n".join(other + lines), width)
+
+
+def properties_text(result: RunResult, width: int | None = None) -> str:
+    """The property checks: one line per backend, each failure with its minimal reproducer
+    (``results.PropertyResult.text``), the lines fitted to ``width`` but the code kept."""
+    if result.properties is None:
+        return ""
+    lines = []
+    for b in result.properties.backends:
+        lines.append(fit(b.line(), width))
+        if b.failure:
+            lines.append(fit(f"FAIL hypothesis · {b.backend}: {b.failure}", width))
+            lines.append(f"  minimal reproducer (runnable):\n\n{fit_code(b.reproducer, width)}\n")
+    return "\n".join(lines)
+
+
+def text(result: RunResult, width: int | None = None) -> str:
+    """The whole report, every cell and failing step (``--verbose``); ``width``: each line but
+    runnable code fits it (None: as wide as it takes)."""
+    parts = [table(result, width), legend(width or 100)] if result.cells else []
+    for section in (failures(result, width=width), fit(known_section(result), width),
+                    fit(errors_section(result), width), properties_text(result, width),
+                    missing_section(result, width), summary_lines(result, width)):
         if section:
             parts.append(section)
     return "\n\n".join(parts)
@@ -323,58 +398,3 @@ def write_markdown(result: RunResult, path: str | Path) -> None:
         if body:
             lines += ["", f"## {title}", "", "```", body, "```"]
     Path(path).write_text("\n".join(lines) + "\n")
-
-
-def write_plots(result: RunResult, directory: str | Path) -> list[Path]:
-    """``--plot DIR``: attention-weight heatmaps per case, error-vs-dtype per backend."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    order = ["float64", "float32", "bfloat16", "float16"]
-    best: dict[str, Any] = {}
-    for (case, dtype), exp in result.expectations.items():
-        if "output_weights" in exp.values and (
-                case not in best or order.index(dtype) < order.index(best[case].dtype)):
-            best[case] = exp
-    for case, exp in best.items():
-        w = exp.values["output_weights"]
-        w2 = w.reshape((-1,) + w.shape[-2:])[0]  # first batch and head
-        fig, ax = plt.subplots(figsize=(4, 3.4))
-        im = ax.imshow(w2, vmin=0, vmax=1, cmap="viridis")
-        ax.set_title(f"{case}\nweights, first batch/head", fontsize=9)
-        ax.set_xlabel("key")
-        ax.set_ylabel("query")
-        fig.colorbar(im, ax=ax)
-        fig.tight_layout()
-        path = out / f"weights_{case}.png"
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        written.append(path)
-    dtypes = sorted({c.dtype for c in result.cells}, key=order.index)
-    for col in result.columns:
-        fig, ax = plt.subplots(figsize=(5, 3.4))
-        for step in ("scores", "masked_scores", "weights", "output", "output_weights"):
-            ys = []
-            for d in dtypes:
-                vals = [s.ratio for c in result.cells if c.column == col.name and c.dtype == d
-                        for s in c.steps if s.step == step and not s.error
-                        and math.isfinite(s.ratio)]
-                ys.append(max(vals) if vals else np.nan)
-            if not all(np.isnan(ys)):
-                ax.plot(dtypes, np.maximum(ys, 1e-6), marker="o", label=step)
-        ax.axhline(1.0, color="red", linestyle="--", linewidth=1, label="tolerance")
-        ax.set_yscale("log")
-        ax.set_ylabel("worst error / tolerance")
-        ax.set_title(f"{col.name}: error vs dtype (all cases)", fontsize=9)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out / f"errors_{col.name.replace('/', '_')}.png"
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        written.append(path)
-    return written

@@ -170,24 +170,26 @@ def run_peer_cell(peer: peers_mod.Peer, exp: Expected) -> Cell:
 
 
 class Progress:
-    """A one-line progress indicator on stderr, only when stderr is a terminal."""
+    """A tqdm bar on stderr while cells run, only on a terminal (silent when piped)."""
 
     def __init__(self, total: int, enabled: bool | None = None) -> None:
-        self.total, self.done = total, 0
         self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self._bar = None
+        if self.enabled and total and importlib.util.find_spec("tqdm") is not None:
+            from tqdm import tqdm
+            self._bar = tqdm(total=total, file=sys.stderr, leave=False, dynamic_ncols=True,
+                             bar_format="{n_fmt}/{total_fmt} cells {bar} {elapsed}{postfix}")
 
     def tick(self, text: str) -> None:
-        """Advance by one and show ``text``."""
-        self.done += 1
-        if self.enabled:
-            sys.stderr.write(f"\r\x1b[K[{self.done:4d}/{self.total}] {text}")
-            sys.stderr.flush()
+        """One cell more, named ``text``."""
+        if self._bar is not None:
+            self._bar.set_postfix_str(text, refresh=False)
+            self._bar.update(1)
 
     def close(self) -> None:
-        """Clear the line."""
-        if self.enabled:
-            sys.stderr.write("\r\x1b[K")
-            sys.stderr.flush()
+        """Clear the bar."""
+        if self._bar is not None:
+            self._bar.close()
 
 
 def release(columns: list[Column]) -> None:

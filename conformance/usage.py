@@ -33,9 +33,14 @@ def at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-#: How to install the framework of each spec backend (numpy_attn needs only NumPy).
+#: How to install each optional package the harness uses, one command per package: the
+#: frameworks of the spec backends (numpy_attn needs only NumPy) and of the peers, and the tools.
+#: torch is the version requirements.txt pins; the others take the newest release.
 INSTALL = {"jax": "pip install jax",
-           "torch": "pip install torch==2.13.0"}
+           "torch": "pip install torch==2.13.0",
+           **{name: f"pip install {name}" for name in (
+               "keras", "flax", "transformers", "onnx", "onnxruntime", "hypothesis",
+               "matplotlib", "numpy", "ml_dtypes")}}
 
 
 def require_frameworks(names: list[str] | tuple[str, ...], what: str, hint: str = "") -> None:

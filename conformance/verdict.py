@@ -28,7 +28,9 @@ are rerun; after ``LAYOUT_GIVE_UP`` cases that fail transposed too, with none pa
 column is left. A rerun costs what the cell cost: the reruns stay a fraction of the run.
 
 ``--verbose`` prints ``report.text`` (every cell, every failure) followed by item 4. A run
-without a checked module prints ``report.text`` unchanged.
+without a checked module prints ``terminal.text`` (``--verbose``: ``report.text``). Every line
+fits ``width`` (``--width``; 100 by default), but a runnable reproducer's code: a long line is
+wrapped at spaces (``textwidth.fit``), the table's columns continue in panels.
 """
 
 from __future__ import annotations
@@ -36,12 +38,13 @@ from __future__ import annotations
 import dataclasses
 import textwrap
 
-from . import plugins, report, spec
+from . import plugins, report, spec, terminal
 from .backends import Backend
 from .diagnose import short, split
 from .results import NOT_CHECKED, Cell, Column, RunResult
 from .runner import run_cell
 from .shrink import reproducer, shape_text, shrink
+from .textwidth import DEFAULT_WIDTH, fit, fit_code, fit_command, panels
 
 #: At most this many groups of failures are explained; the rest are counted.
 MAX_GROUPS = 6
@@ -172,8 +175,10 @@ def _dtypes_text(cells: list[Cell], all_dtypes: list[str]) -> str:
     return "every dtype" if dtypes == all_dtypes else ", ".join(dtypes)
 
 
-def explain_group(result: RunResult, number: int, cells: list[Cell], reason: str) -> str:
-    """One group of failures: features, cases, first failure, smallest case, rerun."""
+def explain_group(result: RunResult, number: int, cells: list[Cell], reason: str,
+                  width: int = DEFAULT_WIDTH) -> str:
+    """One group of failures: features, cases, first failure, smallest case, rerun; each line
+    within ``width`` but the smallest case's code."""
     col = next(c for c in result.columns if c.name == cells[0].column)
     cell = _representative(cells)
     cases = list(dict.fromkeys(c.case for c in cells))
@@ -197,24 +202,24 @@ def explain_group(result: RunResult, number: int, cells: list[Cell], reason: str
         used |= {cell.dtype}
     label = ", ".join(f for f in spec.PLUGIN_FEATURES if f in used) or "every input"
     label = "layout" if wrong_layout else label
-    lines = [f"{number}. {label} · {col.name}: {len(cases)} case(s) fail "
-             f"({_dtypes_text(cells, all_dtypes)}): {', '.join(cases)}"]
+    lines = [fit(f"{number}. {label} · {col.name}: {len(cases)} case(s) fail "
+                 f"({_dtypes_text(cells, all_dtypes)}): {', '.join(cases)}", width)]
     if cell.reasons or wrong_layout:
-        lines += textwrap.wrap(f"why: {reason}", 96, initial_indent="   ",
+        lines += textwrap.wrap(f"why: {reason}", width - 4, initial_indent="   ",
                                subsequent_indent="     ")
     if cell.status == "error" and not cell.steps:
-        lines.append(f"   error: {cell.detail}")
+        lines.append(fit(f"   error: {cell.detail}", width))
     if failing:
         first = report.explain_step(cell, failing[0]).split("\n    why:")[0]
-        lines.append("   first failure: " + first.replace("\n", "\n   "))
+        lines.append(fit("   first failure: " + first.replace("\n", "\n   "), width))
     if small is not None and failing:
         where = f"{shape_text(small)}; {small.dtype}"
         opts = {k: v for k, v in small.data.options.items()}
-        lines.append(f"   smallest failing case ({failing[0].step}; {where}"
-                     + (f"; {opts}" if opts else "") + "), runnable:")
+        lines.append(fit(f"   smallest failing case ({failing[0].step}; {where}"
+                         + (f"; {opts}" if opts else "") + "), runnable:", width))
         code = reproducer(col.backend, small, failing[0].step, short(reason))
-        lines.append(textwrap.indent(code, "     "))
-    lines.append(f"   rerun: {cell.rerun}")
+        lines.append(textwrap.indent(fit_code(code, width - 5), "     "))
+    lines.append(fit_command(f"   rerun: {cell.rerun}", width))
     return "\n".join(lines)
 
 
@@ -248,9 +253,10 @@ def _summary_cell(cells: list[Cell]) -> str:
     return ", ".join(parts)
 
 
-def table(result: RunResult) -> str:
+def table(result: RunResult, width: int = DEFAULT_WIDTH) -> str:
     """One row per case, one column per backend or peer, each cell over the run's dtypes;
-    rows whose every cell is "not provided" are left out (the contract lines list them)."""
+    rows whose every cell is "not provided" are left out (the contract lines list them); the
+    columns that do not fit ``width`` continue in another panel."""
     names = [c.name for c in result.columns]
     by: dict[tuple[str, str], list[Cell]] = {}
     for cell in result.cells:
@@ -258,24 +264,27 @@ def table(result: RunResult) -> str:
     cases = list(dict.fromkeys(case for case, _ in result.rows))
     shown = [case for case in cases
              if any(c.status != "not provided" for n in names for c in by.get((case, n), []))]
-    label = max([len(c) for c in shown] + [4])
-    widths = [max(22, len(n)) for n in names]
-    head = "case".ljust(label) + "  " + "  ".join(n.ljust(w) for n, w in zip(names, widths,
-                                                                             strict=True))
-    lines = [head.rstrip(), "-" * len(head.rstrip())]
-    for case in shown:
-        texts = [_summary_cell(by.get((case, n), [])) for n in names]
-        lines.append((case.ljust(label) + "  " + "  ".join(
-            t.ljust(w) for t, w in zip(texts, widths, strict=True))).rstrip())
+    label = min(max([len(c) for c in shown] + [4]), max(width - 24, 8))
+    widths = [min(max(22, len(n)), width - label - 2) for n in names]
+    lines: list[str] = []
+    for panel in panels(label, widths, width, gap=2):
+        head = ("case".ljust(label) + "  " + "  ".join(
+            names[i][:widths[i]].ljust(widths[i]) for i in panel)).rstrip()
+        lines += ([""] if lines else []) + [head, "-" * len(head)]
+        for case in shown:
+            texts = [_summary_cell(by.get((case, names[i]), []))[:widths[i]] for i in panel]
+            lines.append((case[:label].ljust(label) + "  " + "  ".join(
+                t.ljust(widths[i]) for t, i in zip(texts, panel, strict=True))).rstrip())
     dtypes = ", ".join(dict.fromkeys(d for _, d in result.rows))
     lines += textwrap.wrap(f"each cell over {dtypes}: ok r: r = worst error / tolerance (at "
                            f"most 1 passes); FAIL f16: fails in float16; unsup.: unsupported; "
-                           f"--verbose: every cell", 100)
+                           f"--verbose: every cell", width)
     return "\n".join(lines)
 
 
-def contract_section(result: RunResult) -> str:
-    """Per checked module: features checked, unsupported, not provided."""
+def contract_section(result: RunResult, width: int = DEFAULT_WIDTH) -> str:
+    """Per checked module: features checked, unsupported, not provided (lines within
+    ``width``)."""
     lines = []
     for col in checked_columns(result):
         contract = col.backend.contract
@@ -293,7 +302,8 @@ def contract_section(result: RunResult) -> str:
         lines.append(f"{col.name} (layout {contract.layout}):")
         lines += textwrap.wrap(
             "features checked: " + (", ".join(f for f in spec.PLUGIN_FEATURES if f in checked)
-                                    or "none"), 98, initial_indent="  ", subsequent_indent="    ")
+                                    or "none"), width - 2, initial_indent="  ",
+            subsequent_indent="    ")
         lines.append("  declared unsupported: " + (", ".join(
             f for f in spec.PLUGIN_FEATURES if f in contract.unsupported) or "none"))
         if raised:
@@ -303,9 +313,9 @@ def contract_section(result: RunResult) -> str:
             what = (f"; not run: {len(steps)} step(s) ({', '.join(steps)})" if steps else "")
             what += f" and {len(skipped)} case(s) ({', '.join(skipped)})" if skipped else ""
             lines += textwrap.wrap("not provided (optional): "
-                                   + ", ".join(contract.not_provided) + what, 98,
+                                   + ", ".join(contract.not_provided) + what, width - 2,
                                    initial_indent="  ", subsequent_indent="    ")
-    return "\n".join(lines)
+    return fit("\n".join(lines), width)
 
 
 def headline(result: RunResult, found: dict[tuple[str, str, str], list[Cell]]) -> str:
@@ -326,31 +336,32 @@ def headline(result: RunResult, found: dict[tuple[str, str, str], list[Cell]]) -
     return f"FAIL: {names}: " + "; ".join(bugs or ["see below"])
 
 
-def text(result: RunResult, verbose: bool = False) -> str:
-    """The report of ``result``: focused when it checks a module, ``report.text`` otherwise."""
+def text(result: RunResult, verbose: bool = False, width: int = DEFAULT_WIDTH) -> str:
+    """The report of ``result``: focused when it checks a module, ``terminal.text`` otherwise
+    (``verbose``: ``report.text``); each line within ``width`` but runnable code."""
     if not checked_columns(result):
-        return report.text(result)
-    contract = contract_section(result)
+        return report.text(result, width) if verbose else terminal.text(result, width)
+    contract = contract_section(result, width)
     if verbose:
-        full = report.text(result).rsplit("\n\n", 1)
-        return "\n\n".join([full[0], contract, *result.notes, full[-1]])
+        full = report.text(result, width).rsplit("\n\n", 1)
+        return "\n\n".join([full[0], contract, *(fit(n, width) for n in result.notes), full[-1]])
     found = groups(result, layout_symptoms(result))
-    parts = [headline(result, found)]
+    parts = [fit(headline(result, found), width)]
     for i, (key, cells) in enumerate(list(found.items())[:MAX_GROUPS], 1):
-        parts.append(explain_group(result, i, cells, key[2]))
+        parts.append(explain_group(result, i, cells, key[2], width))
     if len(found) > MAX_GROUPS:
-        parts.append(f"… and {len(found) - MAX_GROUPS} more group(s) of failures: --verbose "
-                     f"shows every cell")
+        parts.append(fit(f"… and {len(found) - MAX_GROUPS} more group(s) of failures: --verbose "
+                         f"shows every cell", width))
     if result.cells:
-        parts.append(table(result))
-    props = result.properties.text() if result.properties is not None else ""
+        parts.append(table(result, width))
+    props = report.properties_text(result, width)
     if found and props:  # the groups above explain the bug: the property failure in one line
-        props = "\n".join(line for line in props.splitlines() if line.startswith("hypothesis"))
+        props = "\n".join(fit(b.line(), width) for b in result.properties.backends)
         if not result.properties.passed:
             props += "\n  (--verbose: its minimal reproducer)"
-    for section in (contract, "\n".join([report.errors_section(result), *result.notes]).strip(),
-                    props,
-                    report.missing_section(result), report.summary(result)):
+    errors = "\n".join([report.errors_section(result), *result.notes]).strip()
+    for section in (contract, fit(errors, width), props, report.missing_section(result, width),
+                    report.summary_lines(result, width)):
         if section:
             parts.append(section)
     return "\n\n".join(parts)

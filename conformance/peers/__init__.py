@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..expected import Expected
-from ..usage import UsageError
+from ..usage import INSTALL, UsageError
 from . import flax_nnx, jax_nn, keras_ops, onnx_attention, torch_nn, transformers_attention
 
 
@@ -69,25 +69,28 @@ class Peer:
                    for name in (self.framework, *self.requires))
 
 
-_TORCH = "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
-_PEERS_EXTRA = "pip install -e '.[peers]'"
+def install_command(*packages: str) -> str:
+    """One ``pip install`` of ``packages``, each as ``usage.INSTALL`` gives it (the one command
+    per package the report's missing lines use too)."""
+    return "pip install " + " ".join(INSTALL[p].removeprefix("pip install ") for p in packages)
+
 
 PEERS: tuple[Peer, ...] = (
-    Peer("torch.sdpa", "torch", _TORCH, torch_nn.torch_sdpa),
-    Peer("torch.MHA", "torch", _TORCH, torch_nn.torch_mha),
-    Peer("torch.MHA[sdpa]", "torch", _TORCH, torch_nn.torch_mha_sdpa),
-    Peer("jax.nn", "jax", "pip install jax", jax_nn.jax_nn),
-    Peer("keras[numpy]", "keras", _PEERS_EXTRA, keras_ops.keras_numpy),
-    Peer("keras[jax]", "keras", f"{_PEERS_EXTRA} jax", keras_ops.keras_jax, ("jax",)),
-    Peer("keras[torch]", "keras", f"{_PEERS_EXTRA} and {_TORCH}", keras_ops.keras_torch,
+    Peer("torch.sdpa", "torch", install_command("torch"), torch_nn.torch_sdpa),
+    Peer("torch.MHA", "torch", install_command("torch"), torch_nn.torch_mha),
+    Peer("torch.MHA[sdpa]", "torch", install_command("torch"), torch_nn.torch_mha_sdpa),
+    Peer("jax.nn", "jax", install_command("jax"), jax_nn.jax_nn),
+    Peer("keras[numpy]", "keras", install_command("keras"), keras_ops.keras_numpy),
+    Peer("keras[jax]", "keras", install_command("keras", "jax"), keras_ops.keras_jax, ("jax",)),
+    Peer("keras[torch]", "keras", install_command("keras", "torch"), keras_ops.keras_torch,
          ("torch",)),
-    Peer("flax.nnx", "flax", _PEERS_EXTRA, flax_nnx.flax_nnx, ("jax",)),
-    Peer("transformers.eager", "transformers", f"{_PEERS_EXTRA} and {_TORCH}",
+    Peer("flax.nnx", "flax", install_command("flax", "jax"), flax_nnx.flax_nnx, ("jax",)),
+    Peer("transformers.eager", "transformers", install_command("transformers", "torch"),
          transformers_attention.transformers_eager, ("torch",)),
-    Peer("transformers.sdpa", "transformers", f"{_PEERS_EXTRA} and {_TORCH}",
+    Peer("transformers.sdpa", "transformers", install_command("transformers", "torch"),
          transformers_attention.transformers_sdpa, ("torch",)),
-    Peer("onnxruntime", "onnxruntime", _PEERS_EXTRA, onnx_attention.onnxruntime_attention,
-         ("onnx",)),
+    Peer("onnxruntime", "onnxruntime", install_command("onnxruntime", "onnx"),
+         onnx_attention.onnxruntime_attention, ("onnx",)),
 )
 
 

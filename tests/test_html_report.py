@@ -1,0 +1,265 @@
+"""The HTML report (``conformance/html``), opened in a real headless browser.
+
+One cheap real run — numpy, ``examples.wrong_attention``, a module whose every call raises a
+message made of markup, and the peer ``torch.sdpa``; four cases in float32 and float16 — has
+ok, FAIL, error, known and n/a cells. Its page is loaded from the file in Chromium, driven by
+Playwright (``executable_path``: the system's Chromium; no browser is downloaded). The tests
+skip, saying why, without Playwright or a Chromium — and fail instead where
+``CONFORMANCE_REQUIRE_BROWSER`` is set, as CI (``.ci/run``) does after installing both. A
+screenshot of the page lands in ``artifacts/`` (ignored by git; CI keeps it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conformance import backends, runner, spec
+from conformance.__main__ import main
+from conformance.html import page, pictures, write
+from conformance.results import rerun_command
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "artifacts"
+#: A plugin's error message is untrusted input: markup that would run if it reached the page.
+PAYLOAD = "</script><script>alert(1)</script><img src=x onerror=alert(2)> &amp; done"
+EVIL = "evil_markup"
+CASES = ["self", "padding", "causal_bottom_right", "softcap"]
+DTYPES = ["float32", "float16"]
+
+
+def _chromium() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def _raises(query, key, value, **options):  # noqa: ANN001, ANN202 - the plugin's signature
+    raise RuntimeError(PAYLOAD)
+
+
+@pytest.fixture(scope="module")
+def result():  # noqa: ANN201
+    pytest.importorskip("torch", reason="the peer column torch.sdpa needs torch")
+    module = types.ModuleType(EVIL)
+    module.scaled_dot_product_attention = _raises
+    backends.register(backends.from_module(module, name=EVIL))
+    try:
+        yield runner.run(["numpy", "examples.wrong_attention", EVIL, "torch.sdpa"], CASES, DTYPES,
+                         hypothesis=0, check_errors=False, progress=False)
+    finally:
+        backends.unregister(EVIL)
+
+
+def _missing(reason: str) -> None:
+    """Skip, or fail where CI requires the browser (``.ci/run`` sets the variable)."""
+    if os.environ.get("CONFORMANCE_REQUIRE_BROWSER"):
+        pytest.fail(f"CONFORMANCE_REQUIRE_BROWSER is set, but {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def browser():  # noqa: ANN201
+    if importlib.util.find_spec("playwright") is None:
+        _missing("the browser test needs Playwright: pip install playwright "
+                 "(requirements-test.txt)")
+    executable = _chromium()
+    if executable is None:
+        _missing("the browser test needs Chromium: apt-get install -y chromium (.ci/run "
+                 "installs it)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=executable)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+class Loaded:
+    """A page opened from a file, with what it logged, requested and popped up."""
+
+    def __init__(self, browser, path: Path) -> None:  # noqa: ANN001
+        self.problems: list[str] = []  # console errors, page errors, dialogs
+        self.requests: list[str] = []
+        self.page = browser.new_page(viewport={"width": 1400, "height": 900})
+        self.page.set_default_timeout(10_000)
+        self.page.on("console", lambda m: m.type == "error" and self.problems.append(m.text))
+        self.page.on("pageerror", lambda e: self.problems.append(f"page error: {e}"))
+        self.page.on("dialog", lambda d: (self.problems.append(f"dialog: {d.message}"),
+                                          d.dismiss()))
+        self.page.on("request", lambda r: self.requests.append(r.url))
+        self.page.goto(path.as_uri())
+
+    def visible(self) -> int:
+        """How many grid cells a reader sees."""
+        return self.page.evaluate("""[...document.querySelectorAll('#grid td.cell')].filter(
+            (e) => e.offsetParent !== null && getComputedStyle(e).visibility !== 'hidden'
+            && getComputedStyle(e.parentElement).display !== 'none').length""")
+
+    def click(self, column: str, case: str, dtype: str) -> str:
+        """Click the cell of (column, case, dtype) by its tooltip; the detail panel's text."""
+        self.page.locator(f'#grid td.cell[title^="{column} · {case} · {dtype}:"]').click()
+        return self.page.locator("#detail").inner_text()
+
+
+@pytest.fixture(scope="module")
+def loaded(result, browser, tmp_path_factory):  # noqa: ANN001, ANN201
+    path = write(result, tmp_path_factory.mktemp("html") / "report.html")
+    loaded = Loaded(browser, path)
+    yield loaded
+    loaded.click("examples.wrong_attention", "padding", "float32")  # a reproducer in the picture
+    ARTIFACTS.mkdir(exist_ok=True)
+    loaded.page.screenshot(path=str(ARTIFACTS / "html_report.png"), full_page=True)
+    loaded.page.close()
+
+
+def _cell(result, column: str, case: str, dtype: str):  # noqa: ANN001, ANN202
+    return next(c for c in result.cells if (c.column, c.case, c.dtype) == (column, case, dtype))
+
+
+def test_the_data_blob_cannot_end_its_script_element() -> None:
+    data = {"message": PAYLOAD, "nested": [{"why": "a <!-- b ]]> c \u2028 d"}]}
+    text = page.blob(data)
+    assert "</" not in text and "<!--" not in text and "]]>" not in text and "\u2028" not in text
+    assert json.loads(text) == data
+
+
+def test_the_assets_are_package_data() -> None:
+    """The page's CSS and JS travel in the wheel (pyproject's package-data lists them)."""
+    tomllib = pytest.importorskip("tomllib", reason="tomllib: Python 3.11+")
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    assert sorted(data["tool"]["setuptools"]["package-data"]["conformance.html"]) == sorted(
+        page.ASSETS)
+    assert all(page.asset(name) for name in page.ASSETS)
+
+
+def test_the_page_loads_without_errors_and_fetches_nothing(result, loaded) -> None:  # noqa: ANN001
+    assert loaded.problems == []
+    # the plugin's markup is shown as text, and no element came from it
+    assert f"RuntimeError: {PAYLOAD}" in loaded.click(EVIL, "self", "float32")
+    assert loaded.page.evaluate("document.scripts.length") == 2
+    assert loaded.page.evaluate("document.querySelectorAll('img[src=\"x\"]').length") == 0
+    assert loaded.problems == []
+    assert loaded.requests == [loaded.page.url]  # the file itself: no CDN, font or server
+
+
+def test_the_grid_has_one_cell_per_result(result, loaded) -> None:  # noqa: ANN001
+    titles = loaded.page.locator("#grid td.cell").evaluate_all("(es) => es.map((e) => e.title)")
+    assert len(titles) == len(result.cells) == 4 * len(CASES) * len(DTYPES)
+    assert {t.split(": ")[0] + ": " + t.split(": ")[1].split(" ")[0] for t in titles} == {
+        f"{c.column} · {c.case} · {c.dtype}: {c.status}" for c in result.cells}
+    assert {c.status for c in result.cells} >= {"ok", "FAIL", "error", "known", "n/a"}
+    assert loaded.visible() == len(result.cells)
+
+
+def test_the_filters_hide_and_show_cells(result, loaded) -> None:  # noqa: ANN001
+    page = loaded.page
+
+    def toggle(kind: str, value: str) -> int:
+        page.locator(f'#filters input[data-filter="{kind}"][value="{value}"]').click()
+        return loaded.visible()
+
+    assert toggle("status", "ok") == sum(c.status != "ok" for c in result.cells)
+    assert toggle("status", "ok") == len(result.cells)
+    column = [c.name for c in result.columns].index("torch.sdpa")
+    assert toggle("column", str(column)) == sum(c.column != "torch.sdpa" for c in result.cells)
+    assert toggle("column", str(column)) == len(result.cells)
+    assert toggle("dtype", str(DTYPES.index("float16"))) == sum(
+        c.dtype != "float16" for c in result.cells)
+    assert toggle("dtype", str(DTYPES.index("float16"))) == len(result.cells)
+    page.locator("#case-filter").fill("PADD")
+    assert loaded.visible() == sum(c.case == "padding" for c in result.cells)
+    page.locator("#only-failing").click()  # and the case filter still holds
+    assert loaded.visible() == sum(c.case == "padding" and c.status in ("FAIL", "error")
+                                   for c in result.cells)
+    page.locator("#reset").click()
+    assert loaded.visible() == len(result.cells)
+    assert page.locator("#shown").inner_text() == f"{len(result.cells)} of {len(result.cells)} " \
+                                                  "cells shown"
+
+
+def test_a_cell_shows_its_steps_against_the_tolerance(result, loaded) -> None:  # noqa: ANN001
+    cell = _cell(result, "numpy", "padding", "float32")
+    loaded.click("numpy", "padding", "float32")
+    rows = loaded.page.locator("#detail table.steps tr:has(td.mono)").evaluate_all(
+        "(rs) => rs.map((r) => [...r.cells].map((c) => c.innerText.trim()))")
+    assert [r[0] for r in rows] == [s.step for s in cell.steps]
+    for row, step in zip(rows, cell.steps, strict=True):
+        assert float(row[1]) == pytest.approx(step.ratio, abs=0.006)  # shown with 2 decimals
+        assert row[2] == str([int(i) for i in step.index])  # where
+        for shown, value in zip(row[3:6], (step.actual, step.expected, step.bound), strict=True):
+            assert float(shown) == pytest.approx(value, rel=1e-3)
+
+
+def test_a_failing_cell_shows_its_reproducer_and_rerun(result, loaded) -> None:  # noqa: ANN001
+    text = loaded.click("examples.wrong_attention", "padding", "float32")
+    assert "mask polarity flipped" in text
+    assert rerun_command("padding", "float32", "examples.wrong_attention") in text
+    code = loaded.page.locator("#detail .reproducer pre").inner_text()
+    assert "attn = backends.load('examples.wrong_attention')" in code
+    assert "mask = np.array(" in code  # the bug needs a mask: the smallest case keeps it
+    namespace: dict = {}
+    exec(compile(code, "reproducer", "exec"), namespace)  # the script runs and shows the bug
+    assert not np.allclose(namespace["actual"], namespace["expected"], equal_nan=True)
+
+
+def test_a_known_cell_shows_its_alternative_and_distance(result, loaded) -> None:  # noqa: ANN001
+    cell = _cell(result, "torch.sdpa", "causal_bottom_right", "float32")
+    assert cell.status == "known"
+    entry = next(e for e in spec.KNOWN_DIFFERENCES["torch.sdpa"] if e["alternative"] == "top_left")
+    text = loaded.click("torch.sdpa", "causal_bottom_right", "float32")
+    distance = loaded.page.locator("#detail .distance").first.inner_text()
+    assert float(distance) == pytest.approx(cell.alternative_ratio, abs=0.006)
+    for part in (entry["differs"], entry["why"], spec.KNOWN_ALTERNATIVES["top_left"]):
+        assert part in text
+    na = _cell(result, "torch.sdpa", "softcap", "float16")
+    assert na.status == "n/a" and na.detail in loaded.click("torch.sdpa", "softcap", "float16")
+
+
+def test_the_pictures_are_embedded_or_the_page_says_why(result, loaded, browser, tmp_path,
+                                                        monkeypatch) -> None:  # noqa: ANN001
+    if importlib.util.find_spec("matplotlib") is not None:
+        loaded.click("numpy", "self", "float32")
+        assert loaded.page.locator("#detail img.picture").get_attribute("src").startswith(
+            "data:image/png;base64,")
+        assert loaded.page.locator("#pictures img").count() == len(result.columns)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    bare = Loaded(browser, write(result, tmp_path / "bare.html"))
+    assert bare.page.locator("#no-pictures").inner_text() == pictures.NO_MATPLOTLIB
+    assert bare.problems == []
+    bare.page.close()
+
+
+def test_html_on_run_and_check(tmp_path, capsys) -> None:  # noqa: ANN001
+    target = tmp_path / "run.html"
+    assert main(["--backend", "numpy", "--case", "self", "--dtype", "float32", "--no-errors",
+                 "--html", str(target)]) == 0
+    text = target.read_text(encoding="utf-8")
+    assert "default-src 'none'" in text and 'id="report-data"' in text
+    assert not re.search(r"(?:src|href)\s*=\s*\"(?!data:)", text)  # nothing fetched from outside
+    assert main(["export", str(tmp_path / "golden"), "--case", "self", "--dtype", "float32"]) == 0
+    checked = tmp_path / "check.html"
+    assert main(["check", str(tmp_path / "golden"), "--backend", "numpy", "--html",
+                 str(checked)]) == 0
+    data = json.loads(re.search(r'id="report-data">(.*?)</script>', checked.read_text(
+        encoding="utf-8"), re.S).group(1))
+    assert [c["name"] for c in data["columns"]] == ["numpy"] and data["ok"] is True
+    capsys.readouterr()
+    missing = tmp_path / "no such folder" / "r.html"
+    assert main(["--backend", "numpy", "--case", "self", "--html", str(missing)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --html ") and "does not exist" in err and "\n" not in err
