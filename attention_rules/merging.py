@@ -37,9 +37,11 @@ class MergeArguments(NamedTuple):
 def check_parts(fn: str, name: str, parts: object) -> int:
     """``parts`` is a list or tuple of at least one array (TypeError / ValueError); its length."""
     if not isinstance(parts, (list, tuple)):
+        shape = getattr(parts, "shape", None)  # a stacked array: its shape, the same everywhere
+        got = f"{name}.shape={tuple(shape)}" if shape is not None else \
+            f"type({name})={type(parts).__name__}"
         raise TypeError(
-            f"{fn}: {name} must be a list or tuple of arrays, one per partial result; "
-            f"got type({name})={type(parts).__name__}"
+            f"{fn}: {name} must be a list or tuple of arrays, one per partial result; got {got}"
         )
     if not parts:
         raise ValueError(f"{fn}: {name} must hold at least one partial result; got len({name})=0")
