@@ -32,7 +32,9 @@ the mask and the bias are the same for every batch and head, one (batch, kv head
 at a time under an outer ``lax.map`` (its blocks are small enough to stay in cache). Each step
 is ``_core.py``'s own step (``_scores``, ``_in_band``, ``_unnormalised_softmax``,
 ``_output``). It supports everything else (mask, bias, softcap, grouped-query heads, both
-alignments, 2-D inputs), ``jit``, ``vmap`` and ``grad``, and equals the explicit steps within
+alignments, 2-D inputs, and with ``sinks`` or ``return_lse`` it returns the row log-sum-exp it
+computes anyway, ``_blocked_attention_lse``, the sinks joined after it; cuDNN is never taken
+then), ``jit``, ``vmap`` and ``grad``, and equals the explicit steps within
 float32 rounding, NaN and infinities included (``tests/test_performance_paths.py``).
 
 Its backward pass is its own (``_blocked_attention`` is a ``jax.custom_vjp``: autodiff through

@@ -16,7 +16,10 @@ explicit steps' own helpers (``_softcap``, ``_in_band``, ``_unnormalised_softmax
 bias are sliced per block from broadcast views, never materialised. Without a bias, a head
 whose scores are all within ``±EXP_BOUND`` (``|q·k| <= |q| |k|``, from the row norms) skips the
 shift by the row max, which changes nothing but rounding: ``exp`` can neither overflow nor
-underflow there. The result equals the explicit steps' within float32 rounding
+underflow there. Each block's row log-sum-exp ``max + log(sum)`` is kept when asked
+(``return_lse``: no extra pass) or when ``sinks`` are given, which join each block's rows at its
+end (``output · exp(lse - logaddexp(lse, sink))``). The result equals the explicit steps' within
+float32 rounding
 (``tests/test_performance_paths.py``), NaN and infinities included: a masked position's score
 is replaced by ``-inf``, a skipped block is never read, and a NaN or infinite norm takes the
 shifted softmax.

@@ -20,8 +20,11 @@ Backward, given ``dO`` (FlashAttention's derivation, Dao et al. 2022, appendix B
     dK = dS0ᵀ Q · scale
 
 Masked positions have ``P = 0`` and so ``dS = 0``: no gradient flows through them, and a fully
-masked row contributes exactly 0. With grouped-query attention, the query heads that share a
-key/value head add their ``dK`` and ``dV`` into it.
+masked row contributes exactly 0. A sink (``spec.SINKS``) is one more column of ``S`` whose value
+is 0: ``P`` is normalised with it, ``dP`` is 0 there, so the formulas hold as written and
+``dsink = -sum p_sink · rowsum(dO ⊙ O)``, ``p_sink = exp(sink - lse)``. ``merge_attention_vjp``
+differentiates ``merge_attention`` by hand too. With grouped-query attention, the query heads
+that share a key/value head add their ``dK`` and ``dV`` into it.
 
 ``scaled_dot_product_attention_vjp`` below is these formulas on whole ``(q_len, kv_len)``
 arrays: the code to read. For large inputs (``_fast.use_fast_path``, the forward pass's rule)

@@ -16,7 +16,9 @@ Extra memory is a few ``(..., heads, block_q, block_kv)`` tiles. Masks are struc
 arrays: the causal rule (both alignments), the sliding window and per-sequence key lengths
 (``kv_lengths``) are evaluated per tile, and a tile that the causal rule or the window masks
 entirely is never computed. The backward pass keeps only the log-sum-exp ``lse = m + log l``
-of each row and recomputes every tile's weights as ``exp(s - lse)``.
+of each row and recomputes every tile's weights as ``exp(s - lse)``. Attention sinks join each
+row's denominator once, after the last tile (``_core._with_sinks``), and ``return_lse`` returns
+that lse.
 
 Both passes run on numpy_attn's threads (``_threads.run_lanes``, BLAS in one thread per
 worker): the forward pass one query block per task (its output rows are its own), the backward

@@ -62,7 +62,9 @@ BLOCKED_COMPUTATION = (
     "explicit pipeline within the dtype's rounding, fully masked rows stay exactly 0, NaN and "
     "infinities follow NON_FINITE, and causal or window blocks that are fully masked are "
     "skipped. The step functions, return_weights=True, dropout and empty axes always run the "
-    "explicit pipeline."
+    "explicit pipeline. With sinks or return_lse, jax_attn never takes cuDNN and torch_attn "
+    "never SDPA (neither has them): large inputs take the blocked path or the tiles, which "
+    "compute the row log-sum-exp anyway and join the sinks to each row's denominator at the end."
 )
 
 #: What each number of FAST_PATHS (imported above from attention_rules, the one place the
