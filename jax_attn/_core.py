@@ -205,6 +205,19 @@ def _with_sinks(
     return _merge_attention((output,), (lse,), sinks)
 
 
+def _sinks_grad(sinks: jax.Array, lse: jax.Array, row_dot: jax.Array) -> jax.Array:
+    """``d sinks (heads,)`` in ``lse``'s dtype: ``-sum p_sink · row_dot`` over every axis but
+    the heads, ``p_sink = exp(sink - lse)`` (0 where lse is ``±inf``: a row with no key nor
+    sink); ``lse`` and ``row_dot = rowsum(dO ⊙ O) - dlse`` are ``(..., heads, rows, 1)`` (the
+    blocked path's hand-written VJP)."""
+    sink = _sink_column(sinks, lse.ndim, lse.dtype)
+    p_sink = jnp.where(jnp.isinf(lse), 0.0, jnp.exp(sink - lse))  # (..., heads, rows, 1)
+    terms = -p_sink * row_dot
+    if lse.ndim < 3:  # no heads axis: one sink
+        return terms.sum().reshape(1)
+    return terms.sum(axis=tuple(a for a in range(terms.ndim) if a != terms.ndim - 3))
+
+
 def _describe_parts(fn: str, name: str, parts: Any) -> list[rules.ArrayInfo]:
     """``merge_attention``'s partial results as the rules see them: a list or tuple of arrays,
     ``name[i]`` each."""

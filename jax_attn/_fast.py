@@ -32,9 +32,10 @@ the mask and the bias are the same for every batch and head, one (batch, kv head
 at a time under an outer ``lax.map`` (its blocks are small enough to stay in cache). Each step
 is ``_core.py``'s own step (``_scores``, ``_in_band``, ``_unnormalised_softmax``,
 ``_output``). It supports everything else (mask, bias, softcap, grouped-query heads, both
-alignments, 2-D inputs, and with ``sinks`` or ``return_lse`` it returns the row log-sum-exp it
-computes anyway, ``_blocked_attention_lse``, the sinks joined after it; cuDNN is never taken
-then), ``jit``, ``vmap`` and ``grad``, and equals the explicit steps within
+alignments, 2-D inputs; with ``sinks`` or ``return_lse``, ``_blocked_attention_lse`` joins
+the sinks to each row's denominator after the blocks and returns the row log-sum-exp they
+compute anyway, and its VJP gives the sinks' gradient; cuDNN is never taken then), ``jit``,
+``vmap`` and ``grad``, and equals the explicit steps within
 float32 rounding, NaN and infinities included (``tests/test_performance_paths.py``).
 
 Its backward pass is its own (``_blocked_attention`` is a ``jax.custom_vjp``: autodiff through
@@ -135,7 +136,7 @@ def fast_attention(
     cuDNN refuses the shapes (then the explicit steps run). With ``args.return_lse`` also the
     row log-sum-exp ``(..., heads, q_len)`` the blocks computed anyway (compute dtype); the
     ``(heads,)`` ``sinks`` join each row's denominator once, after the blocks
-    (``_core._merge_attention``: autodiff, beyond ``_blocked_attention_lse``'s custom VJP)."""
+    (``_blocked_attention_lse``)."""
     if path == "cudnn":
         try:  # cuDNN checks its shapes at trace time
             output = _cudnn_attention(
@@ -146,9 +147,7 @@ def fast_attention(
         return output.astype(query.dtype)
     if sinks is None and not args.return_lse:
         return _blocked_attention(args, query, key, value, mask, bias).astype(query.dtype)
-    output, lse = _blocked_attention_lse(args, query, key, value, mask, bias)  # (..., 1): -inf
-    if sinks is not None:
-        output, lse = _core._merge_attention((output,), (lse,), sinks)
+    output, lse = _blocked_attention_lse(args, query, key, value, mask, bias, sinks)
     output = output.astype(query.dtype)
     return (output, lse[..., 0]) if args.return_lse else output
 
@@ -260,12 +259,15 @@ def _blocked_attention_lse(
     value: jax.Array,
     mask: jax.Array | None,
     bias: jax.Array | None,
+    sinks: jax.Array | None,
 ) -> tuple[jax.Array, jax.Array]:
-    """``_blocked_attention`` and the row log-sum-exp ``(..., heads, q_len, 1)`` it computes
-    anyway (``-inf`` on a row without a key), both differentiable: the VJP takes the lse's
-    cotangent too (``dS = P ⊙ (dP - rowsum(dO ⊙ O) + dlse)``)."""
-    output, lse = _blocked_forward(query, key, value, mask, bias, args, with_lse=True)
-    return output, jnp.where(lse == jnp.inf, NEG_INF, lse)
+    """``_blocked_attention`` with the ``(heads,)`` ``sinks`` (or None) joined to each row's
+    denominator after the blocks (``_core._with_sinks``), and the row log-sum-exp
+    ``(..., heads, q_len, 1)`` the blocks compute anyway (``-inf``: no key nor sink); both
+    differentiable. The VJP takes the lse's cotangent (``dS = P ⊙ (dP - rowsum(dO ⊙ O) +
+    dlse)`` with ``P`` and ``O`` those of the rows with their sinks) and gives the sinks'
+    gradient (``_core._sinks_grad``), as numpy_attn's blocked VJP does."""
+    return _blocked_attention_lse_fwd(args, query, key, value, mask, bias, sinks)[0]
 
 
 def _blocked_attention_lse_fwd(
@@ -275,20 +277,26 @@ def _blocked_attention_lse_fwd(
     value: jax.Array,
     mask: jax.Array | None,
     bias: jax.Array | None,
+    sinks: jax.Array | None,
 ) -> tuple[tuple[jax.Array, jax.Array], tuple]:
-    """The output and lse, and the residuals of ``_blocked_attention_fwd``."""
+    """The output and lse, and what the backward pass needs."""
     output, lse = _blocked_forward(query, key, value, mask, bias, args, with_lse=True)
-    public = jnp.where(lse == jnp.inf, NEG_INF, lse)
-    return (output, public), (query, key, value, mask, bias, output, lse)
+    output, lse = _core._with_sinks(output, lse, sinks)
+    return (output, lse), (query, key, value, mask, bias, sinks, output, lse)
 
 
 def _blocked_attention_lse_bwd(args: rules.Arguments, residuals: tuple,
                                cotangents: tuple[jax.Array, jax.Array]) -> tuple:
-    query, key, value, mask, bias, output, lse = residuals
+    query, key, value, mask, bias, sinks, output, lse = residuals
     grad_output, grad_lse = cotangents
+    lse = jnp.where(lse == NEG_INF, jnp.inf, lse)  # no key nor sink: exp(s - lse) = 0
     grad_q, grad_k, grad_v, grad_bias = _blocked_attention_vjp(
         query, key, value, grad_output, mask, bias, args, output, lse, grad_lse)
-    return grad_q, grad_k, grad_v, None, grad_bias  # mask: boolean, no cotangent
+    grad_sinks = None
+    if sinks is not None:  # d sink = sum exp(sink - lse) · (dlse - rowsum(dO ⊙ O))
+        delta = (grad_output.astype(output.dtype) * output).sum(axis=-1, keepdims=True)
+        grad_sinks = _core._sinks_grad(sinks, lse, delta - grad_lse).astype(sinks.dtype)
+    return grad_q, grad_k, grad_v, None, grad_bias, grad_sinks  # mask: boolean, no cotangent
 
 
 _blocked_attention_lse.defvjp(_blocked_attention_lse_fwd, _blocked_attention_lse_bwd)

@@ -111,8 +111,9 @@ NON_FINITE = (
 
 #: Array arguments, in words.
 ARRAY_INPUTS = (
-    "query, key, value, mask, bias, dropout_mask, grad_output, scores and weights are arrays: "
-    "numpy.ndarray, jax.Array or torch.Tensor (every backend also takes NumPy arrays). A Python "
+    "query, key, value, mask, bias, dropout_mask, sinks, grad_output, scores and weights are "
+    "arrays: numpy.ndarray, jax.Array or torch.Tensor (every backend also takes NumPy arrays); "
+    "merge_attention's outputs and lses are lists or tuples of them. A Python "
     "list, tuple or scalar there is a TypeError naming the argument and its type, the same in "
     "every backend (e.g. scaled_dot_product_attention: query must be an array (numpy.ndarray, "
     "jax.Array or torch.Tensor), not a Python list; convert it with an explicit dtype; got "
