@@ -10,6 +10,8 @@ type with the same message for the same bad input, and plans the same tiles:
 * ``arguments``: ``attention_arguments``, the single validation entry point of
   ``scaled_dot_product_attention``, its VJP and ``blockwise_attention`` (and its VJP); it
   returns the normalised values (``Arguments``);
+* ``merging``: ``merge_arguments``, the entry point of ``merge_attention`` and its VJP
+  (partial results over disjoint key sets, merged by their row log-sum-exp);
 * ``tiles``: the causal/window band and the tile plans of the blockwise and blocked paths;
 * ``fast_paths``: ``FAST_PATHS``, the constants of each backend's fast-path selection rule
   (``conformance/spec/constants.py`` shows the same dict).
@@ -53,6 +55,7 @@ from .checks import (
     check_query_key,
     check_rank,
     check_scale,
+    check_sinks,
     check_softcap,
     check_structure,
     check_weight_shapes,
@@ -60,9 +63,11 @@ from .checks import (
     check_window,
     compute_dtype,
     default_scale,
+    heads_of,
     scores_shape,
 )
 from .fast_paths import FAST_PATHS, has_empty_axis, large_enough
+from .merging import MergeArguments, check_parts, merge_arguments
 from .tiles import Window, band, key_range, plan, query_range
 
 __all__ = [
@@ -72,6 +77,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "Arguments",
     "ArrayInfo",
+    "MergeArguments",
     "Shape",
     "Window",
     "attention_arguments",
@@ -99,9 +105,11 @@ __all__ = [
     "check_lengths_1d",
     "check_mask_bias",
     "check_module_heads",
+    "check_parts",
     "check_query_key",
     "check_rank",
     "check_scale",
+    "check_sinks",
     "check_softcap",
     "check_structure",
     "check_weight_shapes",
@@ -110,8 +118,10 @@ __all__ = [
     "compute_dtype",
     "default_scale",
     "has_empty_axis",
+    "heads_of",
     "key_range",
     "large_enough",
+    "merge_arguments",
     "plan",
     "query_range",
     "scores_shape",

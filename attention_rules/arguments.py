@@ -25,8 +25,10 @@ from .checks import (
     check_mask_bias,
     check_query_key,
     check_scale,
+    check_sinks,
     check_softcap,
     check_structure,
+    heads_of,
     scores_shape,
 )
 from .tiles import Window
@@ -49,6 +51,8 @@ class Arguments(NamedTuple):
     return_weights: bool
     block_q: int | None  # blockwise only
     block_kv: int | None  # blockwise only
+    return_lse: bool = False  # also return the row log-sum-exp
+    has_sinks: bool = False  # sinks given: one logit per head joins every row's softmax
 
 
 def attention_arguments(
@@ -69,6 +73,8 @@ def attention_arguments(
     dropout_mask: ArrayInfo | None = None,
     return_weights: object = False,
     kv_lengths: ArrayInfo | None = None,
+    sinks: ArrayInfo | None = None,
+    return_lse: object = False,
     block_q: object = _NOT_BLOCKWISE,
     block_kv: object = _NOT_BLOCKWISE,
 ) -> Arguments:
@@ -78,9 +84,9 @@ def attention_arguments(
       fn: the public function's name, which starts every message.
       query, key, value: ``(shape, dtype name)``.
       grad_output: ``(shape, dtype name)`` for a VJP (then dropout needs ``dropout_mask``).
-      mask, bias, dropout_mask, kv_lengths: ``(shape, dtype name)`` or None.
-      is_causal, causal_alignment, window, scale, softcap, dropout_p, return_weights: the
-        caller's values, as given.
+      mask, bias, dropout_mask, kv_lengths, sinks: ``(shape, dtype name)`` or None.
+      is_causal, causal_alignment, window, scale, softcap, dropout_p, return_weights,
+        return_lse: the caller's values, as given.
       block_q, block_kv: ``blockwise_attention``'s tile sizes (not given elsewhere).
 
     Returns:
@@ -98,6 +104,7 @@ def attention_arguments(
         check_grad_output(fn, grad_output[0], output_shape)
     target = scores_shape(q_shape, k_shape)  # (..., heads, q_len, kv_len)
     check_mask_bias(fn, mask, bias, target)
+    check_sinks(fn, sinks, heads_of(q_shape))
     is_causal, causal_alignment, window = check_structure(fn, is_causal, causal_alignment, window)
     scale = check_scale(fn, scale, q_shape[-1])
     softcap = check_softcap(fn, softcap)
@@ -109,11 +116,12 @@ def attention_arguments(
         )
     check_dropout_mask(fn, dropout_mask, target)
     return_weights = check_flag(fn, "return_weights", return_weights)
+    return_lse = check_flag(fn, "return_lse", return_lse)
     blockwise = block_q is not _NOT_BLOCKWISE
     block_q = check_int(fn, "block_q", block_q, minimum=1) if blockwise else None
     block_kv = check_int(fn, "block_kv", block_kv, minimum=1) if blockwise else None
     check_kv_lengths(fn, kv_lengths, q_shape[:-3])
     return Arguments(
         dtype, target, output_shape, is_causal, causal_alignment, window, scale, softcap,
-        dropout_p, return_weights, block_q, block_kv,
+        dropout_p, return_weights, block_q, block_kv, return_lse, sinks is not None,
     )

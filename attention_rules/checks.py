@@ -183,6 +183,30 @@ def check_mask_bias(
         check_broadcast(fn, "bias", bias[0], target, "scores")
 
 
+def check_sinks(fn: str, sinks: ArrayInfo | None, heads: int) -> None:
+    """Attention sinks: one floating-point logit per query head, shape ``(heads,)`` (``(1,)``
+    for inputs without a heads axis); TypeError for another dtype, ValueError for another
+    shape."""
+    if sinks is None:
+        return
+    shape, dtype = sinks
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{fn}: sinks must be floating point (one logit per query head); "
+            f"got sinks.dtype={dtype}"
+        )
+    if tuple(shape) != (heads,):
+        raise ValueError(
+            f"{fn}: sinks must have shape (heads,) = ({heads},), one logit per query head; "
+            f"got sinks.shape={tuple(shape)}"
+        )
+
+
+def heads_of(shape: Shape) -> int:
+    """The query heads of ``(..., heads, seq, dim)``; 1 for 2-D ``(seq, dim)`` inputs."""
+    return shape[-3] if len(shape) >= 3 else 1
+
+
 def check_dropout_mask(fn: str, dropout_mask: ArrayInfo | None, target: Shape) -> None:
     """A boolean keep-mask broadcastable to the weights ``target`` (or None)."""
     if dropout_mask is not None:

@@ -80,7 +80,8 @@ def naive_attention(arrays: dict[str, np.ndarray], options: dict[str, Any],
 
     ``arrays``: ``query (..., heads, q_len, head_dim)``, ``key (..., kv_heads, kv_len,
     head_dim)``, ``value (..., kv_heads, kv_len, v_dim)`` and optional ``mask``, ``bias``,
-    ``dropout_mask``; ``options``: the scalar options of ``scaled_dot_product_attention``.
+    ``dropout_mask``, ``sinks (heads,)`` (one more column, as in ``reference``); ``options``:
+    the scalar options of ``scaled_dot_product_attention``.
     """
     q, k, v = (_f64(arrays[n]) for n in ("query", "key", "value"))
     heads = q.shape[-3] if q.ndim >= 3 else 1
@@ -100,16 +101,26 @@ def naive_attention(arrays: dict[str, np.ndarray], options: dict[str, Any],
         allowed = allowed & np.asarray(arrays["mask"], dtype=bool)
     allowed = allowed & (masked != -np.inf)
     masked = np.where(allowed, masked, -np.inf)
-    keeps = allowed.any(-1, keepdims=True)  # (..., q_len, 1)
-    row_max = np.where(keeps, np.max(np.where(allowed, masked, -1e308), -1, keepdims=True), 0.0)
-    exp = np.where(allowed, r(np.exp(r(np.where(allowed, masked, 0.0) - row_max))), 0.0)
+    columns, allowed_columns = masked, allowed
+    if arrays.get("sinks") is not None:  # the sink's column, rounded to the dtype like a score
+        sink = r(reference.sink_column(arrays["sinks"], masked.ndim))
+        sink = np.broadcast_to(sink, masked.shape[:-1] + (1,))
+        columns = np.concatenate([masked, sink], -1)
+        allowed_columns = np.concatenate([allowed, sink != -np.inf], -1)
+    keeps = allowed_columns.any(-1, keepdims=True)  # (..., q_len, 1)
+    row_max = np.where(keeps, np.max(np.where(allowed_columns, columns, -1e308), -1,
+                                     keepdims=True), 0.0)
+    exp = np.where(allowed_columns,
+                   r(np.exp(r(np.where(allowed_columns, columns, 0.0) - row_max))), 0.0)
     total = p.sum(exp)
-    weights = np.where(keeps, r(exp / np.where(total == 0, 1.0, total)), 0.0)
+    weights = np.where(keeps, r(exp / np.where(total == 0, 1.0, total)), 0.0)[..., :kv_len]
+    lse = np.where(keeps, r(row_max + r(np.log(np.where(keeps, total, 1.0)))), -np.inf)[..., 0]
     kept = weights
     if options.get("dropout_p", 0.0) > 0:
         kept = r(weights * np.asarray(arrays["dropout_mask"], bool) / (1.0 - options["dropout_p"]))
     output = p.einsum("...qk,...kd->...qd", kept, v)
-    return reference.Steps(scores=scores, masked_scores=masked, weights=weights, output=output)
+    return reference.Steps(scores=scores, masked_scores=masked, weights=weights, output=output,
+                           lse=lse)
 
 
 def naive_attention_vjp(arrays: dict[str, np.ndarray], options: dict[str, Any],
@@ -143,8 +154,17 @@ def naive_attention_vjp(arrays: dict[str, np.ndarray], options: dict[str, Any],
     grad_s = r(grad_s * _scale(q, options))
     grad_q = p.einsum("...qk,...kd->...qd", grad_s, k_rep)
     grad_k = p.einsum("...qk,...qd->...kd", grad_s, q)
+    grad_sinks = None
+    if arrays.get("sinks") is not None:  # -sum of w_sink · rowsum(dO ⊙ O), per head
+        sink = reference.sink_column(arrays["sinks"], weights.ndim)[..., 0]  # (heads, 1)
+        w_sink = np.where(steps.lse == -np.inf, 0.0, r(np.exp(r(sink - steps.lse))))
+        terms = r(-w_sink * row[..., 0])  # (..., heads, q_len)
+        terms = terms.reshape(-1, *np.shape(arrays["sinks"]), terms.shape[-1]) \
+            if weights.ndim >= 3 else terms.reshape(1, 1, -1)
+        grad_sinks = r(terms.astype(p.accumulate).sum((0, 2)))
     return reference.Grads(query=grad_q, key=r(reference.fold_kv(grad_k, k.shape)),
-                           value=r(reference.fold_kv(grad_v, v.shape)), bias=grad_bias)
+                           value=r(reference.fold_kv(grad_v, v.shape)), bias=grad_bias,
+                           sinks=grad_sinks)
 
 
 def rounding_error(arrays: dict[str, np.ndarray], options: dict[str, Any], p: Precision,

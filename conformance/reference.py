@@ -11,6 +11,11 @@ row NaN (the row maximum is NaN or ``+inf`` and ``inf - inf`` is NaN); masking *
 score by ``-inf``, so a NaN at a masked position reaches nothing; ``weights @ value`` carries a
 NaN value row into every output row (``0·NaN`` is NaN), including rows whose weight on it is 0,
 which the spec leaves unspecified (``conformance.expected`` marks those positions).
+
+Sinks (``spec.SINKS``) are what GPT-OSS's eager attention does: the sink logit is appended to
+every row as one more column of the masked scores, the softmax runs over ``kv_len + 1``
+columns and the sink's column is dropped; the row log-sum-exp (``spec.LOG_SUM_EXP``) is that of
+the same ``kv_len (+ 1)`` columns, ``-inf`` for a row with no allowed column.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ class Steps:
     masked_scores: np.ndarray  # (..., heads, q_len, kv_len), after bias and masks
     weights: np.ndarray  # (..., heads, q_len, kv_len), before dropout
     output: np.ndarray  # (..., heads, q_len, v_dim)
+    lse: np.ndarray | None = None  # (..., heads, q_len): the softmax's log denominator
 
 
 def _f64(x: Any) -> np.ndarray:
@@ -78,6 +84,7 @@ def attention(
     softcap: float | None = None,
     dropout_p: float = 0.0,
     dropout_mask: Any = None,
+    sinks: Any = None,
 ) -> Steps:
     """The spec's pipeline in float64; ``dropout_mask`` (keep-mask) is used when ``dropout_p > 0``.
 
@@ -85,6 +92,7 @@ def attention(
       query: ``(..., heads, q_len, head_dim)`` or ``(q_len, head_dim)``.
       key: ``(..., kv_heads, kv_len, head_dim)`` or ``(kv_len, head_dim)``.
       value: ``(..., kv_heads, kv_len, v_dim)`` or ``(kv_len, v_dim)``.
+      sinks: ``(heads,)`` sink logits (``(1,)`` for 2-D inputs), or None: one more column.
     """
     q, k, v = _f64(query), _f64(key), _f64(value)
     heads = q.shape[-3] if q.ndim >= 3 else 1
@@ -107,17 +115,32 @@ def attention(
         allowed = allowed & np.asarray(mask, dtype=bool)
     allowed = allowed & (masked != -np.inf)  # a bias of -inf masks its position too
     masked = np.where(allowed, masked, -np.inf)
-    keeps_any = allowed.any(axis=-1, keepdims=True)  # (..., q_len, 1)
-    safe = np.where(allowed, masked, 0.0)
-    row_max = np.where(keeps_any, np.max(np.where(allowed, masked, -1e308), -1, keepdims=True), 0)
-    exp = np.where(allowed, np.exp(safe - row_max), 0.0)
+    columns, allowed_columns = masked, allowed  # (..., heads, q_len, kv_len [+ 1])
+    if sinks is not None:  # the sink: one more column of every row, dropped after the softmax
+        sink = np.broadcast_to(sink_column(sinks, masked.ndim), masked.shape[:-1] + (1,))
+        columns = np.concatenate([masked, sink], axis=-1)
+        allowed_columns = np.concatenate([allowed, sink != -np.inf], axis=-1)
+    keeps_any = allowed_columns.any(axis=-1, keepdims=True)  # (..., q_len, 1)
+    safe = np.where(allowed_columns, columns, 0.0)
+    row_max = np.where(keeps_any, np.max(np.where(allowed_columns, columns, -1e308), -1,
+                                         keepdims=True), 0)
+    exp = np.where(allowed_columns, np.exp(safe - row_max), 0.0)
     total = exp.sum(axis=-1, keepdims=True)
     weights = np.where(keeps_any, exp / np.where(keeps_any, total, 1.0), 0.0)
+    lse = np.where(keeps_any, row_max + np.log(np.where(keeps_any, total, 1.0)), -np.inf)[..., 0]
+    weights = weights[..., :kv_len]  # the sink's column dropped
     kept = weights
     if dropout_p > 0:
         kept = weights * np.asarray(dropout_mask, dtype=bool) / (1.0 - dropout_p)
     output = np.einsum("...qk,...kd->...qd", kept, v)
-    return Steps(scores=scores, masked_scores=masked, weights=weights, output=output)
+    return Steps(scores=scores, masked_scores=masked, weights=weights, output=output, lse=lse)
+
+
+def sink_column(sinks: Any, ndim: int) -> np.ndarray:
+    """``(heads,)`` sink logits as a float64 column against scores of rank ``ndim``:
+    ``(heads, 1, 1)``, or ``(1, 1)`` for 2-D scores."""
+    sinks = _f64(sinks)
+    return sinks.reshape(sinks.shape + (1, 1)) if ndim >= 3 else sinks.reshape(1, 1)
 
 
 @dataclass
@@ -128,6 +151,7 @@ class Grads:
     key: np.ndarray
     value: np.ndarray
     bias: np.ndarray | None
+    sinks: np.ndarray | None = None
 
 
 def unbroadcast(grad: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -154,12 +178,15 @@ def attention_vjp(
     key: Any,
     value: Any,
     grad_output: Any,
+    grad_lse: Any = None,
     **options: Any,
 ) -> Grads:
-    """Gradients of ``attention(...).output`` against ``grad_output``, in float64.
+    """Gradients of ``attention(...).output`` against ``grad_output`` (and of its ``lse``
+    against ``grad_lse (..., heads, q_len)``, if given), in float64.
 
     Independent of the backends' backward passes: the softmax is differentiated through its
-    Jacobian ``diag(w) - w wᵀ`` row by row (``np.einsum``), kv heads are repeated and their
+    Jacobian ``diag(w) - w wᵀ`` row by row (``np.einsum``) over every column, the sink's
+    included (its value is 0, and ``d lse / d column = w``), kv heads are repeated and their
     gradients folded back, and the soft-cap derivative is ``sech²``.
     """
     q, k, v = _f64(query), _f64(key), _f64(value)
@@ -169,19 +196,37 @@ def attention_vjp(
     steps = attention(q, k_rep, v_rep, **options)
     scale = q.shape[-1] ** -0.5 if options.get("scale") is None else float(options["scale"])
     weights = steps.weights
-    kept = weights
+    sinks = options.get("sinks")
+    if sinks is not None:  # every column again, the sink's last: w_sink = exp(sink - lse)
+        with np.errstate(invalid="ignore"):
+            sink = np.broadcast_to(sink_column(sinks, weights.ndim), weights.shape[:-1] + (1,))
+            w_sink = np.where(steps.lse[..., None] == -np.inf, 0.0,
+                              np.exp(sink - steps.lse[..., None]))
+        weights = np.concatenate([weights, w_sink], axis=-1)  # (..., q_len, kv_len + 1)
+    kv_len = v_rep.shape[-2]
+    kept = weights[..., :kv_len]
     dropout_p = options.get("dropout_p", 0.0)
     if dropout_p > 0:
         keep = np.asarray(options["dropout_mask"], dtype=bool) / (1.0 - dropout_p)
-        kept = weights * keep
+        kept = kept * keep
     grad_v = np.einsum("...qk,...qd->...kd", kept, d_out)
     grad_kept = np.einsum("...qd,...kd->...qk", d_out, v_rep)
     grad_weights = grad_kept * keep if dropout_p > 0 else grad_kept
+    if sinks is not None:  # the sink's column carries no value: its weight's gradient is 0
+        grad_weights = np.concatenate([grad_weights, np.zeros_like(grad_weights[..., :1])], -1)
     # softmax Jacobian, row by row: J = diag(w) - w wᵀ
     jacobian = np.einsum("...k,kl->...kl", weights, np.eye(weights.shape[-1])) - np.einsum(
         "...k,...l->...kl", weights, weights
     )
     grad_scores = np.einsum("...kl,...l->...k", jacobian, grad_weights)
+    if grad_lse is not None:  # d lse / d column = its weight
+        grad_scores = grad_scores + _f64(grad_lse)[..., None] * weights
+    grad_sinks = None
+    if sinks is not None:  # the sink's column, summed over every axis but the heads
+        sink_grads = grad_scores[..., kv_len]  # (..., heads, q_len) or (q_len,)
+        grad_sinks = (sink_grads.reshape(-1, *np.shape(sinks), sink_grads.shape[-1]).sum((0, 2))
+                      if weights.ndim >= 3 else sink_grads.sum(keepdims=True))
+        grad_scores = grad_scores[..., :kv_len]
     bias = options.get("bias")
     grad_bias = None if bias is None else unbroadcast(grad_scores, np.shape(bias))
     softcap = options.get("softcap")
@@ -195,4 +240,5 @@ def attention_vjp(
         key=fold_kv(grad_k, k.shape),
         value=fold_kv(grad_v, v.shape),
         bias=grad_bias,
+        sinks=grad_sinks,
     )

@@ -38,6 +38,8 @@ from numpy_attn import (  # noqa: F401 - re-exported: the parts this module gets
     attention_weights,
     causal_mask,
     combine_masks,
+    merge_attention,
+    merge_attention_vjp,
     padding_mask,
     renormalized_causal_weights,
     sliding_window_mask,

@@ -11,6 +11,7 @@ with ``attention_rules``).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -131,16 +132,97 @@ def _output(weights: jax.Array, value: jax.Array) -> jax.Array:
     return output.reshape(_merged(output.shape, groups))  # (..., heads, q_len, v_dim)
 
 
+def _softmax_lse(scores: jax.Array, sinks: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """Softmax over the last axis and each row's log-sum-exp ``(..., q_len)``: ``scores
+    (..., heads, q_len, kv_len)``; ``sinks (heads,)`` (or None) join every row's denominator
+    as a column without a value (``spec.SINKS``). A row that is all ``-inf`` gives weights 0
+    and, without a sink, lse ``-inf``; its gradients are 0, never NaN."""
+    row_max = scores.max(axis=-1, keepdims=True, initial=NEG_INF)  # (..., q_len, 1)
+    if sinks is not None:  # the shift covers the sink too: exp(sink - max) <= 1
+        sink = _sink_column(sinks, scores.ndim, scores.dtype)  # (heads, 1, 1)
+        row_max = jnp.maximum(row_max, sink)
+    # shift-invariant (weights and lse alike): stop_gradient is exact
+    row_max = jax.lax.stop_gradient(row_max)
+    row_max = jnp.where(row_max == NEG_INF, 0.0, row_max)  # fully masked: exp(-inf - 0) = 0
+    weights = jnp.exp(scores - row_max)
+    row_sum = weights.sum(axis=-1, keepdims=True)  # (..., q_len, 1)
+    if sinks is not None:
+        row_sum = row_sum + jnp.exp(sink - row_max)
+    empty = row_sum == 0.0  # no key, no sink
+    safe_sum = jnp.where(empty, 1.0, row_sum)  # where, not log(0): gradients stay finite
+    lse = jnp.where(empty, NEG_INF, row_max + jnp.log(safe_sum))[..., 0]  # (..., q_len)
+    return weights / safe_sum, lse
+
+
+def _sink_column(sinks: jax.Array, ndim: int, dtype: Any) -> jax.Array:
+    """``(heads,)`` sink logits against rows ``(..., heads, q_len, 1)`` of rank ``ndim``:
+    ``(heads, 1, 1)``, or ``(1, 1)`` for inputs without a heads axis, in ``dtype``."""
+    sinks = sinks.astype(dtype)
+    return sinks.reshape(sinks.shape + (1, 1)) if ndim >= 3 else sinks.reshape(1, 1)
+
+
+def _merge_attention(
+    outputs: tuple[jax.Array, ...], lses: tuple[jax.Array, ...], sinks: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
+    """Partial results over disjoint key sets of the same rows, each an output
+    ``(..., rows, v_dim)`` and its log-sum-exp ``(..., rows, 1)`` (``-inf``: no key), merged
+    into the attention over every key set and its log-sum-exp (``spec.MERGING``; the online
+    softmax's step). ``sinks (heads,)`` join the denominator once: a part whose output is 0.
+    Differentiable: a part with lse ``-inf`` gets gradient 0."""
+    lses = list(lses)
+    if sinks is not None:
+        lses.append(_sink_column(sinks, outputs[0].ndim, lses[0].dtype))
+    row_max = jax.lax.stop_gradient(functools.reduce(jnp.maximum, lses))  # (..., rows, 1)
+    shift = jnp.where(row_max == NEG_INF, 0.0, row_max)  # no -inf - -inf
+    scales = [jnp.exp(lse - shift) for lse in lses]  # exp(lse_i - max) <= 1; 0 for no key
+    total = functools.reduce(jnp.add, scales)
+    empty = total == 0.0  # no key in any part
+    safe_total = jnp.where(empty, 1.0, total)
+    lse = jnp.where(empty, NEG_INF, shift + jnp.log(safe_total))
+    output = functools.reduce(jnp.add, [a * out for a, out in zip(scales, outputs, strict=False)])
+    return output / safe_total, lse
+
+
 def _merge_partials(
     out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """Two partial results over different keys of the same rows, each an output
-    ``(..., rows, v_dim)`` and its log-sum-exp ``(..., rows, 1)`` (``-inf``: no key), merged
-    into the attention over both key sets and its log-sum-exp (the online softmax's step)."""
-    lse = jnp.logaddexp(lse_a, lse_b)  # (..., rows, 1); -inf: no key in either
-    safe = jnp.where(lse == -jnp.inf, 0.0, lse)  # no -inf - -inf
-    return jnp.exp(lse_a - safe) * out_a + jnp.exp(lse_b - safe) * out_b, lse
+    """Two partial results over different keys of the same rows (``_merge_attention`` of two
+    parts, the ring's and the causal pieces' step): outputs ``(..., rows, v_dim)``, lses
+    ``(..., rows, 1)`` (``-inf``: no key)."""
+    return _merge_attention((out_a, out_b), (lse_a, lse_b), None)
 
+
+def _with_sinks(
+    output: jax.Array, lse: jax.Array, sinks: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
+    """Rows finished over their keys by the online softmax, ``output (..., rows, v_dim)`` and
+    ``lse (..., rows, 1)`` (``+inf`` for a row without a key, the tiles' convention), in the
+    spec's terms: the sinks joined (``_merge_attention``) and ``-inf`` for a row without a key
+    nor a sink."""
+    lse = jnp.where(lse == jnp.inf, NEG_INF, lse)
+    if sinks is None:
+        return output, lse
+    return _merge_attention((output,), (lse,), sinks)
+
+
+def _sinks_grad(sinks: jax.Array, lse: jax.Array, row_dot: jax.Array) -> jax.Array:
+    """``d sinks (heads,)`` in ``lse``'s dtype: ``-sum p_sink · row_dot`` over every axis but
+    the heads, ``p_sink = exp(sink - lse)`` (0 where lse is ``±inf``: a row with no key nor
+    sink); ``lse`` and ``row_dot = rowsum(dO ⊙ O) - dlse`` are ``(..., heads, rows, 1)`` (the
+    blocked path's hand-written VJP)."""
+    sink = _sink_column(sinks, lse.ndim, lse.dtype)
+    p_sink = jnp.where(jnp.isinf(lse), 0.0, jnp.exp(sink - lse))  # (..., heads, rows, 1)
+    terms = -p_sink * row_dot
+    if lse.ndim < 3:  # no heads axis: one sink
+        return terms.sum().reshape(1)
+    return terms.sum(axis=tuple(a for a in range(terms.ndim) if a != terms.ndim - 3))
+
+
+def _describe_parts(fn: str, name: str, parts: Any) -> list[rules.ArrayInfo]:
+    """``merge_attention``'s partial results as the rules see them: a list or tuple of arrays,
+    ``name[i]`` each."""
+    rules.check_parts(fn, name, parts)
+    return [_describe(fn, f"{name}[{i}]", x) for i, x in enumerate(parts)]
 
 
 # ------------------------------------------------------------------------------------------

@@ -32,7 +32,10 @@ the mask and the bias are the same for every batch and head, one (batch, kv head
 at a time under an outer ``lax.map`` (its blocks are small enough to stay in cache). Each step
 is ``_core.py``'s own step (``_scores``, ``_in_band``, ``_unnormalised_softmax``,
 ``_output``). It supports everything else (mask, bias, softcap, grouped-query heads, both
-alignments, 2-D inputs), ``jit``, ``vmap`` and ``grad``, and equals the explicit steps within
+alignments, 2-D inputs; with ``sinks`` or ``return_lse``, ``_blocked_attention_lse`` joins
+the sinks to each row's denominator after the blocks and returns the row log-sum-exp they
+compute anyway, and its VJP gives the sinks' gradient; cuDNN is never taken then), ``jit``,
+``vmap`` and ``grad``, and equals the explicit steps within
 float32 rounding, NaN and infinities included (``tests/test_performance_paths.py``).
 
 Its backward pass is its own (``_blocked_attention`` is a ``jax.custom_vjp``: autodiff through
@@ -98,7 +101,10 @@ def use_fast_path(
     if args.return_weights or args.dropout_p > 0.0:
         return None  # neither path returns the weights or takes a keep-mask
     platforms = _platforms(query) if backend is None else {backend}
-    if platforms <= set(CUDNN_PLATFORMS) and _cudnn_fits(query, key, value, mask, bias, args):
+    lse_or_sinks = args.return_lse or args.has_sinks  # jax.nn here has neither: blocked only
+    if platforms <= set(CUDNN_PLATFORMS) and not lse_or_sinks and _cudnn_fits(
+        query, key, value, mask, bias, args
+    ):
         return "cudnn"
     if platforms <= set(BLOCKED_PLATFORMS) and rules.large_enough(
         query.shape, key.shape, value.shape, MIN_SCORES, MIN_Q_LEN
@@ -124,9 +130,13 @@ def fast_attention(
     mask: jax.Array | None,
     bias: jax.Array | None,
     args: rules.Arguments,
-) -> jax.Array | None:
+    sinks: jax.Array | None = None,
+) -> jax.Array | tuple[jax.Array, jax.Array] | None:
     """``scaled_dot_product_attention``'s output on the path ``use_fast_path`` chose; None when
-    cuDNN refuses the shapes (then the explicit steps run)."""
+    cuDNN refuses the shapes (then the explicit steps run). With ``args.return_lse`` also the
+    row log-sum-exp ``(..., heads, q_len)`` the blocks computed anyway (compute dtype); the
+    ``(heads,)`` ``sinks`` join each row's denominator once, after the blocks
+    (``_blocked_attention_lse``)."""
     if path == "cudnn":
         try:  # cuDNN checks its shapes at trace time
             output = _cudnn_attention(
@@ -135,7 +145,11 @@ def fast_attention(
         except (ValueError, NotImplementedError, RuntimeError):
             return None
         return output.astype(query.dtype)
-    return _blocked_attention(args, query, key, value, mask, bias).astype(query.dtype)
+    if sinks is None and not args.return_lse:
+        return _blocked_attention(args, query, key, value, mask, bias).astype(query.dtype)
+    output, lse = _blocked_attention_lse(args, query, key, value, mask, bias, sinks)
+    output = output.astype(query.dtype)
+    return (output, lse[..., 0]) if args.return_lse else output
 
 
 # ------------------------------------------------------------------------------------------
@@ -235,6 +249,57 @@ def _blocked_attention_bwd(args: rules.Arguments, residuals: tuple, grad_output:
 
 
 _blocked_attention.defvjp(_blocked_attention_fwd, _blocked_attention_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _blocked_attention_lse(
+    args: rules.Arguments,
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    mask: jax.Array | None,
+    bias: jax.Array | None,
+    sinks: jax.Array | None,
+) -> tuple[jax.Array, jax.Array]:
+    """``_blocked_attention`` with the ``(heads,)`` ``sinks`` (or None) joined to each row's
+    denominator after the blocks (``_core._with_sinks``), and the row log-sum-exp
+    ``(..., heads, q_len, 1)`` the blocks compute anyway (``-inf``: no key nor sink); both
+    differentiable. The VJP takes the lse's cotangent (``dS = P ⊙ (dP - rowsum(dO ⊙ O) +
+    dlse)`` with ``P`` and ``O`` those of the rows with their sinks) and gives the sinks'
+    gradient (``_core._sinks_grad``), as numpy_attn's blocked VJP does."""
+    return _blocked_attention_lse_fwd(args, query, key, value, mask, bias, sinks)[0]
+
+
+def _blocked_attention_lse_fwd(
+    args: rules.Arguments,
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    mask: jax.Array | None,
+    bias: jax.Array | None,
+    sinks: jax.Array | None,
+) -> tuple[tuple[jax.Array, jax.Array], tuple]:
+    """The output and lse, and what the backward pass needs."""
+    output, lse = _blocked_forward(query, key, value, mask, bias, args, with_lse=True)
+    output, lse = _core._with_sinks(output, lse, sinks)
+    return (output, lse), (query, key, value, mask, bias, sinks, output, lse)
+
+
+def _blocked_attention_lse_bwd(args: rules.Arguments, residuals: tuple,
+                               cotangents: tuple[jax.Array, jax.Array]) -> tuple:
+    query, key, value, mask, bias, sinks, output, lse = residuals
+    grad_output, grad_lse = cotangents
+    lse = jnp.where(lse == NEG_INF, jnp.inf, lse)  # no key nor sink: exp(s - lse) = 0
+    grad_q, grad_k, grad_v, grad_bias = _blocked_attention_vjp(
+        query, key, value, grad_output, mask, bias, args, output, lse, grad_lse)
+    grad_sinks = None
+    if sinks is not None:  # d sink = sum exp(sink - lse) · (dlse - rowsum(dO ⊙ O))
+        delta = (grad_output.astype(output.dtype) * output).sum(axis=-1, keepdims=True)
+        grad_sinks = _core._sinks_grad(sinks, lse, delta - grad_lse).astype(sinks.dtype)
+    return grad_q, grad_k, grad_v, None, grad_bias, grad_sinks  # mask: boolean, no cotangent
+
+
+_blocked_attention_lse.defvjp(_blocked_attention_lse_fwd, _blocked_attention_lse_bwd)
 
 
 def _blocked_forward(
@@ -445,12 +510,12 @@ def _causal_vjp(
     value: jax.Array,
     grad_output: jax.Array,
     args: rules.Arguments,
-    output: jax.Array,
+    delta: jax.Array,
     lse: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array, None]:
     """The causal rule alone (no mask, bias or window): ``_vjp_heads`` over the pieces of
     ``_causal_forward`` (rectangles without a mask, a triangle halved again and again, causal
-    leaves), each with the rows' own output and log-sum-exp, the gradients added up."""
+    leaves), each with the rows' own ``delta`` and log-sum-exp, the gradients added up."""
     q_len, kv_len = query.shape[-2], key.shape[-2]
     i0, c0, n, depth, side = _triangle(q_len, kv_len, args)
     plain = args._replace(is_causal=False, window=None)
@@ -461,12 +526,12 @@ def _causal_vjp(
         if k1 > k0 and r0 < q_len:
             gq, gk, gv, _ = _vjp_heads(q[..., r0:, :], k[..., k0:k1, :], v[..., k0:k1, :],
                                        d_out[..., r0:, :], None, None, plain,
-                                       output[..., r0:, :], lse[..., r0:, :])
+                                       delta[..., r0:, :], lse[..., r0:, :])
             grad_q = grad_q.at[..., r0:, :].add(gq)
             grad_k = grad_k.at[..., k0:k1, :].add(gk)
             grad_v = grad_v.at[..., k0:k1, :].add(gv)
     # rows padded to side: dO = 0 and lse = +inf, so they add 0
-    rows = [_pad_rows(x[..., i0 : i0 + n, :], side) for x in (q, d_out, output)]
+    rows = [_pad_rows(x[..., i0 : i0 + n, :], side) for x in (q, d_out, delta)]
     lse_tri = jnp.pad(lse[..., i0 : i0 + n, :], [(0, 0)] * (lse.ndim - 2) + [(0, side - n), (0, 0)],
                       constant_values=jnp.inf)
     rows.append(lse_tri)
@@ -504,6 +569,7 @@ def _blocked_attention_vjp(
     args: rules.Arguments,
     output: jax.Array,
     lse: jax.Array,
+    grad_lse: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """The gradients of the blocked path from its saved output and row log-sum-exp
     (FlashAttention-2's backward pass; numpy_attn's ``backward.py`` derives it for the whole
@@ -522,7 +588,8 @@ def _blocked_attention_vjp(
       value: ``(..., kv_heads, kv_len, v_dim)``; mask, bias: broadcastable to
       ``(..., heads, q_len, kv_len)``; output: ``(..., heads, q_len, v_dim)`` and lse:
       ``(..., heads, q_len, 1)`` from the forward pass (compute dtype); grad_output:
-      ``(..., heads, q_len, v_dim)``.
+      ``(..., heads, q_len, v_dim)``; grad_lse: the lse's cotangent ``(..., heads, q_len, 1)``
+      or None. Only ``delta = rowsum(dO ⊙ O) - dlse`` reaches the blocks (``_vjp_heads``).
 
     Like the forward pass, one (batch, kv head) item at a time under ``lax.scan`` (which adds up
     the items' bias gradients), or all heads at once (``_items``).
@@ -531,19 +598,23 @@ def _blocked_attention_vjp(
       ``(grad_query, grad_key, grad_value, grad_bias)`` shaped like and in the dtypes of query,
       key, value and bias (``grad_bias`` None without a bias).
     """
+    compute = rules.compute_dtype(query.dtype.name)
+    delta = (grad_output.astype(compute) * output).sum(axis=-1, keepdims=True)  # (..., q, 1)
+    if grad_lse is not None:  # dlse / dS = P: dS = P ⊙ (dP - delta + dlse)
+        delta = delta - grad_lse.astype(compute)
     items = _items(query, key, mask, bias)
     if items == 1:
-        return _vjp_heads(query, key, value, grad_output, mask, bias, args, output, lse)
+        return _vjp_heads(query, key, value, grad_output, mask, bias, args, delta, lse)
     mask_item, bias_item = _squeeze(mask), _squeeze(bias)  # the same for every item
 
     def item(grad_bias: jax.Array | None, xs: tuple) -> tuple:
-        q, k, v, d_out, out, lse_item = xs
+        q, k, v, d_out, delta_item, lse_item = xs
         grad_q, grad_k, grad_v, grad_b = _vjp_heads(
-            q, k, v, d_out, mask_item, bias_item, args, out, lse_item)
+            q, k, v, d_out, mask_item, bias_item, args, delta_item, lse_item)
         grad_bias = None if grad_b is None else grad_bias + grad_b.astype(grad_bias.dtype)
         return grad_bias, (grad_q, grad_k, grad_v)
 
-    xs = tuple(_to_items(x, items) for x in (query, key, value, grad_output, output, lse))
+    xs = tuple(_to_items(x, items) for x in (query, key, value, grad_output, delta, lse))
     init = None  # the sum of the items' bias gradients, in the compute dtype
     if bias is not None:
         init = jnp.zeros(bias_item.shape, rules.compute_dtype(bias.dtype.name))
@@ -560,23 +631,24 @@ def _vjp_heads(
     mask: jax.Array | None,
     bias: jax.Array | None,
     args: rules.Arguments,
-    output: jax.Array,
+    delta: jax.Array,
     lse: jax.Array,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-    """``_blocked_attention_vjp`` for all heads at once."""
+    """``_blocked_attention_vjp`` for all heads at once; ``delta (..., heads, q_len, 1)`` is
+    ``rowsum(dO ⊙ O) - dlse``."""
     q_len, kv_len, v_dim = query.shape[-2], key.shape[-2], value.shape[-1]
     compute = rules.compute_dtype(query.dtype.name)
     lo, hi = rules.band(q_len, kv_len, args.is_causal, args.causal_alignment, args.window)
     banded = lo > -math.inf or hi < math.inf
     if args.window is None and mask is None and bias is None and banded:
         if min(q_len - max(0, -int(hi)), kv_len - max(0, int(hi))) >= 2 * BLOCK_Q:
-            return _causal_vjp(query, key, value, grad_output, args, output, lse)
+            return _causal_vjp(query, key, value, grad_output, args, delta, lse)
     groups = _core._groups(query.shape, key.shape)
     rank = query.ndim  # of the scores too
     q_scaled = _core._to_compute(query) * args.scale  # (..., heads, q_len, head_dim)
     k, v = _core._to_compute(key), _core._to_compute(value)
     d_out = grad_output.astype(compute)  # (..., heads, q_len, v_dim)
-    row_dot = (d_out * output).sum(axis=-1, keepdims=True)  # rowsum(dO ⊙ O): (..., q_len, 1)
+    row_dot = delta  # rowsum(dO ⊙ O) - dlse: (..., q_len, 1)
     if mask is not None:  # full rank: rows and columns are the last two axes
         mask = mask.reshape((1,) * (rank - mask.ndim) + mask.shape)
     if bias is not None:

@@ -18,8 +18,8 @@ import numpy as np
 
 import attention_rules as rules
 
-from ._core import _array, _describe
-from .functional import pipeline
+from ._core import _array, _describe, _describe_parts
+from .functional import merge_attention, pipeline
 
 
 def scaled_dot_product_attention_vjp(
@@ -37,7 +37,8 @@ def scaled_dot_product_attention_vjp(
     softcap: float | None = None,
     dropout_p: float = 0.0,
     dropout_mask: Any = None,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    sinks: Any = None,
+) -> tuple[jax.Array | None, ...]:
     """Gradients of ``scaled_dot_product_attention`` with respect to its array inputs.
 
     Arguments are those of ``scaled_dot_product_attention`` (dropout needs its ``dropout_mask``:
@@ -49,10 +50,12 @@ def scaled_dot_product_attention_vjp(
       value: ``(..., kv_heads, kv_len, v_dim)``.
       grad_output: ``(..., heads, q_len, v_dim)``, the gradient of a loss with respect to the
         output.
+      sinks: ``(heads,)`` sink logits, or None.
 
     Returns:
       ``(grad_query, grad_key, grad_value, grad_bias)`` with the shapes and dtype of query, key,
-      value and bias; ``grad_bias`` is None without a bias.
+      value and bias; ``grad_bias`` is None without a bias; with ``sinks`` a fifth,
+      ``grad_sinks (heads,)``.
     """
     fn = "scaled_dot_product_attention_vjp"
     args = rules.attention_arguments(
@@ -61,19 +64,56 @@ def scaled_dot_product_attention_vjp(
         mask=_describe(fn, "mask", mask), bias=_describe(fn, "bias", bias), is_causal=is_causal,
         causal_alignment=causal_alignment, window=window, scale=scale, softcap=softcap,
         dropout_p=dropout_p, dropout_mask=_describe(fn, "dropout_mask", dropout_mask),
+        sinks=_describe(fn, "sinks", sinks),
     )  # every rule of the spec, once
     query, key, value, grad_output = _array(query), _array(key), _array(value), _array(grad_output)
-    mask, bias, dropout_mask = _array(mask), _array(bias), _array(dropout_mask)
+    mask, dropout_mask = _array(mask), _array(dropout_mask)
+    primals = {"bias": _array(bias), "sinks": _array(sinks)}
+    given = {name: x for name, x in primals.items() if x is not None}
 
-    def attend(q: jax.Array, k: jax.Array, v: jax.Array, b: jax.Array | None) -> jax.Array:
-        return pipeline(q, k, v, mask, b, dropout_mask, None, args)  # validated above
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array, extra: dict) -> jax.Array:
+        arrays = {**primals, **extra}  # validated above
+        return pipeline(q, k, v, mask, arrays["bias"], dropout_mask, None, args, arrays["sinks"])
 
-    # jax.vjp differentiates the forward pass; bias joins the primals only when given.
-    if bias is None:
-        _, pullback = jax.vjp(lambda q, k, v: attend(q, k, v, None), query, key, value)
-        return pullback(grad_output) + (None,)
-    _, pullback = jax.vjp(attend, query, key, value, bias)
-    return pullback(grad_output)
+    # jax.vjp differentiates the forward pass; bias and sinks join the primals only when given.
+    _, pullback = jax.vjp(attend, query, key, value, given)
+    grad_q, grad_k, grad_v, grads = pullback(grad_output)
+    result = (grad_q, grad_k, grad_v, grads.get("bias"))
+    return result + ((grads["sinks"],) if "sinks" in grads else ())
+
+
+def merge_attention_vjp(
+    outputs: Any, lses: Any, grad_output: Any, *, grad_lse: Any = None, sinks: Any = None
+) -> tuple[tuple[jax.Array, ...] | jax.Array, ...]:
+    """Gradients of ``merge_attention``: ``jax.vjp`` of it (numpy_attn derives them by hand).
+
+    Args:
+      outputs: list or tuple of ``(..., heads, q_len, v_dim)`` partial outputs.
+      lses: list or tuple of their ``(..., heads, q_len)`` log-sum-exps.
+      grad_output: ``(..., heads, q_len, v_dim)``: the merged output's cotangent.
+      grad_lse: ``(..., heads, q_len)``: the merged lse's cotangent, or None (0).
+      sinks: ``(heads,)`` sink logits, or None.
+
+    Returns:
+      ``(grad_outputs, grad_lses)``, tuples shaped and typed like ``outputs`` and ``lses``,
+      and with ``sinks`` a third element, ``grad_sinks (heads,)``.
+    """
+    fn = "merge_attention_vjp"
+    args = rules.merge_arguments(
+        fn, _describe_parts(fn, "outputs", outputs), _describe_parts(fn, "lses", lses),
+        sinks=_describe(fn, "sinks", sinks), grad_output=_describe(fn, "grad_output", grad_output),
+        grad_lse=_describe(fn, "grad_lse", grad_lse),
+    )  # every rule, once (merge_attention checks its own arguments again: the same)
+    parts, lse_parts = tuple(map(_array, outputs)), tuple(map(_array, lses))
+    if sinks is None:
+        output, pullback = jax.vjp(lambda o, s: merge_attention(list(o), list(s)), parts,
+                                   lse_parts)
+    else:
+        output, pullback = jax.vjp(lambda o, s, k: merge_attention(list(o), list(s), sinks=k),
+                                   parts, lse_parts, _array(sinks))
+    d_lse = jnp.zeros(args.output_shape[:-1], output[1].dtype) if grad_lse is None else \
+        _array(grad_lse).astype(output[1].dtype)
+    return pullback((_array(grad_output).astype(output[0].dtype), d_lse))
 
 
 def module_weight_grads(

@@ -51,6 +51,7 @@ from ._core import (
     _sum_groups,
     _sum_to_shape,
     _to_compute,
+    _with_sinks,
 )
 
 DEFAULT_BLOCK_Q = 512
@@ -76,7 +77,9 @@ def blockwise_attention(
     softcap: float | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_kv: int = DEFAULT_BLOCK_KV,
-) -> jax.Array:
+    sinks: Any = None,
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Scaled dot-product attention in ``(block_q, block_kv)`` tiles, with the online softmax.
 
     Equal to ``scaled_dot_product_attention(query, key, value, mask=padding_mask(kv_lengths,
@@ -98,16 +101,22 @@ def blockwise_attention(
         ``scaled_dot_product_attention``.
       block_q: queries per tile (``>= 1``).
       block_kv: keys per tile (``>= 1``).
+      sinks: ``(heads,)`` sink logits, joined to each row's denominator after the last tile
+        (autodiff, beyond the tiles' custom VJP); may be traced.
+      return_lse: also return each row's log-sum-exp (static).
 
     Returns:
-      ``(..., heads, q_len, v_dim)`` in the input dtype; fully masked rows give 0.
+      ``(..., heads, q_len, v_dim)`` in the input dtype (fully masked rows give 0), and with
+      ``return_lse`` the lse ``(..., heads, q_len)`` in the compute dtype.
     """
     fn = "blockwise_attention"
     args = _arguments(fn, query, key, value, None, bias, kv_lengths, is_causal, causal_alignment,
-                      window, scale, softcap, block_q, block_kv)  # every rule of the spec, once
+                      window, scale, softcap, block_q, block_kv, sinks,
+                      return_lse)  # every rule of the spec, once
     query, key, value, bias = _array(query), _array(key), _array(value), _array(bias)
     bias, kv_lengths, cfg = _prepare(fn, query, key, bias, kv_lengths, args)
-    return _blockwise(cfg, query, key, value, bias, kv_lengths)
+    output, lse = _attend(cfg, query, key, value, bias, kv_lengths, _array(sinks))
+    return (output, lse[..., 0]) if args.return_lse else output
 
 
 def blockwise_attention_vjp(
@@ -125,7 +134,8 @@ def blockwise_attention_vjp(
     softcap: float | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_kv: int = DEFAULT_BLOCK_KV,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    sinks: Any = None,
+) -> tuple[jax.Array | None, ...]:
     """Gradients of ``blockwise_attention``, tile by tile, from the saved log-sum-exp.
 
     Through ``jax.vjp``: ``blockwise_attention`` is a ``jax.custom_vjp`` whose backward pass
@@ -137,27 +147,32 @@ def blockwise_attention_vjp(
       value: ``(..., kv_heads, kv_len, v_dim)``.
       grad_output: ``(..., heads, q_len, v_dim)``.
       bias, kv_lengths, is_causal, causal_alignment, window, scale, softcap, block_q,
-        block_kv: as in ``blockwise_attention``.
+        block_kv, sinks: as in ``blockwise_attention``.
 
     Returns:
       ``(grad_query, grad_key, grad_value, grad_bias)`` shaped like query, key, value and bias
-      (``grad_bias`` is None without a bias), in their dtypes.
+      (``grad_bias`` is None without a bias), in their dtypes, and with ``sinks`` a fifth,
+      ``grad_sinks (heads,)``.
     """
     fn = "blockwise_attention_vjp"
     args = _arguments(fn, query, key, value, grad_output, bias, kv_lengths, is_causal,
-                      causal_alignment, window, scale, softcap, block_q, block_kv)
+                      causal_alignment, window, scale, softcap, block_q, block_kv, sinks, False)
     query, key, value, bias = _array(query), _array(key), _array(value), _array(bias)
     grad_output, bias_shape = _array(grad_output), None if bias is None else bias.shape
     bias, kv_lengths, cfg = _prepare(fn, query, key, bias, kv_lengths, args)
-    # jax.vjp through the custom_vjp (a second scan); bias joins the primals only when given.
-    if bias is None:
-        _, pullback = jax.vjp(lambda q, k, v: _blockwise(cfg, q, k, v, None, kv_lengths),
-                              query, key, value)
-        return pullback(grad_output) + (None,)
-    _, pullback = jax.vjp(lambda q, k, v, b: _blockwise(cfg, q, k, v, b, kv_lengths),
-                          query, key, value, bias)
-    grad_q, grad_k, grad_v, grad_bias = pullback(grad_output)
-    return grad_q, grad_k, grad_v, grad_bias.reshape(bias_shape)
+    # jax.vjp through the custom_vjp (a second scan); bias and sinks join the primals only
+    # when given.
+    primals = {"bias": bias, "sinks": _array(sinks)}
+    given = {name: x for name, x in primals.items() if x is not None}
+
+    def attend(q: jax.Array, k: jax.Array, v: jax.Array, extra: dict) -> jax.Array:
+        arrays = {**primals, **extra}
+        return _attend(cfg, q, k, v, arrays["bias"], kv_lengths, arrays["sinks"])[0]
+
+    _, pullback = jax.vjp(attend, query, key, value, given)
+    grad_q, grad_k, grad_v, grads = pullback(grad_output)
+    grad_bias = grads["bias"].reshape(bias_shape) if bias is not None else None
+    return (grad_q, grad_k, grad_v, grad_bias) + ((grads["sinks"],) if sinks is not None else ())
 
 
 # ------------------------------------------------------------------------------------------
@@ -263,6 +278,7 @@ def backward_tiles(
     output: jax.Array,
     lse: jax.Array,
     grad_output: jax.Array,
+    grad_lse: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """FlashAttention's backward per tile (numpy_attn's ``backward.py`` derives it for the whole
     matrix): the VJP of ``forward_tiles``.
@@ -270,7 +286,9 @@ def backward_tiles(
     Args:
       query, key, value, bias, kv_lengths, cfg: as in ``forward_tiles``.
       output: ``(..., heads, q_len, v_dim)`` and lse: ``(..., heads, q_len, 1)`` from
-        ``forward_tiles``; grad_output: ``(..., heads, q_len, v_dim)``.
+        ``forward_tiles``; grad_output: ``(..., heads, q_len, v_dim)``; grad_lse: the lse's
+        cotangent ``(..., heads, q_len, 1)`` or None (``dS = P ⊙ (dP - rowsum(dO ⊙ O) +
+        dlse)``).
 
     Returns:
       ``(grad_query, grad_key, grad_value, grad_bias)`` in the compute dtype, shaped like query,
@@ -282,6 +300,8 @@ def backward_tiles(
     groups = _groups(q.shape, k.shape)
     q_scaled = q * cfg.scale
     row_dot = (d_out * _pad(output, q_pad, -2)).sum(axis=-1, keepdims=True)  # rowsum(dO ⊙ O)
+    if grad_lse is not None:  # dlse / dS = P
+        row_dot = row_dot - _pad(grad_lse.astype(row_dot.dtype), q_pad, -2)
     lse = jnp.concatenate(  # padded rows: +inf, so their weights are 0
         [lse, jnp.full(lse.shape[:-2] + (q_pad - cfg.q_len, 1), jnp.inf, lse.dtype)], axis=-2)
     grad_bias = None if bias is None else jnp.zeros(padded_bias.shape, q.dtype)
@@ -326,23 +346,40 @@ def backward_tiles(
             grad_v[..., : cfg.kv_len, :], grad_bias)
 
 
+def _attend(cfg: TileConfig, query: jax.Array, key: jax.Array, value: jax.Array,
+            bias: jax.Array | None, kv_lengths: jax.Array | None,
+            sinks: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """The tiles (``_blockwise``), then the sinks joined once (``_core._with_sinks``): the
+    output in the input dtype and the lse ``(..., heads, q_len, 1)`` in the compute dtype."""
+    output, lse = _blockwise(cfg, query, key, value, bias, kv_lengths)
+    output, lse = _with_sinks(output, lse, sinks)
+    return output.astype(query.dtype), lse
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _blockwise(cfg: TileConfig, query: jax.Array, key: jax.Array, value: jax.Array,
-               bias: jax.Array | None, kv_lengths: jax.Array | None) -> jax.Array:
-    """jax only: the forward scan, with ``_blockwise_bwd`` as its VJP."""
-    return forward_tiles(query, key, value, bias, kv_lengths, cfg)[0].astype(query.dtype)
+               bias: jax.Array | None, kv_lengths: jax.Array | None
+               ) -> tuple[jax.Array, jax.Array]:
+    """jax only: the forward scan, with ``_blockwise_bwd`` as its VJP: the output in the
+    compute dtype and the lse ``(..., heads, q_len, 1)`` (``-inf``: no key), both
+    differentiable."""
+    output, lse = forward_tiles(query, key, value, bias, kv_lengths, cfg)
+    return output, jnp.where(lse == jnp.inf, NEG_INF, lse)
 
 
 def _blockwise_fwd(cfg: TileConfig, query: jax.Array, key: jax.Array, value: jax.Array,
                    bias: jax.Array | None, kv_lengths: jax.Array | None) -> tuple:
     output, lse = forward_tiles(query, key, value, bias, kv_lengths, cfg)
-    return output.astype(query.dtype), (query, key, value, bias, kv_lengths, output, lse)
+    public = jnp.where(lse == jnp.inf, NEG_INF, lse)
+    return (output, public), (query, key, value, bias, kv_lengths, output, lse)
 
 
-def _blockwise_bwd(cfg: TileConfig, residuals: tuple, grad_output: jax.Array) -> tuple:
+def _blockwise_bwd(cfg: TileConfig, residuals: tuple,
+                   cotangents: tuple[jax.Array, jax.Array]) -> tuple:
     query, key, value, bias, kv_lengths, output, lse = residuals
+    grad_output, grad_lse = cotangents
     grad_q, grad_k, grad_v, grad_bias = backward_tiles(
-        query, key, value, bias, kv_lengths, cfg, output, lse, grad_output
+        query, key, value, bias, kv_lengths, cfg, output, lse, grad_output, grad_lse
     )
     grad_bias = None if grad_bias is None else grad_bias.astype(bias.dtype)
     # kv_lengths holds ints: no cotangent (None)
@@ -361,7 +398,7 @@ _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
 def _arguments(
     fn: str, query: Any, key: Any, value: Any, grad_output: Any, bias: Any, kv_lengths: Any,
     is_causal: Any, causal_alignment: Any, window: Any, scale: Any, softcap: Any, block_q: Any,
-    block_kv: Any,
+    block_kv: Any, sinks: Any, return_lse: Any,
 ) -> rules.Arguments:
     """``rules.attention_arguments`` for the forward pass (``grad_output`` None) and the VJP."""
     return rules.attention_arguments(
@@ -370,7 +407,8 @@ def _arguments(
         grad_output=None if grad_output is None else _describe(fn, "grad_output", grad_output),
         bias=_describe(fn, "bias", bias), is_causal=is_causal, causal_alignment=causal_alignment,
         window=window, scale=scale, softcap=softcap, kv_lengths=_describe_lengths(kv_lengths),
-        block_q=block_q, block_kv=block_kv,
+        block_q=block_q, block_kv=block_kv, sinks=_describe(fn, "sinks", sinks),
+        return_lse=return_lse,
     )
 
 

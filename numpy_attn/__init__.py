@@ -4,7 +4,7 @@ Layout ``(..., heads, seq, head_dim)``; boolean masks mean True = may attend; fu
 give exactly 0. See ``conformance/spec/`` for the full specification.
 """
 
-from .backward import Adam, scaled_dot_product_attention_vjp, sgd_step
+from .backward import Adam, merge_attention_vjp, scaled_dot_product_attention_vjp, sgd_step
 from .blockwise import blockwise_attention, blockwise_attention_vjp
 from .context_parallel import context_parallel_attention, context_parallel_attention_vjp
 from .functional import (
@@ -13,6 +13,7 @@ from .functional import (
     attention_scores,
     attention_weights,
     mask_scores,
+    merge_attention,
     renormalized_causal_weights,
     scaled_dot_product_attention,
 )
@@ -45,6 +46,8 @@ __all__ = [
     "causal_mask",
     "combine_masks",
     "mask_scores",
+    "merge_attention",
+    "merge_attention_vjp",
     "padding_mask",
     "renormalized_causal_weights",
     "scaled_dot_product_attention",

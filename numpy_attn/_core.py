@@ -9,6 +9,7 @@ inputs once, with ``attention_rules``, then call these.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -136,15 +137,96 @@ def _output(weights: np.ndarray, value: np.ndarray) -> np.ndarray:
     return output.reshape(_merged(output.shape, groups))  # (..., heads, q_len, v_dim)
 
 
+def _softmax_lse(scores: np.ndarray, sinks: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Softmax over the last axis (in place) and each row's log-sum-exp ``(..., q_len)``:
+    ``scores (..., heads, q_len, kv_len)``; ``sinks (heads,)`` (or None) join every row's
+    denominator as a column without a value (``spec.SINKS``), so the weights of a row sum to
+    less than 1. A row that is all ``-inf`` gives weights 0 and, without a sink, lse ``-inf``."""
+    row_max = scores.max(axis=-1, keepdims=True, initial=NEG_INF)  # (..., q_len, 1)
+    if sinks is not None:  # the shift covers the sink too: exp(sink - max) <= 1
+        sink = _sink_column(sinks, scores.ndim, scores.dtype)  # (heads, 1, 1)
+        row_max = np.maximum(row_max, sink)
+    row_max[row_max == NEG_INF] = 0.0  # fully masked row: exp(-inf - 0) = 0, no NaN
+    scores -= row_max
+    np.exp(scores, out=scores)
+    row_sum = scores.sum(axis=-1, keepdims=True)  # (..., q_len, 1)
+    if sinks is not None:
+        row_sum += np.exp(sink - row_max)
+    with np.errstate(divide="ignore"):  # log(0) = -inf: a row without a key or a sink
+        lse = (row_max + np.log(row_sum))[..., 0]  # (..., q_len)
+    row_sum[row_sum == 0.0] = 1.0  # 0 / 1 = 0 for fully masked rows
+    scores /= row_sum
+    return scores, lse
+
+
+def _sink_column(sinks: np.ndarray, ndim: int, dtype: Any) -> np.ndarray:
+    """``(heads,)`` sink logits against rows ``(..., heads, q_len, 1)`` of rank ``ndim``:
+    ``(heads, 1, 1)``, or ``(1, 1)`` for inputs without a heads axis, in ``dtype``."""
+    sinks = sinks.astype(dtype, copy=False)
+    return sinks.reshape(sinks.shape + (1, 1)) if ndim >= 3 else sinks.reshape(1, 1)
+
+
+def _merge_attention(
+    outputs: tuple[np.ndarray, ...], lses: tuple[np.ndarray, ...], sinks: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Partial results over disjoint key sets of the same rows, each an output
+    ``(..., rows, v_dim)`` and its log-sum-exp ``(..., rows, 1)`` (``-inf``: no key), merged
+    into the attention over every key set and its log-sum-exp (``spec.MERGING``; the online
+    softmax's step). ``sinks (heads,)`` join the denominator once: a part whose output is 0."""
+    lses = list(lses)
+    if sinks is not None:
+        lses.append(_sink_column(sinks, outputs[0].ndim, lses[0].dtype))
+    row_max = functools.reduce(np.maximum, lses)  # (..., rows, 1)
+    shift = np.where(row_max == NEG_INF, 0.0, row_max).astype(row_max.dtype)  # no -inf - -inf
+    scales = [np.exp(lse - shift) for lse in lses]  # exp(lse_i - max) <= 1; 0 for no key
+    total = functools.reduce(np.add, scales)
+    with np.errstate(divide="ignore"):  # log(0) = -inf: no key in any part
+        lse = shift + np.log(total)
+    output = functools.reduce(np.add, [a * out for a, out in zip(scales, outputs, strict=False)])
+    return output / np.where(total == 0.0, 1.0, total).astype(total.dtype), lse
+
+
 def _merge_partials(
     out_a: np.ndarray, lse_a: np.ndarray, out_b: np.ndarray, lse_b: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Two partial results over different keys of the same rows, each an output
-    ``(..., rows, v_dim)`` and its log-sum-exp ``(..., rows, 1)`` (``-inf``: no key), merged
-    into the attention over both key sets and its log-sum-exp (the online softmax's step)."""
-    lse = np.logaddexp(lse_a, lse_b)  # (..., rows, 1); -inf: no key in either
-    safe = np.where(lse == -np.inf, 0.0, lse).astype(lse.dtype)  # no -inf - -inf
-    return np.exp(lse_a - safe) * out_a + np.exp(lse_b - safe) * out_b, lse
+    """Two partial results over different keys of the same rows (``_merge_attention`` of two
+    parts, the ring's and the causal pieces' step): outputs ``(..., rows, v_dim)``, lses
+    ``(..., rows, 1)`` (``-inf``: no key)."""
+    return _merge_attention((out_a, out_b), (lse_a, lse_b), None)
+
+
+def _with_sinks(
+    output: np.ndarray, lse: np.ndarray, sinks: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Rows finished over their keys by the online softmax, ``output (..., rows, v_dim)`` and
+    ``lse (..., rows, 1)`` (``+inf`` for a row without a key, the tiles' convention), in the
+    spec's terms: the sinks joined (``_merge_attention``) and ``-inf`` for a row without a key
+    nor a sink."""
+    lse = np.where(lse == np.inf, NEG_INF, lse).astype(lse.dtype)
+    if sinks is None:
+        return output, lse
+    return _merge_attention((output,), (lse,), sinks)
+
+
+def _sinks_grad(sinks: np.ndarray, lse: np.ndarray, row_dot: np.ndarray) -> np.ndarray:
+    """``d sinks (heads,)`` in ``lse``'s dtype: ``-sum p_sink · row_dot`` over every axis but
+    the heads, ``p_sink = exp(sink - lse)`` (0 where lse is ``±inf``: a row with no key nor
+    sink); ``lse`` and ``row_dot = rowsum(dO ⊙ O) - dlse`` are ``(..., heads, rows, 1)``."""
+    sink = _sink_column(sinks, lse.ndim, lse.dtype)
+    with np.errstate(invalid="ignore"):
+        p_sink = np.where(np.isinf(lse), 0.0, np.exp(sink - lse))  # (..., heads, rows, 1)
+    terms = -p_sink * row_dot
+    if lse.ndim < 3:  # no heads axis: one sink
+        return terms.sum(keepdims=True).reshape(1).astype(lse.dtype)
+    axes = tuple(a for a in range(terms.ndim) if a != terms.ndim - 3)
+    return terms.sum(axis=axes).astype(lse.dtype)
+
+
+def _describe_parts(fn: str, name: str, parts: Any) -> list[rules.ArrayInfo]:
+    """``merge_attention``'s partial results as the rules see them: a list or tuple of arrays,
+    ``name[i]`` each."""
+    rules.check_parts(fn, name, parts)
+    return [_describe(fn, f"{name}[{i}]", x) for i, x in enumerate(parts)]
 
 
 # ------------------------------------------------------------------------------------------

@@ -16,7 +16,10 @@ explicit steps' own helpers (``_softcap``, ``_in_band``, ``_unnormalised_softmax
 bias are sliced per block from broadcast views, never materialised. Without a bias, a head
 whose scores are all within ``±EXP_BOUND`` (``|q·k| <= |q| |k|``, from the row norms) skips the
 shift by the row max, which changes nothing but rounding: ``exp`` can neither overflow nor
-underflow there. The result equals the explicit steps' within float32 rounding
+underflow there. Each block's row log-sum-exp ``max + log(sum)`` is kept when asked
+(``return_lse``: no extra pass) or when ``sinks`` are given, which join each block's rows at its
+end (``output · exp(lse - logaddexp(lse, sink))``). The result equals the explicit steps' within
+float32 rounding
 (``tests/test_performance_paths.py``), NaN and infinities included: a masked position's score
 is replaced by ``-inf``, a skipped block is never read, and a NaN or infinite norm takes the
 shifted softmax.
@@ -54,7 +57,7 @@ import numpy as np
 import attention_rules as rules
 
 from . import _threads
-from ._core import NEG_INF, _groups, _in_band, _softcap, _unnormalised_softmax
+from ._core import NEG_INF, _groups, _in_band, _sinks_grad, _softcap, _unnormalised_softmax
 
 _BLOCKED = rules.FAST_PATHS["numpy_attn"]["blocked"]
 BLOCK_Q = _BLOCKED["block_q"]  # query rows per block: a float32 block of scores stays in L2
@@ -92,13 +95,22 @@ def fast_attention(
     mask: np.ndarray | None,
     bias: np.ndarray | None,
     args: rules.Arguments,
-) -> np.ndarray:
+    sinks: np.ndarray | None = None,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """``scaled_dot_product_attention``'s output on the path ``use_fast_path`` chose:
-    ``(..., heads, q_len, v_dim)`` in the input dtype."""
+    ``(..., heads, q_len, v_dim)`` in the input dtype, and with ``args.return_lse`` the
+    row log-sum-exp ``(..., heads, q_len)`` the blocks computed anyway (compute dtype); the
+    ``(heads,)`` ``sinks`` join each block's denominators at its end."""
     dtype = query.dtype
     query, key, value = _compute_arrays(query, key, value, args.scale)
-    output = _blocked_attention(query, key, value, mask, bias, args, None)
-    return output.astype(dtype, copy=False)
+    lse = np.empty(query.shape[:-1], query.dtype) if args.return_lse else None
+    sinks = None if sinks is None else sinks.astype(query.dtype, copy=False)
+    output = _blocked_attention(query, key, value, mask, bias, args, lse, sinks)
+    output = output.astype(dtype, copy=False)
+    if lse is None:
+        return output
+    lse[lse == np.inf] = NEG_INF  # the spec's -inf for a row without a key nor a sink
+    return output, lse
 
 
 def fast_attention_vjp(
@@ -110,11 +122,14 @@ def fast_attention_vjp(
     mask: np.ndarray | None,
     bias: np.ndarray | None,
     args: rules.Arguments,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    sinks: np.ndarray | None = None,
+) -> tuple[np.ndarray | None, ...]:
     """``scaled_dot_product_attention_vjp``'s gradients on the path ``use_fast_path`` chose:
     ``(grad_query, grad_key, grad_value, grad_bias)`` shaped like query ``(..., heads, q_len,
     head_dim)``, key ``(..., kv_heads, kv_len, head_dim)``, value ``(..., kv_heads, kv_len,
-    v_dim)`` and bias (None without one), in their dtypes."""
+    v_dim)`` and bias (None without one), in their dtypes; with ``sinks`` ``(heads,)`` a fifth,
+    ``grad_sinks``. The forward pass joins the sinks, so ``P`` and ``delta`` are those of the
+    rows with their sinks and the tiles' formulas stay as they are."""
     compute = rules.compute_dtype(query.dtype.name)
     head_dim, v_dim = query.shape[-1], value.shape[-1]
     # One column more than the inputs (see _blocked_attention_vjp): [Q · scale, -lse], [K, 1],
@@ -123,15 +138,19 @@ def fast_attention_vjp(
     np.multiply(query, args.scale, out=query_lse[..., :head_dim], dtype=compute)  # (q is cheapest)
     key_ones, value_ones = _with_ones(key, compute), _with_ones(value, compute)
     lse = query_lse[..., head_dim]  # (..., heads, q_len), written by the forward pass
+    compute_sinks = None if sinks is None else sinks.astype(compute, copy=False)
     output = _blocked_attention(query_lse[..., :head_dim], key_ones[..., :head_dim],
-                                value_ones[..., :v_dim], mask, bias, args, lse)
-    np.negative(lse, out=lse)  # -lse: -inf on fully masked rows
+                                value_ones[..., :v_dim], mask, bias, args, lse, compute_sinks)
     grad_output_delta = np.empty(grad_output.shape[:-1] + (v_dim + 1,), compute)
     grad_output_delta[..., :v_dim] = grad_output  # (..., heads, q_len, v_dim + 1)
     # delta = rowsum(dO ⊙ O): (..., heads, q_len)
     np.einsum("...d,...d->...", grad_output_delta[..., :v_dim], output,
               out=grad_output_delta[..., v_dim])
     del output
+    grad_sinks = None  # d sink = -sum exp(sink - lse) · delta
+    if sinks is not None:
+        grad_sinks = _sinks_grad(compute_sinks, lse[..., None], grad_output_delta[..., v_dim:])
+    np.negative(lse, out=lse)  # -lse: -inf on fully masked rows
     np.negative(grad_output_delta[..., v_dim], out=grad_output_delta[..., v_dim])  # -delta
     grad_q, grad_k, grad_v, grad_bias = _blocked_attention_vjp(
         query_lse, key_ones, value_ones, grad_output_delta, mask, bias, args
@@ -139,9 +158,9 @@ def fast_attention_vjp(
     dtype = query.dtype
     grads = (grad_q.astype(dtype, copy=False), grad_k.astype(dtype, copy=False),
              grad_v.astype(dtype, copy=False))
-    if grad_bias is None:
-        return grads + (None,)
-    return grads + (grad_bias.reshape(bias.shape).astype(bias.dtype, copy=False),)
+    grads += (None if grad_bias is None else
+              grad_bias.reshape(bias.shape).astype(bias.dtype, copy=False),)
+    return grads if sinks is None else grads + (grad_sinks.astype(sinks.dtype),)
 
 
 def _with_ones(x: np.ndarray, compute: str) -> np.ndarray:
@@ -171,10 +190,12 @@ def _blocked_attention(
     bias: np.ndarray | None,
     args: rules.Arguments,
     lse: np.ndarray | None,
+    sinks: np.ndarray | None = None,
 ) -> np.ndarray:
     """The output ``(..., heads, q_len, v_dim)`` in the compute dtype, block by block, on the
     thread pool; ``query`` is scaled. With ``lse`` ``(..., heads, q_len)``, each row's
-    log-sum-exp is written there (``+inf`` for a fully masked row)."""
+    log-sum-exp is written there (``+inf`` for a row without a key nor a sink). The ``(heads,)``
+    ``sinks`` (compute dtype) join each block's rows at its end (``finish``)."""
     q_len, kv_len = query.shape[-2], key.shape[-2]
     target = args.scores_shape  # (..., heads, q_len, kv_len)
     groups = _groups(query.shape, key.shape)
@@ -193,14 +214,27 @@ def _blocked_attention(
             tasks.append((index, i0, i1, rules.key_range(i0, i1, kv_len, lo, hi)))
     tasks.sort(key=lambda task: task[3][0] - task[3][1])  # longest key range first
 
+    need_lse = lse is not None or sinks is not None
+
+    def finish(index: tuple[int, ...], i0: int, i1: int, out: np.ndarray,
+               row_lse: np.ndarray) -> None:
+        """The rows' sink joined (``row_lse``: over the keys, ``-inf`` for none) and the lse
+        stored (``+inf`` for a row without a key nor a sink: ``exp(s - lse)`` is 0 there)."""
+        if sinks is not None:  # one logit per head, added to the denominator at the end
+            total = np.logaddexp(row_lse, sinks[index[-1] if index else 0])
+            out *= np.exp(row_lse - np.where(total == NEG_INF, 0.0, total))[:, None]
+            row_lse = total
+        if lse is not None:
+            lse[index][i0:i1] = np.where(row_lse == NEG_INF, np.inf, row_lse)
+
     def block(index: tuple[int, ...], i0: int, i1: int, keys: tuple[int, int, int, int],
               buffer: np.ndarray) -> None:
         k0, k1, a, b = keys
         out = output[index][i0:i1]  # (rows, v_dim)
         if k1 == k0:  # no key allowed for any row: fully masked
             out[...] = 0.0
-            if lse is not None:
-                lse[index][i0:i1] = np.inf
+            if need_lse:
+                finish(index, i0, i1, out, np.full(i1 - i0, NEG_INF, output.dtype))
             return
         kv_index = index[:-1] + (index[-1] // groups,) if index else ()
         scores = buffer[: (i1 - i0) * (k1 - k0)].reshape(i1 - i0, k1 - k0)  # (rows, keys)
@@ -217,18 +251,17 @@ def _blocked_attention(
         if unshifted is not None and unshifted[index]:  # |scores| <= EXP_BOUND: no row max
             weights = np.exp(scores, out=scores)  # in place; 0 where masked
             row_sum = weights.sum(axis=-1, keepdims=True)  # (rows, 1)
-            if lse is not None:  # 0: nothing was shifted; -inf: a fully masked row
-                row_max = np.where(row_sum[:, 0] == 0.0, NEG_INF, 0.0)
+            if need_lse:  # 0: nothing was shifted; -inf: a fully masked row
+                row_max = np.where(row_sum[:, 0] == 0.0, NEG_INF, 0.0).astype(output.dtype)
             row_sum[row_sum == 0.0] = 1.0  # 0 / 1 = 0 for fully masked rows
         else:
-            if lse is not None:  # the softmax below shifts the scores by their row max
+            if need_lse:  # the softmax below shifts the scores by their row max
                 row_max = scores.max(axis=-1, initial=NEG_INF)  # (rows,)
             weights, row_sum = _unnormalised_softmax(scores)  # in place; (rows, 1)
         np.matmul(weights, value[kv_index][k0:k1], out=out)  # normalised after @ value
         out /= row_sum
-        if lse is not None:  # log-sum-exp; +inf on a fully masked row: exp(s - lse) = 0
-            np.log(row_sum[:, 0], out=lse[index][i0:i1])
-            lse[index][i0:i1] += np.where(row_max == NEG_INF, np.inf, row_max)
+        if need_lse:  # log-sum-exp over the keys: -inf on a fully masked row (log 1 - inf)
+            finish(index, i0, i1, out, np.log(row_sum[:, 0]) + row_max)
 
     # a lane's scratch: the scores of one block
     _threads.run_lanes(tasks, block, lambda: np.empty(block_q * kv_len, dtype=query.dtype))

@@ -20,8 +20,11 @@ Backward, given ``dO`` (FlashAttention's derivation, Dao et al. 2022, appendix B
     dK = dS0ᵀ Q · scale
 
 Masked positions have ``P = 0`` and so ``dS = 0``: no gradient flows through them, and a fully
-masked row contributes exactly 0. With grouped-query attention, the query heads that share a
-key/value head add their ``dK`` and ``dV`` into it.
+masked row contributes exactly 0. A sink (``spec.SINKS``) is one more column of ``S`` whose value
+is 0: ``P`` is normalised with it, ``dP`` is 0 there, so the formulas hold as written and
+``dsink = -sum p_sink · rowsum(dO ⊙ O)``, ``p_sink = exp(sink - lse)``. ``merge_attention_vjp``
+differentiates ``merge_attention`` by hand too. With grouped-query attention, the query heads
+that share a key/value head add their ``dK`` and ``dV`` into it.
 
 ``scaled_dot_product_attention_vjp`` below is these formulas on whole ``(q_len, kv_len)``
 arrays: the code to read. For large inputs (``_fast.use_fast_path``, the forward pass's rule)
@@ -43,12 +46,16 @@ from . import _fast
 from ._core import (
     _array,
     _describe,
+    _describe_parts,
     _groups,
     _mask_scores,
     _matmul_grouped,
+    _merge_attention,
     _output,
     _scores,
+    _sinks_grad,
     _softmax,
+    _softmax_lse,
     _sum_groups,
     _sum_to_shape,
     _to_compute,
@@ -70,7 +77,8 @@ def scaled_dot_product_attention_vjp(
     softcap: float | None = None,
     dropout_p: float = 0.0,
     dropout_mask: Any = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    sinks: Any = None,
+) -> tuple[np.ndarray | None, ...]:
     """Gradients of ``scaled_dot_product_attention`` with respect to its array inputs.
 
     Arguments are those of ``scaled_dot_product_attention`` (dropout needs its ``dropout_mask``:
@@ -82,10 +90,15 @@ def scaled_dot_product_attention_vjp(
       value: ``(..., kv_heads, kv_len, v_dim)``.
       grad_output: ``(..., heads, q_len, v_dim)``, the gradient of a loss with respect to the
         output.
+      sinks: ``(heads,)`` sink logits, or None. The sink is one more column of the softmax
+        whose value is 0, so ``dP`` is 0 there, ``rowsum(dO ⊙ O)`` is unchanged and the
+        formulas above hold with ``P`` normalised by the sink too; ``d sink = -sum p_sink ·
+        rowsum(dO ⊙ O)`` over batch and queries, ``p_sink = exp(sink - lse)``.
 
     Returns:
       ``(grad_query, grad_key, grad_value, grad_bias)`` with the shapes and dtype of query, key,
-      value and bias; ``grad_bias`` is None without a bias.
+      value and bias; ``grad_bias`` is None without a bias; with ``sinks`` a fifth,
+      ``grad_sinks (heads,)`` in the sinks' dtype.
     """
     fn = "scaled_dot_product_attention_vjp"
     args = rules.attention_arguments(
@@ -94,19 +107,25 @@ def scaled_dot_product_attention_vjp(
         mask=_describe(fn, "mask", mask), bias=_describe(fn, "bias", bias), is_causal=is_causal,
         causal_alignment=causal_alignment, window=window, scale=scale, softcap=softcap,
         dropout_p=dropout_p, dropout_mask=_describe(fn, "dropout_mask", dropout_mask),
+        sinks=_describe(fn, "sinks", sinks),
     )  # every rule of the spec, once
     query, key, value, grad_output = _array(query), _array(key), _array(value), _array(grad_output)
     mask, bias, dropout_mask = _array(mask), _array(bias), _array(dropout_mask)
+    sinks = _array(sinks)
     scale, softcap, dropout_p = args.scale, args.softcap, args.dropout_p
     path = _fast.use_fast_path(query, key, value, mask, bias, args)
     if path is not None:  # large inputs: the same gradients tile by tile, on every core
-        return _fast.fast_attention_vjp(path, query, key, value, grad_output, mask, bias, args)
+        return _fast.fast_attention_vjp(path, query, key, value, grad_output, mask, bias, args,
+                                        sinks)
 
     # Forward again, keeping what the backward pass needs.
     capped = _scores(query, key, scale, softcap)  # S1: (..., heads, q_len, kv_len)
     weights = _mask_scores(capped.copy(), mask, bias, args.is_causal, args.causal_alignment,
                            args.window)
-    weights = _softmax(weights)  # P
+    if sinks is None:
+        weights = _softmax(weights)  # P
+    else:  # P, normalised with the sink; lse: (..., heads, q_len)
+        weights, lse = _softmax_lse(weights, sinks)
     keep = 1.0 if dropout_p == 0 else dropout_mask * (1.0 / (1.0 - dropout_p))  # Z / (1 - p)
     dropped = weights * keep if dropout_p > 0 else weights  # P̃
     output = _output(dropped, value)  # O: (..., heads, q_len, v_dim)
@@ -130,7 +149,63 @@ def scaled_dot_product_attention_vjp(
     grad_key = _sum_groups(np.swapaxes(grad_scores, -1, -2) @ q, groups)
     dtype = query.dtype
     grads = (grad_query.astype(dtype), grad_key.astype(dtype), grad_value.astype(dtype))
-    return grads + (None if grad_bias is None else grad_bias.astype(bias.dtype),)
+    grads += (None if grad_bias is None else grad_bias.astype(bias.dtype),)
+    if sinks is None:
+        return grads
+    # d sink = -sum over batch and queries of p_sink · rowsum(dO ⊙ O), p_sink = exp(sink - lse)
+    return grads + (_sinks_grad(sinks, lse[..., None], row_dot).astype(sinks.dtype),)
+
+
+def merge_attention_vjp(
+    outputs: Any, lses: Any, grad_output: Any, *, grad_lse: Any = None, sinks: Any = None
+) -> tuple[tuple[np.ndarray, ...] | np.ndarray, ...]:
+    """Gradients of ``merge_attention``, by hand.
+
+    Forward: ``L = log(sum_i exp(lse_i) + exp(sink))``, ``a_i = exp(lse_i - L)``, ``O = sum_i
+    a_i O_i``. Since ``d a_i / d lse_j = a_i (δ_ij - a_j)`` and ``dL / d lse_i = a_i``::
+
+        dO_i    = a_i dO
+        dlse_i  = a_i (rowsum(dO ⊙ (O_i - O)) + dL)
+        dsink   = a_sink (dL - rowsum(dO ⊙ O))       summed over batch and queries
+
+    A part with lse ``-inf`` has ``a_i = 0``: its gradients are 0 (no NaN, also when every
+    part is ``-inf``).
+
+    Args:
+      outputs: list or tuple of ``(..., heads, q_len, v_dim)`` partial outputs.
+      lses: list or tuple of their ``(..., heads, q_len)`` log-sum-exps.
+      grad_output: ``(..., heads, q_len, v_dim)``: the merged output's cotangent.
+      grad_lse: ``(..., heads, q_len)``: the merged lse's cotangent, or None (0).
+      sinks: ``(heads,)`` sink logits, or None.
+
+    Returns:
+      ``(grad_outputs, grad_lses)``, tuples shaped and typed like ``outputs`` and ``lses``,
+      and with ``sinks`` a third element, ``grad_sinks (heads,)`` in the sinks' dtype.
+    """
+    fn = "merge_attention_vjp"
+    args = rules.merge_arguments(
+        fn, _describe_parts(fn, "outputs", outputs), _describe_parts(fn, "lses", lses),
+        sinks=_describe(fn, "sinks", sinks), grad_output=_describe(fn, "grad_output", grad_output),
+        grad_lse=_describe(fn, "grad_lse", grad_lse),
+    )
+    parts = [_array(out).astype(args.compute, copy=False) for out in outputs]
+    lse_parts = [_array(lse).astype(args.compute, copy=False)[..., None] for lse in lses]
+    sinks = _array(sinks)
+    output, lse = _merge_attention(tuple(parts), tuple(lse_parts), sinks)  # O, L: (..., q, 1)
+    d_out = _array(grad_output).astype(args.compute, copy=False)  # (..., q_len, v_dim)
+    d_lse = 0.0 if grad_lse is None else _array(grad_lse).astype(args.compute)[..., None]
+    shift = np.where(lse == -np.inf, 0.0, lse).astype(lse.dtype)  # every part -inf: a_i = 0
+    grad_outputs, grad_lses = [], []
+    for out, part, given_out, given_lse in zip(parts, lse_parts, outputs, lses, strict=True):
+        a = np.exp(part - shift)  # a_i: (..., q_len, 1)
+        grad_outputs.append((a * d_out).astype(_array(given_out).dtype, copy=False))
+        grad = a * ((d_out * (out - output)).sum(axis=-1, keepdims=True) + d_lse)
+        grad_lses.append(grad[..., 0].astype(_array(given_lse).dtype, copy=False))
+    grads = (tuple(grad_outputs), tuple(grad_lses))
+    if sinks is None:
+        return grads
+    row_dot = (d_out * output).sum(axis=-1, keepdims=True) - d_lse  # rowsum(dO ⊙ O) - dL
+    return grads + (_sinks_grad(sinks, lse, row_dot).astype(sinks.dtype),)
 
 
 # ------------------------------------------------------------------------------------------

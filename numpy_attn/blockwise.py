@@ -16,7 +16,9 @@ Extra memory is a few ``(..., heads, block_q, block_kv)`` tiles. Masks are struc
 arrays: the causal rule (both alignments), the sliding window and per-sequence key lengths
 (``kv_lengths``) are evaluated per tile, and a tile that the causal rule or the window masks
 entirely is never computed. The backward pass keeps only the log-sum-exp ``lse = m + log l``
-of each row and recomputes every tile's weights as ``exp(s - lse)``.
+of each row and recomputes every tile's weights as ``exp(s - lse)``. Attention sinks join each
+row's denominator once, after the last tile (``_core._with_sinks``), and ``return_lse`` returns
+that lse.
 
 Both passes run on numpy_attn's threads (``_threads.run_lanes``, BLAS in one thread per
 worker): the forward pass one query block per task (its output rows are its own), the backward
@@ -42,10 +44,12 @@ from ._core import (
     _groups,
     _in_band,
     _matmul_grouped,
+    _sinks_grad,
     _softcap,
     _sum_groups,
     _sum_to_shape,
     _to_compute,
+    _with_sinks,
 )
 
 DEFAULT_BLOCK_Q = 512
@@ -71,7 +75,9 @@ def blockwise_attention(
     softcap: float | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_kv: int = DEFAULT_BLOCK_KV,
-) -> np.ndarray:
+    sinks: Any = None,
+    return_lse: bool = False,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Scaled dot-product attention in ``(block_q, block_kv)`` tiles, with the online softmax.
 
     Equal to ``scaled_dot_product_attention(query, key, value, mask=padding_mask(kv_lengths,
@@ -91,18 +97,24 @@ def blockwise_attention(
         ``scaled_dot_product_attention``.
       block_q: queries per tile (``>= 1``).
       block_kv: keys per tile (``>= 1``).
+      sinks: ``(heads,)`` sink logits, joined to each row's denominator after the last tile.
+      return_lse: also return each row's log-sum-exp.
 
     Returns:
-      ``(..., heads, q_len, v_dim)`` in the input dtype; fully masked rows give 0.
+      ``(..., heads, q_len, v_dim)`` in the input dtype (fully masked rows give 0), and with
+      ``return_lse`` the lse ``(..., heads, q_len)`` in the compute dtype.
     """
     fn = "blockwise_attention"
     args = _arguments(fn, query, key, value, None, bias, kv_lengths, is_causal, causal_alignment,
-                      window, scale, softcap, block_q, block_kv)  # every rule of the spec, once
+                      window, scale, softcap, block_q, block_kv, sinks,
+                      return_lse)  # every rule of the spec, once
     query, key, value, bias = _array(query), _array(key), _array(value), _array(bias)
     bias, kv_lengths, plan, lo, hi = _prepare(fn, query, key, bias, kv_lengths, args)
-    output, _ = forward_tiles(query, key, value, bias, kv_lengths, plan, lo, hi, args.scale,
-                              args.softcap)
-    return output.astype(query.dtype, copy=False)
+    output, lse = forward_tiles(query, key, value, bias, kv_lengths, plan, lo, hi, args.scale,
+                                args.softcap)
+    output, lse = _with_sinks(output, lse, _array(sinks))  # the sinks join once, at the end
+    output = output.astype(query.dtype, copy=False)
+    return (output, lse[..., 0]) if args.return_lse else output
 
 
 def blockwise_attention_vjp(
@@ -120,11 +132,15 @@ def blockwise_attention_vjp(
     softcap: float | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_kv: int = DEFAULT_BLOCK_KV,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    sinks: Any = None,
+) -> tuple[np.ndarray | None, ...]:
     """Gradients of ``blockwise_attention``, tile by tile, from the saved log-sum-exp.
 
     Written by hand (``backward.py``'s derivation per tile): the forward pass keeps only the
-    output and ``lse`` per row; each tile's weights are recomputed as ``exp(s - lse)``.
+    output and ``lse`` per row; each tile's weights are recomputed as ``exp(s - lse)``. With
+    sinks, ``output`` and ``lse`` are those of the rows with the sink joined, so the tiles'
+    formulas stay as they are (the sink's column has no value: ``dP`` is 0 there), and
+    ``d sink = -sum exp(sink - lse) · rowsum(dO ⊙ O)``.
 
     Args:
       query: ``(..., heads, q_len, head_dim)``.
@@ -132,29 +148,36 @@ def blockwise_attention_vjp(
       value: ``(..., kv_heads, kv_len, v_dim)``.
       grad_output: ``(..., heads, q_len, v_dim)``.
       bias, kv_lengths, is_causal, causal_alignment, window, scale, softcap, block_q,
-        block_kv: as in ``blockwise_attention``.
+        block_kv, sinks: as in ``blockwise_attention``.
 
     Returns:
       ``(grad_query, grad_key, grad_value, grad_bias)`` shaped like query, key, value and bias
-      (``grad_bias`` is None without a bias), in their dtypes.
+      (``grad_bias`` is None without a bias), in their dtypes, and with ``sinks`` a fifth,
+      ``grad_sinks (heads,)`` in the sinks' dtype.
     """
     fn = "blockwise_attention_vjp"
     args = _arguments(fn, query, key, value, grad_output, bias, kv_lengths, is_causal,
-                      causal_alignment, window, scale, softcap, block_q, block_kv)
+                      causal_alignment, window, scale, softcap, block_q, block_kv, sinks, False)
     query, key, value, bias = _array(query), _array(key), _array(value), _array(bias)
     grad_output, bias_shape = _array(grad_output), None if bias is None else bias.shape
     bias, kv_lengths, plan, lo, hi = _prepare(fn, query, key, bias, kv_lengths, args)
     output, lse = forward_tiles(query, key, value, bias, kv_lengths, plan, lo, hi,
                                 args.scale, args.softcap)
+    sinks = _array(sinks)
+    if sinks is not None:  # the rows with their sinks: -inf (no key, a sink of -inf) → +inf
+        output, lse = _with_sinks(output, lse, sinks)
+        lse = np.where(lse == -np.inf, np.inf, lse).astype(lse.dtype)
     grad_q, grad_k, grad_v, grad_bias = backward_tiles(  # numpy: by hand, tile by tile
         query, key, value, bias, kv_lengths, plan, lo, hi, args.scale, args.softcap, output, lse,
         grad_output,
     )
     dtype = query.dtype
     grads = (grad_q.astype(dtype), grad_k.astype(dtype), grad_v.astype(dtype))
-    if grad_bias is None:
-        return grads + (None,)
-    return grads + (grad_bias.reshape(bias_shape).astype(bias.dtype),)
+    grads += (None if grad_bias is None else grad_bias.reshape(bias_shape).astype(bias.dtype),)
+    if sinks is None:
+        return grads
+    row_dot = (_to_compute(grad_output) * output).sum(axis=-1, keepdims=True)  # rowsum(dO ⊙ O)
+    return grads + (_sinks_grad(sinks, lse, row_dot).astype(sinks.dtype),)
 
 
 # ------------------------------------------------------------------------------------------
@@ -318,7 +341,7 @@ def backward_tiles(
 def _arguments(
     fn: str, query: Any, key: Any, value: Any, grad_output: Any, bias: Any, kv_lengths: Any,
     is_causal: Any, causal_alignment: Any, window: Any, scale: Any, softcap: Any, block_q: Any,
-    block_kv: Any,
+    block_kv: Any, sinks: Any, return_lse: Any,
 ) -> rules.Arguments:
     """``rules.attention_arguments`` for the forward pass (``grad_output`` None) and the VJP."""
     return rules.attention_arguments(
@@ -327,7 +350,8 @@ def _arguments(
         grad_output=None if grad_output is None else _describe(fn, "grad_output", grad_output),
         bias=_describe(fn, "bias", bias), is_causal=is_causal, causal_alignment=causal_alignment,
         window=window, scale=scale, softcap=softcap, kv_lengths=_describe_lengths(kv_lengths),
-        block_q=block_q, block_kv=block_kv,
+        block_q=block_q, block_kv=block_kv, sinks=_describe(fn, "sinks", sinks),
+        return_lse=return_lse,
     )
 
 

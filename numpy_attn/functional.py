@@ -27,12 +27,15 @@ from ._core import (
     _array,
     _check_scores,
     _describe,
+    _describe_parts,
     _dropout,
     _in_band,
     _mask_scores,
+    _merge_attention,
     _output,
     _scores,
     _softmax,
+    _softmax_lse,
     _to_compute,
 )
 
@@ -200,7 +203,9 @@ def scaled_dot_product_attention(
     dropout_mask: Any = None,
     rng: Any = None,
     return_weights: bool = False,
-) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    sinks: Any = None,
+    return_lse: bool = False,
+) -> np.ndarray | tuple[np.ndarray, ...]:
     """Scaled dot-product attention: ``softmax(mask(q kᵀ · scale + bias)) @ v``.
 
     Args:
@@ -219,10 +224,16 @@ def scaled_dot_product_attention(
       dropout_mask: boolean keep-mask broadcastable to the weights (True = keep).
       rng: ``numpy.random.Generator`` for dropout when no keep-mask is given.
       return_weights: also return the weights (before dropout).
+      sinks: ``(heads,)`` sink logits (``(1,)`` for 2-D inputs): each joins its head's softmax
+        denominators as a column without a value (GPT-OSS); the weights exclude it.
+      return_lse: also return each row's log-sum-exp (natural log, of the denominator used:
+        the sink included).
 
     Returns:
-      ``(..., heads, q_len, v_dim)`` in the input dtype, and with ``return_weights`` the
-      weights ``(..., heads, q_len, kv_len)`` in the input dtype. Fully masked rows give 0.
+      ``(..., heads, q_len, v_dim)`` in the input dtype, and, in this order, with
+      ``return_weights`` the weights ``(..., heads, q_len, kv_len)`` in the input dtype and with
+      ``return_lse`` the lse ``(..., heads, q_len)`` in the compute dtype (``-inf`` on a fully
+      masked row without sinks). Fully masked rows give 0.
     """
     fn = "scaled_dot_product_attention"
     args = rules.attention_arguments(
@@ -231,10 +242,40 @@ def scaled_dot_product_attention(
         bias=_describe(fn, "bias", bias), is_causal=is_causal, causal_alignment=causal_alignment,
         window=window, scale=scale, softcap=softcap, dropout_p=dropout_p,
         dropout_mask=_describe(fn, "dropout_mask", dropout_mask), return_weights=return_weights,
+        sinks=_describe(fn, "sinks", sinks), return_lse=return_lse,
     )  # every rule of the spec, on shapes and dtype names: raises, or normalises the options
     query, key, value = _array(query), _array(key), _array(value)
     mask, bias, dropout_mask = _array(mask), _array(bias), _array(dropout_mask)
-    return pipeline(query, key, value, mask, bias, dropout_mask, rng, args)
+    return pipeline(query, key, value, mask, bias, dropout_mask, rng, args, _array(sinks))
+
+
+def merge_attention(
+    outputs: Any, lses: Any, *, sinks: Any = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Attention over the union of disjoint key sets, from the partial results over each set.
+
+    With ``m = max_i lse_i``: ``lse = m + log(sum_i exp(lse_i - m))`` and ``output = sum_i
+    exp(lse_i - lse) · outputs[i]`` (the online softmax's step); a part with lse ``-inf`` adds
+    nothing, and when every part is ``-inf`` the output is 0 and the lse ``-inf``.
+
+    Args:
+      outputs: list or tuple of ``(..., heads, q_len, v_dim)`` partial outputs, one dtype.
+      lses: list or tuple of their ``(..., heads, q_len)`` log-sum-exps (without sinks).
+      sinks: ``(heads,)`` sink logits, applied once, here; or None.
+
+    Returns:
+      ``(output, lse)``: ``(..., heads, q_len, v_dim)`` in the outputs' dtype and
+      ``(..., heads, q_len)`` in its compute dtype.
+    """
+    fn = "merge_attention"
+    args = rules.merge_arguments(fn, _describe_parts(fn, "outputs", outputs),
+                                 _describe_parts(fn, "lses", lses),
+                                 sinks=_describe(fn, "sinks", sinks))
+    parts = [_array(out).astype(args.compute, copy=False) for out in outputs]
+    lse_parts = [_array(lse).astype(args.compute, copy=False)[..., None] for lse in lses]
+    sinks = None if sinks is None else _array(sinks)
+    output, lse = _merge_attention(tuple(parts), tuple(lse_parts), sinks)
+    return output.astype(_array(outputs[0]).dtype, copy=False), lse[..., 0]
 
 
 def pipeline(
@@ -246,7 +287,8 @@ def pipeline(
     dropout_mask: np.ndarray | None,
     rng: Any,
     args: rules.Arguments,
-) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    sinks: np.ndarray | None = None,
+) -> np.ndarray | tuple[np.ndarray, ...]:
     """The whole pipeline on validated arrays (``scaled_dot_product_attention`` after its
     checks): a fast path where ``_fast.use_fast_path`` selects one (it computes the same steps),
     else the steps of ``_core`` one by one.
@@ -261,19 +303,28 @@ def pipeline(
       dropout_mask: boolean keep-mask broadcastable to the weights, or None.
       rng: ``numpy.random.Generator`` for dropout without a keep-mask, or None.
       args: the options as ``rules.attention_arguments`` normalised them.
+      sinks: ``(heads,)`` sink logits, or None.
 
     Returns:
-      ``(..., heads, q_len, v_dim)`` in the input dtype, and with ``args.return_weights`` the
-      weights ``(..., heads, q_len, kv_len)`` in the input dtype.
+      ``(..., heads, q_len, v_dim)`` in the input dtype, then with ``args.return_weights`` the
+      weights ``(..., heads, q_len, kv_len)`` in the input dtype and with ``args.return_lse``
+      the lse ``(..., heads, q_len)`` in the compute dtype.
     """
     path = _fast.use_fast_path(query, key, value, mask, bias, args)
     if path is not None:  # large inputs: the same steps, blocked over queries on every core
-        return _fast.fast_attention(path, query, key, value, mask, bias, args)
+        return _fast.fast_attention(path, query, key, value, mask, bias, args, sinks)
     scores = _scores(query, key, args.scale, args.softcap)  # (..., heads, q_len, kv_len)
     scores = _mask_scores(scores, mask, bias, args.is_causal, args.causal_alignment, args.window)
-    weights = _softmax(scores)  # (..., heads, q_len, kv_len), in place
+    lse = None
+    if sinks is None and not args.return_lse:
+        weights = _softmax(scores)  # (..., heads, q_len, kv_len), in place
+    else:  # the sinks join each row's denominator; lse: (..., heads, q_len)
+        weights, lse = _softmax_lse(scores, sinks)
     kept = _dropout(weights, args.dropout_p, dropout_mask, rng) if args.dropout_p > 0 else weights
     output = _output(kept, value).astype(query.dtype, copy=False)  # (..., heads, q_len, v_dim)
+    results = (output,)  # output[, weights][, lse]
     if args.return_weights:
-        return output, weights.astype(query.dtype, copy=False)
-    return output
+        results += (weights.astype(query.dtype, copy=False),)
+    if args.return_lse:
+        results += (lse,)
+    return results if len(results) > 1 else output

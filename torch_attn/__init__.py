@@ -7,7 +7,7 @@ when it follows the spec. Modules are ``torch.nn.Module``s. See ``conformance/sp
 full specification.
 """
 
-from .backward import scaled_dot_product_attention_vjp
+from .backward import merge_attention_vjp, scaled_dot_product_attention_vjp
 from .blockwise import blockwise_attention, blockwise_attention_vjp
 from .context_parallel import context_parallel_attention, context_parallel_attention_vjp
 from .functional import (
@@ -16,6 +16,7 @@ from .functional import (
     attention_scores,
     attention_weights,
     mask_scores,
+    merge_attention,
     renormalized_causal_weights,
     scaled_dot_product_attention,
 )
@@ -48,6 +49,8 @@ __all__ = [
     "causal_mask",
     "combine_masks",
     "mask_scores",
+    "merge_attention",
+    "merge_attention_vjp",
     "padding_mask",
     "renormalized_causal_weights",
     "scaled_dot_product_attention",

@@ -9,6 +9,7 @@ others) check their inputs once, with ``attention_rules``, then call these.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -143,15 +144,89 @@ def _output(weights: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return output.reshape(_merged(output.shape, groups))  # (..., heads, q_len, v_dim)
 
 
+def _softmax_lse(
+    scores: torch.Tensor, sinks: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the last axis and each row's log-sum-exp ``(..., q_len)``: ``scores
+    (..., heads, q_len, kv_len)``; ``sinks (heads,)`` (or None) join every row's denominator
+    as a column without a value (``spec.SINKS``). A row that is all ``-inf`` gives weights 0
+    and, without a sink, lse ``-inf``; its gradients are 0, never NaN."""
+    if scores.shape[-1] == 0:  # no key at all: amax of an empty axis is an error in torch
+        row_max = scores.new_full(scores.shape[:-1] + (1,), NEG_INF)
+    else:  # (..., q_len, 1); a shift, without a gradient (softmax and lse are shift-invariant)
+        row_max = scores.detach().amax(dim=-1, keepdim=True)
+    if sinks is not None:  # the shift covers the sink too: exp(sink - max) <= 1
+        sink = _sink_column(sinks, scores.ndim, scores)  # (heads, 1, 1)
+        row_max = torch.maximum(row_max, sink.detach())
+    row_max = torch.where(row_max == NEG_INF, 0.0, row_max)  # fully masked row: exp(-inf - 0)
+    weights = torch.exp(scores - row_max)
+    row_sum = weights.sum(dim=-1, keepdim=True)  # (..., q_len, 1)
+    if sinks is not None:
+        row_sum = row_sum + torch.exp(sink - row_max)
+    empty = row_sum == 0.0  # no key, no sink
+    safe_sum = torch.where(empty, 1.0, row_sum)  # where, not log(0): gradients stay finite
+    lse = torch.where(empty, NEG_INF, row_max + torch.log(safe_sum))[..., 0]  # (..., q_len)
+    return weights / safe_sum, lse
+
+
+def _sink_column(sinks: torch.Tensor, ndim: int, like: torch.Tensor) -> torch.Tensor:
+    """``(heads,)`` sink logits against rows ``(..., heads, q_len, 1)`` of rank ``ndim``:
+    ``(heads, 1, 1)``, or ``(1, 1)`` for inputs without a heads axis, on ``like``'s device and
+    in its dtype."""
+    sinks = sinks.to(like.device, like.dtype)  # torch: dtype and device of the rows
+    return sinks.reshape(tuple(sinks.shape) + (1, 1)) if ndim >= 3 else sinks.reshape(1, 1)
+
+
+def _merge_attention(
+    outputs: tuple[torch.Tensor, ...], lses: tuple[torch.Tensor, ...],
+    sinks: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial results over disjoint key sets of the same rows, each an output
+    ``(..., rows, v_dim)`` and its log-sum-exp ``(..., rows, 1)`` (``-inf``: no key), merged
+    into the attention over every key set and its log-sum-exp (``spec.MERGING``; the online
+    softmax's step). ``sinks (heads,)`` join the denominator once: a part whose output is 0.
+    Differentiable: a part with lse ``-inf`` gets gradient 0."""
+    lses = list(lses)
+    if sinks is not None:
+        lses.append(_sink_column(sinks, outputs[0].ndim, lses[0]))
+    row_max = functools.reduce(torch.maximum, [lse.detach() for lse in lses])  # (..., rows, 1)
+    shift = torch.where(row_max == NEG_INF, 0.0, row_max)  # no -inf - -inf
+    scales = [torch.exp(lse - shift) for lse in lses]  # exp(lse_i - max) <= 1; 0 for no key
+    total = functools.reduce(torch.add, scales)
+    empty = total == 0.0  # no key in any part
+    safe_total = torch.where(empty, 1.0, total)
+    lse = torch.where(empty, NEG_INF, shift + torch.log(safe_total))
+    output = functools.reduce(torch.add, [a * out for a, out in zip(scales, outputs, strict=False)])
+    return output / safe_total, lse
+
+
 def _merge_partials(
     out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two partial results over different keys of the same rows, each an output
-    ``(..., rows, v_dim)`` and its log-sum-exp ``(..., rows, 1)`` (``-inf``: no key), merged
-    into the attention over both key sets and its log-sum-exp (the online softmax's step)."""
-    lse = torch.logaddexp(lse_a, lse_b)  # (..., rows, 1); -inf: no key in either
-    safe = torch.where(lse == -torch.inf, 0.0, lse)  # no -inf - -inf
-    return torch.exp(lse_a - safe) * out_a + torch.exp(lse_b - safe) * out_b, lse
+    """Two partial results over different keys of the same rows (``_merge_attention`` of two
+    parts, the ring's step): outputs ``(..., rows, v_dim)``, lses ``(..., rows, 1)``
+    (``-inf``: no key)."""
+    return _merge_attention((out_a, out_b), (lse_a, lse_b), None)
+
+
+def _with_sinks(
+    output: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows finished over their keys by the online softmax, ``output (..., rows, v_dim)`` and
+    ``lse (..., rows, 1)`` (``+inf`` for a row without a key, the tiles' convention), in the
+    spec's terms: the sinks joined (``_merge_attention``) and ``-inf`` for a row without a key
+    nor a sink."""
+    lse = torch.where(lse == torch.inf, NEG_INF, lse)
+    if sinks is None:
+        return output, lse
+    return _merge_attention((output,), (lse,), sinks)
+
+
+def _describe_parts(fn: str, name: str, parts: Any) -> list[rules.ArrayInfo]:
+    """``merge_attention``'s partial results as the rules see them: a list or tuple of arrays,
+    ``name[i]`` each."""
+    rules.check_parts(fn, name, parts)
+    return [_describe(fn, f"{name}[{i}]", x) for i, x in enumerate(parts)]
 
 
 # ------------------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ path can follow the spec:
 * ``dropout_p > 0``: SDPA draws its own keep-mask, not one from ``rng``/``dropout_mask``;
 * ``softcap`` on small inputs: SDPA has no soft-capping (it would have to come before the bias);
 * an empty axis (``q_len``, ``kv_len``, ``head_dim``, ``v_dim`` or a batch axis of size 0);
+* ``sinks`` or ``return_lse`` on small inputs: SDPA has neither (large inputs take the tiles,
+  ``"blocked"``, which keep the lse anyway; the sinks join each row's denominator after them);
 * a NaN or an infinity in ``query`` or ``key`` (one sum over each, ``_finite``): SDPA adds
   the mask to the scores instead of replacing them, so a NaN or infinite key at a masked
   position spreads NaN to rows that do not attend it (``NaN + -inf = NaN``), and a row whose
@@ -57,7 +59,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 import attention_rules as rules
 
-from ._core import NEG_INF, _allowed, _groups, _to_compute
+from ._core import NEG_INF, _allowed, _groups, _to_compute, _with_sinks
 from .blockwise import BlockwiseFunction
 
 _BLOCKED = rules.FAST_PATHS["torch_attn"]["blocked"]
@@ -89,6 +91,8 @@ def use_fast_path(
         return None  # empty axes are not worth a kernel
     if not _finite(query, key):
         return None  # NaN/inf: SDPA adds the mask instead of replacing masked scores
+    if args.has_sinks or args.return_lse:  # SDPA has neither: the tiles, or the steps
+        return "blocked" if rules.large_enough(*shapes, MIN_SCORES, MIN_Q_LEN) else None
     if _beyond_sdpa(query.shape[-2], key.shape[-2], args) and rules.large_enough(
         *shapes, MIN_SCORES, MIN_Q_LEN
     ) and _tiles_pay(query.shape[-2], key.shape[-2], args):
@@ -141,10 +145,12 @@ def fast_attention(
     mask: torch.Tensor | None,
     bias: torch.Tensor | None,
     args: rules.Arguments,
-) -> torch.Tensor:
-    """``scaled_dot_product_attention``'s output on the path ``use_fast_path`` chose."""
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``scaled_dot_product_attention``'s output on the path ``use_fast_path`` chose (and with
+    ``args.return_lse`` the row log-sum-exp: the tiles only, as with ``sinks``)."""
     if path == "blocked":
-        return _blocked_attention(query, key, value, mask, bias, args)
+        return _blocked_attention(query, key, value, mask, bias, args, sinks)
     return _sdpa_attention(
         query, key, value, mask, bias, args.is_causal, args.causal_alignment, args.window,
         args.scale,
@@ -234,9 +240,11 @@ def _blocked_attention(
     mask: torch.Tensor | None,
     bias: torch.Tensor | None,
     args: rules.Arguments,
-) -> torch.Tensor:
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The pipeline in tiles (``blockwise.BlockwiseFunction``), in the input dtype; autograd
-    sees one node whose backward recomputes the tiles."""
+    sees one node whose backward recomputes the tiles, and the ``(heads,)`` ``sinks`` joined
+    after it; with ``args.return_lse`` also the lse ``(..., heads, q_len)`` (compute dtype)."""
     q_len, kv_len = query.shape[-2], key.shape[-2]
     rank = len(args.scores_shape)  # mask and bias full rank, so tiles slice the last two axes
     if mask is not None:
@@ -246,4 +254,7 @@ def _blocked_attention(
     lo, hi = rules.band(q_len, kv_len, args.is_causal, args.causal_alignment, args.window)
     plan = rules.plan(q_len, kv_len, BLOCK_Q, BLOCK_KV, lo, hi)  # masked tiles left out
     config = (plan, lo, hi, args.scale, args.softcap)
-    return BlockwiseFunction.apply(query, key, value, bias, mask, None, config)
+    output, lse = _with_sinks(
+        *BlockwiseFunction.apply(query, key, value, bias, mask, None, config), sinks)
+    output = output.to(query.dtype)
+    return (output, lse[..., 0]) if args.return_lse else output

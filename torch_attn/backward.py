@@ -16,8 +16,8 @@ import torch
 
 import attention_rules as rules
 
-from ._core import _array, _as_tensor, _describe, _to_numpy
-from .functional import pipeline
+from ._core import _array, _as_tensor, _describe, _describe_parts, _to_numpy
+from .functional import merge_attention, pipeline
 
 
 def scaled_dot_product_attention_vjp(
@@ -35,7 +35,8 @@ def scaled_dot_product_attention_vjp(
     softcap: float | None = None,
     dropout_p: float = 0.0,
     dropout_mask: Any = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    sinks: Any = None,
+) -> tuple[torch.Tensor | None, ...]:
     """Gradients of ``scaled_dot_product_attention`` with respect to its array inputs.
 
     Arguments are those of ``scaled_dot_product_attention`` (dropout needs its ``dropout_mask``:
@@ -47,10 +48,12 @@ def scaled_dot_product_attention_vjp(
       value: ``(..., kv_heads, kv_len, v_dim)``.
       grad_output: ``(..., heads, q_len, v_dim)``, the gradient of a loss with respect to the
         output.
+      sinks: ``(heads,)`` sink logits, or None.
 
     Returns:
       ``(grad_query, grad_key, grad_value, grad_bias)`` with the shapes and dtype of query, key,
-      value and bias; ``grad_bias`` is None without a bias.
+      value and bias; ``grad_bias`` is None without a bias; with ``sinks`` a fifth,
+      ``grad_sinks (heads,)``.
     """
     fn = "scaled_dot_product_attention_vjp"
     args = rules.attention_arguments(
@@ -59,23 +62,65 @@ def scaled_dot_product_attention_vjp(
         mask=_describe(fn, "mask", mask), bias=_describe(fn, "bias", bias), is_causal=is_causal,
         causal_alignment=causal_alignment, window=window, scale=scale, softcap=softcap,
         dropout_p=dropout_p, dropout_mask=_describe(fn, "dropout_mask", dropout_mask),
+        sinks=_describe(fn, "sinks", sinks),
     )  # every rule of the spec, once
     query, key, value, grad_output = _array(query), _array(key), _array(value), _array(grad_output)
-    mask, bias, dropout_mask = _array(mask), _array(bias), _array(dropout_mask)
+    mask, dropout_mask = _array(mask), _array(dropout_mask)
 
-    # autograd differentiates the forward pass; bias joins the inputs only when given.
-    inputs = [t.detach().requires_grad_(True) for t in (query, key, value)]
-    if bias is not None:
-        inputs.append(bias.detach().requires_grad_(True))
+    # autograd differentiates the forward pass; bias and sinks join the inputs only when given.
+    given = {name: x.detach().requires_grad_(True) for name, x in
+             (("bias", _array(bias)), ("sinks", _array(sinks))) if x is not None}
+    inputs = [t.detach().requires_grad_(True) for t in (query, key, value)] + list(given.values())
     with torch.enable_grad():
         output = pipeline(  # validated above
-            *inputs[:3], mask, inputs[3] if bias is not None else None, dropout_mask, None, args
+            *inputs[:3], mask, given.get("bias"), dropout_mask, None, args, given.get("sinks")
         )
         grads = torch.autograd.grad(output, inputs, grad_outputs=grad_output, allow_unused=True)
-    grads = tuple(
+    grads = dict(zip(["query", "key", "value", *given], (
         torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs, strict=True)
-    )
-    return grads[:3] + ((grads[3] if bias is not None else None),)
+    ), strict=True))
+    result = (grads["query"], grads["key"], grads["value"], grads.get("bias"))
+    return result + ((grads["sinks"],) if sinks is not None else ())
+
+
+def merge_attention_vjp(
+    outputs: Any, lses: Any, grad_output: Any, *, grad_lse: Any = None, sinks: Any = None
+) -> tuple[tuple[torch.Tensor, ...] | torch.Tensor, ...]:
+    """Gradients of ``merge_attention``: ``torch.autograd`` through it (numpy_attn derives
+    them by hand).
+
+    Args:
+      outputs: list or tuple of ``(..., heads, q_len, v_dim)`` partial outputs.
+      lses: list or tuple of their ``(..., heads, q_len)`` log-sum-exps.
+      grad_output: ``(..., heads, q_len, v_dim)``: the merged output's cotangent.
+      grad_lse: ``(..., heads, q_len)``: the merged lse's cotangent, or None (0).
+      sinks: ``(heads,)`` sink logits, or None.
+
+    Returns:
+      ``(grad_outputs, grad_lses)``, tuples shaped and typed like ``outputs`` and ``lses``,
+      and with ``sinks`` a third element, ``grad_sinks (heads,)``.
+    """
+    fn = "merge_attention_vjp"
+    rules.merge_arguments(
+        fn, _describe_parts(fn, "outputs", outputs), _describe_parts(fn, "lses", lses),
+        sinks=_describe(fn, "sinks", sinks), grad_output=_describe(fn, "grad_output", grad_output),
+        grad_lse=_describe(fn, "grad_lse", grad_lse),
+    )  # every rule, once (merge_attention checks its own arguments again: the same)
+    parts = [_array(x).detach().requires_grad_(True) for x in outputs]
+    lse_parts = [_array(x).detach().requires_grad_(True) for x in lses]
+    sink = None if sinks is None else _array(sinks).detach().requires_grad_(True)
+    inputs = parts + lse_parts + ([] if sink is None else [sink])
+    with torch.enable_grad():
+        output, lse = merge_attention(parts, lse_parts, sinks=sink)
+        targets, cotangents = [output], [_array(grad_output).to(output.device, output.dtype)]
+        if grad_lse is not None:
+            targets.append(lse)
+            cotangents.append(_array(grad_lse).to(lse.device, lse.dtype))
+        grads = torch.autograd.grad(targets, inputs, grad_outputs=cotangents, allow_unused=True)
+    grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs, strict=True)]
+    n = len(parts)
+    result = (tuple(grads[:n]), tuple(grads[n : 2 * n]))
+    return result if sink is None else result + (grads[-1],)
 
 
 def module_weight_grads(

@@ -46,6 +46,7 @@ from ._core import (
     _sum_groups,
     _sum_to_shape,
     _to_compute,
+    _with_sinks,
 )
 
 DEFAULT_BLOCK_Q = 512
@@ -71,7 +72,9 @@ def blockwise_attention(
     softcap: float | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_kv: int = DEFAULT_BLOCK_KV,
-) -> torch.Tensor:
+    sinks: Any = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention in ``(block_q, block_kv)`` tiles, with the online softmax.
 
     Equal to ``scaled_dot_product_attention(query, key, value, mask=padding_mask(kv_lengths,
@@ -91,17 +94,26 @@ def blockwise_attention(
         ``scaled_dot_product_attention``.
       block_q: queries per tile (``>= 1``).
       block_kv: keys per tile (``>= 1``).
+      sinks: ``(heads,)`` sink logits, joined to each row's denominator after the last tile
+        (autograd, beyond the tiles' Function).
+      return_lse: also return each row's log-sum-exp (differentiable).
 
     Returns:
-      ``(..., heads, q_len, v_dim)`` in the input dtype; fully masked rows give 0.
+      ``(..., heads, q_len, v_dim)`` in the input dtype (fully masked rows give 0), and with
+      ``return_lse`` the lse ``(..., heads, q_len)`` in the compute dtype.
     """
     fn = "blockwise_attention"
     args = _arguments(fn, query, key, value, None, bias, kv_lengths, is_causal, causal_alignment,
-                      window, scale, softcap, block_q, block_kv)  # every rule of the spec, once
+                      window, scale, softcap, block_q, block_kv, sinks,
+                      return_lse)  # every rule of the spec, once
     query, key, value, bias = _array(query), _array(key), _array(value), _array(bias)
     bias, kv_lengths, plan, lo, hi = _prepare(fn, query, key, bias, kv_lengths, args)
     config = (plan, lo, hi, args.scale, args.softcap)
-    return BlockwiseFunction.apply(query, key, value, bias, None, kv_lengths, config)
+    output, lse = _with_sinks(  # the sinks join once, at the end
+        *BlockwiseFunction.apply(query, key, value, bias, None, kv_lengths, config),
+        _array(sinks))
+    output = output.to(query.dtype)
+    return (output, lse[..., 0]) if args.return_lse else output
 
 
 def blockwise_attention_vjp(
@@ -119,7 +131,8 @@ def blockwise_attention_vjp(
     softcap: float | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_kv: int = DEFAULT_BLOCK_KV,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    sinks: Any = None,
+) -> tuple[torch.Tensor | None, ...]:
     """Gradients of ``blockwise_attention``, tile by tile, from the saved log-sum-exp.
 
     Through ``torch.autograd``: ``blockwise_attention`` is a custom ``autograd.Function`` whose
@@ -131,32 +144,36 @@ def blockwise_attention_vjp(
       value: ``(..., kv_heads, kv_len, v_dim)``.
       grad_output: ``(..., heads, q_len, v_dim)``.
       bias, kv_lengths, is_causal, causal_alignment, window, scale, softcap, block_q,
-        block_kv: as in ``blockwise_attention``.
+        block_kv, sinks: as in ``blockwise_attention``.
 
     Returns:
       ``(grad_query, grad_key, grad_value, grad_bias)`` shaped like query, key, value and bias
-      (``grad_bias`` is None without a bias), in their dtypes.
+      (``grad_bias`` is None without a bias), in their dtypes, and with ``sinks`` a fifth,
+      ``grad_sinks (heads,)``.
     """
     fn = "blockwise_attention_vjp"
     args = _arguments(fn, query, key, value, grad_output, bias, kv_lengths, is_causal,
-                      causal_alignment, window, scale, softcap, block_q, block_kv)
+                      causal_alignment, window, scale, softcap, block_q, block_kv, sinks, False)
     query, key, value, bias = _array(query), _array(key), _array(value), _array(bias)
     grad_output, bias_shape = _array(grad_output), None if bias is None else bias.shape
     bias, kv_lengths, plan, lo, hi = _prepare(fn, query, key, bias, kv_lengths, args)
     config = (plan, lo, hi, args.scale, args.softcap)
-    # autograd through the custom Function; bias joins the inputs only when given.
-    inputs = [t.detach().requires_grad_(True) for t in (query, key, value)]
-    if bias is not None:
-        inputs.append(bias.detach().requires_grad_(True))
+    # autograd through the custom Function; bias and sinks join the inputs only when given.
+    given = {name: x.detach().requires_grad_(True) for name, x in
+             (("bias", bias), ("sinks", _array(sinks))) if x is not None}
+    inputs = [t.detach().requires_grad_(True) for t in (query, key, value)] + list(given.values())
     with torch.enable_grad():
-        output = BlockwiseFunction.apply(
-            *inputs[:3], inputs[3] if bias is not None else None, None, kv_lengths, config
-        )
-        grads = torch.autograd.grad(output, inputs, grad_outputs=grad_output, allow_unused=True)
-    grads = tuple(
+        output, _ = _with_sinks(
+            *BlockwiseFunction.apply(*inputs[:3], given.get("bias"), None, kv_lengths, config),
+            given.get("sinks"))
+        grads = torch.autograd.grad(output.to(query.dtype), inputs, grad_outputs=grad_output,
+                                    allow_unused=True)
+    grads = dict(zip(["query", "key", "value", *given], (
         torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs, strict=True)
-    )
-    return grads[:3] + ((grads[3].reshape(bias_shape) if bias is not None else None),)
+    ), strict=True))
+    result = (grads["query"], grads["key"], grads["value"],
+              grads["bias"].reshape(bias_shape) if bias is not None else None)
+    return result + ((grads["sinks"],) if sinks is not None else ())
 
 
 # ------------------------------------------------------------------------------------------
@@ -242,6 +259,7 @@ def backward_tiles(
     lse: torch.Tensor,
     grad_output: torch.Tensor,
     bias_needs_grad: bool = True,
+    grad_lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """FlashAttention's backward per tile (numpy_attn's ``backward.py`` derives it for the whole
     matrix), recomputing each tile's weights as ``exp(s - lse)``.
@@ -253,6 +271,8 @@ def backward_tiles(
       lse: ``(..., heads, q_len, 1)``, ``forward_tiles``' log-sum-exp (``+inf``: empty row).
       grad_output: ``(..., heads, q_len, v_dim)``.
       bias_needs_grad: False skips ``grad_bias``.
+      grad_lse: the lse's cotangent ``(..., heads, q_len, 1)``, or None: ``dlse / dS = P``, so
+        ``dS = P ⊙ (dP - rowsum(dO ⊙ O) + dlse)``.
 
     Returns:
       ``(grad_query, grad_key, grad_value, grad_bias)`` shaped like query, key, value and the
@@ -265,6 +285,8 @@ def backward_tiles(
     groups = _groups(q.shape, k.shape)
     q_scaled = q * scale
     row_dot = (d_out * output).sum(dim=-1, keepdim=True)  # rowsum(dO ⊙ O): (..., heads, q_len, 1)
+    if grad_lse is not None:
+        row_dot = row_dot - grad_lse.to(row_dot.dtype)
     grad_q, grad_k, grad_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     grad_bias = None
     if bias is not None and bias_needs_grad:
@@ -300,8 +322,9 @@ def backward_tiles(
 class BlockwiseFunction(torch.autograd.Function):
     """torch only: the tiles as one autograd node, ``BlockwiseFunction.apply(query, key, value,
     bias, mask, kv_lengths, config)`` with ``config = (plan, lo, hi, scale, softcap)`` and the
-    arrays of ``forward_tiles``; returns ``(..., heads, q_len, v_dim)`` in the input dtype. Its
-    backward recomputes every tile (``backward_tiles``)."""
+    arrays of ``forward_tiles``; returns its ``(output, lse)`` (compute dtype; lse ``+inf`` on
+    a row without a key: ``_core._with_sinks`` gives the spec's ``-inf``), both
+    differentiable. Its backward recomputes every tile (``backward_tiles``)."""
 
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -310,14 +333,15 @@ class BlockwiseFunction(torch.autograd.Function):
         output, lse = forward_tiles(query, key, value, bias, mask, kv_lengths, *config)
         ctx.save_for_backward(query, key, value, bias, mask, kv_lengths, output, lse)
         ctx.config = config
-        return output.to(query.dtype)
+        return output, lse
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> Any:
+    def backward(ctx: Any, grad_output: torch.Tensor, grad_lse: torch.Tensor) -> Any:
         query, key, value, bias, mask, kv_lengths, output, lse = ctx.saved_tensors
         grad_q, grad_k, grad_v, grad_bias = backward_tiles(
             query, key, value, bias, mask, kv_lengths, *ctx.config, output, lse, grad_output,
             bias_needs_grad=ctx.needs_input_grad[3],
+            grad_lse=torch.where(torch.isinf(lse), 0.0, grad_lse),  # no row: no gradient
         )
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
         return grad_q.to(query.dtype), grad_k.to(key.dtype), grad_v.to(value.dtype), grad_bias, \
@@ -332,7 +356,7 @@ class BlockwiseFunction(torch.autograd.Function):
 def _arguments(
     fn: str, query: Any, key: Any, value: Any, grad_output: Any, bias: Any, kv_lengths: Any,
     is_causal: Any, causal_alignment: Any, window: Any, scale: Any, softcap: Any, block_q: Any,
-    block_kv: Any,
+    block_kv: Any, sinks: Any, return_lse: Any,
 ) -> rules.Arguments:
     """``rules.attention_arguments`` for the forward pass (``grad_output`` None) and the VJP."""
     return rules.attention_arguments(
@@ -341,7 +365,8 @@ def _arguments(
         grad_output=None if grad_output is None else _describe(fn, "grad_output", grad_output),
         bias=_describe(fn, "bias", bias), is_causal=is_causal, causal_alignment=causal_alignment,
         window=window, scale=scale, softcap=softcap, kv_lengths=_describe_lengths(kv_lengths),
-        block_q=block_q, block_kv=block_kv,
+        block_q=block_q, block_kv=block_kv, sinks=_describe(fn, "sinks", sinks),
+        return_lse=return_lse,
     )
 
 

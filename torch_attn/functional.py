@@ -28,12 +28,15 @@ from ._core import (
     _array,
     _check_scores,
     _describe,
+    _describe_parts,
     _dropout,
     _in_band,
     _mask_scores,
+    _merge_attention,
     _output,
     _scores,
     _softmax,
+    _softmax_lse,
     _to_compute,
 )
 
@@ -203,11 +206,15 @@ def scaled_dot_product_attention(
     dropout_mask: Any = None,
     rng: Any = None,
     return_weights: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    sinks: Any = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Scaled dot-product attention: ``softmax(mask(q kᵀ · scale + bias)) @ v``.
 
     Uses torch's fused ``scaled_dot_product_attention`` where it follows the spec exactly
-    (see ``_fast.py``), the explicit step-by-step composition otherwise.
+    (see ``_fast.py``), the explicit step-by-step composition otherwise. SDPA has neither
+    sinks nor the log-sum-exp: with ``sinks`` or ``return_lse`` large inputs take the
+    blockwise tiles (``_fast.py``'s ``"blocked"``), small ones the explicit steps.
 
     Args:
       query: ``(..., heads, q_len, head_dim)`` or ``(q_len, head_dim)``.
@@ -225,10 +232,17 @@ def scaled_dot_product_attention(
       dropout_mask: boolean keep-mask broadcastable to the weights (True = keep).
       rng: ``torch.Generator`` for dropout when no keep-mask is given (``None``: global).
       return_weights: also return the weights (before dropout).
+      sinks: ``(heads,)`` sink logits (``(1,)`` for 2-D inputs): each joins its head's softmax
+        denominators as a column without a value (GPT-OSS); the weights exclude it. A tensor
+        with ``requires_grad`` gets its gradient.
+      return_lse: also return each row's log-sum-exp (natural log, of the denominator used:
+        the sink included); differentiable.
 
     Returns:
-      ``(..., heads, q_len, v_dim)`` in the input dtype, and with ``return_weights`` the
-      weights ``(..., heads, q_len, kv_len)`` in the input dtype. Fully masked rows give 0.
+      ``(..., heads, q_len, v_dim)`` in the input dtype, and, in this order, with
+      ``return_weights`` the weights ``(..., heads, q_len, kv_len)`` in the input dtype and with
+      ``return_lse`` the lse ``(..., heads, q_len)`` in the compute dtype (``-inf`` on a fully
+      masked row without sinks). Fully masked rows give 0.
     """
     fn = "scaled_dot_product_attention"
     args = rules.attention_arguments(
@@ -237,10 +251,43 @@ def scaled_dot_product_attention(
         bias=_describe(fn, "bias", bias), is_causal=is_causal, causal_alignment=causal_alignment,
         window=window, scale=scale, softcap=softcap, dropout_p=dropout_p,
         dropout_mask=_describe(fn, "dropout_mask", dropout_mask), return_weights=return_weights,
+        sinks=_describe(fn, "sinks", sinks), return_lse=return_lse,
     )  # every rule of the spec, on shapes and dtype names: raises, or normalises the options
     query, key, value = _array(query), _array(key), _array(value)
     mask, bias, dropout_mask = _array(mask), _array(bias), _array(dropout_mask)
-    return pipeline(query, key, value, mask, bias, dropout_mask, rng, args)
+    return pipeline(query, key, value, mask, bias, dropout_mask, rng, args, _array(sinks))
+
+
+def merge_attention(
+    outputs: Any, lses: Any, *, sinks: Any = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the union of disjoint key sets, from the partial results over each set.
+
+    With ``m = max_i lse_i``: ``lse = m + log(sum_i exp(lse_i - m))`` and ``output = sum_i
+    exp(lse_i - lse) · outputs[i]`` (the online softmax's step); a part with lse ``-inf`` adds
+    nothing, and when every part is ``-inf`` the output is 0 and the lse ``-inf``.
+    Differentiable (``merge_attention_vjp`` is its autograd).
+
+    Args:
+      outputs: list or tuple of ``(..., heads, q_len, v_dim)`` partial outputs, one dtype.
+      lses: list or tuple of their ``(..., heads, q_len)`` log-sum-exps (without sinks).
+      sinks: ``(heads,)`` sink logits, applied once, here; or None.
+
+    Returns:
+      ``(output, lse)``: ``(..., heads, q_len, v_dim)`` in the outputs' dtype and
+      ``(..., heads, q_len)`` in its compute dtype, on the outputs' device.
+    """
+    fn = "merge_attention"
+    args = rules.merge_arguments(fn, _describe_parts(fn, "outputs", outputs),
+                                 _describe_parts(fn, "lses", lses),
+                                 sinks=_describe(fn, "sinks", sinks))
+    first = _array(outputs[0])
+    compute = getattr(torch, args.compute)  # torch: dtype and device of the first output
+    parts = [_array(out).to(first.device, compute) for out in outputs]
+    lse_parts = [_array(lse).to(first.device, compute)[..., None] for lse in lses]
+    sinks = None if sinks is None else _array(sinks)
+    output, lse = _merge_attention(tuple(parts), tuple(lse_parts), sinks)
+    return output.to(first.dtype), lse[..., 0]
 
 
 def pipeline(
@@ -252,7 +299,8 @@ def pipeline(
     dropout_mask: torch.Tensor | None,
     rng: Any,
     args: rules.Arguments,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """The whole pipeline on validated arrays (``scaled_dot_product_attention`` after its
     checks): a fast path where ``_fast.use_fast_path`` selects one (it computes the same steps),
     else the steps of ``_core`` one by one.
@@ -267,23 +315,31 @@ def pipeline(
       dropout_mask: boolean keep-mask broadcastable to the weights, or None.
       rng: ``torch.Generator`` for dropout without a keep-mask, or None (torch's global one).
       args: the options as ``rules.attention_arguments`` normalised them.
+      sinks: ``(heads,)`` sink logits, or None.
 
     Returns:
-      ``(..., heads, q_len, v_dim)`` in the input dtype, and with ``args.return_weights`` the
-      weights ``(..., heads, q_len, kv_len)`` in the input dtype.
+      ``(..., heads, q_len, v_dim)`` in the input dtype, then with ``args.return_weights`` the
+      weights ``(..., heads, q_len, kv_len)`` in the input dtype and with ``args.return_lse``
+      the lse ``(..., heads, q_len)`` in the compute dtype.
     """
     path = _fast.use_fast_path(query, key, value, mask, bias, args)
     if path is not None:  # torch's fused kernel, where it computes exactly these steps
-        return _fast.fast_attention(path, query, key, value, mask, bias, args)
+        return _fast.fast_attention(path, query, key, value, mask, bias, args, sinks)
     scores = _scores(query, key, args.scale, args.softcap)  # (..., heads, q_len, kv_len)
     scores = _mask_scores(scores, mask, bias, args.is_causal, args.causal_alignment, args.window)
     may_be_empty = mask is not None or bias is not None or args.is_causal or args.window is not None
-    if may_be_empty or scores.shape[-1] == 0:
+    lse = None
+    if sinks is not None or args.return_lse:  # the sinks join each row's denominator
+        weights, lse = _softmax_lse(scores, sinks)  # lse: (..., heads, q_len)
+    elif may_be_empty or scores.shape[-1] == 0:
         weights = _softmax(scores)  # (..., heads, q_len, kv_len); empty rows give 0
     else:  # no row can be empty: torch's fused softmax, one pass instead of five
         weights = torch.softmax(scores, dim=-1)  # (..., heads, q_len, kv_len)
     kept = _dropout(weights, args.dropout_p, dropout_mask, rng) if args.dropout_p > 0 else weights
     output = _output(kept, value).to(query.dtype)  # (..., heads, q_len, v_dim)
+    results = (output,)  # output[, weights][, lse]
     if args.return_weights:
-        return output, weights.to(query.dtype)
-    return output
+        results += (weights.to(query.dtype),)
+    if args.return_lse:
+        results += (lse,)
+    return results if len(results) > 1 else output

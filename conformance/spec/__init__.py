@@ -71,10 +71,13 @@ from .constants import (
     FAST_PATHS,
     FLAGS,
     FULLY_MASKED_ROW,
+    LOG_SUM_EXP,
     MASK_TRUE_MEANS,
     MASKED_SCORE,
+    MERGING,
     NON_FINITE,
     PRECISION,
+    SINKS,
     TOLERANCES,
 )
 from .context_parallel import (
@@ -98,6 +101,8 @@ from .functions import (
     causal_mask,
     combine_masks,
     mask_scores,
+    merge_attention,
+    merge_attention_vjp,
     padding_mask,
     renormalized_causal_weights,
     scaled_dot_product_attention,
@@ -122,13 +127,14 @@ __all__ = [
     # constants
     "MASK_TRUE_MEANS", "CAUSAL_ALIGNMENTS", "DEFAULT_CAUSAL_ALIGNMENT", "FULLY_MASKED_ROW",
     "MASKED_SCORE", "COMPUTE_DTYPE", "PRECISION", "BLOCKED_COMPUTATION", "FAST_PATH_RULES",
-    "NON_FINITE", "ARRAY_INPUTS", "FLAGS", "EMPTY_HEAD_DIM", "DROPOUT", "ERRORS", "TOLERANCES",
-    "FAST_PATHS",
+    "NON_FINITE", "ARRAY_INPUTS", "FLAGS", "EMPTY_HEAD_DIM", "DROPOUT", "SINKS", "LOG_SUM_EXP",
+    "MERGING", "ERRORS", "TOLERANCES", "FAST_PATHS",
     # functions
     "FUNCTIONS", "causal_mask", "sliding_window_mask", "padding_mask", "combine_masks",
     "attention_scores", "mask_scores", "attention_weights", "apply_dropout", "attention_output",
     "renormalized_causal_weights", "scaled_dot_product_attention",
     "scaled_dot_product_attention_vjp", "blockwise_attention", "blockwise_attention_vjp",
+    "merge_attention", "merge_attention_vjp",
     # modules
     "MODULES", "MODULE_METHODS", "WEIGHTS", "INITIALISATION", "SelfAttention", "CrossAttention",
     "CausalSelfAttention", "MultiHeadAttentionWrapper", "MultiHeadAttention",

@@ -2,7 +2,8 @@
 
 What every backend computes, in words and data: mask polarity, causal alignments, fully masked
 rows, precision, the fast paths (``FAST_PATHS``, from ``attention_rules``), NaN and infinities,
-array and flag arguments, ``head_dim == 0``, dropout, the exception type of each kind of bad
+array and flag arguments, ``head_dim == 0``, dropout, attention sinks, the row log-sum-exp and
+merging partial results, the exception type of each kind of bad
 input (``ERRORS``) and the conformance harness's tolerances per dtype (``TOLERANCES``).
 """
 
@@ -61,7 +62,9 @@ BLOCKED_COMPUTATION = (
     "explicit pipeline within the dtype's rounding, fully masked rows stay exactly 0, NaN and "
     "infinities follow NON_FINITE, and causal or window blocks that are fully masked are "
     "skipped. The step functions, return_weights=True, dropout and empty axes always run the "
-    "explicit pipeline."
+    "explicit pipeline. With sinks or return_lse, jax_attn never takes cuDNN and torch_attn "
+    "never SDPA (neither has them): large inputs take the blocked path or the tiles, which "
+    "compute the row log-sum-exp anyway and join the sinks to each row's denominator at the end."
 )
 
 #: What each number of FAST_PATHS (imported above from attention_rules, the one place the
@@ -108,8 +111,9 @@ NON_FINITE = (
 
 #: Array arguments, in words.
 ARRAY_INPUTS = (
-    "query, key, value, mask, bias, dropout_mask, grad_output, scores and weights are arrays: "
-    "numpy.ndarray, jax.Array or torch.Tensor (every backend also takes NumPy arrays). A Python "
+    "query, key, value, mask, bias, dropout_mask, sinks, grad_output, scores and weights are "
+    "arrays: numpy.ndarray, jax.Array or torch.Tensor (every backend also takes NumPy arrays); "
+    "merge_attention's outputs and lses are lists or tuples of them. A Python "
     "list, tuple or scalar there is a TypeError naming the argument and its type, the same in "
     "every backend (e.g. scaled_dot_product_attention: query must be an array (numpy.ndarray, "
     "jax.Array or torch.Tensor), not a Python list; convert it with an explicit dtype; got "
@@ -120,10 +124,11 @@ ARRAY_INPUTS = (
 
 #: Boolean options, in words.
 FLAGS = (
-    "is_causal and return_weights are bools: Python True/False or numpy.bool_. Anything else "
+    "is_causal, return_weights and return_lse are bools: Python True/False or numpy.bool_. "
+    "Anything else "
     "(\"yes\", 1, a 0-d array) is a TypeError naming the argument, e.g. "
     "scaled_dot_product_attention: is_causal must be a bool (True or False); got "
-    "is_causal='yes'. Under jax.jit both are static arguments."
+    "is_causal='yes'. Under jax.jit they are static arguments."
 )
 
 #: head_dim == 0, in words.
@@ -144,6 +149,51 @@ DROPOUT = (
     "(numpy_attn; None means a fresh default_rng()), a jax.random key (jax_attn; required), or "
     "a torch.Generator (torch_attn; None means torch's global generator). return_weights=True "
     "returns the weights before dropout. dropout_mask with dropout_p == 0 is a ValueError."
+)
+
+#: Attention sinks (``sinks``), in words.
+SINKS = (
+    "sinks: one learned logit per query head, shape (heads,) ((1,) for 2-D inputs without a "
+    "heads axis), floating point, in the compute dtype; as GPT-OSS's sinks: the sink logit "
+    "joins every row's softmax as an extra column of the scores that carries no value, and the "
+    "column is dropped after the softmax (transformers' gpt_oss eager_attention_forward is the "
+    "reference semantics). It is added after scale, soft-cap, bias and mask and is itself "
+    "neither scaled, soft-capped nor masked: weights = exp(s_ij) / (exp(sink_h) + sum_k "
+    "exp(s_ik)), so each row's weights sum to less than 1 and return_weights returns them "
+    "without the sink column (before dropout, which never drops the sink). A fully masked row "
+    "puts all its weight on the sink: weights 0 and output 0, as FULLY_MASKED_ROW says for a "
+    "row without a sink. Query heads sharing a kv head keep their own sink. Gradients reach the "
+    "sink logits: dsink_h = -sum over batch and queries of p_sink · rowsum(dO ⊙ O) (plus p_sink "
+    "times the lse's cotangent), with p_sink = exp(sink_h - lse). A sink of -inf is no sink. "
+    "Wrong dtype: TypeError; wrong shape: ValueError (scaled_dot_product_attention: sinks must "
+    "have shape (heads,) = (4,), one logit per query head; got sinks.shape=(3,))."
+)
+
+#: The row log-sum-exp (``return_lse``), in words.
+LOG_SUM_EXP = (
+    "return_lse=True also returns each row's log-sum-exp, lse_i = log(sum_j exp(s_ij)), in the "
+    "natural log (some kernels keep log2 internally: merging a natural-log lse with a log2 one "
+    "is a bug), of the scores after scale, soft-cap, bias and mask (before dropout, which the "
+    "lse ignores): the log of the softmax denominator actually used, so it includes exp(sink) "
+    "when sinks are given. Shape (..., heads, q_len) ((q_len,) for 2-D inputs), dtype the "
+    "compute dtype (float32 for float16, bfloat16 and float32 inputs, float64 for float64). A "
+    "fully masked row has lse = -inf without sinks (never 0, never +inf, never NaN) and lse = "
+    "its sink logit with sinks. Results come back in the order output[, weights][, lse]. The "
+    "lse is differentiable (jax_attn, torch_attn: through autodiff; numpy_attn: "
+    "merge_attention_vjp takes its cotangent)."
+)
+
+#: Merging partial results (``merge_attention``), in words.
+MERGING = (
+    "merge_attention(outputs, lses) gives the attention over the union of disjoint key sets "
+    "from the partial results over each set (split-KV decoding, context parallelism, cascade "
+    "attention): with m = max_i lse_i, lse = m + log(sum_i exp(lse_i - m)) and output = "
+    "sum_i exp(lse_i - lse) · output_i, exact within rounding. The partial lses are those of "
+    "return_lse without sinks; sinks, if given, are applied exactly once, in the merge: "
+    "output · exp(lse - logaddexp(lse, sink)) and lse = logaddexp(lse, sink). A part with lse "
+    "-inf (no key) contributes nothing; when every part is -inf the output is 0 and the lse "
+    "-inf, never NaN. The merge runs in the compute dtype of the outputs' dtype; the merged "
+    "output has the outputs' dtype and the merged lse the compute dtype."
 )
 
 #: Error rules: the exception type for each kind of bad input, identical in every backend.

@@ -22,6 +22,8 @@ FUNCTIONS = (
     "scaled_dot_product_attention_vjp",
     "blockwise_attention",
     "blockwise_attention_vjp",
+    "merge_attention",
+    "merge_attention_vjp",
 )
 
 
@@ -208,6 +210,8 @@ def scaled_dot_product_attention(
     dropout_mask: Any = None,
     rng: Any = None,
     return_weights: bool = False,
+    sinks: Any = None,
+    return_lse: bool = False,
 ) -> Any:
     """Scaled dot-product attention: the whole pipeline of this spec.
 
@@ -226,11 +230,15 @@ def scaled_dot_product_attention(
       dropout_mask: boolean keep-mask broadcastable to the weights (True = keep).
       rng: the backend's random source for dropout (see ``DROPOUT``).
       return_weights: also return the weights (before dropout).
+      sinks: ``(heads,)`` floating-point sink logits (``(1,)`` for 2-D inputs), or ``None``
+        (``SINKS``): each joins its head's softmax denominators as a column without a value.
+      return_lse: also return the row log-sum-exp (``LOG_SUM_EXP``).
 
     Returns:
       ``output``: ``(..., heads, q_len, v_dim)`` in the input dtype; with
-      ``return_weights=True``, ``(output, weights)`` with weights ``(..., heads, q_len, kv_len)``
-      in the input dtype.
+      ``return_weights=True`` or ``return_lse=True`` a tuple ``(output[, weights][, lse])``:
+      weights ``(..., heads, q_len, kv_len)`` in the input dtype, lse ``(..., heads, q_len)``
+      in the compute dtype (``-inf`` on a fully masked row without sinks).
     """
 
 
@@ -249,6 +257,7 @@ def scaled_dot_product_attention_vjp(
     softcap: float | None = None,
     dropout_p: float = 0.0,
     dropout_mask: Any = None,
+    sinks: Any = None,
 ) -> Any:
     """Gradients of ``scaled_dot_product_attention`` with respect to its array inputs.
 
@@ -263,11 +272,12 @@ def scaled_dot_product_attention_vjp(
       value: ``(..., kv_heads, kv_len, v_dim)``.
       grad_output: ``(..., heads, q_len, v_dim)``: the gradient of a loss w.r.t. the output.
       mask, bias, is_causal, causal_alignment, window, scale, softcap, dropout_p,
-        dropout_mask: as in ``scaled_dot_product_attention``.
+        dropout_mask, sinks: as in ``scaled_dot_product_attention``.
 
     Returns:
       ``(grad_query, grad_key, grad_value, grad_bias)`` shaped like query, key, value and
-      bias (``grad_bias`` is None without a bias); grouped-query heads add their key/value
+      bias (``grad_bias`` is None without a bias), and with ``sinks`` a fifth element,
+      ``grad_sinks`` ``(heads,)`` in the sinks' dtype; grouped-query heads add their key/value
       gradients into the shared head.
     """
 
@@ -286,6 +296,8 @@ def blockwise_attention(
     softcap: float | None = None,
     block_q: int = 512,
     block_kv: int = 1024,
+    sinks: Any = None,
+    return_lse: bool = False,
 ) -> Any:
     """Memory-efficient attention: the pipeline in ``(block_q, block_kv)`` tiles, online softmax.
 
@@ -315,9 +327,12 @@ def blockwise_attention(
         ``scaled_dot_product_attention``.
       block_q: queries per tile, ``>= 1`` (ValueError otherwise).
       block_kv: keys per tile, ``>= 1`` (ValueError otherwise).
+      sinks, return_lse: as in ``scaled_dot_product_attention`` (the sinks join each row's
+        denominator once, after the last tile).
 
     Returns:
-      ``(..., heads, q_len, v_dim)`` in the input dtype.
+      ``(..., heads, q_len, v_dim)`` in the input dtype; with ``return_lse``, ``(output,
+      lse)``, lse ``(..., heads, q_len)`` in the compute dtype.
     """
 
 
@@ -336,6 +351,7 @@ def blockwise_attention_vjp(
     softcap: float | None = None,
     block_q: int = 512,
     block_kv: int = 1024,
+    sinks: Any = None,
 ) -> Any:
     """Gradients of ``blockwise_attention``, tile by tile, from the saved log-sum-exp.
 
@@ -351,9 +367,51 @@ def blockwise_attention_vjp(
       value: ``(..., kv_heads, kv_len, v_dim)``.
       grad_output: ``(..., heads, q_len, v_dim)``: the gradient of a loss w.r.t. the output.
       bias, kv_lengths, is_causal, causal_alignment, window, scale, softcap, block_q,
-        block_kv: as in ``blockwise_attention``.
+        block_kv, sinks: as in ``blockwise_attention``.
 
     Returns:
       ``(grad_query, grad_key, grad_value, grad_bias)`` shaped like query, key, value and
-      bias, in their dtypes (``grad_bias`` is None without a bias).
+      bias, in their dtypes (``grad_bias`` is None without a bias), and with ``sinks``
+      ``grad_sinks`` ``(heads,)`` as a fifth element.
+    """
+
+
+def merge_attention(outputs: Any, lses: Any, *, sinks: Any = None) -> Any:
+    """Attention over the union of disjoint key sets, from the partial results over each set.
+
+    ``MERGING``: with ``m = max_i lse_i``, ``lse = m + log(sum_i exp(lse_i - m))`` and
+    ``output = sum_i exp(lse_i - lse) · outputs[i]``; parts with lse ``-inf`` contribute
+    nothing (all ``-inf``: output 0, lse ``-inf``). ``sinks`` are applied once, here.
+
+    Args:
+      outputs: a list or tuple of partial outputs, each ``(..., heads, q_len, v_dim)`` (or
+        ``(q_len, v_dim)``), one floating dtype.
+      lses: a list or tuple of their row log-sum-exps, each ``(..., heads, q_len)``, natural
+        log, computed without sinks (``scaled_dot_product_attention(..., return_lse=True)``).
+      sinks: ``(heads,)`` sink logits, or ``None``.
+
+    Returns:
+      ``(output, lse)``: ``(..., heads, q_len, v_dim)`` in the outputs' dtype and
+      ``(..., heads, q_len)`` in its compute dtype.
+    """
+
+
+def merge_attention_vjp(
+    outputs: Any, lses: Any, grad_output: Any, *, grad_lse: Any = None, sinks: Any = None
+) -> Any:
+    """Gradients of ``merge_attention`` with respect to the partial outputs, their lses and
+    the sinks (numpy_attn by hand; jax_attn ``jax.vjp``; torch_attn ``torch.autograd``).
+
+    With ``a_i = exp(lse_i - lse)`` and ``a_s = exp(sink - lse)``: ``d outputs[i] = a_i
+    dO``, ``d lses[i] = a_i (rowsum(dO ⊙ (outputs[i] - O)) + dlse)``, ``d sink = sum a_s
+    (dlse - rowsum(dO ⊙ O))`` over batch and queries; a part with lse ``-inf`` gets 0.
+
+    Args:
+      outputs, lses, sinks: as in ``merge_attention``.
+      grad_output: ``(..., heads, q_len, v_dim)``: the cotangent of the merged output.
+      grad_lse: ``(..., heads, q_len)``: the cotangent of the merged lse, or ``None`` (0).
+
+    Returns:
+      ``(grad_outputs, grad_lses)``, two tuples shaped and typed like ``outputs`` and
+      ``lses``, and with ``sinks`` ``grad_sinks`` ``(heads,)`` as a third element.
     """
