@@ -12,7 +12,13 @@ type with the same message for the same bad input, and plans the same tiles:
   returns the normalised values (``Arguments``);
 * ``merging``: ``merge_arguments``, the entry point of ``merge_attention`` and its VJP
   (partial results over disjoint key sets, merged by their row log-sum-exp);
+* ``mods``: the checks of chunked attention, ALiBi, segment ids, ``score_mod`` and
+  ``mask_mod``, and the tiles the chunk rule keeps (``chunk_status``);
+* ``paging``: split-KV decoding's chunks (``SPLIT_KV``) and the rules of the paged KV cache
+  (``paged_arguments``, ``check_block_table``, a full pool);
 * ``tiles``: the causal/window band and the tile plans of the blockwise and blocked paths;
+* ``varlen`` (imported as ``attention_rules.varlen``): the rules of packed variable-length
+  batches (``varlen_attention``: offsets, pages, the groups of equal sequences);
 * ``fast_paths``: ``FAST_PATHS``, the constants of each backend's fast-path selection rule
   (``conformance/spec/constants.py`` shows the same dict).
 
@@ -68,30 +74,76 @@ from .checks import (
 )
 from .fast_paths import FAST_PATHS, has_empty_axis, large_enough
 from .merging import MergeArguments, check_parts, merge_arguments
+from .mods import (
+    ALL,
+    NONE,
+    SOME,
+    check_alibi_slopes,
+    check_chunk_size,
+    check_mod,
+    check_mod_derivative,
+    check_mod_result,
+    check_segment_ids,
+    chunk_keys,
+    chunk_status,
+    split_segment_ids,
+    structural_statuses,
+)
+from .paging import (
+    SPLIT_KV,
+    PageBook,
+    PagedArguments,
+    book_append,
+    book_free,
+    book_tables,
+    check_block_table,
+    check_paged_append,
+    check_pool,
+    check_sequences,
+    kv_chunks,
+    new_book,
+    page_chunk,
+    page_runs,
+    paged_arguments,
+    pages_needed,
+    split_chunk,
+)
 from .tiles import Window, band, key_range, plan, query_range
 
 __all__ = [
+    "ALL",
+    "NONE",
+    "SOME",
     "CAUSAL_ALIGNMENTS",
     "FAST_PATHS",
     "HALF_DTYPES",
+    "SPLIT_KV",
     "SUPPORTED_DTYPES",
     "Arguments",
     "ArrayInfo",
     "MergeArguments",
+    "PageBook",
+    "PagedArguments",
     "Shape",
     "Window",
     "attention_arguments",
     "band",
+    "book_append",
+    "book_free",
+    "book_tables",
     "broadcast_shapes",
     "causal_offset",
     "check_alignment",
     "check_array",
+    "check_alibi_slopes",
     "check_backward_without_dropout",
+    "check_block_table",
     "check_bias_dtype",
     "check_bool",
     "check_broadcast",
     "check_cache_append",
     "check_cache_room",
+    "check_chunk_size",
     "check_dropout",
     "check_dropout_mask",
     "check_flag",
@@ -104,25 +156,43 @@ __all__ = [
     "check_lengths",
     "check_lengths_1d",
     "check_mask_bias",
+    "check_mod",
+    "check_mod_derivative",
+    "check_mod_result",
     "check_module_heads",
+    "check_paged_append",
     "check_parts",
+    "check_pool",
     "check_query_key",
     "check_rank",
     "check_scale",
+    "check_sequences",
+    "check_segment_ids",
     "check_sinks",
     "check_softcap",
     "check_structure",
     "check_weight_shapes",
     "check_weights_value",
     "check_window",
+    "chunk_keys",
+    "chunk_status",
     "compute_dtype",
     "default_scale",
     "has_empty_axis",
     "heads_of",
     "key_range",
+    "kv_chunks",
     "large_enough",
     "merge_arguments",
+    "new_book",
+    "page_chunk",
+    "page_runs",
+    "paged_arguments",
+    "pages_needed",
     "plan",
     "query_range",
     "scores_shape",
+    "split_chunk",
+    "split_segment_ids",
+    "structural_statuses",
 ]

@@ -9,7 +9,7 @@ order, so every backend reports the same one) or returns the normalised values.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from .checks import (
     ArrayInfo,
@@ -31,6 +31,7 @@ from .checks import (
     heads_of,
     scores_shape,
 )
+from .mods import check_alibi_slopes, check_chunk_size, check_mod, check_segment_ids
 from .tiles import Window
 
 _NOT_BLOCKWISE = object()  # default of block_q and block_kv: not a blockwise call
@@ -53,6 +54,22 @@ class Arguments(NamedTuple):
     block_kv: int | None  # blockwise only
     return_lse: bool = False  # also return the row log-sum-exp
     has_sinks: bool = False  # sinks given: one logit per head joins every row's softmax
+    chunk_size: int | None = None  # chunked local attention (spec.CHUNKED)
+    has_alibi: bool = False  # alibi_slopes given (spec.ALIBI)
+    has_segments: bool = False  # segment_ids given (spec.SEGMENT_IDS)
+    score_mod: Any = None  # callable(score, batch, head, q_idx, kv_idx) (spec.SCORE_MOD)
+    mask_mod: Any = None  # callable(batch, head, q_idx, kv_idx) -> bool (spec.MASK_MOD)
+
+    @property
+    def has_mods(self) -> bool:
+        """Any of chunk_size, alibi_slopes, segment_ids, score_mod, mask_mod given."""
+        return (self.chunk_size is not None or self.has_alibi or self.has_segments
+                or self.score_mod is not None or self.mask_mod is not None)
+
+    @property
+    def masks_tiles(self) -> bool:
+        """A rule that may empty whole tiles beyond the band: chunks, segments, mask_mod."""
+        return self.chunk_size is not None or self.has_segments or self.mask_mod is not None
 
 
 def attention_arguments(
@@ -77,6 +94,11 @@ def attention_arguments(
     return_lse: object = False,
     block_q: object = _NOT_BLOCKWISE,
     block_kv: object = _NOT_BLOCKWISE,
+    chunk_size: object = None,
+    alibi_slopes: ArrayInfo | None = None,
+    segment_ids: tuple[ArrayInfo, ArrayInfo, bool] | None = None,
+    score_mod: object = None,
+    mask_mod: object = None,
 ) -> Arguments:
     """Every rule of the spec for one call, in order; the normalised arguments.
 
@@ -88,6 +110,9 @@ def attention_arguments(
       is_causal, causal_alignment, window, scale, softcap, dropout_p, return_weights,
         return_lse: the caller's values, as given.
       block_q, block_kv: ``blockwise_attention``'s tile sizes (not given elsewhere).
+      chunk_size, score_mod, mask_mod: as given; alibi_slopes: ``(shape, dtype name)`` or
+        None; segment_ids: ``(query ids, key ids, one array)`` described, or None
+        (``mods.split_segment_ids`` splits the caller's value).
 
     Returns:
       ``Arguments``; raises TypeError or ValueError as ``spec.ERRORS`` says.
@@ -105,7 +130,13 @@ def attention_arguments(
     target = scores_shape(q_shape, k_shape)  # (..., heads, q_len, kv_len)
     check_mask_bias(fn, mask, bias, target)
     check_sinks(fn, sinks, heads_of(q_shape))
+    check_alibi_slopes(fn, alibi_slopes, heads_of(q_shape))
+    if segment_ids is not None:
+        check_segment_ids(fn, segment_ids[0], segment_ids[1], q_shape, k_shape, segment_ids[2])
     is_causal, causal_alignment, window = check_structure(fn, is_causal, causal_alignment, window)
+    chunk_size = check_chunk_size(fn, chunk_size)
+    score_mod = check_mod(fn, "score_mod", score_mod)
+    mask_mod = check_mod(fn, "mask_mod", mask_mod)
     scale = check_scale(fn, scale, q_shape[-1])
     softcap = check_softcap(fn, softcap)
     dropout_p = check_dropout(fn, dropout_p, dropout_mask is not None)
@@ -124,4 +155,5 @@ def attention_arguments(
     return Arguments(
         dtype, target, output_shape, is_causal, causal_alignment, window, scale, softcap,
         dropout_p, return_weights, block_q, block_kv, return_lse, sinks is not None,
+        chunk_size, alibi_slopes is not None, segment_ids is not None, score_mod, mask_mod,
     )

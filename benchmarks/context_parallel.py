@@ -9,10 +9,10 @@ the zig-zag layout:
   numpy_attn's simulation (its ``trace`` records every message with its size) next to the
   formula of ``attention_rules.context_parallel.message_bytes``, at 1,024 tokens for N = 2, 4, 8
   (every figure is linear in the length);
-* **memory**: per-device bytes of the compiled JAX program (forward + backward, one ``jit``):
-  ``memory_analysis()`` of the per-device SPMD program gives its arguments, outputs and
-  temporaries (XLA's buffers beyond them); single-device ``blockwise_attention`` on the whole
-  sequence is the N = 1 row. Only compiled, never run, so long lengths are cheap;
+* **memory**: per-device bytes of forward + backward, ``benchmarks/context_parallel_memory.py``
+  (JAX: ``memory_analysis()`` of the compiled per-device program, compiled only; torch: the
+  live-tensor peak of a gloo rank); single-device ``blockwise_attention`` on the whole
+  sequence is the N = 1 row;
 * **time**: ``benchmarks/multi_device.py``'s timing (JAX host devices and torch gloo ranks on
   this machine) at 2,048 tokens.
 
@@ -71,57 +71,12 @@ def comm_table(length: int = 1024, world_sizes: tuple[int, ...] = (2, 4, 8)) -> 
     return "\n".join(lines)
 
 
-_MEMORY = r"""
-import json, sys
-import jax
-jax.config.update("jax_num_cpu_devices", 4)
-import jax.numpy as jnp
-import numpy as np
-from functools import partial
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
-import jax_attn as ja
-length, world, strategy = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-shape = jax.ShapeDtypeStruct((1, 8, length, 64), jnp.float32)
-if world == 1:
-    attend = partial(ja.blockwise_attention, is_causal=True)
-    args = [shape] * 4
-else:
-    mesh = Mesh(np.array(jax.devices()[:world]), ("seq",))
-    sharding = NamedSharding(mesh, PartitionSpec(None, None, "seq", None))
-    attend = partial(ja.context_parallel_attention, mesh=mesh, strategy=strategy,
-                     is_causal=True, load_balance=True)
-    args = [jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding)] * 4
-def step(q, k, v, g):
-    out, pullback = jax.vjp(attend, q, k, v)
-    return (out, *pullback(g))
-m = jax.jit(step).lower(*args).compile().memory_analysis()
-print(json.dumps({"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
-                  "temp": m.temp_size_in_bytes}))
-"""
-
-
 def memory_table(lengths: tuple[int, ...]) -> str:
-    """Per-device MiB of the compiled forward + backward (one subprocess per row)."""
-    import json
+    """Per-device MiB of forward + backward, JAX and torch (``context_parallel_memory.py``),
+    with JAX's all-gather and Ulysses rows at 4 devices too."""
+    from context_parallel_memory import memory_table as table
 
-    lines = ["| tokens | devices | strategy | inputs+outputs MiB | temp MiB | total MiB | "
-             "total vs 1 device |", "|---:|---:|---|---:|---:|---:|---:|"]
-    for length in lengths:
-        base = None
-        for world, strategy in [(1, "blockwise"), (2, "ring"), (4, "ring"), (4, "all_gather"),
-                                (4, "ulysses")]:
-            out = subprocess.run([sys.executable, "-c", _MEMORY, str(length), str(world),
-                                  strategy], capture_output=True, text=True, cwd=ROOT,
-                                 timeout=600)
-            if out.returncode:
-                raise SystemExit(out.stderr[-2000:])
-            m = json.loads(out.stdout.strip().splitlines()[-1])
-            io = (m["arguments"] + m["outputs"]) / 2**20
-            temp = m["temp"] / 2**20
-            base = base or io + temp
-            lines.append(f"| {length} | {world} | {strategy} | {io:.1f} | {temp:.1f} | "
-                         f"{io + temp:.1f} | {(io + temp) / base:.2f} |")
-    return "\n".join(lines)
+    return table(lengths, jax_rows=((2, "ring"), (4, "ring"), (4, "all_gather"), (4, "ulysses")))
 
 
 def time_tables(length: int) -> str:
@@ -146,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         print(comm_table())
         print()
     if every or args.memory:
-        print("## Per-device memory of the compiled forward + backward (JAX)\n")
+        print("## Per-device memory of forward + backward\n")
         print(memory_table(tuple(args.lengths)))
         print()
     if every or args.time:

@@ -15,6 +15,8 @@ eight wings have a folder each (their ``__init__`` says what each file holds):
                       ``UNSUPPORTED``, ``LAYOUT``, its import errors (``docs/checking.md``)
 ``backends``          adapters NumPy ↔ each backend (numpy, jax, torch, your module), lazy
                       imports — **a backend adapter for a new framework goes here**
+``case_inputs``       ``CaseData``, the shared shapes, and the inputs of the sinks, merge and
+                      paged cases (key splits, shuffled page pools, their contiguous view)
 ``cases``             the named, seeded cases — **add a case here**
 ``reference``         the independent float64 reference of the pipeline and its VJP
 ``naive``             the naive low-precision baseline whose error scales every tolerance
@@ -24,14 +26,19 @@ eight wings have a folder each (their ``__init__`` says what each file holds):
 ``compare``           the one tolerance rule (``compare``), ``StepResult``
 ``diagnose``          plain-words reasons for a failure — **add a diagnosis here**
 ``results``           ``Cell``, ``RunResult`` and the other result types, known differences
+``lse_alternatives``  the alternatives of the row log-sum-exp (a finite fill, ``+inf``, the
+                      input dtype) that ``alternatives`` applies
 ``alternatives``      the alternative semantics each known difference names, computed from a
                       case in float64, and the verdict known / unexpected of a peer's cell
+``composite``         steps made of several calls: the merge of split keys, the paged cache
+``module_steps``      how a backend runs a module case: forward, backward, decode
 ``steps``             how a backend computes each compared step — **add a compared step here**
 ``peers/``            the frameworks' own kernels as extra columns: the registry ``PEERS`` in
                       its ``__init__`` — **add a peer here**: its adapter in a file of its own
-                      (``torch_nn``, ``jax_nn``, ``keras_ops`` with its ``keras_worker``,
-                      ``flax_nnx``, ``transformers_attention``, ``onnx_attention``), one line in
-                      ``PEERS``; ``inputs``: a case's inputs in the peers' conventions
+                      (``torch_nn``, ``torch_flex``, ``jax_nn``, ``keras_ops`` with its
+                      ``keras_worker``, ``flax_nnx``, ``transformers_attention``,
+                      ``transformers_gpt_oss``, ``onnx_attention``), one line in ``PEERS``;
+                      ``inputs``: a case's inputs in the peers' conventions
 ``isolation/``        a checked module runs isolated: copies of every array, a mutated input
                       named, ``SystemExit`` caught (``guard``); a module given by its path in
                       one worker process with a per-call ``--timeout`` (``worker``, ``serve``)

@@ -15,7 +15,8 @@ tolerance rule (``compare.compare``):
   float32's tolerance),
   then one rule for fully masked rows (``mean_of_value``, ``unmasked_row`` or ``nan_rows``),
   then ``nan_row_zero``; ``output = weights @ value`` in float64;
-* output stage: ``mixed_heads``'s output projection.
+* output stage: ``mixed_heads``'s output projection;
+* the row log-sum-exp (the ``lse`` step): ``conformance.lse_alternatives``.
 
 ``raises`` is checked on the exception a peer raised instead: its type (or a base class) has the
 entry's name and its message matches the entry's pattern.
@@ -40,11 +41,12 @@ from typing import Any
 
 import numpy as np
 
-from . import reference
+from . import reference, spec
 from .backends import numpy_dtype
 from .cases import CaseData
 from .compare import StepResult, compare
 from .expected import Expected, expected_for, unspecified_positions
+from .lse_alternatives import LSE_STAGE
 from .results import Cell, error_text, known_differences
 
 #: Rules for fully masked rows: at most one of them in a combination.
@@ -67,11 +69,12 @@ class Hypothesis:
     """The expected value of every step under a combination of alternatives (float64)."""
 
     names: tuple[str, ...]
-    values: dict[str, np.ndarray]  # output (..., heads, q_len, v_dim), output_weights
+    values: dict[str, np.ndarray]  # output (..., heads, q_len, v_dim), output_weights, lse
     baseline: dict[str, float]
     dtype: str  # the tolerance row
     result: str  # the results' dtype
     unspecified: dict[str, np.ndarray] = field(default_factory=dict)
+    lse_result: str = ""  # the lse's dtype (the compute dtype of ``result``, or ``result``)
 
 
 def _heads(x: np.ndarray) -> int:
@@ -230,12 +233,13 @@ def project_output(output: np.ndarray, unspecified: np.ndarray | None
 
 
 #: Every alternative but ``raises``, in the order a combination applies them.
-ORDER = tuple(dict.fromkeys((*INPUT_STAGE, *ROW_STAGE)))
+ORDER = tuple(dict.fromkeys((*INPUT_STAGE, *ROW_STAGE, *LSE_STAGE)))
 
 
 def hypothesis(exp: Expected, names: tuple[str, ...] | list[str]) -> Hypothesis:
-    """The expected ``output`` and ``output_weights`` of ``exp``'s case under the alternatives
-    ``names`` (any order; applied in ``ORDER``), with their baseline errors and tolerance row."""
+    """The expected ``output``, ``output_weights`` and ``lse`` of ``exp``'s case under the
+    alternatives ``names`` (any order; applied in ``ORDER``), with their baseline errors and
+    tolerance row."""
     unknown = sorted(set(names) - set(ORDER))
     if unknown:
         raise ValueError(f"names: unknown alternative(s) {', '.join(unknown)}; known: "
@@ -257,24 +261,30 @@ def hypothesis(exp: Expected, names: tuple[str, ...] | list[str]) -> Hypothesis:
         value = reference.repeat_kv(np.asarray(sem.arrays["value"]).astype(np.float64),
                                     _heads(np.asarray(sem.arrays["query"])))
         output = np.einsum("...qk,...kd->...qd", weights, value)
+        lse = base.values["lse"]  # (..., heads, q_len)
+        for name in chosen:
+            if name in LSE_STAGE:
+                lse = LSE_STAGE[name](lse, steps.masked_scores, sem.result)
         values = {**base.values, "weights": weights, "output_weights": weights, "output": output}
         unspecified = (unspecified_positions(data, values) if not data.finite
                        else {"output": None, "output_weights": None})
         out_unspecified = unspecified.get("output")
         if "mixed_heads" in chosen:
             output, out_unspecified = project_output(output, out_unspecified)
-    return Hypothesis(chosen, {"output": output, "output_weights": weights}, base.baseline,
-                      sem.dtype, sem.result,
+    lse_result = sem.result if "lse_input_dtype" in chosen else spec.COMPUTE_DTYPE[sem.result]
+    return Hypothesis(chosen, {"output": output, "output_weights": weights, "lse": lse},
+                      base.baseline, sem.dtype, sem.result,
                       {"output": out_unspecified,
-                       "output_weights": unspecified.get("output_weights")})
+                       "output_weights": unspecified.get("output_weights")}, lse_result)
 
 
 def check(hyp: Hypothesis, results: dict[str, np.ndarray]) -> list[StepResult]:
     """Each of a peer's results against the hypothesis, under ``compare``'s rule and the
-    hypothesis' tolerance row; a result of another dtype than ``hyp.result`` fails."""
+    hypothesis' tolerance row; a result of another dtype than ``hyp.result`` (the lse:
+    ``hyp.lse_result``) fails."""
     out = []
-    want = np.dtype(numpy_dtype(hyp.result))
     for step, actual in results.items():
+        want = np.dtype(numpy_dtype(hyp.lse_result if step == "lse" else hyp.result))
         if step not in hyp.values:
             out.append(StepResult(step, float("inf"), False,
                                   note="the alternatives define no value for this step"))

@@ -5,12 +5,23 @@ NumPy's seeded generator (the seed is derived from the name, so a case's data ne
 which other cases run). ``prepare_inputs(case, dtype)`` casts those inputs once to the dtype
 under test; every backend then receives exactly the same bits.
 
-Two kinds of case exist:
+Four kinds of case exist (``conformance.case_inputs`` builds the inputs of the newer ones):
 
 ``sdpa``
   inputs of ``scaled_dot_product_attention``: arrays ``query``, ``key``, ``value`` and optional
-  ``mask``, ``bias``, ``dropout_mask``; scalar options ``is_causal``, ``causal_alignment``,
-  ``window``, ``scale``, ``softcap``, ``dropout_p``.
+  ``mask``, ``bias``, ``dropout_mask``, ``sinks`` ``(heads,)``; scalar options ``is_causal``,
+  ``causal_alignment``, ``window``, ``scale``, ``softcap``, ``dropout_p``. Every sdpa case also
+  compares the row log-sum-exp (``return_lse=True``), and with ``sinks`` their gradient.
+``merge``
+  an sdpa problem (no causal rule or window: its structure is an explicit ``mask``) whose keys
+  ``key_part`` splits into ``options["parts"]`` disjoint sets, one possibly empty: each part is
+  computed by the implementation's own ``scaled_dot_product_attention(..., return_lse=True)``
+  (without the sinks) and merged by its ``merge_attention`` (with them), which must equal the
+  attention over every key.
+``paged``
+  ``paged_attention`` over a shuffled pool of pages (``case_inputs.paged``), and the same keys
+  appended to the implementation's own ``PagedKVCache`` (after a freed sequence, whose pages it
+  reuses): both equal the contiguous attention (``case_inputs.contiguous``).
 ``module``
   a spec module (``options["module"]``) with constructor arguments ``options["init"]``, weights
   (arrays named ``w:<weight name>``) loaded into every backend, and forward inputs ``x``
@@ -21,7 +32,8 @@ Two kinds of case exist:
 sdpa cases without a general boolean mask and without dropout also run ``blockwise_attention``
 (and its VJP) with small tiles (``BLOCKWISE_TILES``) that do not divide the lengths;
 ``kv_lengths`` (an int array) gives it the padding that the case's ``mask`` gives
-``scaled_dot_product_attention``.
+``scaled_dot_product_attention``. Sinks are drawn in [-2, 4) and cast to the case's dtype like
+every floating input (GPT-OSS keeps them in the model's dtype).
 
 Non-finite inputs (``nan_*``, ``inf_key``) follow the spec's IEEE rule: a NaN in a query row
 makes that output row NaN; a NaN or +Inf in key ``j`` makes every row that attends ``j`` NaN,
@@ -44,44 +56,34 @@ from __future__ import annotations
 import fnmatch
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .backends import DTYPES, numpy_dtype
+from .case_inputs import (
+    BLOCKWISE_TILES,
+    SDPA_ARRAYS,
+    SDPA_OPTIONS,
+    TK,
+    TQ,
+    B,
+    CaseData,
+    D,
+    H,
+    fully_masked_mask,
+    huge_causal,
+    paged,
+    qkv,
+    random_split,
+    sdpa_arrays,
+    sdpa_options,
+    with_sinks,
+)
+from .case_inputs import normal as _normal
 from .spec import seed_example
 from .usage import UsageError
-
-B, H, TQ, TK, D = 2, 4, 5, 7, 8
-
-SDPA_ARRAYS = ("query", "key", "value", "mask", "bias", "dropout_mask")
-BLOCKWISE_TILES = {"block_q": 2, "block_kv": 3}
-SDPA_OPTIONS = ("is_causal", "causal_alignment", "window", "scale", "softcap", "dropout_p")
-
-
-@dataclass
-class CaseData:
-    """The inputs of one case: arrays (float64 or bool) and scalar options."""
-
-    arrays: dict[str, np.ndarray]
-    options: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def finite(self) -> bool:
-        """True when every floating input is finite (no NaN, no ±Inf)."""
-        return all(np.isfinite(np.asarray(a).astype(np.float64)).all()
-                   for a in self.arrays.values() if np.asarray(a).dtype.kind not in "biu")
-
-
-def sdpa_options(options: dict[str, Any]) -> dict[str, Any]:
-    """The scalar options of ``scaled_dot_product_attention`` among ``options``."""
-    return {k: v for k, v in options.items() if k in SDPA_OPTIONS}
-
-
-def sdpa_arrays(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The array arguments of ``scaled_dot_product_attention`` among ``arrays``."""
-    return {k: v for k, v in arrays.items() if k in SDPA_ARRAYS}
 
 
 @dataclass(frozen=True)
@@ -118,19 +120,6 @@ def prepare_inputs(case: Case, dtype: str) -> CaseData:
 # ------------------------------------------------------------------------------ builders
 
 
-def _normal(rng: np.random.Generator, *shape: int) -> np.ndarray:
-    return rng.standard_normal(shape)
-
-
-def _qkv(rng: np.random.Generator, q_len: int = TQ, kv_len: int = TK, kv_heads: int = H,
-         v_dim: int = D) -> dict[str, np.ndarray]:
-    return {
-        "query": _normal(rng, B, H, q_len, D),
-        "key": _normal(rng, B, kv_heads, kv_len, D),
-        "value": _normal(rng, B, kv_heads, kv_len, v_dim),
-    }
-
-
 def _sdpa(arrays_fn: Callable[[np.random.Generator], dict[str, np.ndarray]],
           **options: Any) -> Callable[[np.random.Generator], CaseData]:
     """A builder: arrays from ``arrays_fn(rng)``, fixed scalar options."""
@@ -144,7 +133,7 @@ def _sdpa(arrays_fn: Callable[[np.random.Generator], dict[str, np.ndarray]],
 def _with(extra: Callable[[np.random.Generator, dict[str, np.ndarray]], dict[str, np.ndarray]],
           **qkv_kw: Any) -> Callable[[np.random.Generator], dict[str, np.ndarray]]:
     def arrays(rng: np.random.Generator) -> dict[str, np.ndarray]:
-        base = _qkv(rng, **qkv_kw)
+        base = qkv(rng, **qkv_kw)
         base.update(extra(rng, base))
         return base
 
@@ -159,11 +148,7 @@ def _padding(rng: np.random.Generator, base: dict[str, np.ndarray]) -> dict[str,
 
 
 def _fully_masked(rng: np.random.Generator, base: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    mask = rng.random((B, H, TQ, TK)) < 0.6
-    mask[0, 1, 2] = False  # one row
-    mask[1, :, 0] = False  # first query of sequence 1, every head
-    mask[1, 3] = False  # a whole head
-    return {"mask": mask}
+    return {"mask": fully_masked_mask(rng)}  # a row, a query in every head, a whole head
 
 
 def _two_d(rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -236,16 +221,16 @@ def _noop(rng: np.random.Generator, base: dict[str, np.ndarray]) -> dict[str, np
 
 
 def _self(rng: np.random.Generator) -> dict[str, np.ndarray]:
-    return _qkv(rng, q_len=TQ, kv_len=TQ)
+    return qkv(rng, q_len=TQ, kv_len=TQ)
 
 
 def _q_longer(rng: np.random.Generator) -> dict[str, np.ndarray]:
-    return _qkv(rng, q_len=TK, kv_len=TQ)
+    return qkv(rng, q_len=TK, kv_len=TQ)
 
 
 def _scaled(factor: float) -> Callable[[np.random.Generator], dict[str, np.ndarray]]:
     def arrays(rng: np.random.Generator) -> dict[str, np.ndarray]:
-        base = _qkv(rng)
+        base = qkv(rng)
         return {**base, "query": base["query"] * factor, "key": base["key"] * factor}
 
     return arrays
@@ -258,11 +243,11 @@ def _kv_lengths(rng: np.random.Generator, base: dict[str, np.ndarray]) -> dict[s
 
 
 def _length_one(rng: np.random.Generator) -> dict[str, np.ndarray]:
-    return _qkv(rng, q_len=1, kv_len=1)
+    return qkv(rng, q_len=1, kv_len=1)
 
 
 def _single_query(rng: np.random.Generator) -> dict[str, np.ndarray]:
-    return _qkv(rng, q_len=1, kv_len=TK)
+    return qkv(rng, q_len=1, kv_len=TK)
 
 
 def _mha_self(rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -277,13 +262,13 @@ def _dropout(rng: np.random.Generator, base: dict[str, np.ndarray]) -> dict[str,
 
 
 def _nan_query(rng: np.random.Generator) -> dict[str, np.ndarray]:
-    arrays = _qkv(rng)
+    arrays = qkv(rng)
     arrays["query"][0, 1, 2, 3] = np.nan  # one component of query 2, batch 0, head 1
     return arrays
 
 
 def _nan_key_masked(rng: np.random.Generator) -> dict[str, np.ndarray]:
-    arrays = _qkv(rng)
+    arrays = qkv(rng)
     kv_lengths = np.array([7, 5])  # sequence 1: keys 5 and 6 are padding
     arrays["key"][1, 2, 6, 0] = np.nan  # a padded key: masked, so it must reach nothing
     arrays["kv_lengths"] = kv_lengths
@@ -292,7 +277,7 @@ def _nan_key_masked(rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 
 def _inf_key(rng: np.random.Generator) -> dict[str, np.ndarray]:
-    arrays = _qkv(rng)
+    arrays = qkv(rng)
     arrays["key"][0, 0, 0, 0] = np.inf  # key 0, which every causal row attends
     arrays["query"][0, 0, :, 0] = np.abs(arrays["query"][0, 0, :, 0]) + 0.5  # score +inf, not -inf
     return arrays
@@ -300,11 +285,24 @@ def _inf_key(rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 def _nan_value(row: int) -> Callable[[np.random.Generator], dict[str, np.ndarray]]:
     def arrays(rng: np.random.Generator) -> dict[str, np.ndarray]:
-        base = _qkv(rng)
+        base = qkv(rng)
         base["value"][1, 0, row, 2] = np.nan  # one component of value row ``row``, head 0
         return base
 
     return arrays
+
+
+def _merge(arrays_fn: Callable[[np.random.Generator], dict[str, np.ndarray]], parts: int,
+           empty: bool = False, **options: Any) -> Callable[[np.random.Generator], CaseData]:
+    """A merge case: ``arrays_fn``'s arrays, the keys split into ``parts`` random sets (one
+    of them empty with ``empty``: ``key_part``), fixed scalar options."""
+
+    def build(rng: np.random.Generator) -> CaseData:
+        arrays = arrays_fn(rng)
+        arrays["key_part"] = random_split(rng, arrays["key"].shape[-2], parts, empty)
+        return CaseData(arrays, {"parts": parts, **options})
+
+    return build
 
 
 CASES: tuple[Case, ...] = (
@@ -332,10 +330,10 @@ CASES: tuple[Case, ...] = (
     Case("softcap", "soft-capping 2.5 of scores 5x larger than usual",
          _sdpa(_scaled(5.0 ** 0.5), softcap=2.5)),
     Case("gqa", "grouped-query: 4 query heads over 2 key/value heads",
-         _sdpa(lambda r: _qkv(r, kv_heads=2))),
+         _sdpa(lambda r: qkv(r, kv_heads=2))),
     Case("mqa", "multi-query: 4 query heads over 1 key/value head",
-         _sdpa(lambda r: _qkv(r, kv_heads=1))),
-    Case("v_dim", "value head_dim 3 != query head_dim 8", _sdpa(lambda r: _qkv(r, v_dim=3))),
+         _sdpa(lambda r: qkv(r, kv_heads=1))),
+    Case("v_dim", "value head_dim 3 != query head_dim 8", _sdpa(lambda r: qkv(r, v_dim=3))),
     Case("scale", "scale override 0.3", _sdpa(_with(_noop), scale=0.3)),
     Case("dropout_mask", "dropout 0.3 with a given keep-mask",
          _sdpa(_with(_dropout), dropout_p=0.3)),
@@ -366,6 +364,35 @@ CASES: tuple[Case, ...] = (
          _sdpa(_seed_projections)),
     Case("seed_example_causal", "the seed article's causal weights (6 tokens)",
          _sdpa(_seed_projections, is_causal=True)),
+    Case("sinks_gqa_kv_lengths",
+         "sinks, 4 over 2 heads, kv_lengths [4, 0]: sequence 1 gives all its weight to the sinks",
+         _sdpa(with_sinks(_with(_kv_lengths, kv_heads=2)))),
+    Case("sinks_fully_masked_rows",
+         "sinks with fully masked rows and a fully masked head: output 0, lse = the sink",
+         _sdpa(with_sinks(_with(_fully_masked)))),
+    Case("sinks_causal_softcap",
+         "sinks, causal top-left, soft-cap 2.5 (the sink itself is neither scaled nor capped)",
+         _sdpa(with_sinks(_scaled(5.0 ** 0.5)), is_causal=True, softcap=2.5)),
+    Case("sinks_bottom_right_q_longer",
+         "sinks, causal bottom-right, q_len 7 > kv_len 5: rows 0-1 see only their sink",
+         _sdpa(with_sinks(_q_longer), is_causal=True, causal_alignment="bottom_right")),
+    Case("sinks_window", "sinks with a sliding window (2, 1), top-left",
+         _sdpa(with_sinks(_with(_noop)), window=(2, 1))),
+    Case("merge_two_splits", "merge_attention of 2 random splits of the 7 keys",
+         _merge(qkv, 2), kind="merge"),
+    Case("merge_empty_split_sinks_gqa",
+         "3 random splits, one empty; sinks, 4 over 2 heads, fully masked rows and head",
+         _merge(with_sinks(_with(_fully_masked, kv_heads=2)), 3, empty=True), kind="merge"),
+    Case("merge_four_splits_huge",
+         "4 splits of a bottom-right causal mask (rows 0-1 empty), logits ~1e4: exp(lse) overflows",
+         _merge(huge_causal, 4, scale=1.0), kind="merge"),
+    Case("paged_decode_gqa",
+         "paged_attention: 3 sequences of 7, 0 and 4 keys in shuffled pages of 3, 4 over 2 heads",
+         _sdpa(paged((7, 0, 4), q_len=1, block_size=3, num_blocks=8)), kind="paged"),
+    Case("paged_two_queries_sinks",
+         "paged_attention, 2 queries per sequence (5, 1, 7 keys: one sees none), sinks, cap 2.5",
+         _sdpa(with_sinks(paged((5, 1, 7), q_len=2, block_size=3, num_blocks=9)), softcap=2.5),
+         kind="paged"),
     Case("module_self_attention", "SelfAttention(3, 2, 4) with the article's weights",
          _module("SelfAttention", {"d_in": 3, "d_out_kq": 2, "d_out_v": 4}, _seed_self),
          kind="module"),
@@ -418,5 +445,6 @@ def select(patterns: list[str] | None = None) -> list[Case]:
     return chosen
 
 
-__all__ = ["CASES", "CASE_NAMES", "Case", "CaseData", "DTYPES", "cast", "get", "prepare_inputs",
-           "sdpa_arrays", "sdpa_options", "select"]
+__all__ = ["BLOCKWISE_TILES", "CASES", "CASE_NAMES", "DTYPES", "SDPA_ARRAYS", "SDPA_OPTIONS",
+           "Case", "CaseData", "cast", "get", "prepare_inputs", "sdpa_arrays", "sdpa_options",
+           "select"]

@@ -10,7 +10,16 @@
   too (``compare``'s rule), so a NaN-handling bug is not mistaken for a planted one;
 * ``non_finite_rows`` explains NaN where the spec gives 0 or a finite value (fully masked rows,
   softmax overflow), and NaN missing or spreading on the non-finite cases (the spec's IEEE rule);
-* ``mean_of_value`` recognises fully masked rows that give the mean of ``value``.
+* ``mean_of_value`` recognises fully masked rows that give the mean of ``value``;
+* ``lse_mistakes`` names an lse in log2, fully masked rows whose lse is 0 or ``+inf`` (not
+  ``-inf``) and an lse that leaves the sink out; ``sink_in_numerator`` a sink whose term is
+  added to every weight's numerator too (it belongs to the denominator alone);
+* ``merge_mistakes`` (merge cases, after ``planted_mistake``: a part computed with a flipped mask
+  is a merge with a flipped mask) replays the merge of the parts' float64 attention with one
+  mistake at a time: ``exp(lse_i)`` without subtracting the largest lse (in the compute dtype,
+  where it overflows), partial lses in log2, the sinks left out of the merge;
+* ``paged_mistakes`` (paged cases) replays the contiguous attention over the pages a page table
+  read off by one page names (``block_table ± 1``).
 
 A wrong layout (a ``(..., seq, heads, head_dim)`` module without ``LAYOUT = "bshd"``) needs the
 module itself, not one result: ``verdict`` reruns the failing cells transposed.
@@ -27,7 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from . import reference
+from . import reference, spec
+from .case_inputs import contiguous, key_parts
 from .cases import CaseData
 from .compare import compare
 from .expected import Expected, pipeline
@@ -110,6 +120,8 @@ HYPOTHESES: tuple[tuple[str, Hypothesis], ...] = (
     ("the window is ignored", _drop("window")),
     ("the causal rule is ignored", _drop("is_causal", False)),
     ("dropout survivors are not rescaled by 1 / (1 - dropout_p)", _no_rescale),
+    ("the sinks are ignored: each head's sink logit joins its rows' softmax denominator (a "
+     "module without sinks declares UNSUPPORTED = {'sinks'})", _drop("sinks")),
 )
 
 
@@ -122,7 +134,7 @@ def planted_mistake(exp: Expected, step: str, actual: np.ndarray) -> str:
             continue
         try:
             with np.errstate(all="ignore"):
-                alt = pipeline(CaseData(*variant), "sdpa", exp.dtype, naive=False)
+                alt = pipeline(CaseData(*variant), exp.kind, exp.dtype, naive=False)
         except Exception:  # noqa: BLE001 - a hypothesis that cannot run explains nothing
             continue
         if step not in alt:
@@ -192,20 +204,151 @@ def mean_of_value(exp: Expected, step: str, actual: np.ndarray) -> str:
     return ""
 
 
+def _matches(exp: Expected, step: str, actual: np.ndarray, alternative: np.ndarray,
+             rescale: bool = False) -> bool:
+    """``actual`` passes against ``alternative`` (a mistake replayed), which differs from the
+    spec's value; ``rescale``: the naive error scaled by how much larger the alternative's
+    values are (a mistake that reads garbage of 1e4 rounds like values of 1e4)."""
+    baseline = exp.baseline[step]
+    if rescale:
+        finite = np.isfinite(alternative) & np.isfinite(exp.values[step])
+        big = np.max(np.abs(alternative[finite]), initial=0.0)
+        baseline *= max(1.0, big / max(np.max(np.abs(exp.values[step][finite]), initial=0.0),
+                                       1e-30))
+    res = compare(step, actual, alternative, baseline, exp.dtype,
+                  unspecified=exp.unspecified.get(step))
+    return res.passed and not np.array_equal(alternative, exp.values[step], equal_nan=True)
+
+
+def lse_mistakes(exp: Expected, step: str, actual: np.ndarray) -> str:
+    """An lse step in log2 units, with fully masked rows at 0 or ``+inf``, or without the
+    sink."""
+    if not step.endswith("lse") or step.startswith("merge"):
+        return ""
+    ref = exp.values[step]
+    if _matches(exp, step, actual, ref * np.log2(np.e)):
+        return ("the lse is in log2 (log2-sum-exp2, as kernels keep it internally); the spec's lse "
+                "is the natural log: multiply by ln 2")
+    empty = np.isneginf(ref)
+    if empty.any() and np.isfinite(actual[~empty] - ref[~empty]).all() and (
+            (actual[empty] == 0) | (actual[empty] == np.inf)).all():
+        return ("fully masked rows give lse 0 or +inf; the spec gives -inf, so that a merge "
+                "gives such a part no weight")
+    if "sinks" in exp.data.arrays:
+        a, o = exp.data.arrays, exp.data.options
+        kept = {k: v for k, v in a.items() if k not in ("sinks", "grad_output")}
+        no_sink = pipeline(CaseData(kept, o), "sdpa", exp.dtype, naive=False)["lse"]
+        if _matches(exp, step, actual, no_sink):
+            return ("the lse leaves the sink out: it is the log of the denominator actually "
+                    "used, exp(sink) included")
+    return ""
+
+
+def sink_in_numerator(exp: Expected, step: str, actual: np.ndarray) -> str:
+    """With sinks: every allowed weight ``exp(s_ij - lse) + exp(sink - lse)`` instead of
+    ``exp(s_ij - lse)`` (the sink's term in the numerators too)."""
+    if "sinks" not in exp.data.arrays or step not in (
+            "output", "output_weights", "blockwise_output"):
+        return ""
+    a = exp.data.arrays
+    steps = reference.attention(**{k: v for k, v in a.items() if k in (
+        "query", "key", "value", "mask", "bias", "sinks")},
+        **{k: v for k, v in exp.data.options.items() if k != "dropout_p"})
+    lse = steps.lse[..., None]
+    w_sink = np.where(lse == -np.inf, 0.0,
+                      np.exp(reference.sink_column(a["sinks"], steps.weights.ndim) - lse))
+    weights = np.where(np.isneginf(steps.masked_scores), 0.0, steps.weights + w_sink)
+    heads = weights.shape[-3] if weights.ndim >= 3 else 1
+    value = reference.repeat_kv(np.asarray(a["value"], np.float64), heads)
+    alt = weights if step == "output_weights" else np.einsum("...qk,...kd->...qd", weights, value)
+    if _matches(exp, step, actual, alt):
+        return ("the sink's term is added to every weight's numerator too: the sink belongs to "
+                "the softmax denominator alone (it carries no value)")
+    return ""
+
+
+def _merge_replay(exp: Expected, lse_scale: float = 1.0, max_shift: bool = True,
+                  sinks: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """The merge of the parts' float64 attention with a mistake: partial lses times
+    ``lse_scale``, no largest lse subtracted (in the compute dtype), the sinks left out."""
+    a, o = exp.data.arrays, exp.data.options
+    results = [reference.attention(a["query"], part["key"], part["value"], mask=part.get("mask"),
+                                   bias=part.get("bias"), scale=o.get("scale"),
+                                   softcap=o.get("softcap"))
+               for part in key_parts(a, o["parts"])]
+    dtype = np.dtype(spec.COMPUTE_DTYPE[exp.dtype])
+    lse = np.stack([r.lse for r in results]).astype(dtype) * lse_scale  # (parts, ..., q_len)
+    m = lse.max(0) if max_shift else np.zeros(lse.shape[1:], dtype)
+    m = np.where(np.isfinite(m), m, 0.0).astype(dtype)
+    share = np.exp(lse - m)  # (parts, ..., q_len)
+    total = share.sum(0)
+    if sinks and "sinks" in a and not max_shift:
+        total = total + np.exp(reference.sink_column(a["sinks"], lse.ndim - 1)[..., 0])
+    out = sum(share[i][..., None] * r.output for i, r in enumerate(results))
+    if max_shift:  # a correct merge, then the sinks as MERGING applies them
+        total = np.where(total > 0, total, 1.0)
+        merged = np.where(share.sum(0) > 0, m + np.log(total), -np.inf)
+        out = out / total[..., None]
+        if sinks and "sinks" in a:
+            joined = np.logaddexp(merged, reference.sink_column(a["sinks"], out.ndim)[..., 0])
+            out = out * np.exp(merged - joined)[..., None]
+            merged = joined
+        return out, merged
+    return out / total[..., None], np.log(total) + m
+
+
+MERGE_MISTAKES = (
+    ("the merge does not subtract the largest lse: exp(lse_i) overflows for large logits and "
+     "gives 0/0 for rows whose parts are all empty", {"max_shift": False}),
+    ("the parts' lse are in log2 (or merged with exp2): the spec's lse is the natural log",
+     {"lse_scale": float(np.log2(np.e))}),
+    ("the merge leaves the sinks out: merge_attention applies them, once", {"sinks": False}),
+)
+
+
+def merge_mistakes(exp: Expected, step: str, actual: np.ndarray) -> str:
+    """A merge case's result that one replayed mistake (``MERGE_MISTAKES``) reproduces."""
+    if exp.kind != "merge":
+        return ""
+    for text, mistake in MERGE_MISTAKES:
+        if mistake.get("sinks") is False and "sinks" not in exp.data.arrays:
+            continue
+        out, lse = _merge_replay(exp, **mistake)
+        if _matches(exp, step, actual, out if step == "merge_output" else lse):
+            return text
+    return ""
+
+
+def paged_mistakes(exp: Expected, step: str, actual: np.ndarray) -> str:
+    """A paged case's result that the pages of ``block_table ± 1`` reproduce."""
+    for shift in (1, -1):
+        variant = CaseData(contiguous(exp.data.arrays, page_shift=shift), exp.data.options)
+        alt = pipeline(variant, "sdpa", exp.dtype, naive=False)
+        name = "lse" if step.endswith("lse") else "output"
+        if _matches(exp, step, actual, alt[name], rescale=True):
+            return (f"the page table is read off by one: page block_table[b, i] {shift:+d} "
+                    f"instead of block_table[b, i] (position j lives in row j % block_size of "
+                    f"page block_table[b, j // block_size])")
+    return ""
+
+
 DIAGNOSES: tuple[Callable[[Expected, str, np.ndarray], str], ...] = (
-    planted_mistake, non_finite_rows, mean_of_value,
+    planted_mistake, non_finite_rows, mean_of_value, lse_mistakes, sink_in_numerator,
 )
 
 
 def diagnose(exp: Expected, step: str, actual: Any) -> str:
-    """Plain-words reasons for a failed step of an sdpa case ("" when none applies)."""
-    if exp.kind != "sdpa" or step not in exp.values:
+    """Plain-words reasons for a failed step of an sdpa, merge or paged case ("" when none
+    applies)."""
+    if exp.kind not in ("sdpa", "merge", "paged") or step not in exp.values:
         return ""
     actual = np.asarray(actual).astype(np.float64)
     if actual.shape != exp.values[step].shape:
         return ""
     reasons = []
-    for diagnosis in DIAGNOSES:
+    kinds = {"sdpa": DIAGNOSES, "merge": (planted_mistake, merge_mistakes),
+             "paged": (paged_mistakes,)}
+    for diagnosis in kinds[exp.kind]:
         text = diagnosis(exp, step, actual)
         if text and text not in reasons:
             reasons.append(text)
@@ -223,5 +366,7 @@ def short(reason: str) -> str:
     return reason.split(":")[0].split(";")[0].strip()
 
 
-__all__ = ["DIAGNOSES", "HYPOTHESES", "SEPARATOR", "diagnose", "mean_of_value",
-           "non_finite_rows", "planted_mistake", "short", "split"]
+__all__ = ["DIAGNOSES", "HYPOTHESES", "MERGE_MISTAKES", "SEPARATOR", "diagnose", "lse_mistakes",
+           "mean_of_value", "merge_mistakes", "non_finite_rows", "paged_mistakes",
+           "planted_mistake",
+           "sink_in_numerator", "short", "split"]

@@ -4,7 +4,12 @@ For the dtype-cast inputs of a case, ``expected_for`` computes once:
 
 * ``values``: every step in float64 (``conformance.reference``; for modules, the projections in
   float64 around it, ``conformance.module_pipelines``), gradients against a seeded
-  ``grad_output``;
+  ``grad_output``; the row log-sum-exp (``lse``, ``blockwise_lse``); with sinks ``grad_sinks``,
+  ``output_weights`` with the sink in each denominator and ``weights`` without it (the
+  softmax step ``attention_weights`` of the masked scores takes no sinks); a merge case's
+  ``merge_output``/``merge_lse`` and a paged case's ``paged_output``/``paged_lse``/
+  ``paged_cache_output`` are those of the float64 attention over every key (the pages gathered
+  by ``case_inputs.contiguous``), never of the implementation's own merge or pages;
 * ``baseline``: per step, the largest error of the naive implementation in that dtype
   (``conformance.naive``), which scales the tolerance (``spec.TOLERANCES``);
 * ``zeros``: positions that must be exactly 0 (masked weights, fully masked rows);
@@ -24,12 +29,21 @@ import numpy as np
 from . import cases as cases_mod
 from . import reference
 from .backends import numpy_dtype
+from .case_inputs import contiguous
 from .cases import Case, CaseData
 from .module_pipelines import flatten_weight_grads, module_backward, module_forward
-from .naive import EXACT, Precision, naive_attention, naive_attention_vjp, rounding_error
+from .naive import (
+    EXACT,
+    Precision,
+    naive_attention,
+    naive_attention_vjp,
+    naive_merge,
+    rounding_error,
+)
 
 GRAD_SEED = 20261130
-GRAD_STEPS = ("grad_query", "grad_key", "grad_value", "grad_bias")
+#: The VJPs' results in order; ``grad_sinks`` (a fifth element) only where the case has sinks.
+GRAD_STEPS = ("grad_query", "grad_key", "grad_value", "grad_bias", "grad_sinks")
 
 #: The blockwise backward is compared in these dtypes (its half-precision gradients are tested
 #: by tests/test_blockwise.py): each further dtype costs JAX a compile of two scans per case.
@@ -46,7 +60,7 @@ def reference_attention_vjp(arrays: dict[str, np.ndarray], options: dict[str, An
                             p: Precision = EXACT) -> reference.Grads:
     """``reference.attention_vjp`` against ``arrays["grad_output"]`` (float64)."""
     sdpa = cases_mod.sdpa_arrays(arrays)
-    extra = {n: sdpa[n] for n in ("mask", "bias", "dropout_mask") if n in sdpa}
+    extra = {n: sdpa[n] for n in ("mask", "bias", "dropout_mask", "sinks") if n in sdpa}
     return reference.attention_vjp(sdpa["query"], sdpa["key"], sdpa["value"],
                                    arrays["grad_output"], **extra,
                                    **cases_mod.sdpa_options(options))
@@ -59,7 +73,7 @@ def grad_output_for(shape: tuple[int, ...], dtype: str) -> np.ndarray:
 
 def blockwise_applies(data: CaseData) -> bool:
     """``blockwise_attention`` expresses the case: masks only as structure or ``kv_lengths``,
-    no dropout."""
+    no dropout (sinks it takes)."""
     a = data.arrays
     return ("mask" not in a or "kv_lengths" in a) and "dropout_mask" not in a
 
@@ -85,9 +99,24 @@ def _pipeline(data: CaseData, kind: str, dtype: str, naive: bool) -> dict[str, n
             values["grad_weights"] = flatten_weight_grads(
                 module_backward(data, p, attend, attend_vjp))
         return values
+    if kind == "merge":  # the float64 attention over every key; the naive merge of the parts
+        if naive:
+            output, lse = naive_merge(data.arrays, data.options, p)
+        else:
+            steps = attend(data.arrays, data.options, p)
+            output, lse = steps.output, steps.lse
+        return {"merge_output": output, "merge_lse": lse}
+    if kind == "paged":  # the contiguous attention; the paged cache of the module must agree
+        steps = attend(contiguous(data.arrays), data.options, p)
+        return {"paged_output": steps.output, "paged_lse": steps.lse,
+                "paged_cache_output": steps.output}
     steps = attend(data.arrays, data.options, p)
     values = {"scores": steps.scores, "masked_scores": steps.masked_scores,
-              "weights": steps.weights, "output": steps.output, "output_weights": steps.weights}
+              "weights": steps.weights, "output": steps.output, "output_weights": steps.weights,
+              "lse": steps.lse}
+    if "sinks" in data.arrays:  # attention_weights(masked scores) takes no sinks: its softmax
+        without = {k: v for k, v in data.arrays.items() if k != "sinks"}
+        values["weights"] = attend(without, data.options, p).weights
     if grads:
         g = attend_vjp(data.arrays, data.options, p)
         for name in GRAD_STEPS:
@@ -96,6 +125,7 @@ def _pipeline(data: CaseData, kind: str, dtype: str, naive: bool) -> dict[str, n
                 values[name] = value
     if blockwise_applies(data):
         values["blockwise_output"] = values["output"]
+        values["blockwise_lse"] = values["lse"]
         if dtype in BLOCKWISE_GRAD_DTYPES:
             for name in GRAD_STEPS:
                 if name in values:
@@ -130,18 +160,22 @@ def baseline_error(naive: np.ndarray, ref: np.ndarray, p: Precision) -> float:
     return float(np.max(np.abs(naive[finite] - ref[finite])))
 
 
-def exact_zeros(values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Positions that must be exactly 0 in an sdpa case: masked weights, and the output (and
-    query gradient) of fully masked rows."""
-    masked = np.isneginf(values["masked_scores"])  # (..., heads, q_len, kv_len)
+def exact_zeros(values: dict[str, np.ndarray], masked_scores: np.ndarray | None = None
+                ) -> dict[str, np.ndarray]:
+    """Positions that must be exactly 0: in an sdpa case masked weights, and the output (and
+    query gradient) of fully masked rows (with sinks too: the sink carries no value); in a
+    merge case the merged output of rows with no allowed key in any part. ``masked_scores``:
+    the reference's (a merge case has no step of that name)."""
+    scores = values["masked_scores"] if masked_scores is None else masked_scores
+    masked = np.isneginf(scores)  # (..., heads, q_len, kv_len)
     empty = masked.all(-1, keepdims=True)  # (..., heads, q_len, 1)
     zeros = {"weights": masked, "output_weights": masked}
-    for name in ("output", "grad_query"):
+    for name in ("output", "grad_query", "merge_output", "paged_output", "paged_cache_output"):
         if name in values:
             zeros[name] = np.broadcast_to(empty, values[name].shape)
             if f"blockwise_{name}" in values:
                 zeros[f"blockwise_{name}"] = zeros[name]
-    return zeros
+    return {name: z for name, z in zeros.items() if name in values}
 
 
 def unspecified_positions(data: CaseData, values: dict[str, np.ndarray]
@@ -154,7 +188,7 @@ def unspecified_positions(data: CaseData, values: dict[str, np.ndarray]
       ``value[j, d]`` is not finite (``0·NaN`` is NaN in a plain product, a blocked kernel may
       never read that tile).
     """
-    weights = values["weights"]  # (..., heads, q_len, kv_len)
+    weights = values["output_weights"]  # (..., heads, q_len, kv_len)
     masked = np.isneginf(values["masked_scores"])
     weights_any = masked & np.isnan(weights).any(-1, keepdims=True)
     value = np.asarray(data.arrays["value"]).astype(np.float64)
@@ -165,18 +199,18 @@ def unspecified_positions(data: CaseData, values: dict[str, np.ndarray]
         unused = unused | ~np.asarray(data.arrays["dropout_mask"], bool)
     output_any = np.einsum("...qk,...kd->...qd", unused.astype(np.float64),
                            bad_value.astype(np.float64)) > 0
-    result = {"weights": weights_any, "output_weights": weights_any, "output": output_any}
-    if "blockwise_output" in values:
-        result["blockwise_output"] = output_any
-    return result
+    result = {"weights": weights_any, "output_weights": weights_any, "output": output_any,
+              "blockwise_output": output_any}
+    return {name: x for name, x in result.items() if name in values}
 
 
 def expected_for(data: CaseData, kind: str, dtype: str, case: str = "", *,
                  gradients: bool = True) -> Expected:
     """Expected values, baseline errors, exact zeros and unspecified positions for dtype-cast
-    inputs ``data`` of a case of ``kind`` (``"sdpa"`` or ``"module"``); with ``gradients``, a
-    seeded ``grad_output`` and the gradient steps."""
-    if gradients and "grad_output" not in data.arrays:  # a new CaseData: callers keep theirs
+    inputs ``data`` of a case of ``kind`` (``"sdpa"``, ``"merge"`` or ``"module"``); with
+    ``gradients``, a seeded ``grad_output`` and the gradient steps (a merge or paged case has
+    none; the inputs of a paged case are its pages, compared with the contiguous attention)."""
+    if gradients and kind in ("sdpa", "module") and "grad_output" not in data.arrays:
         if kind == "sdpa":
             q, v = data.arrays["query"], data.arrays["value"]
             shape = q.shape[:-1] + v.shape[-1:]
@@ -190,14 +224,19 @@ def expected_for(data: CaseData, kind: str, dtype: str, case: str = "", *,
         naive = pipeline(data, kind, dtype, naive=True)
         p = Precision(dtype)
         baseline = {n: baseline_error(naive[n], values[n], p) for n in values}
-        if kind == "sdpa":  # never below the first-order effect of rounding each score once
-            steps = reference.Steps(values["scores"], values["masked_scores"], values["weights"],
-                                    values["output"])
-            floor = rounding_error(data.arrays, data.options, p, steps)
-            for name in ("weights", "output_weights", "output", "blockwise_output"):
+        arrays = contiguous(data.arrays) if kind == "paged" else data.arrays
+        full = reference_attention(arrays, data.options) if kind != "module" else None
+        if full is not None:  # never below the first-order effect of rounding each score once
+            floor = rounding_error(arrays, data.options, p, full)
+            for name in ("blockwise_output", "merge_output", "paged_output",
+                         "paged_cache_output"):
+                floor[name] = floor["output"]
+            for name in ("blockwise_lse", "merge_lse", "paged_lse"):
+                floor[name] = floor["lse"]
+            for name in floor:
                 if name in baseline:
-                    baseline[name] = max(baseline[name], floor[name.removeprefix("blockwise_")])
-        zeros = exact_zeros(values) if kind == "sdpa" else {}
+                    baseline[name] = max(baseline[name], floor[name])
+        zeros = exact_zeros(values, full.masked_scores) if full is not None else {}
         unspecified = ({} if kind != "sdpa" or data.finite
                        else unspecified_positions(data, values))
     return Expected(case, kind, dtype, data, values, baseline, zeros, unspecified)

@@ -35,8 +35,10 @@ def _weights(data: CaseData) -> dict[str, np.ndarray]:
 
 
 def _attention_arrays(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: Any = None,
-                      grad_output: Any = None) -> dict[str, np.ndarray]:
+                      grad_output: Any = None, sinks: Any = None) -> dict[str, np.ndarray]:
     arrays = {"query": q, "key": k, "value": v}
+    if sinks is not None:  # MultiHeadAttention(sinks=True)'s weight w:sinks (num_heads,)
+        arrays["sinks"] = sinks
     if mask is not None:
         arrays["mask"] = mask
     if grad_output is not None:
@@ -105,7 +107,8 @@ def module_forward(data: CaseData, p: Precision, attend: Attend) -> dict[str, np
         return {"output": np.concatenate(outs, axis=-1)}
     if name == "MultiHeadAttention":
         mha = _MultiHead(data, p)
-        steps = attend(_attention_arrays(*mha.qkv(), mha.mask), mha.options, p)
+        steps = attend(_attention_arrays(*mha.qkv(), mha.mask, sinks=w.get("sinks")),
+                       mha.options, p)
         out = p.matmul(mha.join(steps.output), w["W_out"])
         if "b_out" in w:
             out = p.round(out + w["b_out"])
@@ -149,11 +152,12 @@ def module_backward(data: CaseData, p: Precision, attend: Attend,
         return result
     mha = _MultiHead(data, p)
     q, k, v = mha.qkv()
-    steps = attend(_attention_arrays(q, k, v, mha.mask), mha.options, p)
+    steps = attend(_attention_arrays(q, k, v, mha.mask, sinks=w.get("sinks")), mha.options, p)
     result = {"W_out": p.round(_projection_grad(mha.join(steps.output), g))}
     grad_heads = p.round(g @ w["W_out"].T)  # (..., q_len, heads·head_dim)
     grad_heads = np.swapaxes(grad_heads.reshape(g.shape[:-1] + (mha.heads, mha.head_dim)), -2, -3)
-    grads = attend_vjp(_attention_arrays(q, k, v, mha.mask, grad_heads), mha.options, p)
+    grads = attend_vjp(_attention_arrays(q, k, v, mha.mask, grad_heads, w.get("sinks")),
+                       mha.options, p)
     for n, source, grad in (("query", mha.x, grads.query), ("key", mha.context, grads.key),
                             ("value", mha.context, grads.value)):
         joined = mha.join(grad)
@@ -162,6 +166,8 @@ def module_backward(data: CaseData, p: Precision, attend: Attend,
             result[f"b_{n}"] = p.round(joined.reshape(-1, joined.shape[-1]).sum(axis=0))
     if "b_out" in w:
         result["b_out"] = p.round(g.reshape(-1, g.shape[-1]).sum(axis=0))
+    if "sinks" in w:
+        result["sinks"] = p.round(grads.sinks)
     return result
 
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from . import reference, spec
 from .backends import numpy_dtype
+from .case_inputs import key_parts
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ def naive_attention(arrays: dict[str, np.ndarray], options: dict[str, Any],
         allowed_columns = np.concatenate([allowed, sink != -np.inf], -1)
     keeps = allowed_columns.any(-1, keepdims=True)  # (..., q_len, 1)
     row_max = np.where(keeps, np.max(np.where(allowed_columns, columns, -1e308), -1,
-                                     keepdims=True), 0.0)
+                                     keepdims=True, initial=-1e308), 0.0)  # kv_len 0 too
     exp = np.where(allowed_columns,
                    r(np.exp(r(np.where(allowed_columns, columns, 0.0) - row_max))), 0.0)
     total = p.sum(exp)
@@ -167,6 +168,40 @@ def naive_attention_vjp(arrays: dict[str, np.ndarray], options: dict[str, Any],
                            sinks=grad_sinks)
 
 
+def naive_merge(arrays: dict[str, np.ndarray], options: dict[str, Any], p: Precision
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """A merge case (``cases`` kind ``"merge"``) as a straightforward implementation: each
+    part's ``naive_attention`` (without the sinks; its output and lse rounded by ``p``), then
+    the merge of ``spec.MERGING`` with every intermediate rounded by ``p`` and its sums
+    accumulated in the compute dtype, the sinks applied once at the end.
+
+    ``arrays``: a merge case's (``query``, ``key``, ``value``, ``key_part`` and optional
+    ``mask``, ``bias``, ``sinks``); ``options``: ``parts`` and the scalar options. Returns
+    ``(output (..., heads, q_len, v_dim), lse (..., heads, q_len))``.
+    """
+    r = p.round
+    outputs, lses = [], []
+    for part in key_parts(arrays, options["parts"]):
+        steps = naive_attention({"query": arrays["query"], **part}, options, p)
+        outputs.append(steps.output)
+        lses.append(steps.lse)
+    lse = np.stack(lses)  # (parts, ..., heads, q_len)
+    m = lse.max(axis=0)
+    m = np.where(np.isfinite(m), m, 0.0)
+    share = np.where(lse == -np.inf, 0.0, r(np.exp(r(lse - m))))  # (parts, ..., q_len)
+    total = r(share.astype(p.accumulate).sum(axis=0))
+    acc = sum(share[i][..., None].astype(p.accumulate) * outputs[i] for i in range(len(lses)))
+    output = r(r(acc) / np.where(total > 0, total, 1.0)[..., None])
+    merged = np.where(total > 0, r(m + r(np.log(np.where(total > 0, total, 1.0)))), -np.inf)
+    if arrays.get("sinks") is not None:  # once, here: the sink joins every row's denominator
+        sink = r(reference.sink_column(arrays["sinks"], output.ndim))[..., 0]  # (heads, 1)
+        joined = r(np.logaddexp(merged, sink))
+        keep = np.where(joined == -np.inf, 0.0, r(np.exp(r(merged - joined))))
+        output = r(output * keep[..., None])
+        merged = joined
+    return output, merged
+
+
 def rounding_error(arrays: dict[str, np.ndarray], options: dict[str, Any], p: Precision,
                    ref: reference.Steps) -> dict[str, float]:
     """The first-order effect of rounding every score once to ``p.dtype``, propagated through the
@@ -174,11 +209,13 @@ def rounding_error(arrays: dict[str, np.ndarray], options: dict[str, Any], p: Pr
 
     A score ``s_ij`` that a straightforward implementation rounds once may be off by
     ``h_ij = u·(scale·Σ_d |q_id k_jd| + |s_ij|)``; to first order that moves weight ``w_ij`` by
-    up to ``w_ij·(h_ij + Σ_k w_ik h_ik)`` and output ``o_id`` by up to
-    ``Σ_j w_ij h_ij |v_jd - o_id|``; the final rounding of each adds ``u·|x|``. A measured naive
+    up to ``w_ij·(h_ij + Σ_k w_ik h_ik)``, output ``o_id`` by up to
+    ``Σ_j w_ij h_ij |v_jd - o_id|`` and the row's log-sum-exp by up to ``Σ_j w_ij h_ij``; the
+    final rounding of each adds ``u·|x|``. A measured naive
     error on a tiny example can be far smaller by luck (its roundings of two close scores cancel
     in their difference); the tolerance must not rely on that luck. Returns the largest estimate
-    for ``weights``/``output_weights`` and ``output``; ``ref`` is the float64 reference.
+    for ``weights``/``output_weights``, ``output`` and ``lse``; ``ref`` is the float64
+    reference.
     """
     u = p.unit
     q, k, v = (_f64(arrays[n]) for n in ("query", "key", "value"))
@@ -194,10 +231,14 @@ def rounding_error(arrays: dict[str, np.ndarray], options: dict[str, Any], p: Pr
         weights = w * (h + (w * h).sum(-1, keepdims=True)) + u * w
         spread = np.abs(v[..., None, :, :] - o[..., :, None, :])  # (..., q_len, kv_len, v_dim)
         output = np.einsum("...qk,...qkd->...qd", w * h, spread) + u * np.abs(o)
+        lse = (w * h).sum(-1) + u * np.abs(np.where(np.isfinite(ref.lse), ref.lse, 0.0)) \
+            if ref.lse is not None else np.zeros(0)
     largest = {"weights": float(np.max(weights, initial=0.0)),
-               "output": float(np.max(output, initial=0.0))}
+               "output": float(np.max(output, initial=0.0)),
+               "lse": float(np.max(lse, initial=0.0))}
     largest["output_weights"] = largest["weights"]
     return largest
 
 
-__all__ = ["EXACT", "Precision", "naive_attention", "naive_attention_vjp", "rounding_error"]
+__all__ = ["EXACT", "Precision", "naive_attention", "naive_attention_vjp", "naive_merge",
+           "rounding_error"]

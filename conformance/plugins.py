@@ -4,13 +4,16 @@ its layout (``spec.PLUGIN_CONTRACT``; ``docs/checking.md`` for users).
 * ``import_plugin(path)`` imports the module; a module that does not exist is a ``UsageError``
   (one line), a module whose own import fails is a ``PluginImportError`` carrying the real
   traceback (both exit code 2);
-* ``contract_of(module)`` reads the ``Contract``: the names of ``spec.FUNCTIONS`` and
-  ``spec.MODULES`` it defines (only ``scaled_dot_product_attention`` is required), its
+* ``contract_of(module)`` reads the ``Contract``: the names of ``spec.FUNCTIONS``,
+  ``spec.MODULES`` and ``CLASSES`` it defines (only ``scaled_dot_product_attention`` is
+  required), its
   ``UNSUPPORTED`` set (names of ``spec.PLUGIN_FEATURES``) and its ``LAYOUT``;
 * ``view(module, contract)`` is the module as the harness calls it: unchanged in the spec's
   layout, with query/key/value and the results transposed for ``LAYOUT = "bshd"``;
 * ``features(arrays, options, dtype)`` names the features a case uses, so a cell needing a
-  declared-unsupported feature is reported as unsupported rather than run.
+  declared-unsupported feature is reported as unsupported rather than run: ``sinks`` for a
+  ``sinks`` array, ``merge`` and ``lse`` for a merge case (its parts call ``return_lse=True``);
+  the ``lse`` steps of an sdpa case need ``lse`` on their own (``steps.Step.feature``).
 
 Standard library and NumPy only: ``backends`` builds a plugin's adapter on top of this file.
 """
@@ -33,8 +36,11 @@ from .usage import UsageError
 
 #: The one function a checked module must define.
 REQUIRED = "scaled_dot_product_attention"
+#: The spec's classes a checked module may define besides its modules: the paged KV cache
+#: (``spec.PAGED_CACHE``), which the paged cases fill and attend.
+CLASSES = ("PagedKVCache",)
 #: Every name the harness may call, in the spec's order.
-OPTIONAL = tuple(n for n in (*spec.FUNCTIONS, *spec.MODULES) if n != REQUIRED)
+OPTIONAL = tuple(n for n in (*spec.FUNCTIONS, *spec.MODULES, *CLASSES) if n != REQUIRED)
 #: ``"bhsd"``: the spec's ``(..., heads, seq, head_dim)``; ``"bshd"``: ``(..., seq, heads,
 #: head_dim)`` (flash-attention, ``jax.nn``).
 LAYOUTS = ("bhsd", "bshd")
@@ -53,7 +59,7 @@ class Contract:
     """What a checked module provides and declares."""
 
     path: str
-    provided: frozenset[str]  # names of spec.FUNCTIONS and spec.MODULES it defines
+    provided: frozenset[str]  # names of spec.FUNCTIONS, spec.MODULES and CLASSES it defines
     unsupported: frozenset[str] = frozenset()  # names of spec.PLUGIN_FEATURES
     layout: str = "bhsd"
 
@@ -106,8 +112,7 @@ def import_plugin(path: str) -> types.ModuleType:
 def contract_of(module: types.ModuleType, path: str | None = None) -> Contract:
     """The contract a module declares (``UsageError`` for a broken one, naming the fix)."""
     path = path or module.__name__
-    provided = frozenset(n for n in (*spec.FUNCTIONS, *spec.MODULES)
-                         if callable(getattr(module, n, None)))
+    provided = frozenset(n for n in (REQUIRED, *OPTIONAL) if callable(getattr(module, n, None)))
     if REQUIRED not in provided:
         raise UsageError(f"{path} defines no {REQUIRED}, the one function a checked module "
                          f"must provide (docs/checking.md)")
@@ -127,23 +132,28 @@ def contract_of(module: types.ModuleType, path: str | None = None) -> Contract:
 
 
 def _swap(x: Any) -> Any:
-    """``(..., heads, seq, dim)`` ↔ ``(..., seq, heads, dim)``; 2-D arrays and None as they are."""
+    """``(..., heads, seq, dim)`` ↔ ``(..., seq, heads, dim)``; 2-D arrays and None as they are;
+    each array of a list or tuple (``merge_attention``'s ``outputs``)."""
+    if isinstance(x, (list, tuple)):
+        return type(x)(_swap(v) for v in x)
     if x is None or np.ndim(x) < 3:
         return x
     return x.swapaxes(-3, -2) if hasattr(x, "swapaxes") else np.swapaxes(x, -3, -2)
 
 
 #: function → (positions of its (..., seq, heads, dim) arguments, of its results: "all" for a
-#: single array, a tuple of indices for a tuple of results, "first" for either).
+#: single array, a tuple of indices for a tuple of results, "first" for either). An lse keeps
+#: ``(..., heads, q_len)`` in either layout (as flash-attention's ``softmax_lse``).
 _SEQUENCE_ARRAYS: dict[str, tuple[tuple[int, ...], Any]] = {
     "attention_scores": ((0, 1), None),
     "attention_output": ((1,), "all"),
     "scaled_dot_product_attention": ((0, 1, 2), "first"),
     "scaled_dot_product_attention_vjp": ((0, 1, 2, 3), (0, 1, 2)),
-    "blockwise_attention": ((0, 1, 2), "all"),
+    "blockwise_attention": ((0, 1, 2), "first"),
+    "merge_attention": ((0,), (0,)),
     "blockwise_attention_vjp": ((0, 1, 2, 3), (0, 1, 2)),
 }
-_KEYWORDS = ("query", "key", "value", "grad_output")
+_KEYWORDS = ("query", "key", "value", "grad_output", "outputs")
 
 
 def _seq_first(fn: Callable[..., Any], inputs: tuple[int, ...], results: Any
@@ -183,7 +193,8 @@ def view(module: types.ModuleType, contract: Contract) -> types.ModuleType:
 #: keyword argument → the feature a call using it needs.
 _KEYWORD_FEATURES = {"mask": "mask", "bias": "bias", "is_causal": "causal", "window": "window",
                      "scale": "scale", "softcap": "softcap", "dropout_p": "dropout",
-                     "dropout_mask": "dropout", "return_weights": "return_weights"}
+                     "dropout_mask": "dropout", "return_weights": "return_weights",
+                     "sinks": "sinks", "return_lse": "lse"}
 
 
 def _given(value: Any) -> bool:
@@ -196,15 +207,27 @@ def _dtype_name(x: Any) -> str:
     return str(getattr(x, "dtype", "")).removeprefix("torch.")
 
 
+def _parts(x: Any) -> bool:
+    """True for a list or tuple of arrays (or an empty one): ``merge_attention``'s arguments."""
+    return isinstance(x, (list, tuple)) and all(hasattr(v, "shape") for v in x)
+
+
 def call_features(args: tuple[Any, ...], kwargs: dict[str, Any]) -> frozenset[str]:
     """The names of ``spec.PLUGIN_FEATURES`` a call ``fn(*args, **kwargs)`` uses; ``args``
-    start with query, key, value when the function takes them."""
+    start with query, key, value when the function takes them, or with ``merge_attention``'s
+    ``outputs, lses`` (``merge``: a list or tuple of arrays among the first two arguments, or
+    two lists; a bare Python list where an array belongs is one list alone)."""
     used = {f for k, f in _KEYWORD_FEATURES.items() if _given(kwargs.get(k))}
+    first = args[:2]
+    if len(first) == 2 and (any(_parts(a) for a in first)
+                            or all(isinstance(a, (list, tuple)) for a in first)):
+        used.add("merge")
     if kwargs.get("causal_alignment") == "bottom_right" and (
             _given(kwargs.get("is_causal")) or _given(kwargs.get("window"))):
         used.add("bottom_right")
-    used.update(d for d in map(_dtype_name, (*args, *kwargs.values()))
-                if d in spec.TOLERANCES)
+    values = (*args, *kwargs.values())
+    inner = [v for x in values if isinstance(x, (list, tuple)) for v in x]  # merge's lists
+    used.update(d for d in map(_dtype_name, (*values, *inner)) if d in spec.TOLERANCES)
     shapes = [np.shape(a) for a in args[:3] if hasattr(a, "shape")]
     if len(shapes) == 3 and all(len(s) >= 2 for s in shapes):
         q, k, v = shapes
@@ -220,14 +243,21 @@ def call_features(args: tuple[Any, ...], kwargs: dict[str, Any]) -> frozenset[st
 def features(arrays: dict[str, Any], options: dict[str, Any], dtype: str,
              finite: bool = True) -> frozenset[str]:
     """The names of ``spec.PLUGIN_FEATURES`` a case uses: those of its call (an sdpa case), its
-    dtype, and ``non_finite`` for NaN or Inf inputs."""
+    dtype, ``non_finite`` for NaN or Inf inputs, ``merge`` and ``lse`` for a merge case (its
+    option ``parts``) and ``paged`` for a paged case (its ``key_pages``)."""
     used = {dtype} if finite else {dtype, "non_finite"}
-    if "query" in arrays:
+    if "parts" in options:
+        used |= {"merge", "lse"}
+    if "key_pages" in arrays:  # a paged case: its keyword features and grouped heads
+        used |= {"paged"} | call_features((), {**options, "sinks": arrays.get("sinks")})
+        if np.shape(arrays["key_pages"])[-2] != np.shape(arrays["query"])[-3]:
+            used.add("grouped_query")
+    elif "query" in arrays:
         qkv = tuple(arrays[n] for n in ("query", "key", "value"))
         others = {k: v for k, v in arrays.items() if k not in ("query", "key", "value")}
         used |= call_features(qkv, {**others, **options})
     return frozenset(used) - {"return_weights"}
 
 
-__all__ = ["LAYOUTS", "OPTIONAL", "REQUIRED", "Contract", "PluginImportError",
+__all__ = ["CLASSES", "LAYOUTS", "OPTIONAL", "REQUIRED", "Contract", "PluginImportError",
            "call_features", "contract_of", "features", "file_path_hint", "import_plugin", "view"]

@@ -1,9 +1,11 @@
 """Property checks (``--hypothesis N``): Hypothesis draws problems, every backend must conform.
 
-A problem's structure — shapes, mask kind, bias, causal rule, custom scale, soft-cap, window — is
-one of ``LAYOUTS`` (ranks 2-4, lengths 1-5, odd head sizes, grouped heads, value head sizes of
-their own, fully masked rows, both causal alignments, windows with and without a causal rule,
-scales from 0.05 to 2), its dtype one of the four; its data is drawn freely (values of
+A problem's structure — shapes, mask kind, bias, causal rule, custom scale, soft-cap, window,
+attention sinks — is one of ``LAYOUTS`` (ranks 2-4, lengths 1-5, odd head sizes, grouped heads,
+value head sizes of their own, fully masked rows, both causal alignments, windows with and
+without a causal rule, scales from 0.05 to 2, sinks on five layouts: 2-D, grouped heads whose
+first rows see no key, a full mask with soft-capping, a decoding step, a window), its dtype one
+of the four; its data is drawn freely (values of
 magnitude 1e-3 to 100, i.e. logits up to ~1e5, mask contents, a seed). A backend that compiles
 (JAX: ``Backend.function``) thus compiles at most ``len(LAYOUTS) × 4`` programs, however many
 examples run. A checked module draws only the layouts and dtypes whose features its contract
@@ -66,6 +68,7 @@ class Layout:
     softcap: float | None = None
     window: tuple[int | None, int | None] | None = None  # (left, right), None: unbounded
     align: str = "top_left"  # the causal_alignment of a window without a causal rule
+    sinks: bool = False  # a sinks array (heads,) ((1,) for 2-D), in [-3, 3) · magnitude²
 
     def options(self) -> dict[str, Any]:
         """The scalar options of ``scaled_dot_product_attention`` this layout passes."""
@@ -83,19 +86,19 @@ class Layout:
 L = Layout
 LAYOUTS: tuple[Layout, ...] = (  # as many as before scales, windows and soft-caps were drawn
     L((), None, None, 1, 1, 1, 1, "none", False, None),
-    L((), None, None, 5, 3, 8, 8, "keys", True, None, scale=0.3),
+    L((), None, None, 5, 3, 8, 8, "keys", True, None, scale=0.3, sinks=True),
     L((), None, None, 3, 5, 3, 3, "none", False, "bottom_right", window=(1, None)),
     L((), 2, 1, 3, 5, 8, 3, "full", False, "top_left", scale=2.0),
-    L((), 4, 2, 5, 2, 3, 3, "none", True, "bottom_right"),  # q_len > kv_len: empty rows
+    L((), 4, 2, 5, 2, 3, 3, "none", True, "bottom_right", sinks=True),  # empty rows: sinks
     L((), 4, 4, 2, 2, 1, 3, "keys", False, None),
-    L((1,), 4, 4, 5, 5, 8, 8, "full", True, None, softcap=2.5),
+    L((1,), 4, 4, 5, 5, 8, 8, "full", True, None, softcap=2.5, sinks=True),
     L((2,), 4, 2, 3, 3, 8, 8, "none", False, "top_left", scale=0.05),
-    L((2,), 2, 2, 1, 5, 3, 8, "full", False, "bottom_right"),  # one decoding step
+    L((2,), 2, 2, 1, 5, 3, 8, "full", False, "bottom_right", sinks=True),  # a decoding step
     L((1,), 4, 1, 5, 3, 1, 3, "keys", True, "top_left", window=(1, None)),
     L((2,), 1, 1, 5, 1, 8, 1, "none", True, None, scale=1.0, window=(1, 0),
       align="bottom_right"),  # rows 0-3 see no key
     L((1,), 2, 1, 2, 3, 3, 3, "full", True, "bottom_right", scale=0.7, softcap=1.5),
-    L((2,), 4, 2, 5, 5, 3, 3, "keys", False, None, scale=0.3, window=(1, 1)),
+    L((2,), 4, 2, 5, 5, 3, 3, "keys", False, None, scale=0.3, window=(1, 1), sinks=True),
     L((), 2, 2, 5, 5, 8, 8, "full", False, None, scale=0.4),
 )
 
@@ -134,6 +137,9 @@ class Problem:
             a["mask"] = np.broadcast_to(keys, (lay.q_len, lay.kv_len)).copy()
         if lay.bias:
             a["bias"] = rng.standard_normal((lay.q_len, lay.kv_len)).astype(dt)
+        if lay.sinks:  # logits of the scores' size: from a negligible sink to a dominant one
+            a["sinks"] = (rng.uniform(-3.0, 3.0, lay.heads or 1)
+                          * max(self.magnitude, 1.0) ** 2).astype(dt)
         return a, lay.options()
 
 

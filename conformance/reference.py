@@ -123,7 +123,7 @@ def attention(
     keeps_any = allowed_columns.any(axis=-1, keepdims=True)  # (..., q_len, 1)
     safe = np.where(allowed_columns, columns, 0.0)
     row_max = np.where(keeps_any, np.max(np.where(allowed_columns, columns, -1e308), -1,
-                                         keepdims=True), 0)
+                                         keepdims=True, initial=-1e308), 0)  # kv_len 0 too
     exp = np.where(allowed_columns, np.exp(safe - row_max), 0.0)
     total = exp.sum(axis=-1, keepdims=True)
     weights = np.where(keeps_any, exp / np.where(keeps_any, total, 1.0), 0.0)

@@ -44,7 +44,7 @@ from .results import (
     error_text,
     rerun_command,
 )
-from .steps import Execution, Step, steps_for
+from .steps import STEPS, Execution, Step, steps_for
 from .usage import UsageError
 
 #: Property-check examples per backend in a default run (no --case, --dtype or --hypothesis).
@@ -135,7 +135,7 @@ def run_cell(backend: Backend, exp: Expected, *, column: str | None = None,
         except Exception as exc:  # noqa: BLE001 - any failure of a backend is a result
             cell.steps.append(StepResult(step.name, float("inf"), False, error=error_text(exc)))
             continue
-        res = judge(exp, step.name, actual, step.result_dtype if exp.kind == "sdpa" else None,
+        res = judge(exp, step.name, actual, step.result_dtype if exp.kind != "module" else None,
                     cell.reasons)
         cell.steps.append(res)
     cell.finish()
@@ -162,7 +162,7 @@ def run_peer_cell(peer: peers_mod.Peer, exp: Expected) -> Cell:
         raised = exc
         cell.status, cell.detail, cell.ratio = "error", error_text(exc), None
     else:
-        cell.steps = [judge(exp, step, actual, "input") for step, actual in results.items()]
+        cell.steps = [judge(exp, s, x, STEPS[s].result_dtype) for s, x in results.items()]
         cell.finish()
     if cell.status in ("FAIL", "error"):
         alternatives.classify(cell, peer.name, exp, results, raised)

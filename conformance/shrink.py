@@ -73,7 +73,7 @@ def _same_v_dim(a: dict, o: dict) -> tuple[dict, dict] | None:
 FEATURE_EDITS: tuple[Edit, ...] = (
     _drop("bias"), _drop("mask", "kv_lengths"), _drop("dropout_mask", "dropout_p"),
     _drop("softcap"), _drop("scale"), _drop("window"), _drop("is_causal"), _top_left, _finite,
-    _same_v_dim,
+    _same_v_dim, _drop("sinks"),
 )
 
 
@@ -119,7 +119,7 @@ def _axis_edits(a: dict[str, np.ndarray]) -> Iterator[Edit]:
         options = {(1, 1)} if heads > 1 else set()
         options |= {(n * group, n) for n in _sizes(kv_heads)}
         for h, kh in sorted(options):
-            yield from edits({"query": (3, h), "key": (3, kh), "value": (3, kh),
+            yield from edits({"query": (3, h), "key": (3, kh), "value": (3, kh), "sinks": (1, h),
                         **{n: (3, h) for n in _SCORE_ARRAYS}})
     for n in _sizes(q.shape[-2]):
         yield from edits({"query": (2, n), **{s: (2, n) for s in _SCORE_ARRAYS}})
@@ -221,8 +221,8 @@ def reproducer(backend: Backend, exp: Expected, step: str, why: str = "") -> str
     exe = Execution(backend, exp)
     call = STEPS[step].calls(exe)[0]
     names = _ARGUMENTS.get(call.fn, ("query", "key", "value", "grad_output"))[:len(call.args)]
-    returns_tuple = call.fn != "scaled_dot_product_attention" or bool(
-        call.kwargs.get("return_weights"))
+    returns_tuple = call.fn not in ("scaled_dot_product_attention", "blockwise_attention") or bool(
+        call.kwargs.get("return_weights") or call.kwargs.get("return_lse"))
     pick = STEPS[step].pick if returns_tuple else None
     lines = [f"# {backend.name}: {step} of case {exp.case} (shrunk), {exp.dtype}"
              + (f": {why}" if why else ""),

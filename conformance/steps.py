@@ -6,9 +6,10 @@ requires of the result. An ``Execution`` is one backend on one case in one dtype
 the case's NumPy inputs to the backend's arrays, calls the backend (each function compiled once
 per input signature where the backend compiles, ``Backend.function``) and caches calls that
 several steps share (``scaled_dot_product_attention`` gives ``output`` and ``output_weights``).
-
-To compare a new step: give it an expected value in ``expected.pipeline`` and add a ``Step``
-here.
+The row log-sum-exp is a call of its own (``return_lse=True`` without the weights), so a module
+whose lse is wrong, or that does not take ``return_lse``, fails that step alone; composite
+steps (merging split keys, a paged cache) are ``conformance.composite``'s. To compare a new
+step: give it an expected value in ``expected.pipeline`` and add a ``Step`` here.
 """
 
 from __future__ import annotations
@@ -21,12 +22,11 @@ from typing import Any
 import numpy as np
 
 from . import cases as cases_mod
-from . import spec
+from . import composite, module_steps, spec
 from .backends import Backend, numpy_dtype
 from .expected import GRAD_STEPS, Expected
-from .module_pipelines import flatten_weight_grads
 
-_SDPA_ARRAY_OPTIONS = ("mask", "bias", "dropout_mask")
+_SDPA_ARRAY_OPTIONS = ("mask", "bias", "dropout_mask", "sinks")
 
 
 @dataclass(frozen=True)
@@ -64,8 +64,8 @@ class Execution:
         return self.backend.module
 
     def to_backend(self, x: Any) -> Any:
-        """NumPy array → backend array; other values unchanged."""
-        return self.backend.asarray(x) if isinstance(x, np.ndarray) else x
+        """NumPy array → backend array (in lists, tuples and dicts too); others unchanged."""
+        return composite.to_backend(self.backend, x)
 
     def to_numpy(self, result: Any) -> Any:
         """Backend array (or a tuple of them, None entries kept) → NumPy."""
@@ -83,8 +83,15 @@ class Execution:
         """The NumPy result of ``call``, made once."""
         def compute() -> Any:
             fn = self.backend.function(call.fn, call.static())
-            return self.to_numpy(fn(*(self.to_backend(a) for a in call.args),
-                                    **{k: self.to_backend(v) for k, v in call.kwargs.items()}))
+            try:
+                result = fn(*(self.to_backend(a) for a in call.args),
+                            **{k: self.to_backend(v) for k, v in call.kwargs.items()})
+            except Exception as exc:  # noqa: BLE001 - re-raised, naming the contract's way out
+                hint = composite.keyword_hint(str(exc))
+                if not hint:
+                    raise
+                raise TypeError(f"{exc}; {hint}") from exc
+            return self.to_numpy(result)
 
         return self.cached(call.key, compute)
 
@@ -178,6 +185,11 @@ class Execution:
         return Call("sdpa", "scaled_dot_product_attention", self._qkv(),
                     {**self._sdpa_kwargs(), **flag})
 
+    def lse_call(self) -> Call:
+        """``scaled_dot_product_attention(..., return_lse=True)``: (output, lse)."""
+        return Call("sdpa_lse", "scaled_dot_product_attention", self._qkv(),
+                    {**self._sdpa_kwargs(), "return_lse": True})
+
     def vjp_call(self) -> Call:
         """``scaled_dot_product_attention_vjp(...)`` against the case's grad_output."""
         return Call("vjp", "scaled_dot_product_attention_vjp",
@@ -186,13 +198,23 @@ class Execution:
     def _blockwise_kwargs(self) -> dict[str, Any]:
         a = self.exp.data.arrays
         kwargs = cases_mod.sdpa_options(self.exp.data.options)
-        kwargs.update({k: a[k] for k in ("bias", "kv_lengths") if k in a})
+        kwargs.update({k: a[k] for k in ("bias", "kv_lengths", "sinks") if k in a})
         kwargs.update(cases_mod.BLOCKWISE_TILES)
         return kwargs
 
     def blockwise_call(self) -> Call:
         """``blockwise_attention(...)`` with small tiles."""
         return Call("blockwise", "blockwise_attention", self._qkv(), self._blockwise_kwargs())
+
+    def blockwise_lse_call(self) -> Call:
+        """``blockwise_attention(..., return_lse=True)`` with small tiles: (output, lse)."""
+        return Call("blockwise_lse", "blockwise_attention", self._qkv(),
+                    {**self._blockwise_kwargs(), "return_lse": True})
+
+    def paged_call(self, return_lse: bool = False) -> Call:
+        """``paged_attention(query, key_pages, value_pages, block_table, seq_lens, ...)``."""
+        args, kwargs = composite.paged_arguments(self.exp, return_lse)
+        return Call("paged_lse" if return_lse else "paged", "paged_attention", args, kwargs)
 
     def blockwise_vjp_call(self) -> Call:
         """``blockwise_attention_vjp(...)`` against the case's grad_output."""
@@ -201,79 +223,27 @@ class Execution:
 
     def build_module(self) -> Any:
         """The case's module in the backend, in eval mode, holding the case's weights."""
-        a, o = self.exp.data.arrays, self.exp.data.options
-        seed = cases_mod.get(self.exp.case).seed if self.exp.case in cases_mod.CASE_NAMES else 0
-        m = getattr(self.module, o["module"])(**o["init"], rng=self.backend.rng(seed))
-        m = m.eval()
-        return m.load_weights({n[2:]: x for n, x in a.items() if n.startswith("w:")})
-
-    def _module_forward(self) -> tuple[np.ndarray, np.ndarray | None]:
-        a, o = self.exp.data.arrays, self.exp.data.options
-        inputs = [a[n] for n in ("x", "x_1", "x_2", "context") if n in a]
-        mask = {"mask": a["mask"]} if "mask" in a else {}
-        options = dict(o["forward"])
-
-        def build() -> Callable[..., Any]:
-            return lambda m, *xs, **arrays: m.forward(*xs, **arrays, **options)
-
-        forward = self.backend.compiled(
-            ("forward", o["module"], tuple(sorted(options.items()))), build)
-        result = forward(self.build_module(), *(self.to_backend(x) for x in inputs),
-                         **{k: self.to_backend(v) for k, v in mask.items()})
-        if isinstance(result, tuple):
-            out, weights = self.to_numpy(result)
-            return out, weights
-        return self.to_numpy(result), None
+        return module_steps.build(self.backend, self.exp)
 
     def module_forward(self) -> tuple[np.ndarray, np.ndarray | None]:
         """The module's ``forward``: (output, weights or None)."""
-        return self.cached("module", self._module_forward)
-
-    def _module_backward(self) -> np.ndarray:
-        # eager: backward returns NumPy arrays, which a compiled program cannot
-        a, o = self.exp.data.arrays, self.exp.data.options
-        m = self.build_module()
-        inputs = [self.to_backend(a[n]) for n in ("x", "x_1", "x_2") if n in a]
-        grad_output = self.to_backend(a["grad_output"])
-        if o["module"] == "MultiHeadAttention":
-            kwargs = {k: v for k, v in o["forward"].items() if k != "return_weights"}
-            if "mask" in a:
-                kwargs["mask"] = self.to_backend(a["mask"])
-            context = self.to_backend(a["context"]) if "context" in a else None
-            grads = m.backward(inputs[0], grad_output, context, **kwargs)
-        else:
-            grads = m.backward(*inputs, grad_output)
-        return flatten_weight_grads(grads)
+        return self.cached("module", lambda: module_steps.forward(self.backend, self.exp))
 
     def module_backward(self) -> np.ndarray:
         """The module's ``backward`` (weight gradients), flattened in sorted name order."""
-        return self.cached("backward", self._module_backward)
-
-    def _module_decode(self) -> np.ndarray:
-        x = self.exp.data.arrays["x"]
-        sizes, max_len = tuple(self.exp.data.options["decode"]), x.shape[-2]
-        starts = np.cumsum((0, *sizes))
-        chunks = [np.ascontiguousarray(x[..., s:s + n, :]) for s, n in zip(starts, sizes,
-                                                                            strict=False)]
-
-        def build() -> Callable[..., Any]:
-            def decode_all(m: Any, *xs: Any) -> tuple[Any, ...]:
-                cache, outputs = None, []
-                for chunk in xs:
-                    out, cache = m.decode(chunk, cache, max_len=max_len)
-                    outputs.append(out)
-                return tuple(outputs)
-
-            return decode_all
-
-        decode = self.backend.compiled(("decode", self.exp.data.options["module"], sizes,
-                                        max_len), build)
-        outputs = decode(self.build_module(), *(self.to_backend(c) for c in chunks))
-        return np.concatenate([self.backend.to_numpy(out) for out in outputs], axis=-2)
+        return self.cached("backward", lambda: module_steps.backward(self.backend, self.exp))
 
     def module_decode(self) -> np.ndarray:
         """Decode ``x`` chunk by chunk with the module's ``decode`` and a KV cache."""
-        return self.cached("decode", self._module_decode)
+        return self.cached("decode", lambda: module_steps.decode(self.backend, self.exp))
+
+    def merged(self) -> tuple[np.ndarray, np.ndarray]:
+        """A merge case: ``merge_attention`` of the parts' own attention (``composite``)."""
+        return self.cached("merge", lambda: composite.merged(self.backend, self.exp))
+
+    def paged_cache(self) -> np.ndarray:
+        """A paged case decoded from the module's own ``PagedKVCache`` (``composite``)."""
+        return self.cached("paged_cache", lambda: composite.paged_cache(self.backend, self.exp))
 
 
 @dataclass(frozen=True)
@@ -333,10 +303,20 @@ def _run_output_weights(exe: Execution) -> np.ndarray:
 def _grad_step(index: int, blockwise: bool) -> Callable[[Execution], np.ndarray]:
     def run(exe: Execution) -> np.ndarray:
         call = exe.blockwise_vjp_call() if blockwise else exe.vjp_call()
-        grad = exe.result(call)[index]
+        grads = exe.result(call)
+        grad = grads[index] if isinstance(grads, tuple) and index < len(grads) else None
         if grad is None:
-            raise ValueError(f"{call.fn} returned no {GRAD_STEPS[index]}")
+            raise ValueError(f"{call.fn} returned no {GRAD_STEPS[index]}"
+                             + (" (with sinks, a fifth result)" if index == 4 else ""))
         return grad
+
+    return run
+
+
+def _lse_step(blockwise: bool) -> Callable[[Execution], np.ndarray]:
+    def run(exe: Execution) -> np.ndarray:
+        call = exe.blockwise_lse_call() if blockwise else exe.lse_call()
+        return composite.pair(exe.result(call), f"{call.fn}(..., return_lse=True)")[1]
 
     return run
 
@@ -363,9 +343,18 @@ STEPS: dict[str, Step] = {
                f"scaled_dot_product_attention_vjp(..., grad_output) -> {name}",
                lambda exe: (exe.vjp_call(),), _needs("scaled_dot_product_attention_vjp"), i)
           for i, name in enumerate(GRAD_STEPS)),
+        Step("lse", ("sdpa",), _lse_step(blockwise=False), "compute",
+             "scaled_dot_product_attention(..., return_lse=True): the row log-sum-exp, natural "
+             "log, -inf on a fully masked row (the sink's logit with sinks)",
+             lambda exe: (exe.lse_call(),), _needs("scaled_dot_product_attention"), 1,
+             feature="lse"),
         Step("blockwise_output", ("sdpa",), lambda exe: exe.result(exe.blockwise_call()),
              "input", "blockwise_attention(..., block_q=2, block_kv=3): online softmax in tiles",
              lambda exe: (exe.blockwise_call(),), _needs("blockwise_attention")),
+        Step("blockwise_lse", ("sdpa",), _lse_step(blockwise=True), "compute",
+             "blockwise_attention(..., return_lse=True) with small tiles: the row log-sum-exp",
+             lambda exe: (exe.blockwise_lse_call(),), _needs("blockwise_attention"), 1,
+             feature="lse"),
         *(Step(f"blockwise_{name}", ("sdpa",), _grad_step(i, blockwise=True), "input",
                f"blockwise_attention_vjp(..., grad_output) -> {name}, recomputed per tile",
                lambda exe: (exe.blockwise_vjp_call(),), _needs("blockwise_attention_vjp"), i)
@@ -373,6 +362,23 @@ STEPS: dict[str, Step] = {
         Step("decode_output", ("module",), lambda exe: exe.module_decode(), "input",
              "module.decode(x chunk, cache) chunk by chunk: equals the causal forward",
              needs=_needs_module("decode")),
+        Step("merge_output", ("merge",), lambda exe: exe.merged()[0], "input",
+             "merge_attention of each part's scaled_dot_product_attention(..., return_lse=True)"
+             ": equals the attention over every key", needs=_needs(
+                 "scaled_dot_product_attention", "merge_attention"), pick=0),
+        Step("merge_lse", ("merge",), lambda exe: exe.merged()[1], "compute",
+             "the merged log-sum-exp: that of every key (the sinks' included)",
+             needs=_needs("scaled_dot_product_attention", "merge_attention"), pick=1),
+        Step("paged_output", ("paged",), lambda exe: exe.result(exe.paged_call()), "input",
+             "paged_attention over shuffled pages: equals the contiguous attention, bottom-right "
+             "causal per sequence", lambda exe: (exe.paged_call(),), _needs("paged_attention")),
+        Step("paged_lse", ("paged",), lambda exe: composite.pair(exe.result(exe.paged_call(
+            True)), "paged_attention(..., return_lse=True)")[1], "compute",
+             "paged_attention(..., return_lse=True): the lse of the contiguous attention",
+             lambda exe: (exe.paged_call(True),), _needs("paged_attention"), 1, feature="lse"),
+        Step("paged_cache_output", ("paged",), lambda exe: exe.paged_cache(), "input",
+             "PagedKVCache: append (pages reused after a free), then attend: equals the "
+             "contiguous attention", needs=_needs("PagedKVCache")),
         Step("grad_weights", ("module",), lambda exe: exe.module_backward(), None,
              "module.backward(inputs, grad_output): every weight's gradient, flattened in "
              "sorted name order", needs=_needs_module("backward")),

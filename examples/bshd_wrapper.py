@@ -20,9 +20,10 @@ import numpy as np
 LAYOUT = "bshd"
 # jax.nn aligns causal masks and windows top-left, has no soft-capping and no given dropout
 # mask, returns no weights, needs a heads axis and value's head_dim equal to the query's, and
-# attends float64 inputs in float32; this thin wrapper leaves bad inputs to jax.nn's own errors.
+# attends float64 inputs in float32; this thin wrapper leaves bad inputs to jax.nn's own errors
+# and passes on neither attention sinks nor the row log-sum-exp (so no merge either).
 UNSUPPORTED = {"bottom_right", "softcap", "dropout", "return_weights", "2d_inputs", "v_dim",
-               "float64", "errors"}
+               "float64", "sinks", "lse", "errors"}
 
 
 def asarray(x: np.ndarray) -> jax.Array:

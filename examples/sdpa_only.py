@@ -6,7 +6,9 @@ lists the spec's other functions and modules once, as not provided. From the rep
     python -m conformance --backend examples.sdpa_only
 
 It validates its arguments with the project's shared rules (``attention_rules``), so bad inputs
-raise the spec's exceptions too, and computes the pipeline of the spec in NumPy.
+raise the spec's exceptions too, and computes the pipeline of the spec in NumPy, attention sinks
+(one more softmax column without a value) and the row log-sum-exp (``return_lse``) included. It
+has no ``merge_attention``: the merge cases are listed once, as not provided.
 """
 
 from __future__ import annotations
@@ -33,19 +35,22 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, *, mask: Any 
                                  causal_alignment: str = "top_left", window: tuple | None = None,
                                  scale: float | None = None, softcap: float | None = None,
                                  dropout_p: float = 0.0, dropout_mask: Any = None, rng: Any = None,
-                                 return_weights: bool = False) -> Any:
+                                 return_weights: bool = False, sinks: Any = None,
+                                 return_lse: bool = False) -> Any:
     """``softmax(mask(query @ keyᵀ · scale + bias)) @ value``.
 
     query ``(..., heads, q_len, head_dim)``, key ``(..., kv_heads, kv_len, head_dim)``, value
-    ``(..., kv_heads, kv_len, v_dim)`` (or 2-D ``(seq, dim)``); mask True = may attend.
-    Returns ``(..., heads, q_len, v_dim)`` (and the weights ``(..., heads, q_len, kv_len)``).
+    ``(..., kv_heads, kv_len, v_dim)`` (or 2-D ``(seq, dim)``); mask True = may attend; sinks
+    ``(heads,)`` logits, each joining its head's softmax denominators. Returns ``(...,
+    heads, q_len, v_dim)``, then the weights ``(..., heads, q_len, kv_len)`` with
+    ``return_weights`` and the row log-sum-exp ``(..., heads, q_len)`` with ``return_lse``.
     """
     args = rules.attention_arguments(
         FN, _describe("query", query), _describe("key", key), _describe("value", value),
         mask=_describe("mask", mask), bias=_describe("bias", bias), is_causal=is_causal,
         causal_alignment=causal_alignment, window=window, scale=scale, softcap=softcap,
         dropout_p=dropout_p, dropout_mask=_describe("dropout_mask", dropout_mask),
-        return_weights=return_weights)
+        return_weights=return_weights, sinks=_describe("sinks", sinks), return_lse=return_lse)
     compute = np.float64 if args.dtype == "float64" else np.float32  # half precision: float32
     q, k, v = (np.asarray(x).astype(compute) for x in (query, key, value))
     if q.ndim >= 3 and k.shape[-3] != q.shape[-3]:  # grouped-query: head h uses h // group
@@ -69,11 +74,16 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, *, mask: Any 
     if mask is not None:
         allowed = allowed & np.asarray(mask)
     scores = np.where(allowed, scores, -np.inf)  # replaced, so a masked NaN reaches nothing
+    if sinks is not None:  # the sink: one more column of every row, with no value
+        sink = np.asarray(sinks).astype(compute)  # (heads,) → (heads, 1, 1), or (1, 1) in 2-D
+        sink = sink.reshape(-1, 1, 1) if scores.ndim >= 3 else sink.reshape(1, 1)
+        scores = np.concatenate([scores, np.broadcast_to(sink, scores.shape[:-1] + (1,))], -1)
     row_max = scores.max(axis=-1, keepdims=True)
     row_max = np.where(row_max == -np.inf, 0.0, row_max)  # fully masked row: no -inf - -inf
     e = np.exp(scores - row_max)
     total = e.sum(axis=-1, keepdims=True)
-    weights = e / np.where(total == 0, 1.0, total)  # fully masked row: weights exactly 0
+    weights = (e / np.where(total == 0, 1.0, total))[..., :kv_len]  # the sink's column dropped
+    lse = np.where(total == 0, -np.inf, row_max + np.log(np.where(total == 0, 1.0, total)))
     kept = weights
     if args.dropout_p > 0:
         keep = dropout_mask if dropout_mask is not None else (
@@ -81,4 +91,6 @@ def scaled_dot_product_attention(query: Any, key: Any, value: Any, *, mask: Any 
         kept = weights * np.asarray(keep) / (1.0 - args.dropout_p)
     dtype = np.asarray(query).dtype
     output = (kept @ v).astype(dtype)  # (..., heads, q_len, v_dim)
-    return (output, weights.astype(dtype)) if args.return_weights else output
+    results = (output,) + ((weights.astype(dtype),) if args.return_weights else ()) + (
+        (lse[..., 0].astype(compute),) if return_lse else ())
+    return results if len(results) > 1 else output

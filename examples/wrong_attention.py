@@ -31,6 +31,7 @@ from numpy_attn import (  # noqa: F401 - re-exported: the parts this module gets
     KVCache,
     MultiHeadAttention,
     MultiHeadAttentionWrapper,
+    PagedKVCache,
     SelfAttention,
     apply_dropout,
     attention_output,
@@ -40,9 +41,14 @@ from numpy_attn import (  # noqa: F401 - re-exported: the parts this module gets
     combine_masks,
     merge_attention,
     merge_attention_vjp,
+    pack_sequences,
     padding_mask,
+    paged_attention,
     renormalized_causal_weights,
     sliding_window_mask,
+    unpack_sequences,
+    varlen_attention,
+    varlen_attention_vjp,
 )
 
 

@@ -31,6 +31,13 @@ from .modules import (
     MultiHeadAttentionWrapper,
     SelfAttention,
 )
+from .paged import PagedKVCache, paged_attention
+from .varlen import (
+    pack_sequences,
+    unpack_sequences,
+    varlen_attention,
+    varlen_attention_vjp,
+)
 
 __all__ = [
     "CausalSelfAttention",
@@ -38,6 +45,7 @@ __all__ = [
     "KVCache",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
+    "PagedKVCache",
     "SelfAttention",
     "apply_dropout",
     "attention_output",
@@ -52,9 +60,14 @@ __all__ = [
     "mask_scores",
     "merge_attention",
     "merge_attention_vjp",
+    "pack_sequences",
     "padding_mask",
+    "paged_attention",
     "renormalized_causal_weights",
     "scaled_dot_product_attention",
     "scaled_dot_product_attention_vjp",
     "sliding_window_mask",
+    "unpack_sequences",
+    "varlen_attention",
+    "varlen_attention_vjp",
 ]

@@ -38,6 +38,15 @@ compute anyway, and its VJP gives the sinks' gradient; cuDNN is never taken then
 ``vmap`` and ``grad``, and equals the explicit steps within
 float32 rounding, NaN and infinities included (``tests/test_performance_paths.py``).
 
+Chunks, ALiBi, segment ids, ``score_mod`` and ``mask_mod`` (``spec.MASKS_AND_MODS``) take the
+blocked path with every head at once: each block adds ALiBi and ``score_mod`` (with its global
+indices) and masks by the chunk rule, the ids and ``mask_mod``; the rules that mask cut the
+queries (and, in the VJP, the keys) into at most ``MOD_SEGMENTS`` static segments, each against
+only the keys (rows) their tiles leave (``_core._mods_segments``, decided at trace time from the
+tiles' statuses), so their empty tiles are not computed. The backward pass differentiates
+``score_mod`` per block by ``jax.vjp``; the slopes and ids travel through the custom VJP as
+``_core._Mods.arrays`` (no cotangent).
+
 Its backward pass is its own (``_blocked_attention`` is a ``jax.custom_vjp``: autodiff through
 ``lax.map`` would store every block's weights, the whole ``(q_len, kv_len)`` matrix): the
 forward pass saves the output and the row log-sum-exp, and ``_blocked_attention_vjp`` walks
@@ -76,6 +85,10 @@ SEGMENTS = _BLOCKED["segments"]  # causal rule / window: static key ranges (more
 BLOCK_KV = _BLOCKED["block_kv"]  # keys per lax.scan step of the VJP, against all their queries
 MIN_SCORES = _BLOCKED["min_scores"]  # below this many score entries the steps are as fast
 MIN_Q_LEN = _BLOCKED["min_q_len"]  # at least BLOCK_Q: a lax.map of whole blocks
+# With chunks, segment ids or mask_mod: at most this many static segments (each a lax.map of
+# its own: more compile, fewer products of tiles those rules empty)
+MOD_SEGMENTS = 16
+_FN = "scaled_dot_product_attention"  # the name in messages raised inside the custom VJP
 
 
 def use_fast_path(
@@ -131,12 +144,14 @@ def fast_attention(
     bias: jax.Array | None,
     args: rules.Arguments,
     sinks: jax.Array | None = None,
+    mods: _core._Mods | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array] | None:
     """``scaled_dot_product_attention``'s output on the path ``use_fast_path`` chose; None when
     cuDNN refuses the shapes (then the explicit steps run). With ``args.return_lse`` also the
     row log-sum-exp ``(..., heads, q_len)`` the blocks computed anyway (compute dtype); the
     ``(heads,)`` ``sinks`` join each row's denominator once, after the blocks
-    (``_blocked_attention_lse``)."""
+    (``_blocked_attention_lse``); ``mods`` (chunks, ALiBi, segment ids, the mods) apply per
+    block, and the blocks they mask entirely are not computed (``_core._mods_segments``)."""
     if path == "cudnn":
         try:  # cuDNN checks its shapes at trace time
             output = _cudnn_attention(
@@ -145,9 +160,13 @@ def fast_attention(
         except (ValueError, NotImplementedError, RuntimeError):
             return None
         return output.astype(query.dtype)
-    if sinks is None and not args.return_lse:
+    if sinks is None and not args.return_lse and mods is None:
         return _blocked_attention(args, query, key, value, mask, bias).astype(query.dtype)
-    output, lse = _blocked_attention_lse(args, query, key, value, mask, bias, sinks)
+    mod_arrays = None
+    if mods is not None:  # what a mod returns is checked here, with the caller's name
+        _check_mods(mods, query, key)
+        mod_arrays = mods.arrays
+    output, lse = _blocked_attention_lse(args, query, key, value, mask, bias, sinks, mod_arrays)
     output = output.astype(query.dtype)
     return (output, lse[..., 0]) if args.return_lse else output
 
@@ -168,8 +187,8 @@ def _cudnn_fits(
     """Whether ``jax.nn.dot_product_attention`` computes exactly the spec's result here."""
     if query.dtype.name not in CUDNN_DTYPES:
         return False  # float32/64: cuDNN's flash attention is half-only
-    if mask is not None or bias is not None or args.softcap is not None:
-        return False  # a mask or bias could empty a row; jax.nn has no softcap
+    if mask is not None or bias is not None or args.softcap is not None or args.has_mods:
+        return False  # a mask or bias could empty a row; jax.nn has no softcap, no mods
     if value.shape[-1] != query.shape[-1] or rules.has_empty_axis(query.shape, key.shape):
         return False  # jax.nn needs v_dim == head_dim; empty axes are not worth a kernel
     q_len, kv_len = query.shape[-2], key.shape[-2]
@@ -260,14 +279,17 @@ def _blocked_attention_lse(
     mask: jax.Array | None,
     bias: jax.Array | None,
     sinks: jax.Array | None,
+    mod_arrays: tuple | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """``_blocked_attention`` with the ``(heads,)`` ``sinks`` (or None) joined to each row's
     denominator after the blocks (``_core._with_sinks``), and the row log-sum-exp
     ``(..., heads, q_len, 1)`` the blocks compute anyway (``-inf``: no key nor sink); both
     differentiable. The VJP takes the lse's cotangent (``dS = P ⊙ (dP - rowsum(dO ⊙ O) +
     dlse)`` with ``P`` and ``O`` those of the rows with their sinks) and gives the sinks'
-    gradient (``_core._sinks_grad``), as numpy_attn's blocked VJP does."""
-    return _blocked_attention_lse_fwd(args, query, key, value, mask, bias, sinks)[0]
+    gradient (``_core._sinks_grad``), as numpy_attn's blocked VJP does. ``mod_arrays``: the
+    ``_core._Mods.arrays`` of the call (its ALiBi slopes and segment ids: no cotangent), or
+    None."""
+    return _blocked_attention_lse_fwd(args, query, key, value, mask, bias, sinks, mod_arrays)[0]
 
 
 def _blocked_attention_lse_fwd(
@@ -278,28 +300,55 @@ def _blocked_attention_lse_fwd(
     mask: jax.Array | None,
     bias: jax.Array | None,
     sinks: jax.Array | None,
+    mod_arrays: tuple | None = None,
 ) -> tuple[tuple[jax.Array, jax.Array], tuple]:
     """The output and lse, and what the backward pass needs."""
-    output, lse = _blocked_forward(query, key, value, mask, bias, args, with_lse=True)
+    mods = _rebuilt(args, query, key, mod_arrays)
+    output, lse = _blocked_forward(query, key, value, mask, bias, args, with_lse=True, mods=mods)
     output, lse = _core._with_sinks(output, lse, sinks)
-    return (output, lse), (query, key, value, mask, bias, sinks, output, lse)
+    return (output, lse), (query, key, value, mask, bias, sinks, mod_arrays, output, lse)
 
 
 def _blocked_attention_lse_bwd(args: rules.Arguments, residuals: tuple,
                                cotangents: tuple[jax.Array, jax.Array]) -> tuple:
-    query, key, value, mask, bias, sinks, output, lse = residuals
+    query, key, value, mask, bias, sinks, mod_arrays, output, lse = residuals
     grad_output, grad_lse = cotangents
     lse = jnp.where(lse == NEG_INF, jnp.inf, lse)  # no key nor sink: exp(s - lse) = 0
     grad_q, grad_k, grad_v, grad_bias = _blocked_attention_vjp(
-        query, key, value, grad_output, mask, bias, args, output, lse, grad_lse)
+        query, key, value, grad_output, mask, bias, args, output, lse, grad_lse,
+        _rebuilt(args, query, key, mod_arrays))
     grad_sinks = None
     if sinks is not None:  # d sink = sum exp(sink - lse) · (dlse - rowsum(dO ⊙ O))
         delta = (grad_output.astype(output.dtype) * output).sum(axis=-1, keepdims=True)
         grad_sinks = _core._sinks_grad(sinks, lse, delta - grad_lse).astype(sinks.dtype)
-    return grad_q, grad_k, grad_v, None, grad_bias, grad_sinks  # mask: boolean, no cotangent
+    # mask: boolean; the slopes and ids of mod_arrays: constants and ints: no cotangent
+    return grad_q, grad_k, grad_v, None, grad_bias, grad_sinks, None
 
 
 _blocked_attention_lse.defvjp(_blocked_attention_lse_fwd, _blocked_attention_lse_bwd)
+
+
+def _rebuilt(args: rules.Arguments, query: jax.Array, key: jax.Array, mod_arrays: tuple | None
+             ) -> _core._Mods | None:
+    """The call's ``_core._Mods`` rebuilt inside the custom VJP from its arrays (the callables
+    and the chunk size are in ``args``)."""
+    if mod_arrays is None:
+        return None
+    alibi, q_ids, kv_ids = mod_arrays
+    return _core._mods(_FN, args, query.shape, key.shape, alibi,
+                       None if q_ids is None else (q_ids, kv_ids))
+
+
+def _check_mods(mods: _core._Mods, query: jax.Array, key: jax.Array) -> None:
+    """What the mods return, on one block's shapes, before the custom VJP (whose messages
+    would name ``_FN``): ``jax.eval_shape``, so nothing is computed."""
+    rows, keys = min(BLOCK_Q, query.shape[-2]), key.shape[-2]
+    scores = jax.ShapeDtypeStruct(query.shape[:-1] + (keys,), rules.compute_dtype(
+        query.dtype.name))
+    if mods.score_mod is not None:
+        jax.eval_shape(lambda s: _core._mods_scores(s[..., :rows, :], mods, 0, 0), scores)
+    if mods.mask_mod is not None:
+        jax.eval_shape(lambda: _core._mods_allowed(mods, 0, rows, 0, keys))
 
 
 def _blocked_forward(
@@ -310,22 +359,35 @@ def _blocked_forward(
     bias: jax.Array | None,
     args: rules.Arguments,
     with_lse: bool,
+    mods: _core._Mods | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """``_forward_heads`` for one (batch, kv head) item at a time under ``lax.map`` (its
     blocks then stay in cache) when the causal rule or a window cuts the work into pieces; for
     all heads at once without them (each ``lax.map`` step then spreads over the cores: 1.4x
     faster at 2,048 tokens, 8 heads), when there is one item, or when the mask or bias varies
-    along the batch or head axes (``_items``)."""
-    lo, hi = rules.band(query.shape[-2], key.shape[-2], args.is_causal, args.causal_alignment,
-                        args.window)
-    items = _items(query, key, mask, bias) if lo > -math.inf or hi < math.inf else 1
+    along the batch or head axes (``_items``). With ``mods`` the items count as banded; each
+    takes its own slopes, ids and indices (``_core._mods_item``), and the static segments are
+    made once, over every item, before the ``lax.map``."""
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    lo, hi = rules.band(q_len, kv_len, args.is_causal, args.causal_alignment, args.window)
+    masks = mods is not None and mods.masks
+    banded = lo > -math.inf or hi < math.inf or masks
+    items = _items(query, key, mask, bias) if banded else 1
+    pieces = _core._mods_segments(mods, q_len, kv_len, lo, hi, True, BLOCK_Q, BLOCK_KV,
+                                  MOD_SEGMENTS) if masks else None
     if items == 1:
-        return _forward_heads(query, key, value, mask, bias, args, with_lse)
+        return _forward_heads(query, key, value, mask, bias, args, with_lse, mods, pieces)
     mask, bias = _squeeze(mask), _squeeze(bias)  # the same for every item
-    output, lse = jax.lax.map(
-        lambda xs: _forward_heads(*xs, mask, bias, args, with_lse),
-        (_to_items(query, items), _to_items(key, items), _to_items(value, items)),
-    )  # (items, groups, q_len, v_dim), (items, groups, q_len, 1)
+    groups = query.shape[-3] // key.shape[-3]
+
+    def one(xs: tuple) -> tuple:
+        q, k, v, i = xs
+        item_mods = None if mods is None else _core._mods_item(mods, i, key.shape[-3], groups)
+        return _forward_heads(q, k, v, mask, bias, args, with_lse, item_mods, pieces)
+
+    output, lse = jax.lax.map(one, (_to_items(query, items), _to_items(key, items),
+                                    _to_items(value, items), jnp.arange(items, dtype=jnp.int32))
+                              )  # (items, groups, q_len, v_dim), (items, groups, q_len, 1)
     lse = None if lse is None else lse.reshape(query.shape[:-1] + (1,))
     return output.reshape(query.shape[:-1] + value.shape[-1:]), lse
 
@@ -338,18 +400,22 @@ def _forward_heads(
     bias: jax.Array | None,
     args: rules.Arguments,
     with_lse: bool,
+    mods: _core._Mods | None = None,
+    pieces: list | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """The output in the compute dtype, ``BLOCK_Q`` queries at a time under ``lax.map`` (XLA
     keeps a block's scores in cache and spreads each op over the cores), normalising after
     ``@ value``; and, ``with_lse``, the row log-sum-exp ``(..., heads, q_len, 1)`` (``+inf`` on
     fully masked rows, so that ``exp(score - lse)`` is 0 there). With the causal rule or a
     window the queries are cut into at most ``SEGMENTS`` static segments, each against only the
-    keys it can see."""
+    keys it can see; with ``mods`` that mask, into the segments of ``_core._mods_segments``
+    (``pieces``, when the caller made them already)."""
     q_len, kv_len = query.shape[-2], key.shape[-2]
     compute = rules.compute_dtype(query.dtype.name)
     lo, hi = rules.band(q_len, kv_len, args.is_causal, args.causal_alignment, args.window)
     banded = lo > -math.inf or hi < math.inf  # the causal rule or a window cuts some blocks
-    if args.window is None and mask is None and bias is None and banded:
+    plain = mask is None and bias is None and mods is None
+    if args.window is None and plain and banded:
         triangle = min(q_len - max(0, -int(hi)), kv_len - max(0, int(hi)))
         if triangle >= 2 * BLOCK_Q:  # the causal rule alone: halves, not segments
             output, lse = _causal_forward(query, key, value, args)
@@ -362,10 +428,14 @@ def _forward_heads(
         scores = _core._scores(q_blk, k_seg, args.scale, args.softcap)  # (..., heads, n, keys)
         if bias_seg is not None:
             scores = scores + _rows(bias_seg, i0, n)
+        scores = _core._mods_scores(scores, mods, i0, k0)  # ALiBi, score_mod
         allowed = _rows(mask_seg, i0, n)
         if banded:  # j - i with global positions: i0 is traced, k0 static
             in_band = _core._in_band(i0, n, k0, keys, lo, hi)
             allowed = in_band if allowed is None else allowed & in_band
+        extra = _core._mods_allowed(mods, i0, n, k0, keys)  # chunks, segment ids, mask_mod
+        if extra is not None:
+            allowed = extra if allowed is None else allowed & extra
         if allowed is not None:  # replaced, not added: a masked NaN does not spread
             scores = jnp.where(allowed, scores, NEG_INF)
         if not with_lse:
@@ -374,12 +444,18 @@ def _forward_heads(
         weights, row_sum, lse = _softmax_lse(scores)
         return _core._output(weights, v_seg) / row_sum, lse
 
-    n_blocks = q_len // BLOCK_Q
-    segments = max(1, min(SEGMENTS, n_blocks)) if banded else 1
-    bounds = [n_blocks * s // segments * BLOCK_Q for s in range(segments)] + [q_len]
+    if mods is not None and mods.masks:
+        if pieces is None:
+            pieces = _core._mods_segments(mods, q_len, kv_len, lo, hi, True, BLOCK_Q, BLOCK_KV,
+                                          MOD_SEGMENTS)
+    else:
+        n_blocks = q_len // BLOCK_Q
+        segments = max(1, min(SEGMENTS, n_blocks)) if banded else 1
+        bounds = [n_blocks * s // segments * BLOCK_Q for s in range(segments)] + [q_len]
+        pieces = [(r0, r1) + rules.key_range(r0, r1, kv_len, lo, hi)[:2]
+                  for r0, r1 in zip(bounds[:-1], bounds[1:], strict=True)]
     outputs, lses = [], []
-    for r0, r1 in zip(bounds[:-1], bounds[1:], strict=True):  # static segments of query rows
-        k0, k1, _, _ = rules.key_range(r0, r1, kv_len, lo, hi)
+    for r0, r1, k0, k1 in pieces:  # static segments of query rows, each with its keys
         rows_shape = query.shape[:-2] + (r1 - r0,)
         if k1 == k0:  # no row of the segment sees a key: fully masked
             outputs.append(jnp.zeros(rows_shape + (value.shape[-1],), compute))
@@ -570,6 +646,7 @@ def _blocked_attention_vjp(
     output: jax.Array,
     lse: jax.Array,
     grad_lse: jax.Array | None = None,
+    mods: _core._Mods | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """The gradients of the blocked path from its saved output and row log-sum-exp
     (FlashAttention-2's backward pass; numpy_attn's ``backward.py`` derives it for the whole
@@ -592,7 +669,8 @@ def _blocked_attention_vjp(
       or None. Only ``delta = rowsum(dO ⊙ O) - dlse`` reaches the blocks (``_vjp_heads``).
 
     Like the forward pass, one (batch, kv head) item at a time under ``lax.scan`` (which adds up
-    the items' bias gradients), or all heads at once (``_items``).
+    the items' bias gradients), or all heads at once (``_items``); ``mods``' ``score_mod`` the
+    blocks differentiate by ``jax.vjp``.
 
     Returns:
       ``(grad_query, grad_key, grad_value, grad_bias)`` shaped like and in the dtypes of query,
@@ -603,18 +681,28 @@ def _blocked_attention_vjp(
     if grad_lse is not None:  # dlse / dS = P: dS = P ⊙ (dP - delta + dlse)
         delta = delta - grad_lse.astype(compute)
     items = _items(query, key, mask, bias)
+    pieces = None  # with mods: the static segments of keys, made once for every item
+    if mods is not None and mods.masks:
+        q_len, kv_len = query.shape[-2], key.shape[-2]
+        lo, hi = rules.band(q_len, kv_len, args.is_causal, args.causal_alignment, args.window)
+        pieces = _core._mods_segments(mods, q_len, kv_len, lo, hi, False, BLOCK_Q, BLOCK_KV,
+                                      MOD_SEGMENTS)
     if items == 1:
-        return _vjp_heads(query, key, value, grad_output, mask, bias, args, delta, lse)
+        return _vjp_heads(query, key, value, grad_output, mask, bias, args, delta, lse, mods,
+                          pieces)
     mask_item, bias_item = _squeeze(mask), _squeeze(bias)  # the same for every item
+    groups = query.shape[-3] // key.shape[-3]
 
     def item(grad_bias: jax.Array | None, xs: tuple) -> tuple:
-        q, k, v, d_out, delta_item, lse_item = xs
+        q, k, v, d_out, delta_item, lse_item, i = xs
+        item_mods = None if mods is None else _core._mods_item(mods, i, key.shape[-3], groups)
         grad_q, grad_k, grad_v, grad_b = _vjp_heads(
-            q, k, v, d_out, mask_item, bias_item, args, delta_item, lse_item)
+            q, k, v, d_out, mask_item, bias_item, args, delta_item, lse_item, item_mods, pieces)
         grad_bias = None if grad_b is None else grad_bias + grad_b.astype(grad_bias.dtype)
         return grad_bias, (grad_q, grad_k, grad_v)
 
     xs = tuple(_to_items(x, items) for x in (query, key, value, grad_output, delta, lse))
+    xs += (jnp.arange(items, dtype=jnp.int32),)
     init = None  # the sum of the items' bias gradients, in the compute dtype
     if bias is not None:
         init = jnp.zeros(bias_item.shape, rules.compute_dtype(bias.dtype.name))
@@ -633,14 +721,16 @@ def _vjp_heads(
     args: rules.Arguments,
     delta: jax.Array,
     lse: jax.Array,
+    mods: _core._Mods | None = None,
+    pieces: list | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """``_blocked_attention_vjp`` for all heads at once; ``delta (..., heads, q_len, 1)`` is
-    ``rowsum(dO ⊙ O) - dlse``."""
+    ``rowsum(dO ⊙ O) - dlse``; ``pieces``: the segments of keys for ``mods``, if made."""
     q_len, kv_len, v_dim = query.shape[-2], key.shape[-2], value.shape[-1]
     compute = rules.compute_dtype(query.dtype.name)
     lo, hi = rules.band(q_len, kv_len, args.is_causal, args.causal_alignment, args.window)
     banded = lo > -math.inf or hi < math.inf
-    if args.window is None and mask is None and bias is None and banded:
+    if args.window is None and mask is None and bias is None and mods is None and banded:
         if min(q_len - max(0, -int(hi)), kv_len - max(0, int(hi))) >= 2 * BLOCK_Q:
             return _causal_vjp(query, key, value, grad_output, args, delta, lse)
     groups = _core._groups(query.shape, key.shape)
@@ -660,21 +750,33 @@ def _vjp_heads(
         segment's query rows ``seg`` (from ``r0``; sliced once per segment): adds to the
         carried ``dQ`` and returns ``dK``, ``dV`` and the bias gradient of the block."""
         q_seg, d_out_seg, lse_seg, dot_seg, mask_seg, bias_seg = seg  # (..., heads, rows, ·)
-        n = k_blk.shape[-2]
+        n, rows = k_blk.shape[-2], q_seg.shape[-2]
         capped = _core._scores(q_seg, k_blk, 1.0, args.softcap)  # (..., heads, rows, n)
-        scores = capped
-        if bias_seg is not None:
-            scores = scores + _cols(bias_seg, j0, n)
-        allowed = _cols(mask_seg, j0, n)
-        if banded:
-            in_band = _core._in_band(r0, q_seg.shape[-2], j0, n, lo, hi)
-            allowed = in_band if allowed is None else allowed & in_band
-        if allowed is not None:
-            scores = jnp.where(allowed, scores, NEG_INF)
+
+        def masked(scores: jax.Array) -> jax.Array:  # + bias, ALiBi, score_mod; -inf if masked
+            if bias_seg is not None:
+                scores = scores + _cols(bias_seg, j0, n)
+            scores = _core._mods_scores(scores, mods, r0, j0)
+            allowed = _cols(mask_seg, j0, n)
+            if banded:
+                in_band = _core._in_band(r0, rows, j0, n, lo, hi)
+                allowed = in_band if allowed is None else allowed & in_band
+            extra = _core._mods_allowed(mods, r0, rows, j0, n)
+            if extra is not None:
+                allowed = extra if allowed is None else allowed & extra
+            return scores if allowed is None else jnp.where(allowed, scores, NEG_INF)
+
+        through_mod = None  # score_mod's pullback: dS back to the scores before it
+        if mods is not None and mods.score_mod is not None:
+            scores, through_mod = jax.vjp(masked, capped)
+        else:
+            scores = masked(capped)
         p = jnp.exp(scores - lse_seg)  # the weights, recomputed; 0 where masked
         grad_v = _sum_groups(_matmul_t(p, d_out_seg), groups)  # dV = Pᵀ dO: (..., n, v_dim)
         grad_p = _core._scores(d_out_seg, v_blk, 1.0, None)  # dP = dO Vᵀ
         grad_s = p * (grad_p - dot_seg)  # dS: (..., heads, rows, n)
+        if through_mod is not None:  # d score_mod / d score, by autodiff of the block
+            grad_s = through_mod(grad_s)[0]
         grad_bias_blk = None
         if bias_seg is not None:
             grad_bias_blk = _sum_to_shape(grad_s, _cols(bias_seg, j0, n).shape)
@@ -684,13 +786,19 @@ def _vjp_heads(
         grad_k = _sum_groups(_matmul_t(grad_s, q_seg), groups)  # dSᵀ Q · scale
         return grad_q, (grad_k, grad_v, grad_bias_blk)
 
-    n_blocks = kv_len // BLOCK_KV
-    segments = max(1, min(SEGMENTS, n_blocks)) if banded else 1
-    bounds = [n_blocks * s // segments * BLOCK_KV for s in range(segments)] + [kv_len]
+    if mods is not None and mods.masks:
+        if pieces is None:
+            pieces = _core._mods_segments(mods, q_len, kv_len, lo, hi, False, BLOCK_Q,
+                                          BLOCK_KV, MOD_SEGMENTS)
+    else:
+        n_blocks = kv_len // BLOCK_KV
+        segments = max(1, min(SEGMENTS, n_blocks)) if banded else 1
+        bounds = [n_blocks * s // segments * BLOCK_KV for s in range(segments)] + [kv_len]
+        pieces = [(c0, c1) + rules.query_range(c0, c1, q_len, lo, hi)[:2]
+                  for c0, c1 in zip(bounds[:-1], bounds[1:], strict=True)]
     grad_q = jnp.zeros(query.shape, compute)
     grad_ks, grad_vs = [], []
-    for c0, c1 in zip(bounds[:-1], bounds[1:], strict=True):  # static segments of keys
-        r0, r1, _, _ = rules.query_range(c0, c1, q_len, lo, hi)  # the rows that see them
+    for c0, c1, r0, r1 in pieces:  # static segments of keys, each with the rows that see them
         if r1 == r0:  # no query sees a key of the segment: zero gradients
             grad_ks.append(jnp.zeros(key.shape[:-2] + (c1 - c0, key.shape[-1]), compute))
             grad_vs.append(jnp.zeros(value.shape[:-2] + (c1 - c0, v_dim), compute))

@@ -18,7 +18,7 @@ import numpy as np
 
 import attention_rules as rules
 
-from ._core import _array, _describe, _describe_parts
+from ._core import _array, _describe, _describe_parts, _describe_segments, _mods, _segments
 from .functional import merge_attention, pipeline
 
 
@@ -38,6 +38,11 @@ def scaled_dot_product_attention_vjp(
     dropout_p: float = 0.0,
     dropout_mask: Any = None,
     sinks: Any = None,
+    chunk_size: int | None = None,
+    alibi_slopes: Any = None,
+    segment_ids: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
 ) -> tuple[jax.Array | None, ...]:
     """Gradients of ``scaled_dot_product_attention`` with respect to its array inputs.
 
@@ -51,6 +56,9 @@ def scaled_dot_product_attention_vjp(
       grad_output: ``(..., heads, q_len, v_dim)``, the gradient of a loss with respect to the
         output.
       sinks: ``(heads,)`` sink logits, or None.
+      chunk_size, alibi_slopes, segment_ids, score_mod, mask_mod: as in
+        ``scaled_dot_product_attention`` (``jax.vjp`` runs through ``score_mod``; the slopes
+        get no gradient).
 
     Returns:
       ``(grad_query, grad_key, grad_value, grad_bias)`` with the shapes and dtype of query, key,
@@ -64,16 +72,20 @@ def scaled_dot_product_attention_vjp(
         mask=_describe(fn, "mask", mask), bias=_describe(fn, "bias", bias), is_causal=is_causal,
         causal_alignment=causal_alignment, window=window, scale=scale, softcap=softcap,
         dropout_p=dropout_p, dropout_mask=_describe(fn, "dropout_mask", dropout_mask),
-        sinks=_describe(fn, "sinks", sinks),
+        sinks=_describe(fn, "sinks", sinks), chunk_size=chunk_size,
+        alibi_slopes=_describe(fn, "alibi_slopes", alibi_slopes),
+        segment_ids=_describe_segments(fn, segment_ids), score_mod=score_mod, mask_mod=mask_mod,
     )  # every rule of the spec, once
     query, key, value, grad_output = _array(query), _array(key), _array(value), _array(grad_output)
     mask, dropout_mask = _array(mask), _array(dropout_mask)
+    mods = _mods(fn, args, query.shape, key.shape, alibi_slopes, _segments(segment_ids))
     primals = {"bias": _array(bias), "sinks": _array(sinks)}
     given = {name: x for name, x in primals.items() if x is not None}
 
     def attend(q: jax.Array, k: jax.Array, v: jax.Array, extra: dict) -> jax.Array:
         arrays = {**primals, **extra}  # validated above
-        return pipeline(q, k, v, mask, arrays["bias"], dropout_mask, None, args, arrays["sinks"])
+        return pipeline(q, k, v, mask, arrays["bias"], dropout_mask, None, args, arrays["sinks"],
+                        mods)
 
     # jax.vjp differentiates the forward pass; bias and sinks join the primals only when given.
     _, pullback = jax.vjp(attend, query, key, value, given)

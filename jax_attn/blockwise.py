@@ -44,9 +44,16 @@ from ._core import (
     _array,
     _describe,
     _describe_lengths,
+    _describe_segments,
     _groups,
     _in_band,
     _matmul_grouped,
+    _Mods,
+    _mods,
+    _mods_allowed,
+    _mods_scores,
+    _mods_statuses,
+    _segments,
     _softcap,
     _sum_groups,
     _sum_to_shape,
@@ -79,6 +86,11 @@ def blockwise_attention(
     block_kv: int = DEFAULT_BLOCK_KV,
     sinks: Any = None,
     return_lse: bool = False,
+    chunk_size: int | None = None,
+    alibi_slopes: Any = None,
+    segment_ids: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Scaled dot-product attention in ``(block_q, block_kv)`` tiles, with the online softmax.
 
@@ -104,6 +116,10 @@ def blockwise_attention(
       sinks: ``(heads,)`` sink logits, joined to each row's denominator after the last tile
         (autodiff, beyond the tiles' custom VJP); may be traced.
       return_lse: also return each row's log-sum-exp (static).
+      chunk_size, alibi_slopes, segment_ids, score_mod, mask_mod: as in
+        ``scaled_dot_product_attention``, per tile; the tiles that chunks, segment ids or
+        ``mask_mod`` mask entirely are left out of the scan where that is known at trace time
+        (segment ids: when concrete; ``spec.TILE_SKIPPING``).
 
     Returns:
       ``(..., heads, q_len, v_dim)`` in the input dtype (fully masked rows give 0), and with
@@ -111,11 +127,14 @@ def blockwise_attention(
     """
     fn = "blockwise_attention"
     args = _arguments(fn, query, key, value, None, bias, kv_lengths, is_causal, causal_alignment,
-                      window, scale, softcap, block_q, block_kv, sinks,
-                      return_lse)  # every rule of the spec, once
+                      window, scale, softcap, block_q, block_kv, sinks, return_lse,
+                      (chunk_size, alibi_slopes, segment_ids, score_mod,
+                       mask_mod))  # every rule of the spec, once
     query, key, value, bias = _array(query), _array(key), _array(value), _array(bias)
-    bias, kv_lengths, cfg = _prepare(fn, query, key, bias, kv_lengths, args)
-    output, lse = _attend(cfg, query, key, value, bias, kv_lengths, _array(sinks))
+    mods = _mods(fn, args, query.shape, key.shape, alibi_slopes, _segments(segment_ids))
+    bias, kv_lengths, cfg = _prepare(fn, query, key, bias, kv_lengths, args, mods)
+    output, lse = _attend(cfg, query, key, value, bias, kv_lengths, _array(sinks),
+                          None if mods is None else mods.arrays)
     return (output, lse[..., 0]) if args.return_lse else output
 
 
@@ -135,6 +154,11 @@ def blockwise_attention_vjp(
     block_q: int = DEFAULT_BLOCK_Q,
     block_kv: int = DEFAULT_BLOCK_KV,
     sinks: Any = None,
+    chunk_size: int | None = None,
+    alibi_slopes: Any = None,
+    segment_ids: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
 ) -> tuple[jax.Array | None, ...]:
     """Gradients of ``blockwise_attention``, tile by tile, from the saved log-sum-exp.
 
@@ -147,7 +171,8 @@ def blockwise_attention_vjp(
       value: ``(..., kv_heads, kv_len, v_dim)``.
       grad_output: ``(..., heads, q_len, v_dim)``.
       bias, kv_lengths, is_causal, causal_alignment, window, scale, softcap, block_q,
-        block_kv, sinks: as in ``blockwise_attention``.
+        block_kv, sinks, chunk_size, alibi_slopes, segment_ids, score_mod, mask_mod: as in
+        ``blockwise_attention``.
 
     Returns:
       ``(grad_query, grad_key, grad_value, grad_bias)`` shaped like query, key, value and bias
@@ -156,10 +181,13 @@ def blockwise_attention_vjp(
     """
     fn = "blockwise_attention_vjp"
     args = _arguments(fn, query, key, value, grad_output, bias, kv_lengths, is_causal,
-                      causal_alignment, window, scale, softcap, block_q, block_kv, sinks, False)
+                      causal_alignment, window, scale, softcap, block_q, block_kv, sinks, False,
+                      (chunk_size, alibi_slopes, segment_ids, score_mod, mask_mod))
     query, key, value, bias = _array(query), _array(key), _array(value), _array(bias)
     grad_output, bias_shape = _array(grad_output), None if bias is None else bias.shape
-    bias, kv_lengths, cfg = _prepare(fn, query, key, bias, kv_lengths, args)
+    mods = _mods(fn, args, query.shape, key.shape, alibi_slopes, _segments(segment_ids))
+    mod_arrays = None if mods is None else mods.arrays
+    bias, kv_lengths, cfg = _prepare(fn, query, key, bias, kv_lengths, args, mods)
     # jax.vjp through the custom_vjp (a second scan); bias and sinks join the primals only
     # when given.
     primals = {"bias": bias, "sinks": _array(sinks)}
@@ -167,7 +195,7 @@ def blockwise_attention_vjp(
 
     def attend(q: jax.Array, k: jax.Array, v: jax.Array, extra: dict) -> jax.Array:
         arrays = {**primals, **extra}
-        return _attend(cfg, q, k, v, arrays["bias"], kv_lengths, arrays["sinks"])[0]
+        return _attend(cfg, q, k, v, arrays["bias"], kv_lengths, arrays["sinks"], mod_arrays)[0]
 
     _, pullback = jax.vjp(attend, query, key, value, given)
     grad_q, grad_k, grad_v, grads = pullback(grad_output)
@@ -214,6 +242,7 @@ def forward_tiles(
     bias: jax.Array | None,
     kv_lengths: jax.Array | None,
     cfg: TileConfig,
+    mod_arrays: tuple | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The forward scan over ``cfg.starts`` on validated arrays (the engine of
     ``blockwise_attention`` and of ``context_parallel``'s per-pair attention).
@@ -225,11 +254,13 @@ def forward_tiles(
       kv_lengths: None or ``(batch...)`` ints: key ``j`` of a sequence is allowed iff
         ``j < kv_lengths``.
       cfg: the static plan (``TileConfig``).
+      mod_arrays: ``_Mods.arrays`` (ALiBi slopes, segment ids) of ``cfg.mods``, or None.
 
     Returns:
       ``output (..., heads, q_len, v_dim)`` and ``lse (..., heads, q_len, 1)`` in the compute
       dtype; ``lse`` is ``+inf`` on fully masked rows, so ``exp(s - lse)`` is 0 there.
     """
+    mods = _tile_mods(cfg, query.shape, key.shape, mod_arrays)
     q, k, v, bias = _pad_inputs(query, key, value, bias, cfg)
     q = q * cfg.scale  # (..., heads, q_pad, head_dim)
     groups = _groups(q.shape, k.shape)
@@ -245,7 +276,7 @@ def forward_tiles(
         q_start, kv_start = starts[0], starts[1]
         scores = _tile_scores(_slice(q, q_start, cfg.block_q, -2),
                               _slice(k, kv_start, cfg.block_kv, -2), groups, cfg.softcap)
-        scores = _mask_tile(scores, bias, kv_lengths, q_start, kv_start, cfg)
+        scores = _mask_tile(scores, bias, kv_lengths, q_start, kv_start, cfg, mods)
         row_max = _slice(all_max, q_start, cfg.block_q, -2)  # (..., heads, bq, 1)
         new_max = jnp.maximum(row_max, scores.max(axis=-1, keepdims=True))
         shift = jnp.where(new_max == NEG_INF, 0.0, new_max)  # no -inf - -inf
@@ -261,7 +292,8 @@ def forward_tiles(
     if cfg.starts:
         carry, _ = jax.lax.scan(tile, carry, jnp.asarray(cfg.starts, dtype=jnp.int32))
     row_max, row_sum, acc = carry
-    kept = row_sum > 0  # (..., heads, q_pad, 1); False: a fully masked row
+    kept = row_sum != 0  # (..., heads, q_pad, 1); False: a fully masked row; NaN
+    # rows stay NaN, their lse too (NON_FINITE), never -inf: a merge must not drop them
     safe_sum = jnp.where(kept, row_sum, 1.0)
     output = acc / safe_sum  # 0 / 1 = 0 on fully masked rows
     lse = jnp.where(kept, row_max + jnp.log(safe_sum), jnp.inf)
@@ -279,6 +311,7 @@ def backward_tiles(
     lse: jax.Array,
     grad_output: jax.Array,
     grad_lse: jax.Array | None = None,
+    mod_arrays: tuple | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """FlashAttention's backward per tile (numpy_attn's ``backward.py`` derives it for the whole
     matrix): the VJP of ``forward_tiles``.
@@ -288,12 +321,14 @@ def backward_tiles(
       output: ``(..., heads, q_len, v_dim)`` and lse: ``(..., heads, q_len, 1)`` from
         ``forward_tiles``; grad_output: ``(..., heads, q_len, v_dim)``; grad_lse: the lse's
         cotangent ``(..., heads, q_len, 1)`` or None (``dS = P ⊙ (dP - rowsum(dO ⊙ O) +
-        dlse)``).
+        dlse)``); mod_arrays: as in ``forward_tiles`` (``jax.vjp`` of the tile's bias, ALiBi,
+        ``score_mod`` and masking carries ``dS`` back through ``score_mod``).
 
     Returns:
       ``(grad_query, grad_key, grad_value, grad_bias)`` in the compute dtype, shaped like query,
       key, value and the full-rank bias (None without one).
     """
+    mods = _tile_mods(cfg, query.shape, key.shape, mod_arrays)
     q, k, v, padded_bias = _pad_inputs(query, key, value, bias, cfg)  # q unscaled
     q_pad = q.shape[-2]
     d_out = _pad(_to_compute(grad_output), q_pad, -2)  # (..., heads, q_pad, v_dim); 0 if padded
@@ -315,7 +350,12 @@ def backward_tiles(
         d_out_tile = _slice(d_out, q_start, cfg.block_q, -2)  # (..., heads, bq, v_dim)
         capped = _tile_scores(_slice(q_scaled, q_start, cfg.block_q, -2), k_tile, groups,
                               cfg.softcap)  # S1
-        scores = _mask_tile(capped, padded_bias, kv_lengths, q_start, kv_start, cfg)
+        through_mod = None  # score_mod's pullback: dS back to the scores before it
+        if mods is not None and mods.score_mod is not None:
+            scores, through_mod = jax.vjp(lambda s: _mask_tile(
+                s, padded_bias, kv_lengths, q_start, kv_start, cfg, mods), capped)
+        else:
+            scores = _mask_tile(capped, padded_bias, kv_lengths, q_start, kv_start, cfg, mods)
         p = jnp.exp(scores - _slice(lse, q_start, cfg.block_q, -2))  # P, recomputed
         # dV = Pᵀ dO
         grad_v = _add_at(grad_v, _sum_groups(
@@ -325,6 +365,8 @@ def backward_tiles(
         grad_p = _matmul_grouped(d_out_tile, jnp.swapaxes(v_tile, -1, -2), groups)
         # dS = P ⊙ (dP - rowsum(dO ⊙ O))
         grad_s = p * (grad_p - _slice(row_dot, q_start, cfg.block_q, -2))
+        if through_mod is not None:  # d score_mod / d score, by autodiff of the tile
+            grad_s = through_mod(grad_s)[0]
         if grad_bias is not None:
             grad_bias = _add_bias_tile(grad_bias, grad_s, q_start, kv_start)
         if cfg.softcap is not None:  # tanh': 1 - (S1 / c)²
@@ -348,43 +390,45 @@ def backward_tiles(
 
 def _attend(cfg: TileConfig, query: jax.Array, key: jax.Array, value: jax.Array,
             bias: jax.Array | None, kv_lengths: jax.Array | None,
-            sinks: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+            sinks: jax.Array | None, mod_arrays: tuple | None = None
+            ) -> tuple[jax.Array, jax.Array]:
     """The tiles (``_blockwise``), then the sinks joined once (``_core._with_sinks``): the
     output in the input dtype and the lse ``(..., heads, q_len, 1)`` in the compute dtype."""
-    output, lse = _blockwise(cfg, query, key, value, bias, kv_lengths)
+    output, lse = _blockwise(cfg, query, key, value, bias, kv_lengths, mod_arrays)
     output, lse = _with_sinks(output, lse, sinks)
     return output.astype(query.dtype), lse
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _blockwise(cfg: TileConfig, query: jax.Array, key: jax.Array, value: jax.Array,
-               bias: jax.Array | None, kv_lengths: jax.Array | None
+               bias: jax.Array | None, kv_lengths: jax.Array | None, mod_arrays: tuple | None
                ) -> tuple[jax.Array, jax.Array]:
     """jax only: the forward scan, with ``_blockwise_bwd`` as its VJP: the output in the
     compute dtype and the lse ``(..., heads, q_len, 1)`` (``-inf``: no key), both
-    differentiable."""
-    output, lse = forward_tiles(query, key, value, bias, kv_lengths, cfg)
+    differentiable (the slopes and ids of ``mod_arrays`` are not)."""
+    output, lse = forward_tiles(query, key, value, bias, kv_lengths, cfg, mod_arrays)
     return output, jnp.where(lse == jnp.inf, NEG_INF, lse)
 
 
 def _blockwise_fwd(cfg: TileConfig, query: jax.Array, key: jax.Array, value: jax.Array,
-                   bias: jax.Array | None, kv_lengths: jax.Array | None) -> tuple:
-    output, lse = forward_tiles(query, key, value, bias, kv_lengths, cfg)
+                   bias: jax.Array | None, kv_lengths: jax.Array | None,
+                   mod_arrays: tuple | None) -> tuple:
+    output, lse = forward_tiles(query, key, value, bias, kv_lengths, cfg, mod_arrays)
     public = jnp.where(lse == jnp.inf, NEG_INF, lse)
-    return (output, public), (query, key, value, bias, kv_lengths, output, lse)
+    return (output, public), (query, key, value, bias, kv_lengths, mod_arrays, output, lse)
 
 
 def _blockwise_bwd(cfg: TileConfig, residuals: tuple,
                    cotangents: tuple[jax.Array, jax.Array]) -> tuple:
-    query, key, value, bias, kv_lengths, output, lse = residuals
+    query, key, value, bias, kv_lengths, mod_arrays, output, lse = residuals
     grad_output, grad_lse = cotangents
     grad_q, grad_k, grad_v, grad_bias = backward_tiles(
-        query, key, value, bias, kv_lengths, cfg, output, lse, grad_output, grad_lse
+        query, key, value, bias, kv_lengths, cfg, output, lse, grad_output, grad_lse, mod_arrays
     )
     grad_bias = None if grad_bias is None else grad_bias.astype(bias.dtype)
-    # kv_lengths holds ints: no cotangent (None)
+    # kv_lengths and the ids hold ints, the slopes are constants: no cotangent (None)
     return grad_q.astype(query.dtype), grad_k.astype(key.dtype), grad_v.astype(value.dtype), \
-        grad_bias, None
+        grad_bias, None, None
 
 
 _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
@@ -398,9 +442,11 @@ _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
 def _arguments(
     fn: str, query: Any, key: Any, value: Any, grad_output: Any, bias: Any, kv_lengths: Any,
     is_causal: Any, causal_alignment: Any, window: Any, scale: Any, softcap: Any, block_q: Any,
-    block_kv: Any, sinks: Any, return_lse: Any,
+    block_kv: Any, sinks: Any, return_lse: Any, extra: tuple = (None,) * 5,
 ) -> rules.Arguments:
-    """``rules.attention_arguments`` for the forward pass (``grad_output`` None) and the VJP."""
+    """``rules.attention_arguments`` for the forward pass (``grad_output`` None) and the VJP;
+    ``extra``: ``(chunk_size, alibi_slopes, segment_ids, score_mod, mask_mod)`` as given."""
+    chunk_size, alibi_slopes, segment_ids, score_mod, mask_mod = extra
     return rules.attention_arguments(
         fn, _describe(fn, "query", query), _describe(fn, "key", key),
         _describe(fn, "value", value),
@@ -408,7 +454,9 @@ def _arguments(
         bias=_describe(fn, "bias", bias), is_causal=is_causal, causal_alignment=causal_alignment,
         window=window, scale=scale, softcap=softcap, kv_lengths=_describe_lengths(kv_lengths),
         block_q=block_q, block_kv=block_kv, sinks=_describe(fn, "sinks", sinks),
-        return_lse=return_lse,
+        return_lse=return_lse, chunk_size=chunk_size,
+        alibi_slopes=_describe(fn, "alibi_slopes", alibi_slopes),
+        segment_ids=_describe_segments(fn, segment_ids), score_mod=score_mod, mask_mod=mask_mod,
     )
 
 
@@ -426,14 +474,30 @@ class TileConfig(NamedTuple):
     hi: float
     scale: float
     softcap: float | None
+    mods: tuple | None = None  # (fn, args) of the call's _Mods (its arrays travel apart)
+
+
+def _tile_mods(cfg: TileConfig, q_shape: tuple, k_shape: tuple, mod_arrays: tuple | None
+               ) -> _Mods | None:
+    """The call's ``_Mods`` rebuilt from ``cfg.mods`` and its arrays, the segment ids padded
+    like the queries and keys (so every tile's slice lies inside them)."""
+    if cfg.mods is None:
+        return None
+    alibi, q_ids, kv_ids = mod_arrays
+    mods = _mods(*cfg.mods, q_shape, k_shape, alibi, None if q_ids is None else (q_ids, kv_ids))
+    if q_ids is None:
+        return mods
+    q_pad, kv_pad = _padded(cfg)
+    return mods._replace(q_ids=_pad(mods.q_ids, q_pad, -1), kv_ids=_pad(mods.kv_ids, kv_pad, -1))
 
 
 def _prepare(
     fn: str, query: jax.Array, key: jax.Array, bias: jax.Array | None, kv_lengths: Any,
-    args: rules.Arguments,
+    args: rules.Arguments, mods: _Mods | None = None,
 ) -> tuple:
     """The full-rank bias, the checked ``kv_lengths`` and the static configuration: the tiles
-    to compute (jax: every one of them in one scan) with their band."""
+    to compute (jax: every one of them in one scan) with their band, without those ``mods``
+    mask entirely (where known at trace time)."""
     q_len, kv_len = query.shape[-2], key.shape[-2]
     if kv_lengths is not None:  # the range needs the values: checked here when concrete
         kv_lengths = jnp.asarray(kv_lengths)
@@ -446,7 +510,11 @@ def _prepare(
     plan = rules.plan(q_len, kv_len, block_q, block_kv, lo, hi)  # jax: less padding above
     # jax: kv_lengths may be traced, so key blocks past every length are masked, not skipped
     starts = tuple((q_start, kv_start) for q_start, _, blocks in plan for kv_start, _, _ in blocks)
-    cfg = TileConfig(q_len, kv_len, block_q, block_kv, starts, lo, hi, args.scale, args.softcap)
+    if mods is not None and mods.masks:  # tiles chunks, segment ids or mask_mod empty: left out
+        statuses = _mods_statuses(mods, q_len, kv_len, block_q, block_kv, lo, hi)
+        starts = tuple((a, b) for a, b in starts if statuses[a // block_q, b // block_kv])
+    cfg = TileConfig(q_len, kv_len, block_q, block_kv, starts, lo, hi, args.scale, args.softcap,
+                     None if mods is None else (fn, args))
     return bias, kv_lengths, cfg
 
 
@@ -508,13 +576,19 @@ def _mask_tile(
     q_start: Any,
     kv_start: Any,
     cfg: TileConfig,
+    mods: _Mods | None = None,
 ) -> jax.Array:
-    """Add the bias tile, then ``-inf`` where the band, ``kv_lengths`` or padding forbid."""
+    """Add the bias tile (and ALiBi, then ``score_mod``), then ``-inf`` where the band,
+    ``kv_lengths``, padding or ``mods``' rules forbid."""
     if bias is not None:
         scores = scores + _bias_tile(bias, q_start, kv_start, cfg).astype(scores.dtype)
+    scores = _mods_scores(scores, mods, q_start, kv_start)
     key_pos = kv_start + jnp.arange(cfg.block_kv)  # (bk,)
     allowed = key_pos[None, :] < cfg.kv_len  # padded keys; jax: one body for every tile
     allowed &= _in_band(q_start, cfg.block_q, kv_start, cfg.block_kv, cfg.lo, cfg.hi)  # (bq, bk)
+    extra = _mods_allowed(mods, q_start, cfg.block_q, kv_start, cfg.block_kv)
+    if extra is not None:
+        allowed = allowed & extra
     if kv_lengths is not None:  # (batch..., 1, 1, bk): key j < kv_lengths[b]
         lengths = kv_lengths.reshape(kv_lengths.shape + (1,) * (scores.ndim - kv_lengths.ndim))
         allowed = allowed & (key_pos < lengths)

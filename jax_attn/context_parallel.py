@@ -26,7 +26,8 @@ algorithm with the ranks simulated in a loop):
 JAX: the device index ``lax.axis_index`` is traced, so a chunk's global position is looked up
 in a static table and a pair of chunks that the causal rule or the window masks entirely is
 skipped by ``lax.cond`` (every device runs one program). Any mesh works: CPU devices
-(``jax_num_cpu_devices``), GPUs or TPUs.
+(``jax_num_cpu_devices``), GPUs or TPUs. The steps are made of ``context_blocks.py``'s pairs
+and messages; memory per device: ``docs/context_parallel.md``, "Memory per device".
 """
 
 from __future__ import annotations
@@ -42,14 +43,8 @@ from jax.sharding import PartitionSpec
 import attention_rules as rules
 from attention_rules import context_parallel as cp
 
-from ._core import _array, _describe, _describe_lengths, _merge_partials, _to_compute
-from .blockwise import (
-    DEFAULT_BLOCK_KV,
-    DEFAULT_BLOCK_Q,
-    TileConfig,
-    backward_tiles,
-    forward_tiles,
-)
+from . import context_blocks as blocks
+from ._core import _array, _describe, _describe_lengths, _to_compute
 
 # ------------------------------------------------------------------------------------------
 # Public functions
@@ -180,122 +175,8 @@ def _arguments(
 
 
 # ------------------------------------------------------------------------------------------
-# The per-block math: blockwise.py's tiles on a pair of chunks (merged by _merge_partials)
+# jax only: the device's chunks (traced), the natural order, an order XLA keeps
 # ------------------------------------------------------------------------------------------
-
-
-def _pair_band(q_start: Any, kv_start: Any, sched: cp.Schedule) -> tuple[Any, Any]:
-    """The band ``lo <= j - i <= hi`` in the chunks' own indices (``i``, ``j`` from 0); jax:
-    traced when the starts are."""
-    shift = kv_start - q_start
-    return sched.lo - shift, sched.hi - shift
-
-
-def _pair_config(q_len: int, kv_len: int, lo: Any, hi: Any, args: rules.Arguments) -> TileConfig:
-    """jax only: ``blockwise.py``'s static configuration for one pair; with a traced band every
-    tile is visited (the band masks them), with a static one only the tiles it keeps."""
-    block_q, block_kv = min(DEFAULT_BLOCK_Q, q_len), min(DEFAULT_BLOCK_KV, kv_len)
-    if isinstance(lo, jax.core.Tracer) or isinstance(hi, jax.core.Tracer):
-        lo_plan, hi_plan = -np.inf, np.inf
-    else:
-        lo_plan, hi_plan = lo, hi
-    tiles = rules.plan(q_len, kv_len, block_q, block_kv, lo_plan, hi_plan)
-    starts = tuple((q_start, kv_start) for q_start, _, blocks in tiles
-                   for kv_start, _, _ in blocks)
-    return TileConfig(q_len, kv_len, block_q, block_kv, starts, lo, hi, args.scale, args.softcap)
-
-
-def _attend_pair(
-    q: jax.Array, k: jax.Array, v: jax.Array, kv_lengths: jax.Array | None, q_start: Any,
-    kv_start: Any, needed: Any, sched: cp.Schedule, args: rules.Arguments,
-) -> tuple[jax.Array, jax.Array] | None:
-    """``(output, lse)`` of one query chunk against one key chunk (global starts given), lse
-    ``-inf`` on rows with no allowed key; None when the band leaves the pair nothing. jax:
-    ``needed`` may be traced, then ``lax.cond`` skips the work on the devices that need none."""
-    if needed is False:
-        return None  # never computed, on any device
-    lo, hi = _pair_band(q_start, kv_start, sched)
-    cfg = _pair_config(q.shape[-2], k.shape[-2], lo, hi, args)
-    lengths = None if kv_lengths is None else kv_lengths - kv_start  # in the chunk's indices
-
-    def compute() -> tuple[jax.Array, jax.Array]:
-        output, lse = forward_tiles(q, k, v, None, lengths, cfg)
-        return output, jnp.where(lse == jnp.inf, -jnp.inf, lse)  # blockwise: +inf on empty
-
-    if needed is True:
-        return compute()
-    rows = q.shape[:-1]
-    dtype = _to_compute(q).dtype
-    return jax.lax.cond(needed, compute, lambda: (
-        jnp.zeros(rows + v.shape[-1:], dtype), jnp.full(rows + (1,), -jnp.inf, dtype)))
-
-def _attend(
-    q: jax.Array, k: jax.Array, v: jax.Array, kv_lengths: jax.Array | None, q_starts: list,
-    kv_starts: list, needed: list, sched: cp.Schedule, args: rules.Arguments,
-) -> tuple[jax.Array, jax.Array]:
-    """``(output, lse)`` of the query chunks starting at ``q_starts`` (concatenated in ``q``)
-    against the key chunks at ``kv_starts`` (in ``k`` and ``v``); lse ``-inf`` on rows with no
-    key. jax: starts and ``needed[i][j]`` may be traced (the device's own chunks)."""
-    q_size, kv_size = q.shape[-2] // len(q_starts), k.shape[-2] // len(kv_starts)
-    q_c = _to_compute(q)
-    outputs, lses = [], []
-    for i, q_start in enumerate(q_starts):
-        q_part = q_c[..., i * q_size:(i + 1) * q_size, :]  # (batch, heads, chunk, head_dim)
-        out = jnp.zeros(q_part.shape[:-1] + v.shape[-1:], q_c.dtype)  # no key yet
-        lse = jnp.full(q_part.shape[:-1] + (1,), -jnp.inf, q_c.dtype)
-        for j, kv_start in enumerate(kv_starts):
-            cols = slice(j * kv_size, (j + 1) * kv_size)
-            part = _attend_pair(q_part, k[..., cols, :], v[..., cols, :], kv_lengths, q_start,
-                                kv_start, needed[i][j], sched, args)
-            if part is not None:
-                out, lse = _merge_partials(out, lse, *part)
-        outputs.append(out)
-        lses.append(lse)
-    return jnp.concatenate(outputs, axis=-2), jnp.concatenate(lses, axis=-2)
-
-
-def _attend_backward(
-    q: jax.Array, k: jax.Array, v: jax.Array, kv_lengths: jax.Array | None, output: jax.Array,
-    lse: jax.Array, grad_output: jax.Array, q_starts: list, kv_starts: list, needed: list,
-    sched: cp.Schedule, args: rules.Arguments,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Contributions of the key chunks at ``kv_starts`` to ``(grad_q, grad_k, grad_v)``, from
-    the final ``output`` and ``lse`` (``+inf`` on fully masked rows) of the query chunks."""
-    q_size, kv_size = q.shape[-2] // len(q_starts), k.shape[-2] // len(kv_starts)
-    dtype = output.dtype  # the compute dtype
-    grad_q = jnp.zeros(q.shape, dtype)
-    grad_k, grad_v = jnp.zeros(k.shape, dtype), jnp.zeros(v.shape, dtype)
-    for i, q_start in enumerate(q_starts):
-        rows = slice(i * q_size, (i + 1) * q_size)
-        for j, kv_start in enumerate(kv_starts):
-            if needed[i][j] is False:
-                continue  # never computed
-            cols = slice(j * kv_size, (j + 1) * kv_size)
-            lo, hi = _pair_band(q_start, kv_start, sched)
-            cfg = _pair_config(q_size, kv_size, lo, hi, args)
-            lengths = None if kv_lengths is None else kv_lengths - kv_start
-            pair = (q[..., rows, :], k[..., cols, :], v[..., cols, :])
-
-            def compute(pair: tuple = pair, lengths: Any = lengths, cfg: TileConfig = cfg,
-                        rows: slice = rows) -> tuple:
-                dq, dk, dv, _ = backward_tiles(*pair, None, lengths, cfg, output[..., rows, :],
-                                          lse[..., rows, :], grad_output[..., rows, :])
-                return dq, dk, dv
-
-            if needed[i][j] is True:
-                dq, dk, dv = compute()
-            else:  # jax: skipped on the devices that need none
-                zeros = tuple(jnp.zeros(x.shape, dtype) for x in pair)
-                dq, dk, dv = jax.lax.cond(needed[i][j], compute, lambda zeros=zeros: zeros)
-            grad_q = grad_q.at[..., rows, :].add(dq)
-            grad_k = grad_k.at[..., cols, :].add(dk)
-            grad_v = grad_v.at[..., cols, :].add(dv)
-    return grad_q, grad_k, grad_v
-
-
-def _finish(lse: jax.Array) -> jax.Array:
-    """The saved log-sum-exp as ``blockwise.py``'s backward wants it: ``+inf`` on empty rows."""
-    return jnp.where(lse == -jnp.inf, jnp.inf, lse)
 
 
 def _chunks(sched: cp.Schedule, rank: Any, step: Any) -> tuple:
@@ -332,6 +213,17 @@ def _natural(x: jax.Array, seq_len: int, sched: cp.Schedule, to_layout: bool = F
     return jnp.take(x, jnp.asarray(index), axis=x.ndim - 2)
 
 
+def _after(value: jax.Array, make: Any) -> Any:
+    """jax only: ``make()``, computed once ``value`` exists. XLA:CPU's scheduler may build a
+    buffer that depends on nothing (zeroed gradients, copies of the inputs) long before it is
+    needed, and keep it alive meanwhile; it drops ``optimization_barrier`` before scheduling,
+    but keeps the order of a ``lax.cond`` on a predicate read from ``value`` (both branches
+    ``make``)."""
+    if not value.size:
+        return make()
+    return jax.lax.cond(jnp.isnan(value.ravel()[0]), make, make)
+
+
 # ------------------------------------------------------------------------------------------
 # Strategies: the code every device runs (under shard_map)
 # ------------------------------------------------------------------------------------------
@@ -361,14 +253,14 @@ def _ring_forward(q: jax.Array, k: jax.Array, v: jax.Array, kv_lengths: jax.Arra
 
     def attend(result: tuple, k: jax.Array, v: jax.Array, step: Any) -> tuple:
         q_starts, kv_starts, needed = _chunks(sched, rank, step)
-        part = _attend(q, k, v, kv_lengths, q_starts, kv_starts, needed, sched, args)
-        return _merge_partials(*result, *part)
+        return blocks.attend(q, k, v, kv_lengths, q_starts, kv_starts, needed, sched, args,
+                             result)
 
     def step_and_pass(carry: tuple, step: jax.Array) -> tuple:
         k, v, result = carry
         result = attend(result, k, v, step)
-        k = _ring_shift(k, 1, sched, axis_name)
-        v = _ring_shift(v, 1, sched, axis_name)
+        k = blocks.ring_shift(k, 1, sched, axis_name)
+        v = blocks.ring_shift(v, 1, sched, axis_name)
         return (k, v, result), None
 
     dtype = _to_compute(q).dtype
@@ -378,7 +270,7 @@ def _ring_forward(q: jax.Array, k: jax.Array, v: jax.Array, kv_lengths: jax.Arra
         (k, v, result), _ = jax.lax.scan(step_and_pass, (k, v, result),
                                          jnp.arange(sched.steps - 1))
     output, lse = attend(result, k, v, sched.steps - 1)  # nobody needs the blocks after it
-    return output, (output, _finish(lse))
+    return output, (output, blocks.finish(lse))
 
 
 def _ring_backward(q: jax.Array, k: jax.Array, v: jax.Array, kv_lengths: jax.Array | None,
@@ -391,41 +283,39 @@ def _ring_backward(q: jax.Array, k: jax.Array, v: jax.Array, kv_lengths: jax.Arr
 
     def attend(grads: tuple, k: jax.Array, v: jax.Array, step: Any) -> tuple:
         q_starts, kv_starts, needed = _chunks(sched, rank, step)
-        dq, dk, dv = _attend_backward(q, k, v, kv_lengths, output, lse, d_out, q_starts,
-                                      kv_starts, needed, sched, args)
-        grad_q, grad_k, grad_v = grads
         # the gradient of the block held travels with it
-        return grad_q + dq, grad_k + dk, grad_v + dv
+        return blocks.attend_backward(q, k, v, kv_lengths, output, lse, d_out, q_starts,
+                                      kv_starts, needed, sched, args, grads)
 
     def step_and_pass(carry: tuple, step: jax.Array) -> tuple:
         k, v, grads = carry
         grad_q, grad_k, grad_v = attend(grads, k, v, step)
-        k, v = _ring_shift(k, 1, sched, axis_name), _ring_shift(v, 1, sched, axis_name)
-        grad_k = _ring_shift(grad_k, 1, sched, axis_name)
-        grad_v = _ring_shift(grad_v, 1, sched, axis_name)
+        k, v, grad_k, grad_v = (blocks.ring_shift(x, 1, sched, axis_name)
+                                for x in (k, v, grad_k, grad_v))
         return (k, v, (grad_q, grad_k, grad_v)), None
 
-    grads = (jnp.zeros(q.shape, output.dtype), jnp.zeros(k.shape, output.dtype),
-             jnp.zeros(v.shape, output.dtype))
+    # jax: made once the forward pass is done (it made lse), not kept alive across it
+    k, v, grads = _after(lse, lambda: (k, v, tuple(jnp.zeros(x.shape, output.dtype)
+                                                     for x in (q, k, v))))
     if sched.steps > 1:  # jax: one scan over the steps that pass their block on
         (k, v, grads), _ = jax.lax.scan(step_and_pass, (k, v, grads),
                                         jnp.arange(sched.steps - 1))
     grad_q, grad_k, grad_v = attend(grads, k, v, sched.steps - 1)
     home = -(sched.steps - 1) % sched.world_size  # this device holds r - (steps - 1)'s
     if home:
-        grad_k = _ring_shift(grad_k, home, sched, axis_name)
-        grad_v = _ring_shift(grad_v, home, sched, axis_name)
+        grad_k = blocks.ring_shift(grad_k, home, sched, axis_name)
+        grad_v = blocks.ring_shift(grad_v, home, sched, axis_name)
     return grad_q, grad_k, grad_v
 
 
 def _all_gather_forward(q: jax.Array, k: jax.Array, v: jax.Array, kv_lengths: jax.Array | None,
                         sched: cp.Schedule, args: rules.Arguments, axis_name: str) -> tuple:
     """Gather every key/value block (layout order), then attend to all of them."""
-    k_all = _natural(_all_gather(k, axis_name), sched.kv_len, sched)  # jax: natural order
-    v_all = _natural(_all_gather(v, axis_name), sched.kv_len, sched)
+    k_all = _natural(blocks.all_gather(k, axis_name), sched.kv_len, sched)  # jax: natural order
+    v_all = _natural(blocks.all_gather(v, axis_name), sched.kv_len, sched)
     q_starts, needed = _own_chunks(sched, jax.lax.axis_index(axis_name))
-    output, lse = _attend(q, k_all, v_all, kv_lengths, q_starts, [0], needed, sched, args)
-    return output, (output, _finish(lse))
+    output, lse = blocks.attend(q, k_all, v_all, kv_lengths, q_starts, [0], needed, sched, args)
+    return output, (output, blocks.finish(lse))
 
 
 def _all_gather_backward(q: jax.Array, k: jax.Array, v: jax.Array, kv_lengths: jax.Array | None,
@@ -434,29 +324,31 @@ def _all_gather_backward(q: jax.Array, k: jax.Array, v: jax.Array, kv_lengths: j
     """Gather again (nothing of the whole sequence was kept), then sum each block's
     gradients back to its owner (reduce-scatter)."""
     output, lse = saved
-    k_all = _natural(_all_gather(k, axis_name), sched.kv_len, sched)
-    v_all = _natural(_all_gather(v, axis_name), sched.kv_len, sched)
+    k_all = _natural(blocks.all_gather(k, axis_name), sched.kv_len, sched)
+    v_all = _natural(blocks.all_gather(v, axis_name), sched.kv_len, sched)
     q_starts, needed = _own_chunks(sched, jax.lax.axis_index(axis_name))
-    grad_q, grad_k_all, grad_v_all = _attend_backward(
+    grad_q, grad_k_all, grad_v_all = blocks.attend_backward(
         q, k_all, v_all, kv_lengths, output, lse, _to_compute(grad_output), q_starts, [0],
         needed, sched, args)
     grad_k_all = _natural(grad_k_all, sched.kv_len, sched, to_layout=True)
     grad_v_all = _natural(grad_v_all, sched.kv_len, sched, to_layout=True)
-    return grad_q, _reduce_scatter(grad_k_all, axis_name), _reduce_scatter(grad_v_all, axis_name)
+    return (grad_q, blocks.reduce_scatter(grad_k_all, axis_name),
+            blocks.reduce_scatter(grad_v_all, axis_name))
 
 
 def _ulysses_forward(q: jax.Array, k: jax.Array, v: jax.Array, kv_lengths: jax.Array | None,
                      sched: cp.Schedule, args: rules.Arguments, axis_name: str) -> tuple:
     """All-to-all: 1/N of the heads, the whole sequence (layout order); attend; all-to-all back."""
-    q_h = _all_to_all(q, "heads_to_sequence", axis_name)  # (batch, heads / N, q_len, head_dim)
-    k_h = _all_to_all(k, "heads_to_sequence", axis_name)
-    v_h = _all_to_all(v, "heads_to_sequence", axis_name)
+    q_h = blocks.all_to_all(q, "heads_to_sequence", axis_name)  # (batch, heads / N, q_len, d)
+    k_h = blocks.all_to_all(k, "heads_to_sequence", axis_name)
+    v_h = blocks.all_to_all(v, "heads_to_sequence", axis_name)
     q_h, k_h, v_h = (_natural(x, n, sched) for x, n in
                      ((q_h, sched.q_len), (k_h, sched.kv_len), (v_h, sched.kv_len)))
-    out_h, lse_h = _attend(q_h, k_h, v_h, kv_lengths, [0], [0], [[True]], sched, args)
-    output = _all_to_all(_natural(out_h, sched.q_len, sched, to_layout=True),
-                         "sequence_to_heads", axis_name)
-    return output, (q_h, k_h, v_h, out_h, _finish(lse_h))
+    out_h, lse_h = blocks.attend(q_h, k_h, v_h, kv_lengths, [0], [0], [[True]], sched, args,
+                                 per_head=False)  # jax: 1/N of the heads already
+    output = blocks.all_to_all(_natural(out_h, sched.q_len, sched, to_layout=True),
+                               "sequence_to_heads", axis_name)
+    return output, (q_h, k_h, v_h, out_h, blocks.finish(lse_h))
 
 
 def _ulysses_backward(q: jax.Array, k: jax.Array, v: jax.Array, kv_lengths: jax.Array | None,
@@ -464,13 +356,13 @@ def _ulysses_backward(q: jax.Array, k: jax.Array, v: jax.Array, kv_lengths: jax.
                       args: rules.Arguments, axis_name: str) -> tuple:
     """dO to the head split, the whole-sequence backward, gradients back."""
     q_h, k_h, v_h, out_h, lse_h = saved
-    d_out_h = _all_to_all(_to_compute(grad_output), "heads_to_sequence", axis_name)
+    d_out_h = blocks.all_to_all(_to_compute(grad_output), "heads_to_sequence", axis_name)
     d_out_h = _natural(d_out_h, sched.q_len, sched)
-    grads = _attend_backward(q_h, k_h, v_h, kv_lengths, out_h, lse_h, d_out_h, [0], [0],
-                             [[True]], sched, args)
+    grads = blocks.attend_backward(q_h, k_h, v_h, kv_lengths, out_h, lse_h, d_out_h, [0], [0],
+                                   [[True]], sched, args, per_head=False)
     lengths = (sched.q_len, sched.kv_len, sched.kv_len)
-    return tuple(_all_to_all(_natural(g, n, sched, to_layout=True), "sequence_to_heads",
-                             axis_name) for g, n in zip(grads, lengths, strict=True))
+    return tuple(blocks.all_to_all(_natural(g, n, sched, to_layout=True), "sequence_to_heads",
+                                   axis_name) for g, n in zip(grads, lengths, strict=True))
 
 
 def _own_chunks(sched: cp.Schedule, rank: Any) -> tuple:
@@ -527,34 +419,3 @@ def _sharded(sched: cp.Schedule, args: rules.Arguments, mesh: Any, axis_name: st
     if has_lengths:
         return jax.jit(mapped)
     return jax.jit(lambda q, k, v, lengths: mapped(q, k, v))
-
-
-# ------------------------------------------------------------------------------------------
-# The messages (numpy: lists over ranks; jax: lax collectives; torch: torch.distributed)
-# ------------------------------------------------------------------------------------------
-
-
-def _ring_shift(x: jax.Array, shift: int, sched: cp.Schedule, axis_name: str) -> jax.Array:
-    """Device ``r`` sends ``x`` to ``r + shift`` and receives ``r - shift``'s."""
-    n = sched.world_size
-    return jax.lax.ppermute(x, axis_name, [(r, (r + shift) % n) for r in range(n)])
-
-
-def _all_gather(x: jax.Array, axis_name: str) -> jax.Array:
-    """Every device's shard, concatenated along the sequence axis in device order."""
-    return jax.lax.all_gather(x, axis_name, axis=x.ndim - 2, tiled=True)
-
-
-def _reduce_scatter(x: jax.Array, axis_name: str) -> jax.Array:
-    """Sum the devices' whole-sequence arrays; this device keeps its shard of the sum."""
-    return jax.lax.psum_scatter(x, axis_name, scatter_dimension=x.ndim - 2, tiled=True)
-
-
-def _all_to_all(x: jax.Array, direction: str, axis_name: str) -> jax.Array:
-    """``"heads_to_sequence"``: send head group ``j`` to device ``j`` and receive this
-    device's head group of every device's sequence shard, concatenated in device order;
-    ``"sequence_to_heads"`` undoes it."""
-    heads, seq = x.ndim - 3, x.ndim - 2
-    if direction == "heads_to_sequence":
-        return jax.lax.all_to_all(x, axis_name, split_axis=heads, concat_axis=seq, tiled=True)
-    return jax.lax.all_to_all(x, axis_name, split_axis=seq, concat_axis=heads, tiled=True)

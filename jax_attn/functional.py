@@ -47,12 +47,16 @@ from ._core import (
     _check_scores,
     _describe,
     _describe_parts,
+    _describe_segments,
     _dropout,
     _in_band,
     _mask_scores,
     _merge_attention,
+    _Mods,
+    _mods,
     _output,
     _scores,
+    _segments,
     _softmax,
     _softmax_lse,
     _to_compute,
@@ -225,6 +229,11 @@ def scaled_dot_product_attention(
     return_weights: bool = False,
     sinks: Any = None,
     return_lse: bool = False,
+    chunk_size: int | None = None,
+    alibi_slopes: Any = None,
+    segment_ids: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
 ) -> jax.Array | tuple[jax.Array, ...]:
     """Scaled dot-product attention: ``softmax(mask(q kᵀ · scale + bias)) @ v``.
 
@@ -250,6 +259,16 @@ def scaled_dot_product_attention(
         traced; differentiable.
       return_lse: also return each row's log-sum-exp (natural log, of the denominator used:
         the sink included) (static).
+      chunk_size: chunked local attention: query ``i`` attends key ``j`` only if
+        ``(i + offset) // chunk_size == j // chunk_size`` (``spec.CHUNKED``; static).
+      alibi_slopes: ``(heads,)``: ``-slope_h · |i + offset - j|`` added after the soft-cap
+        (``spec.ALIBI``); may be traced; no gradient reaches it.
+      segment_ids: ints ``(..., seq)``, or a pair ``(..., q_len)`` and ``(..., kv_len)``: only
+        equal ids attend each other (``spec.SEGMENT_IDS``); may be traced.
+      score_mod: ``score_mod(score, batch, head, q_idx, kv_idx) -> score`` on jax arrays, after
+        ALiBi (``spec.SCORE_MOD``; static, hashable; differentiated by autodiff).
+      mask_mod: ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` (``spec.MASK_MOD``; static);
+        the blocked fast path skips the blocks it masks entirely.
 
     Returns:
       ``(..., heads, q_len, v_dim)`` in the input dtype, and, in this order, with
@@ -265,12 +284,15 @@ def scaled_dot_product_attention(
         bias=_describe(fn, "bias", bias), is_causal=is_causal, causal_alignment=causal_alignment,
         window=window, scale=scale, softcap=softcap, dropout_p=dropout_p,
         dropout_mask=_describe(fn, "dropout_mask", dropout_mask), return_weights=return_weights,
-        sinks=_describe(fn, "sinks", sinks), return_lse=return_lse,
+        sinks=_describe(fn, "sinks", sinks), return_lse=return_lse, chunk_size=chunk_size,
+        alibi_slopes=_describe(fn, "alibi_slopes", alibi_slopes),
+        segment_ids=_describe_segments(fn, segment_ids), score_mod=score_mod, mask_mod=mask_mod,
     )  # every rule of the spec, on shapes and dtype names: raises, or normalises the options
     query, key, value = _array(query), _array(key), _array(value)
     mask, bias, dropout_mask = _array(mask), _array(bias), _array(dropout_mask)
     _check_rng(fn, args.dropout_p, dropout_mask, rng)  # jax only: no global random state
-    return pipeline(query, key, value, mask, bias, dropout_mask, rng, args, _array(sinks))
+    mods = _mods(fn, args, query.shape, key.shape, alibi_slopes, _segments(segment_ids))
+    return pipeline(query, key, value, mask, bias, dropout_mask, rng, args, _array(sinks), mods)
 
 
 def merge_attention(
@@ -318,6 +340,7 @@ def pipeline(
     rng: Any,
     args: rules.Arguments,
     sinks: jax.Array | None = None,
+    mods: _Mods | None = None,
 ) -> jax.Array | tuple[jax.Array, ...]:
     """The whole pipeline on validated arrays: a fast path where ``_fast.use_fast_path``
     selects one (it computes the same steps), else the steps of ``_core`` one by one.
@@ -329,6 +352,7 @@ def pipeline(
       rng: a ``jax.random`` key for dropout without a keep-mask (checked by the caller).
       args: the normalised options (``rules.attention_arguments``).
       sinks: ``(heads,)`` sink logits, or None.
+      mods: the chunk rule, ALiBi, segment ids and the mods (``_core._mods``), or None.
 
     Returns:
       ``(..., heads, q_len, v_dim)`` in the input dtype, then with ``args.return_weights`` the
@@ -337,11 +361,12 @@ def pipeline(
     """
     path = _fast.use_fast_path(query, key, value, mask, bias, args)
     if path is not None:  # cuDNN on a GPU, or the same steps blocked over queries on the CPU
-        result = _fast.fast_attention(path, query, key, value, mask, bias, args, sinks)
+        result = _fast.fast_attention(path, query, key, value, mask, bias, args, sinks, mods)
         if result is not None:  # jax: None when cuDNN refused the shapes at trace time
             return result
     scores = _scores(query, key, args.scale, args.softcap)  # (..., heads, q_len, kv_len)
-    scores = _mask_scores(scores, mask, bias, args.is_causal, args.causal_alignment, args.window)
+    scores = _mask_scores(scores, mask, bias, args.is_causal, args.causal_alignment, args.window,
+                          mods)
     lse = None
     if sinks is None and not args.return_lse:
         weights = _softmax(scores)  # (..., heads, q_len, kv_len)

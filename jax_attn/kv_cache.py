@@ -13,6 +13,9 @@ puts NaN in the last positions of both buffers (``lax.dynamic_update_slice`` cla
 so every later attention over the cache gives NaN, and the write starts at the true, out of
 bounds, position, which ``jax.experimental.checkify`` reports as an error when the step is
 wrapped in ``checkify.checkify(step, errors=checkify.index_checks)``.
+
+A modules' decoding step over a long buffer runs split-KV (``paged.split_kv_attention``), and
+one over a ``PagedKVCache`` runs ``paged_attention`` (``spec.SPLIT_DECODING``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import attention_rules as rules
 
 from ._core import _check_device, _place
 from .functional import scaled_dot_product_attention
+from .paged import PagedKVCache, split_kv_attention
 
 
 def _dtype(dtype: Any) -> jnp.dtype:
@@ -134,13 +138,23 @@ def decode_step(
     query: jax.Array,
     key: jax.Array,
     value: jax.Array,
-    cache: KVCache | None,
+    cache: KVCache | PagedKVCache | None,
     max_len: int | None,
-) -> tuple[jax.Array, KVCache]:
+    sinks: Any = None,
+) -> tuple[jax.Array, KVCache | PagedKVCache]:
     """One decoding step of a module: append ``key``/``value`` ``(..., kv_heads, n, dim)`` to
     the cache (a new one of ``max_len`` positions when None), then attend
     ``query (..., heads, n, head_dim)`` over every cached position with the bottom-right causal
-    rule: ``(..., heads, n, v_dim)``."""
+    rule: ``(..., heads, n, v_dim)``. ``sinks``: ``(heads,)`` sink logits (a module's
+    learned sinks), or None.
+
+    A long buffer is attended in chunks merged by their log-sum-exp (``spec.SPLIT_DECODING``,
+    ``rules.split_chunk`` of ``max_len``: static); a ``PagedKVCache`` (outside jit: its
+    bookkeeping is Python) holds sequences ``0..batch-1`` of the one batch axis and is attended
+    by ``paged_attention``."""
+    if isinstance(cache, PagedKVCache):
+        cache = cache.append(key, value)
+        return cache.attend(query.astype(cache.key_pages.dtype), sinks=sinks), cache
     if cache is None:
         max_len = key.shape[-2] if max_len is None else max_len
         cache = KVCache.empty(key.shape[:-3], key.shape[-3], max_len, key.shape[-1],
@@ -149,7 +163,13 @@ def decode_step(
     cache = cache.append(key, value)
     query = query.astype(cache.key_buffer.dtype)
     n = query.shape[-2]
+    chunk = rules.split_chunk(n, cache.max_len)
+    if chunk is not None:  # few query rows over a long buffer: chunks as one batch
+        sinks = None if sinks is None else jnp.asarray(sinks)
+        return split_kv_attention(query, cache.key_buffer, cache.value_buffer, chunk,
+                                  sinks=sinks, length=cache.length)[0], cache
     # bottom-right causal over the filled part: key j <= start + i (later slots are not filled)
     mask = jnp.arange(cache.max_len)[None, :] <= start + jnp.arange(n)[:, None]  # (n, max_len)
-    context = scaled_dot_product_attention(query, cache.key_buffer, cache.value_buffer, mask=mask)
+    context = scaled_dot_product_attention(query, cache.key_buffer, cache.value_buffer, mask=mask,
+                                           sinks=sinks)
     return context, cache

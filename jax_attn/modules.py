@@ -143,9 +143,8 @@ class SelfAttention(_Module):
     def __init__(self, d_in: int, d_out_kq: int, d_out_v: int, *, rng: Any = None) -> None:
         rng_q, rng_k, rng_v = _rng("SelfAttention", rng, 3)
         self._set(d_out_kq=d_out_kq)
-        self._set(W_query=_uniform(rng_q, (d_in, d_out_kq)))
-        self._set(W_key=_uniform(rng_k, (d_in, d_out_kq)))
-        self._set(W_value=_uniform(rng_v, (d_in, d_out_v)))
+        self._set(W_query=_uniform(rng_q, (d_in, d_out_kq)),
+                  W_key=_uniform(rng_k, (d_in, d_out_kq)), W_value=_uniform(rng_v, (d_in, d_out_v)))
 
     def forward(self, x: Any) -> jax.Array:
         """``x: (..., seq, d_in)`` → context vectors ``(..., seq, d_out_v)``."""
@@ -169,9 +168,8 @@ class CrossAttention(_Module):
     def __init__(self, d_in: int, d_out_kq: int, d_out_v: int, *, rng: Any = None) -> None:
         rng_q, rng_k, rng_v = _rng("CrossAttention", rng, 3)
         self._set(d_out_kq=d_out_kq)
-        self._set(W_query=_uniform(rng_q, (d_in, d_out_kq)))
-        self._set(W_key=_uniform(rng_k, (d_in, d_out_kq)))
-        self._set(W_value=_uniform(rng_v, (d_in, d_out_v)))
+        self._set(W_query=_uniform(rng_q, (d_in, d_out_kq)),
+                  W_key=_uniform(rng_k, (d_in, d_out_kq)), W_value=_uniform(rng_v, (d_in, d_out_v)))
 
     def forward(self, x_1: Any, x_2: Any) -> jax.Array:
         """``x_1: (..., q_len, d_in)``, ``x_2: (..., kv_len, d_in)`` → ``(..., q_len, d_out_v)``."""
@@ -202,9 +200,8 @@ class CausalSelfAttention(_Module):
         rules.check_dropout("CausalSelfAttention", dropout_p, False)
         rng_q, rng_k, rng_v = _rng("CausalSelfAttention", rng, 3)
         self._set(d_out_kq=d_out_kq, dropout_p=float(dropout_p))
-        self._set(W_query=_uniform(rng_q, (d_in, d_out_kq)))
-        self._set(W_key=_uniform(rng_k, (d_in, d_out_kq)))
-        self._set(W_value=_uniform(rng_v, (d_in, d_out_v)))
+        self._set(W_query=_uniform(rng_q, (d_in, d_out_kq)),
+                  W_key=_uniform(rng_k, (d_in, d_out_kq)), W_value=_uniform(rng_v, (d_in, d_out_v)))
 
     def forward(self, x: Any, *, rng: Any = None) -> jax.Array:
         """``x: (..., seq, d_in)`` → ``(..., seq, d_out_v)``; an ``rng`` key turns dropout on."""
@@ -308,8 +305,10 @@ class MultiHeadAttention(_Module):
 
     ``head_dim = d_model // num_heads``. Weights: ``W_query (d_model, num_heads·head_dim)``,
     ``W_key``, ``W_value (d_model, num_kv_heads·head_dim)``, ``W_out (num_heads·head_dim,
-    d_model)`` (Xavier uniform), and with ``bias=True`` ``b_query``, ``b_key``, ``b_value``,
-    ``b_out`` (zeros).
+    d_model)`` (Xavier uniform), with ``bias=True`` ``b_query``, ``b_key``, ``b_value``,
+    ``b_out`` (zeros), and with ``sinks=True`` ``sinks (num_heads,)``: GPT-OSS's learned
+    attention sinks, one logit per query head joining every softmax denominator (zeros; no key
+    is split for them, so the other weights are those of the same module without sinks).
     """
 
     _static_names = ("d_model", "num_heads", "num_kv_heads", "head_dim", "dropout_p")
@@ -321,6 +320,7 @@ class MultiHeadAttention(_Module):
         *,
         num_kv_heads: int | None = None,
         bias: bool = True,
+        sinks: bool = False,
         dropout_p: float = 0.0,
         rng: Any = None,
     ) -> None:
@@ -330,21 +330,29 @@ class MultiHeadAttention(_Module):
         rules.check_dropout(fn, dropout_p, False)
         rng_q, rng_k, rng_v, rng_o = _rng(fn, rng, 4)
         self._set(d_model=d_model, num_heads=num_heads, num_kv_heads=num_kv_heads)
-        self._set(head_dim=d_model // num_heads)
-        self._set(dropout_p=float(dropout_p))
+        self._set(head_dim=d_model // num_heads, dropout_p=float(dropout_p))
         q_size, kv_size = num_heads * self.head_dim, num_kv_heads * self.head_dim
-        self._set(W_query=_xavier(rng_q, d_model, q_size))
-        self._set(W_key=_xavier(rng_k, d_model, kv_size))
-        self._set(W_value=_xavier(rng_v, d_model, kv_size))
-        self._set(W_out=_xavier(rng_o, q_size, d_model))
+        self._set(W_query=_xavier(rng_q, d_model, q_size), W_key=_xavier(rng_k, d_model, kv_size),
+                  W_value=_xavier(rng_v, d_model, kv_size), W_out=_xavier(rng_o, q_size, d_model))
         names = ["W_query", "W_key", "W_value", "W_out"]
         if bias:
-            self._set(b_query=jnp.zeros(q_size, jnp.float32))
-            self._set(b_key=jnp.zeros(kv_size, jnp.float32))
-            self._set(b_value=jnp.zeros(kv_size, jnp.float32))
-            self._set(b_out=jnp.zeros(d_model, jnp.float32))
-            names += ["b_query", "b_key", "b_value", "b_out"]
+            sizes = {"b_query": q_size, "b_key": kv_size, "b_value": kv_size, "b_out": d_model}
+            self._set(**{name: jnp.zeros(size, jnp.float32) for name, size in sizes.items()})
+            names += list(sizes)
+        if sinks:
+            self._set(sinks=jnp.zeros(num_heads, jnp.float32))  # (num_heads,) sink logits
+            names.append("sinks")
         self._set(_weight_names=tuple(names))
+
+    def _sinks(self) -> jax.Array | None:
+        """The ``(num_heads,)`` sink logits, or None for a module without sinks."""
+        return self.sinks if "sinks" in self._weight_names else None
+
+    def _out(self, context_vec: jax.Array) -> jax.Array:
+        """``(..., heads, seq, head_dim)`` → the output projection ``(..., seq, d_model)``."""
+        merged = jnp.swapaxes(context_vec, -2, -3)  # (..., seq, heads, head_dim)
+        output = _matmul(merged.reshape(merged.shape[:-2] + (-1,)), self.W_out)  # (..., seq, d)
+        return output + self.b_out if "b_out" in self._weight_names else output
 
     def _project(self, x: Any, name: str, heads: int) -> jax.Array:
         """``(..., seq, d_model)`` → ``(..., heads, seq, head_dim)``."""
@@ -387,14 +395,10 @@ class MultiHeadAttention(_Module):
         result = scaled_dot_product_attention(
             query, key, value, mask=mask, is_causal=is_causal, causal_alignment=causal_alignment,
             window=window, dropout_p=self.dropout_p if self.training and rng is not None else 0.0,
-            rng=rng, return_weights=return_weights,
+            rng=rng, return_weights=return_weights, sinks=self._sinks(),
         )
         context_vec, weights = result if return_weights else (result, None)
-        merged = jnp.swapaxes(context_vec, -2, -3)  # (..., q_len, heads, head_dim)
-        merged = merged.reshape(merged.shape[:-2] + (-1,))  # (..., q_len, heads * head_dim)
-        output = _matmul(merged, self.W_out)  # (..., q_len, d_model)
-        if "b_out" in self._weight_names:
-            output = output + self.b_out
+        output = self._out(context_vec)  # (..., q_len, d_model)
         return (output, weights) if return_weights else output
 
     def backward(
@@ -435,16 +439,12 @@ class MultiHeadAttention(_Module):
 
         Returns:
           ``(output (..., n, d_model), cache)``; equals ``forward(x_all, is_causal=True)`` at
-          these positions. No dropout. The cache is a new one (jax: immutable); jit-friendly.
+          these positions (the sinks included). No dropout. The cache is a new one (jax:
+          immutable); jit-friendly.
         """
         x = jnp.asarray(x)
         query = self._project(x, "query", self.num_heads)  # (..., heads, n, head_dim)
         key = self._project(x, "key", self.num_kv_heads)  # (..., kv_heads, n, head_dim)
         value = self._project(x, "value", self.num_kv_heads)
-        context_vec, cache = decode_step(query, key, value, cache, max_len)
-        merged = jnp.swapaxes(context_vec, -2, -3)  # (..., n, heads, head_dim)
-        merged = merged.reshape(merged.shape[:-2] + (-1,))  # (..., n, heads * head_dim)
-        output = _matmul(merged, self.W_out)  # (..., n, d_model)
-        if "b_out" in self._weight_names:
-            output = output + self.b_out
-        return output, cache
+        context_vec, cache = decode_step(query, key, value, cache, max_len, sinks=self._sinks())
+        return self._out(context_vec), cache  # (..., n, d_model)

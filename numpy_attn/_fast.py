@@ -24,6 +24,15 @@ float32 rounding
 is replaced by ``-inf``, a skipped block is never read, and a NaN or infinite norm takes the
 shifted softmax.
 
+Chunks, ALiBi, segment ids, ``score_mod`` and ``mask_mod`` (``spec.MASKS_AND_MODS``, the
+``mods`` of ``_core``): each block adds ALiBi and ``score_mod`` (on that block's indices, one
+(batch, head) entry: 0-d batch and head); the chunk rule, the ids and ``mask_mod`` are first
+evaluated once per block of ``BLOCK_Q`` rows over the keys the band leaves
+(``_core._mods_statuses``, per key block of ``BLOCK_KV``), each block's key range is narrowed to
+the key blocks they leave, and only the key blocks they cut are masked (``_narrowed``), so a
+causal ``mask_mod`` costs about what ``is_causal`` costs. The VJP skips the (query chunk, key
+block) tiles they empty and multiplies ``dS`` by ``score_mod.derivative``.
+
 VJP, ``fast_attention_vjp``: FlashAttention-2's backward (Dao 2023, algorithm 2) with
 ``backward.py``'s formulas per tile. The forward pass above also keeps each row's log-sum-exp
 ``lse = max + log(sum)`` (``+inf`` on a fully masked row, so its weights recompute as 0), and
@@ -57,7 +66,19 @@ import numpy as np
 import attention_rules as rules
 
 from . import _threads
-from ._core import NEG_INF, _groups, _in_band, _sinks_grad, _softcap, _unnormalised_softmax
+from ._core import (
+    NEG_INF,
+    _groups,
+    _in_band,
+    _Mods,
+    _mods_allowed,
+    _mods_scores,
+    _mods_slope,
+    _mods_statuses,
+    _sinks_grad,
+    _softcap,
+    _unnormalised_softmax,
+)
 
 _BLOCKED = rules.FAST_PATHS["numpy_attn"]["blocked"]
 BLOCK_Q = _BLOCKED["block_q"]  # query rows per block: a float32 block of scores stays in L2
@@ -96,16 +117,18 @@ def fast_attention(
     bias: np.ndarray | None,
     args: rules.Arguments,
     sinks: np.ndarray | None = None,
+    mods: _Mods | None = None,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """``scaled_dot_product_attention``'s output on the path ``use_fast_path`` chose:
     ``(..., heads, q_len, v_dim)`` in the input dtype, and with ``args.return_lse`` the
     row log-sum-exp ``(..., heads, q_len)`` the blocks computed anyway (compute dtype); the
-    ``(heads,)`` ``sinks`` join each block's denominators at its end."""
+    ``(heads,)`` ``sinks`` join each block's denominators at its end; ``mods`` (chunks, ALiBi,
+    segment ids, the mods) apply per block, and the blocks they mask entirely are skipped."""
     dtype = query.dtype
     query, key, value = _compute_arrays(query, key, value, args.scale)
     lse = np.empty(query.shape[:-1], query.dtype) if args.return_lse else None
     sinks = None if sinks is None else sinks.astype(query.dtype, copy=False)
-    output = _blocked_attention(query, key, value, mask, bias, args, lse, sinks)
+    output = _blocked_attention(query, key, value, mask, bias, args, lse, sinks, mods)
     output = output.astype(dtype, copy=False)
     if lse is None:
         return output
@@ -123,6 +146,7 @@ def fast_attention_vjp(
     bias: np.ndarray | None,
     args: rules.Arguments,
     sinks: np.ndarray | None = None,
+    mods: _Mods | None = None,
 ) -> tuple[np.ndarray | None, ...]:
     """``scaled_dot_product_attention_vjp``'s gradients on the path ``use_fast_path`` chose:
     ``(grad_query, grad_key, grad_value, grad_bias)`` shaped like query ``(..., heads, q_len,
@@ -140,7 +164,8 @@ def fast_attention_vjp(
     lse = query_lse[..., head_dim]  # (..., heads, q_len), written by the forward pass
     compute_sinks = None if sinks is None else sinks.astype(compute, copy=False)
     output = _blocked_attention(query_lse[..., :head_dim], key_ones[..., :head_dim],
-                                value_ones[..., :v_dim], mask, bias, args, lse, compute_sinks)
+                                value_ones[..., :v_dim], mask, bias, args, lse, compute_sinks,
+                                mods)
     grad_output_delta = np.empty(grad_output.shape[:-1] + (v_dim + 1,), compute)
     grad_output_delta[..., :v_dim] = grad_output  # (..., heads, q_len, v_dim + 1)
     # delta = rowsum(dO ⊙ O): (..., heads, q_len)
@@ -153,7 +178,7 @@ def fast_attention_vjp(
     np.negative(lse, out=lse)  # -lse: -inf on fully masked rows
     np.negative(grad_output_delta[..., v_dim], out=grad_output_delta[..., v_dim])  # -delta
     grad_q, grad_k, grad_v, grad_bias = _blocked_attention_vjp(
-        query_lse, key_ones, value_ones, grad_output_delta, mask, bias, args
+        query_lse, key_ones, value_ones, grad_output_delta, mask, bias, args, mods
     )
     dtype = query.dtype
     grads = (grad_q.astype(dtype, copy=False), grad_k.astype(dtype, copy=False),
@@ -191,11 +216,15 @@ def _blocked_attention(
     args: rules.Arguments,
     lse: np.ndarray | None,
     sinks: np.ndarray | None = None,
+    mods: _Mods | None = None,
 ) -> np.ndarray:
     """The output ``(..., heads, q_len, v_dim)`` in the compute dtype, block by block, on the
     thread pool; ``query`` is scaled. With ``lse`` ``(..., heads, q_len)``, each row's
     log-sum-exp is written there (``+inf`` for a row without a key nor a sink). The ``(heads,)``
-    ``sinks`` (compute dtype) join each block's rows at its end (``finish``)."""
+    ``sinks`` (compute dtype) join each block's rows at its end (``finish``). ``mods``: ALiBi and
+    ``score_mod`` on every block; the chunk rule, segment ids and ``mask_mod`` narrow each
+    block's key range to the key blocks they leave (``_core._mods_statuses``, evaluated once
+    for every head that shares them) and mask only the key blocks they cut."""
     q_len, kv_len = query.shape[-2], key.shape[-2]
     target = args.scores_shape  # (..., heads, q_len, kv_len)
     groups = _groups(query.shape, key.shape)
@@ -205,13 +234,21 @@ def _blocked_attention(
     lo, hi = rules.band(q_len, kv_len, args.is_causal, args.causal_alignment, args.window)
     block_q = BLOCK_Q
     strips: dict = {}  # the masks of the strips, by their geometry (most blocks share one)
-    unshifted = _bounded_heads(query, key, groups, args.softcap) if bias is None else None
+    shifts = bias is not None or (mods is not None and (mods.alibi is not None
+                                                         or mods.score_mod is not None))
+    unshifted = None if shifts else _bounded_heads(query, key, groups, args.softcap)
+    statuses = None  # (..., heads | 1, q blocks, key blocks of BLOCK_KV)
+    if mods is not None and mods.masks:
+        statuses = _mods_statuses(mods, q_len, kv_len, block_q, BLOCK_KV, lo, hi, True)
 
     tasks = []  # (batch-and-head index, query rows i0:i1, key range)
     for index in np.ndindex(query.shape[:-2]):
         for i0 in range(0, q_len, block_q):
             i1 = min(i0 + block_q, q_len)
-            tasks.append((index, i0, i1, rules.key_range(i0, i1, kv_len, lo, hi)))
+            keys = rules.key_range(i0, i1, kv_len, lo, hi) + (0, 0)  # no key block to mask
+            if statuses is not None:
+                keys = _narrowed(keys, _entry(statuses, index)[i0 // block_q], BLOCK_KV)
+            tasks.append((index, i0, i1, keys))
     tasks.sort(key=lambda task: task[3][0] - task[3][1])  # longest key range first
 
     need_lse = lse is not None or sinks is not None
@@ -227,9 +264,9 @@ def _blocked_attention(
         if lse is not None:
             lse[index][i0:i1] = np.where(row_lse == NEG_INF, np.inf, row_lse)
 
-    def block(index: tuple[int, ...], i0: int, i1: int, keys: tuple[int, int, int, int],
+    def block(index: tuple[int, ...], i0: int, i1: int, keys: tuple[int, ...],
               buffer: np.ndarray) -> None:
-        k0, k1, a, b = keys
+        k0, k1, a, b, p0, p1 = keys  # keys [p0, p1): the ones mods may mask
         out = output[index][i0:i1]  # (rows, v_dim)
         if k1 == k0:  # no key allowed for any row: fully masked
             out[...] = 0.0
@@ -242,12 +279,16 @@ def _blocked_attention(
         scores = _softcap(scores, args.softcap)
         if bias is not None:
             scores += bias[index][i0:i1, k0:k1]
+        scores = _mods_scores(scores, mods, i0, k0, index)  # ALiBi, score_mod
         for c0, c1 in ((k0, a), (b, k1)):  # the strips the causal rule / window cut
             if c1 > c0:
                 outside = _outside_band(strips, i0, i1 - i0, c0, c1 - c0, lo, hi)
                 np.copyto(scores[:, c0 - k0 : c1 - k0], NEG_INF, where=outside)
         if masked_out is not None:
             np.copyto(scores, NEG_INF, where=masked_out[index][i0:i1, k0:k1])
+        if p1 > p0:  # the key blocks chunks, segment ids or mask_mod cut
+            allowed = _mods_allowed(mods, i0, i1 - i0, p0, p1 - p0, index)
+            np.copyto(scores[:, p0 - k0 : p1 - k0], NEG_INF, where=~allowed)
         if unshifted is not None and unshifted[index]:  # |scores| <= EXP_BOUND: no row max
             weights = np.exp(scores, out=scores)  # in place; 0 where masked
             row_sum = weights.sum(axis=-1, keepdims=True)  # (rows, 1)
@@ -276,9 +317,12 @@ def _blocked_attention_vjp(
     mask: np.ndarray | None,
     bias: np.ndarray | None,
     args: rules.Arguments,
+    mods: _Mods | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
     """The gradients in the compute dtype (``grad_bias`` full rank), per (batch, kv head, key
-    block) on the thread pool. The inputs carry one column more, so that two of the products
+    block) on the thread pool. ``mods`` as in the forward pass: ``score_mod``'s derivative
+    multiplies ``dS`` before the bias takes it; the query chunks they leave no key of the
+    block are skipped. The inputs carry one column more, so that two of the products
     also subtract: ``query_lse`` is ``[Q · scale, -lse]`` ``(..., heads, q_len, head_dim + 1)``,
     ``key_ones`` ``[K, 1]``, ``value_ones`` ``[V, 1]`` and ``grad_output_delta`` ``[dO,
     -delta]``; then ``[K, 1] [Q · scale, -lse]ᵀ = S - lse`` (without soft-cap: it comes between
@@ -310,15 +354,26 @@ def _blocked_attention_vjp(
     lo, hi = rules.band(q_len, kv_len, args.is_causal, args.causal_alignment, args.window)
     block_kv, block_q = BLOCK_KV, BLOCK_Q_BACKWARD
     softcap = args.softcap
-    # without soft-cap the product subtracts lse; with it, the tile does after capping
-    query_s, key_s = (query_lse, key_ones) if softcap is None else (query, key)
+    shifts = mods is not None and (mods.alibi is not None or mods.score_mod is not None)
+    # without soft-cap (or ALiBi, score_mod) the product subtracts lse; else the tile does
+    plain = softcap is None and not shifts
+    query_s, key_s = (query_lse, key_ones) if plain else (query, key)
     strips: dict = {}  # the masks of the strips, by their geometry (most tiles share one)
+    statuses = None  # (..., heads | 1, query blocks of BLOCK_Q, key blocks of block_kv)
+    if mods is not None and mods.masks:
+        statuses = _mods_statuses(mods, q_len, kv_len, BLOCK_Q, block_kv, lo, hi, True)
 
     tasks = []  # (batch-and-kv-head indices, key rows k0:k1, query range)
     kv_indices = list(np.ndindex(key.shape[:-2]))
     for k0 in range(0, kv_len, block_kv):
         k1 = min(k0 + block_kv, kv_len)
         queries = rules.query_range(k0, k1, q_len, lo, hi)
+        if statuses is not None:  # the query blocks that see a key of the block, any head
+            seen = np.flatnonzero(statuses[..., k0 // block_kv].reshape(-1, statuses.shape[-2])
+                                  .any(axis=0))
+            r0, r1 = (seen[0] * BLOCK_Q, (seen[-1] + 1) * BLOCK_Q) if seen.size else (0, 0)
+            q0, q1 = max(queries[0], r0), min(queries[1], r1)
+            queries = (q0, max(q1, q0)) + queries[2:]
         if queries[1] > queries[0]:  # else no query sees these keys: their gradients are 0
             if bias_per_key_block:
                 tasks.append((kv_indices, k0, k1, queries))
@@ -344,6 +399,13 @@ def _blocked_attention_vjp(
             for c0 in range(q0, q1, block_q):
                 c1 = min(c0 + block_q, q1)
                 rows = c1 - c0
+                cut = False  # whether mods mask part of this tile
+                if statuses is not None:
+                    tile = _entry(statuses, index)[c0 // BLOCK_Q : -(-c1 // BLOCK_Q),
+                                                   k0 // block_kv]
+                    if not tile.any():
+                        continue  # mods mask the whole tile: nothing to add
+                    cut = bool((tile != rules.ALL).any())
                 # Pᵀ, recomputed from the saved log-sum-exp: (keys, rows)
                 weights_t = scratch["scores"][: keys * rows].reshape(keys, rows)
                 np.matmul(key_block, query_s[index][c0:c1].T, out=weights_t)  # S (- lse)
@@ -355,13 +417,24 @@ def _blocked_attention_vjp(
                     np.subtract(1.0, slope, out=slope)  # tanh': 1 - (S1 / c)²
                 if bias is not None:
                     weights_t += bias[index][c0:c1, k0:k1].T
+                mod_slope = None  # d score_mod / d score, at the scores before it
+                if shifts:  # on the (rows, keys) view: ALiBi, then score_mod, in place
+                    view = weights_t.T
+                    _mods_scores(view, mods._replace(score_mod=None), c0, k0, index)
+                    if mods.score_mod is not None:
+                        mod_slope = np.broadcast_to(_mods_slope(view, mods, c0, k0, index),
+                                                    view.shape).T  # (keys, rows)
+                        _mods_scores(view, mods._replace(alibi=None), c0, k0, index)
                 for s0, s1 in ((max(q0, c0), min(a, c1)), (max(b, c0), min(q1, c1))):
                     if s1 > s0:  # the strips of queries the causal rule / window cut
                         outside = _outside_band(strips, s0, s1 - s0, k0, keys, lo, hi)
                         np.copyto(weights_t[:, s0 - c0 : s1 - c0], NEG_INF, where=outside.T)
                 if masked_out is not None:
                     np.copyto(weights_t, NEG_INF, where=masked_out[index][c0:c1, k0:k1].T)
-                if softcap is not None:
+                if cut:
+                    allowed = _mods_allowed(mods, c0, rows, k0, keys, index)
+                    np.copyto(weights_t.T, NEG_INF, where=~allowed)
+                if not plain:
                     weights_t += neg_lse[index][c0:c1]
                 np.exp(weights_t, out=weights_t)  # Pᵀ: 0 where masked or on fully masked rows
                 # dV = Pᵀ dO
@@ -371,6 +444,8 @@ def _blocked_attention_vjp(
                 grad_s = scratch["grads"][: keys * rows].reshape(keys, rows)
                 np.matmul(value_block, grad_output_delta[index][c0:c1].T, out=grad_s)
                 grad_s *= weights_t
+                if mod_slope is not None:  # through score_mod: dS ⊙ its derivative
+                    grad_s *= mod_slope
                 if grad_bias is not None:
                     _add_bias_grad(scratch.get("grad_bias", grad_bias), grad_s, index, c0, c1,
                                    k0, k1, bias_lock)
@@ -407,6 +482,33 @@ def _blocked_attention_vjp(
         for other in scratches:
             grad_bias += other["grad_bias"]
     return grad_query, grad_key, grad_value, grad_bias
+
+
+def _entry(statuses: np.ndarray, index: tuple[int, ...]) -> np.ndarray:
+    """The ``(q blocks, key blocks)`` statuses of one (batch..., head) ``index`` from
+    ``_mods_statuses(..., per_entry=True)`` (whose size-1 axes hold for every entry)."""
+    lead = statuses.shape[:-2]
+    return statuses[tuple(0 if size == 1 else i for i, size in zip(index, lead, strict=True))]
+
+
+def _narrowed(keys: tuple[int, ...], row: np.ndarray, block_kv: int) -> tuple[int, ...]:
+    """``(k0, k1, a, b, p0, p1)``: a block's key range ``[k0, k1)`` and band columns ``[a, b)``
+    (``rules.key_range``) narrowed to the key blocks whose status in ``row`` is not
+    ``rules.NONE``, and ``[p0, p1)`` the span of those not ``rules.ALL`` (to be masked)."""
+    k0, k1, a, b = keys[:4]
+    kept = np.flatnonzero(row)
+    if kept.size:
+        k0, k1 = max(k0, int(kept[0]) * block_kv), min(k1, (int(kept[-1]) + 1) * block_kv)
+    if not kept.size or k1 <= k0:
+        return k0, k0, k0, k0, k0, k0  # every key masked
+    a = min(max(a, k0), k1)
+    b = max(min(b, k1), a)
+    cut = np.flatnonzero(row[kept[0] : kept[-1] + 1] != rules.ALL) + kept[0]
+    p0, p1 = k0, k0
+    if cut.size:
+        p0 = max(k0, int(cut[0]) * block_kv)
+        p1 = max(min(k1, (int(cut[-1]) + 1) * block_kv), p0)
+    return k0, k1, a, b, p0, p1
 
 
 def _bounded_heads(

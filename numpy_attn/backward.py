@@ -44,15 +44,20 @@ import attention_rules as rules
 
 from . import _fast
 from ._core import (
+    _add_alibi,
     _array,
     _describe,
     _describe_parts,
+    _describe_segments,
     _groups,
     _mask_scores,
     _matmul_grouped,
     _merge_attention,
+    _mods,
+    _mods_slope,
     _output,
     _scores,
+    _segments,
     _sinks_grad,
     _softmax,
     _softmax_lse,
@@ -78,6 +83,11 @@ def scaled_dot_product_attention_vjp(
     dropout_p: float = 0.0,
     dropout_mask: Any = None,
     sinks: Any = None,
+    chunk_size: int | None = None,
+    alibi_slopes: Any = None,
+    segment_ids: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
 ) -> tuple[np.ndarray | None, ...]:
     """Gradients of ``scaled_dot_product_attention`` with respect to its array inputs.
 
@@ -94,6 +104,13 @@ def scaled_dot_product_attention_vjp(
         whose value is 0, so ``dP`` is 0 there, ``rowsum(dO ⊙ O)`` is unchanged and the
         formulas above hold with ``P`` normalised by the sink too; ``d sink = -sum p_sink ·
         rowsum(dO ⊙ O)`` over batch and queries, ``p_sink = exp(sink - lse)``.
+      chunk_size, alibi_slopes, segment_ids, mask_mod: as in
+        ``scaled_dot_product_attention``: ALiBi adds a constant (no gradient for the slopes),
+        the rest mask, so the formulas hold as written.
+      score_mod: between ``S1 + bias + ALiBi`` and the masking, so ``dS`` is multiplied by its
+        derivative before the bias takes it: ``score_mod.derivative(score, batch, head, q_idx,
+        kv_idx)`` (the ready-made score mods of ``numpy_attn.masks`` have one);
+        NotImplementedError for a callable without one (``spec.SCORE_MOD``).
 
     Returns:
       ``(grad_query, grad_key, grad_value, grad_bias)`` with the shapes and dtype of query, key,
@@ -107,21 +124,25 @@ def scaled_dot_product_attention_vjp(
         mask=_describe(fn, "mask", mask), bias=_describe(fn, "bias", bias), is_causal=is_causal,
         causal_alignment=causal_alignment, window=window, scale=scale, softcap=softcap,
         dropout_p=dropout_p, dropout_mask=_describe(fn, "dropout_mask", dropout_mask),
-        sinks=_describe(fn, "sinks", sinks),
+        sinks=_describe(fn, "sinks", sinks), chunk_size=chunk_size,
+        alibi_slopes=_describe(fn, "alibi_slopes", alibi_slopes),
+        segment_ids=_describe_segments(fn, segment_ids), score_mod=score_mod, mask_mod=mask_mod,
     )  # every rule of the spec, once
+    rules.check_mod_derivative(fn, args.score_mod)  # numpy: by hand, so it needs d score_mod
     query, key, value, grad_output = _array(query), _array(key), _array(value), _array(grad_output)
     mask, bias, dropout_mask = _array(mask), _array(bias), _array(dropout_mask)
     sinks = _array(sinks)
+    mods = _mods(fn, args, query.shape, key.shape, alibi_slopes, _segments(segment_ids))
     scale, softcap, dropout_p = args.scale, args.softcap, args.dropout_p
     path = _fast.use_fast_path(query, key, value, mask, bias, args)
     if path is not None:  # large inputs: the same gradients tile by tile, on every core
         return _fast.fast_attention_vjp(path, query, key, value, grad_output, mask, bias, args,
-                                        sinks)
+                                        sinks, mods)
 
     # Forward again, keeping what the backward pass needs.
     capped = _scores(query, key, scale, softcap)  # S1: (..., heads, q_len, kv_len)
     weights = _mask_scores(capped.copy(), mask, bias, args.is_causal, args.causal_alignment,
-                           args.window)
+                           args.window, mods)
     if sinks is None:
         weights = _softmax(weights)  # P
     else:  # P, normalised with the sink; lse: (..., heads, q_len)
@@ -140,6 +161,9 @@ def scaled_dot_product_attention_vjp(
     # dS = P ⊙ (dP - rowsum(dO ⊙ O))
     row_dot = (d_out * output).sum(axis=-1, keepdims=True)  # (..., heads, q_len, 1)
     grad_scores = weights * (grad_weights - row_dot)
+    if args.score_mod is not None:  # dS ⊙ score_mod'(S1 + bias + ALiBi)
+        pre = capped + bias.astype(capped.dtype, copy=False) if bias is not None else capped.copy()
+        grad_scores *= _mods_slope(_add_alibi(pre, mods, 0, 0), mods, 0, 0)
     # a copy: grad_scores is scaled in place below
     grad_bias = None if bias is None else np.array(_sum_to_shape(grad_scores, bias.shape))
     if softcap is not None:  # d/dx c·tanh(x/c) = 1 - tanh²(x/c) = 1 - (S1/c)²

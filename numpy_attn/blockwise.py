@@ -38,12 +38,21 @@ import attention_rules as rules
 from . import _threads
 from ._core import (
     NEG_INF,
+    _add_alibi,
     _array,
     _describe,
     _describe_lengths,
+    _describe_segments,
     _groups,
     _in_band,
     _matmul_grouped,
+    _Mods,
+    _mods,
+    _mods_allowed,
+    _mods_scores,
+    _mods_slope,
+    _mods_statuses,
+    _segments,
     _sinks_grad,
     _softcap,
     _sum_groups,
@@ -77,6 +86,11 @@ def blockwise_attention(
     block_kv: int = DEFAULT_BLOCK_KV,
     sinks: Any = None,
     return_lse: bool = False,
+    chunk_size: int | None = None,
+    alibi_slopes: Any = None,
+    segment_ids: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Scaled dot-product attention in ``(block_q, block_kv)`` tiles, with the online softmax.
 
@@ -99,6 +113,9 @@ def blockwise_attention(
       block_kv: keys per tile (``>= 1``).
       sinks: ``(heads,)`` sink logits, joined to each row's denominator after the last tile.
       return_lse: also return each row's log-sum-exp.
+      chunk_size, alibi_slopes, segment_ids, score_mod, mask_mod: as in
+        ``scaled_dot_product_attention``, per tile; tiles that the chunks, the segment ids or
+        ``mask_mod`` mask entirely are skipped.
 
     Returns:
       ``(..., heads, q_len, v_dim)`` in the input dtype (fully masked rows give 0), and with
@@ -106,12 +123,14 @@ def blockwise_attention(
     """
     fn = "blockwise_attention"
     args = _arguments(fn, query, key, value, None, bias, kv_lengths, is_causal, causal_alignment,
-                      window, scale, softcap, block_q, block_kv, sinks,
-                      return_lse)  # every rule of the spec, once
+                      window, scale, softcap, block_q, block_kv, sinks, return_lse,
+                      (chunk_size, alibi_slopes, segment_ids, score_mod,
+                       mask_mod))  # every rule of the spec, once
     query, key, value, bias = _array(query), _array(key), _array(value), _array(bias)
-    bias, kv_lengths, plan, lo, hi = _prepare(fn, query, key, bias, kv_lengths, args)
+    mods = _mods(fn, args, query.shape, key.shape, alibi_slopes, _segments(segment_ids))
+    bias, kv_lengths, plan, lo, hi = _prepare(fn, query, key, bias, kv_lengths, args, mods)
     output, lse = forward_tiles(query, key, value, bias, kv_lengths, plan, lo, hi, args.scale,
-                                args.softcap)
+                                args.softcap, mods)
     output, lse = _with_sinks(output, lse, _array(sinks))  # the sinks join once, at the end
     output = output.astype(query.dtype, copy=False)
     return (output, lse[..., 0]) if args.return_lse else output
@@ -133,6 +152,11 @@ def blockwise_attention_vjp(
     block_q: int = DEFAULT_BLOCK_Q,
     block_kv: int = DEFAULT_BLOCK_KV,
     sinks: Any = None,
+    chunk_size: int | None = None,
+    alibi_slopes: Any = None,
+    segment_ids: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
 ) -> tuple[np.ndarray | None, ...]:
     """Gradients of ``blockwise_attention``, tile by tile, from the saved log-sum-exp.
 
@@ -148,7 +172,9 @@ def blockwise_attention_vjp(
       value: ``(..., kv_heads, kv_len, v_dim)``.
       grad_output: ``(..., heads, q_len, v_dim)``.
       bias, kv_lengths, is_causal, causal_alignment, window, scale, softcap, block_q,
-        block_kv, sinks: as in ``blockwise_attention``.
+        block_kv, sinks, chunk_size, alibi_slopes, segment_ids, score_mod, mask_mod: as in
+        ``blockwise_attention`` (``score_mod`` needs its ``derivative``, as in
+        ``scaled_dot_product_attention_vjp``).
 
     Returns:
       ``(grad_query, grad_key, grad_value, grad_bias)`` shaped like query, key, value and bias
@@ -157,19 +183,22 @@ def blockwise_attention_vjp(
     """
     fn = "blockwise_attention_vjp"
     args = _arguments(fn, query, key, value, grad_output, bias, kv_lengths, is_causal,
-                      causal_alignment, window, scale, softcap, block_q, block_kv, sinks, False)
+                      causal_alignment, window, scale, softcap, block_q, block_kv, sinks, False,
+                      (chunk_size, alibi_slopes, segment_ids, score_mod, mask_mod))
+    rules.check_mod_derivative(fn, args.score_mod)  # numpy: by hand, so it needs d score_mod
     query, key, value, bias = _array(query), _array(key), _array(value), _array(bias)
     grad_output, bias_shape = _array(grad_output), None if bias is None else bias.shape
-    bias, kv_lengths, plan, lo, hi = _prepare(fn, query, key, bias, kv_lengths, args)
+    mods = _mods(fn, args, query.shape, key.shape, alibi_slopes, _segments(segment_ids))
+    bias, kv_lengths, plan, lo, hi = _prepare(fn, query, key, bias, kv_lengths, args, mods)
     output, lse = forward_tiles(query, key, value, bias, kv_lengths, plan, lo, hi,
-                                args.scale, args.softcap)
+                                args.scale, args.softcap, mods)
     sinks = _array(sinks)
     if sinks is not None:  # the rows with their sinks: -inf (no key, a sink of -inf) → +inf
         output, lse = _with_sinks(output, lse, sinks)
         lse = np.where(lse == -np.inf, np.inf, lse).astype(lse.dtype)
     grad_q, grad_k, grad_v, grad_bias = backward_tiles(  # numpy: by hand, tile by tile
         query, key, value, bias, kv_lengths, plan, lo, hi, args.scale, args.softcap, output, lse,
-        grad_output,
+        grad_output, mods,
     )
     dtype = query.dtype
     grads = (grad_q.astype(dtype), grad_k.astype(dtype), grad_v.astype(dtype))
@@ -196,6 +225,7 @@ def forward_tiles(
     hi: float,
     scale: float,
     softcap: float | None,
+    mods: _Mods | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The online-softmax forward pass over the tiles of ``plan``, unchecked (the public
     functions here and ``context_parallel.py`` validate first).
@@ -209,6 +239,8 @@ def forward_tiles(
       plan: ``rules.plan(q_len, kv_len, block_q, block_kv, lo, hi)``: the tiles to compute.
       lo, hi: the band ``lo <= j - i <= hi`` (``rules.band``).
       scale, softcap: as checked by ``rules.attention_arguments``.
+      mods: chunks, ALiBi, segment ids and the mods (``_core._mods``), or None; a tile whose
+        ``partial`` has bit 2 (``_prepare``) is masked by them.
 
     Returns:
       ``output (..., heads, q_len, v_dim)`` and ``lse (..., heads, q_len, 1)`` in the compute
@@ -229,7 +261,7 @@ def forward_tiles(
             tile = (q_start, q_stop, kv_start, kv_stop)
             scores = _tile_scores(q[..., q_start:q_stop, :], k[..., kv_start:kv_stop, :], groups,
                                   softcap)  # (..., heads, bq, bk)
-            scores = _mask_tile(scores, bias, kv_lengths, tile, partial, lo, hi)
+            scores = _mask_tile(scores, bias, kv_lengths, tile, partial, lo, hi, mods)
             new_max = np.maximum(row_max, scores.max(axis=-1, keepdims=True))
             shift = np.where(new_max == NEG_INF, 0.0, new_max).astype(q.dtype)  # no -inf - -inf
             scores -= shift
@@ -238,7 +270,8 @@ def forward_tiles(
             row_sum = row_sum * correction + p.sum(axis=-1, keepdims=True)
             acc = acc * correction + _matmul_grouped(p, v[..., kv_start:kv_stop, :], groups)
             row_max = new_max
-        kept = row_sum > 0  # (..., heads, bq, 1); False: a fully masked row
+        kept = row_sum != 0  # (..., heads, bq, 1); False: a fully masked row; NaN
+        # rows stay NaN, their lse too (NON_FINITE), never -inf: a merge must not drop them
         safe_sum = np.where(kept, row_sum, 1.0).astype(q.dtype)
         output[..., q_start:q_stop, :] = acc / safe_sum  # 0 / 1 = 0 on fully masked rows
         lse[..., q_start:q_stop, :] = np.where(kept, row_max + np.log(safe_sum), np.inf)
@@ -262,13 +295,15 @@ def backward_tiles(
     output: np.ndarray,
     lse: np.ndarray,
     grad_output: np.ndarray,
+    mods: _Mods | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
     """FlashAttention's backward per tile (``backward.py`` derives it for the whole matrix),
     unchecked, from ``forward_tiles``' results.
 
     Args:
-      query, key, value, bias, kv_lengths, plan, lo, hi, scale, softcap: as in
-        ``forward_tiles``.
+      query, key, value, bias, kv_lengths, plan, lo, hi, scale, softcap, mods: as in
+        ``forward_tiles`` (``score_mod``'s derivative multiplies ``dS`` before the bias takes
+        it).
       output: ``(..., heads, q_len, v_dim)`` in the compute dtype, from ``forward_tiles``.
       lse: ``(..., heads, q_len, 1)``, ``+inf`` on fully masked rows.
       grad_output: ``(..., heads, q_len, v_dim)``.
@@ -299,7 +334,14 @@ def backward_tiles(
             d_out_tile = d_out[..., rows, :]  # (..., heads, bq, v_dim)
             capped = _tile_scores(q_scaled[..., rows, :], k[..., cols, :], groups, softcap)  # S1
             scores = capped.copy() if softcap is not None else capped  # S1 is needed for tanh'
-            scores = _mask_tile(scores, bias, kv_lengths, tile, partial, lo, hi)
+            mod_slope = None  # d score_mod / d score at S1 + bias + ALiBi
+            if mods is not None and mods.score_mod is not None:
+                pre = scores.copy()
+                if bias is not None:
+                    pre += bias[_bias_tile(bias, *tile)].astype(pre.dtype, copy=False)
+                mod_slope = _mods_slope(_add_alibi(pre, mods, q_start, kv_start), mods, q_start,
+                                        kv_start)
+            scores = _mask_tile(scores, bias, kv_lengths, tile, partial, lo, hi, mods)
             p = np.exp(scores - lse[..., rows, :])  # P, recomputed: (..., heads, bq, bk)
             # dV = Pᵀ dO
             grad_v[..., cols, :] += _sum_groups(np.swapaxes(p, -1, -2) @ d_out_tile, groups)
@@ -307,6 +349,8 @@ def backward_tiles(
             grad_p = _matmul_grouped(d_out_tile, np.swapaxes(v[..., cols, :], -1, -2), groups)
             # dS = P ⊙ (dP - rowsum(dO ⊙ O))
             grad_s = p * (grad_p - row_dot[..., rows, :])
+            if mod_slope is not None:  # through score_mod
+                grad_s *= mod_slope
             if grad_bias is not None:
                 index = _bias_tile(grad_bias, *tile)
                 grad_bias[index] += _sum_to_shape(grad_s, grad_bias[index].shape)
@@ -341,9 +385,11 @@ def backward_tiles(
 def _arguments(
     fn: str, query: Any, key: Any, value: Any, grad_output: Any, bias: Any, kv_lengths: Any,
     is_causal: Any, causal_alignment: Any, window: Any, scale: Any, softcap: Any, block_q: Any,
-    block_kv: Any, sinks: Any, return_lse: Any,
+    block_kv: Any, sinks: Any, return_lse: Any, extra: tuple = (None,) * 5,
 ) -> rules.Arguments:
-    """``rules.attention_arguments`` for the forward pass (``grad_output`` None) and the VJP."""
+    """``rules.attention_arguments`` for the forward pass (``grad_output`` None) and the VJP;
+    ``extra``: ``(chunk_size, alibi_slopes, segment_ids, score_mod, mask_mod)`` as given."""
+    chunk_size, alibi_slopes, segment_ids, score_mod, mask_mod = extra
     return rules.attention_arguments(
         fn, _describe(fn, "query", query), _describe(fn, "key", key),
         _describe(fn, "value", value),
@@ -351,15 +397,18 @@ def _arguments(
         bias=_describe(fn, "bias", bias), is_causal=is_causal, causal_alignment=causal_alignment,
         window=window, scale=scale, softcap=softcap, kv_lengths=_describe_lengths(kv_lengths),
         block_q=block_q, block_kv=block_kv, sinks=_describe(fn, "sinks", sinks),
-        return_lse=return_lse,
+        return_lse=return_lse, chunk_size=chunk_size,
+        alibi_slopes=_describe(fn, "alibi_slopes", alibi_slopes),
+        segment_ids=_describe_segments(fn, segment_ids), score_mod=score_mod, mask_mod=mask_mod,
     )
 
 
 def _prepare(
     fn: str, query: np.ndarray, key: np.ndarray, bias: np.ndarray | None, kv_lengths: Any,
-    args: rules.Arguments,
+    args: rules.Arguments, mods: _Mods | None = None,
 ) -> tuple:
-    """The full-rank bias, the checked ``kv_lengths`` and the tiles to compute with their band."""
+    """The full-rank bias, the checked ``kv_lengths`` and the tiles to compute with their band:
+    without the tiles ``mods`` mask entirely, and ``partial | 2`` where they mask part."""
     q_len, kv_len = query.shape[-2], key.shape[-2]
     if kv_lengths is not None:  # the range needs the values: checked here
         kv_lengths = np.asarray(kv_lengths)
@@ -371,6 +420,12 @@ def _prepare(
     if kv_lengths is not None and kv_lengths.size:  # key blocks past every length: skipped
         longest = int(kv_lengths.max())
         plan = [(a, b, [t for t in blocks if t[0] < longest]) for a, b, blocks in plan]
+    if mods is not None and mods.masks:  # tiles chunks, segment ids or mask_mod empty: skipped
+        statuses = _mods_statuses(mods, q_len, kv_len, args.block_q, args.block_kv, lo, hi)
+        plan = [(a, b, [(k0, k1, int(part) | (2 if status == rules.SOME else 0))
+                        for k0, k1, part in blocks
+                        if (status := statuses[a // args.block_q, k0 // args.block_kv])])
+                for a, b, blocks in plan]
     return bias, kv_lengths, plan, lo, hi
 
 
@@ -400,15 +455,21 @@ def _mask_tile(
     bias: np.ndarray | None,
     kv_lengths: np.ndarray | None,
     tile: tuple[int, int, int, int],
-    partial: bool,
+    partial: int,
     lo: float,
     hi: float,
+    mods: _Mods | None = None,
 ) -> np.ndarray:
-    """Add the bias tile, then ``-inf`` where the band or ``kv_lengths`` forbid (in place)."""
+    """Add the bias tile (and ALiBi, then ``score_mod``), then ``-inf`` where the band (bit 1
+    of ``partial``), ``kv_lengths`` or ``mods``' rules (bit 2) forbid (in place)."""
     q_start, q_stop, kv_start, kv_stop = tile
     if bias is not None:
         scores += bias[_bias_tile(bias, *tile)].astype(scores.dtype, copy=False)
-    if partial:  # (bq, bk): j - i inside [lo, hi]
+    scores = _mods_scores(scores, mods, q_start, kv_start)
+    if partial & 2:  # chunks, segment ids, mask_mod cut the tile
+        allowed = _mods_allowed(mods, q_start, q_stop - q_start, kv_start, kv_stop - kv_start)
+        np.copyto(scores, NEG_INF, where=~allowed)
+    if partial & 1:  # (bq, bk): j - i inside [lo, hi]
         allowed = _in_band(q_start, q_stop - q_start, kv_start, kv_stop - kv_start, lo, hi)
         np.copyto(scores, NEG_INF, where=~allowed)
     if kv_lengths is not None:  # (batch..., 1, 1, bk): key j < kv_lengths[b]

@@ -23,7 +23,8 @@ devices they run at the same time), with the messages explicit (``trace`` record
   turns the output back.
 
 jax_attn and torch_attn run the same schedule with their frameworks' collectives; this file is
-their readable reference. ``python -m conformance.context_parallel schedule`` draws it.
+their readable reference. ``python -m conformance.context_parallel schedule`` draws it. The
+steps are made of ``context_blocks.py``'s pairs and messages.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ import numpy as np
 import attention_rules as rules
 from attention_rules import context_parallel as cp
 
+from . import context_blocks as blocks
 from ._core import _array, _describe, _describe_lengths, _merge_partials, _to_compute
-from .blockwise import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, backward_tiles, forward_tiles
 
 # ------------------------------------------------------------------------------------------
 # Public functions
@@ -91,7 +92,7 @@ def context_parallel_attention(
                              is_causal, causal_alignment, window, scale, softcap, load_balance)
     query, key, value = _array(query), _array(key), _array(value)
     lengths = None if kv_lengths is None else np.asarray(kv_lengths)
-    q, k, v = (_shards(x, sched.world_size) for x in (query, key, value))  # lists over ranks
+    q, k, v = (blocks.shards(x, sched.world_size) for x in (query, key, value))  # lists over ranks
     output, _ = _strategy_forward(q, k, v, lengths, sched, args, trace)
     return np.concatenate(output, axis=-2).astype(query.dtype, copy=False)
 
@@ -133,7 +134,7 @@ def context_parallel_attention_vjp(
                              load_balance)
     query, key, value, grad_output = _array(query), _array(key), _array(value), _array(grad_output)
     lengths = None if kv_lengths is None else np.asarray(kv_lengths)
-    q, k, v, d_out = (_shards(x, sched.world_size) for x in (query, key, value, grad_output))
+    q, k, v, d_out = (blocks.shards(x, sched.world_size) for x in (query, key, value, grad_output))
     _, saved = _strategy_forward(q, k, v, lengths, sched, args, trace)
     grads = _strategy_backward(q, k, v, lengths, saved, d_out, sched, args, trace)
     return tuple(np.concatenate(g, axis=-2).astype(query.dtype, copy=False) for g in grads)
@@ -169,90 +170,6 @@ def _arguments(
 
 
 # ------------------------------------------------------------------------------------------
-# The per-block math: blockwise.py's tiles on a pair of chunks (merged by _merge_partials)
-# ------------------------------------------------------------------------------------------
-
-
-def _pair_band(q_start: int, kv_start: int, sched: cp.Schedule) -> tuple[float, float]:
-    """The band ``lo <= j - i <= hi`` in the chunks' own indices (``i``, ``j`` from 0)."""
-    shift = kv_start - q_start
-    return sched.lo - shift, sched.hi - shift
-
-
-def _attend_pair(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, kv_lengths: np.ndarray | None, q_start: int,
-    kv_start: int, sched: cp.Schedule, args: rules.Arguments,
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """``(output, lse)`` of one query chunk against one key chunk (global starts given), lse
-    ``-inf`` on rows with no allowed key; None when the band leaves the pair nothing."""
-    lo, hi = _pair_band(q_start, kv_start, sched)
-    tiles = rules.plan(q.shape[-2], k.shape[-2], DEFAULT_BLOCK_Q, DEFAULT_BLOCK_KV, lo, hi)
-    if not any(blocks for _, _, blocks in tiles):
-        return None  # never computed
-    lengths = None if kv_lengths is None else kv_lengths - kv_start  # in the chunk's indices
-    output, lse = forward_tiles(q, k, v, None, lengths, tiles, lo, hi, args.scale, args.softcap)
-    return output, np.where(lse == np.inf, -np.inf, lse)  # blockwise: +inf on empty rows
-
-def _attend(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, kv_lengths: np.ndarray | None,
-    q_segments: tuple, kv_segments: tuple, sched: cp.Schedule, args: rules.Arguments,
-) -> tuple[np.ndarray, np.ndarray]:
-    """``(output, lse)`` of the query chunks ``q_segments`` (concatenated in ``q``) against the
-    key chunks ``kv_segments`` (in ``k`` and ``v``); lse ``-inf`` on rows with no key."""
-    q_size, kv_size = q.shape[-2] // len(q_segments), k.shape[-2] // len(kv_segments)
-    q_c = _to_compute(q)
-    outputs, lses = [], []
-    for i, (q_start, _) in enumerate(q_segments):
-        q_part = q_c[..., i * q_size:(i + 1) * q_size, :]  # (batch, heads, chunk, head_dim)
-        out = np.zeros(q_part.shape[:-1] + v.shape[-1:], q_c.dtype)  # no key yet
-        lse = np.full(q_part.shape[:-1] + (1,), -np.inf, q_c.dtype)
-        for j, (kv_start, _) in enumerate(kv_segments):
-            cols = slice(j * kv_size, (j + 1) * kv_size)
-            part = _attend_pair(q_part, k[..., cols, :], v[..., cols, :], kv_lengths, q_start,
-                                kv_start, sched, args)
-            if part is not None:
-                out, lse = _merge_partials(out, lse, *part)
-        outputs.append(out)
-        lses.append(lse)
-    return np.concatenate(outputs, axis=-2), np.concatenate(lses, axis=-2)
-
-
-def _attend_backward(
-    q: np.ndarray, k: np.ndarray, v: np.ndarray, kv_lengths: np.ndarray | None,
-    output: np.ndarray, lse: np.ndarray, grad_output: np.ndarray, q_segments: tuple,
-    kv_segments: tuple, sched: cp.Schedule, args: rules.Arguments,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Contributions of the key chunks ``kv_segments`` to ``(grad_q, grad_k, grad_v)``, from
-    the final ``output`` and ``lse`` (``+inf`` on fully masked rows) of the query chunks."""
-    q_size, kv_size = q.shape[-2] // len(q_segments), k.shape[-2] // len(kv_segments)
-    dtype = output.dtype  # the compute dtype
-    grad_q = np.zeros(q.shape, dtype)
-    grad_k, grad_v = np.zeros(k.shape, dtype), np.zeros(v.shape, dtype)
-    for i, (q_start, _) in enumerate(q_segments):
-        rows = slice(i * q_size, (i + 1) * q_size)
-        for j, (kv_start, _) in enumerate(kv_segments):
-            cols = slice(j * kv_size, (j + 1) * kv_size)
-            lo, hi = _pair_band(q_start, kv_start, sched)
-            tiles = rules.plan(q_size, kv_size, DEFAULT_BLOCK_Q, DEFAULT_BLOCK_KV, lo, hi)
-            if not any(blocks for _, _, blocks in tiles):
-                continue  # never computed
-            lengths = None if kv_lengths is None else kv_lengths - kv_start
-            dq, dk, dv, _ = backward_tiles(
-                q[..., rows, :], k[..., cols, :], v[..., cols, :], None, lengths, tiles, lo, hi,
-                args.scale, args.softcap, output[..., rows, :], lse[..., rows, :],
-                grad_output[..., rows, :])
-            grad_q[..., rows, :] += dq
-            grad_k[..., cols, :] += dk
-            grad_v[..., cols, :] += dv
-    return grad_q, grad_k, grad_v
-
-
-def _finish(lse: np.ndarray) -> np.ndarray:
-    """The saved log-sum-exp as ``blockwise.py``'s backward wants it: ``+inf`` on empty rows."""
-    return np.where(lse == -np.inf, np.inf, lse)
-
-
-# ------------------------------------------------------------------------------------------
 # Strategies: the code every rank runs (numpy: a loop over the simulated ranks)
 # ------------------------------------------------------------------------------------------
 
@@ -282,17 +199,17 @@ def _ring_forward(q: list, k: list, v: list, kv_lengths: np.ndarray | None,
     for step in range(sched.steps):
         for rank in range(n):  # on devices: every rank at once
             origin = cp.ring_origin(n, rank, step)
-            part = _attend(q[rank], k[rank], v[rank], kv_lengths, sched.q_segments[rank],
-                           sched.kv_segments[origin], sched, args)
+            part = blocks.attend(q[rank], k[rank], v[rank], kv_lengths, sched.q_segments[rank],
+                                 sched.kv_segments[origin], sched, args)
             held = results[rank]
             results[rank] = part if held is None else _merge_partials(*held, *part)
-            _note(trace, step, rank, "compute", block=origin,
-                  pairs=cp.block_needed(sched, rank, origin))
+            blocks.note(trace, step, rank, "compute", block=origin,
+                        pairs=cp.block_needed(sched, rank, origin))
         if step + 1 < sched.steps:  # nobody needs the blocks after the last step
-            k = _ring_shift(k, 1, trace, step, "key")
-            v = _ring_shift(v, 1, trace, step, "value")
+            k = blocks.ring_shift(k, 1, trace, step, "key")
+            v = blocks.ring_shift(v, 1, trace, step, "value")
     output = [out for out, _ in results]
-    lse = [_finish(lse) for _, lse in results]
+    lse = [blocks.finish(lse) for _, lse in results]
     return output, (output, lse)
 
 
@@ -309,36 +226,37 @@ def _ring_backward(q: list, k: list, v: list, kv_lengths: np.ndarray | None, sav
     for step in range(sched.steps):
         for rank in range(n):
             origin = cp.ring_origin(n, rank, step)
-            dq, dk, dv = _attend_backward(
+            dq, dk, dv = blocks.attend_backward(
                 q[rank], k[rank], v[rank], kv_lengths, output[rank], lse[rank], d_out[rank],
                 sched.q_segments[rank], sched.kv_segments[origin], sched, args)
             grad_q[rank] += dq
             grad_k[rank] += dk  # the gradient of the block held: it travels with it
             grad_v[rank] += dv
-            _note(trace, step, rank, "compute", block=origin,
-                  pairs=cp.block_needed(sched, rank, origin))
+            blocks.note(trace, step, rank, "compute", block=origin,
+                        pairs=cp.block_needed(sched, rank, origin))
         if step + 1 < sched.steps:
-            k, v = _ring_shift(k, 1, trace, step, "key"), _ring_shift(v, 1, trace, step, "value")
-            grad_k = _ring_shift(grad_k, 1, trace, step, "grad_key")
-            grad_v = _ring_shift(grad_v, 1, trace, step, "grad_value")
+            k = blocks.ring_shift(k, 1, trace, step, "key")
+            v = blocks.ring_shift(v, 1, trace, step, "value")
+            grad_k = blocks.ring_shift(grad_k, 1, trace, step, "grad_key")
+            grad_v = blocks.ring_shift(grad_v, 1, trace, step, "grad_value")
     home = -(sched.steps - 1) % n  # rank r holds the gradients of rank r - (steps - 1)
     if home:
-        grad_k = _ring_shift(grad_k, home, trace, sched.steps, "grad_key")
-        grad_v = _ring_shift(grad_v, home, trace, sched.steps, "grad_value")
+        grad_k = blocks.ring_shift(grad_k, home, trace, sched.steps, "grad_key")
+        grad_v = blocks.ring_shift(grad_v, home, trace, sched.steps, "grad_value")
     return grad_q, grad_k, grad_v
 
 
 def _all_gather_forward(q: list, k: list, v: list, kv_lengths: np.ndarray | None,
                         sched: cp.Schedule, args: rules.Arguments, trace: list | None) -> tuple:
     """Every rank gathers every key/value block (layout order), then attends to all of them."""
-    k_all, v_all = _all_gather(k, trace, "key"), _all_gather(v, trace, "value")
+    k_all, v_all = blocks.all_gather(k, trace, "key"), blocks.all_gather(v, trace, "value")
     kv_segments = cp.all_segments(sched.kv_segments)
     output, lse = [], []
     for rank in range(sched.world_size):
-        out, rank_lse = _attend(q[rank], k_all[rank], v_all[rank], kv_lengths,
-                                sched.q_segments[rank], kv_segments, sched, args)
+        out, rank_lse = blocks.attend(q[rank], k_all[rank], v_all[rank], kv_lengths,
+                                      sched.q_segments[rank], kv_segments, sched, args)
         output.append(out)
-        lse.append(_finish(rank_lse))
+        lse.append(blocks.finish(rank_lse))
     return output, (output, lse)
 
 
@@ -348,35 +266,35 @@ def _all_gather_backward(q: list, k: list, v: list, kv_lengths: np.ndarray | Non
     """Gather again (nothing of the whole sequence was kept), then sum each block's
     gradients back to its owner (reduce-scatter)."""
     output, lse = saved
-    k_all, v_all = _all_gather(k, trace, "key"), _all_gather(v, trace, "value")
+    k_all, v_all = blocks.all_gather(k, trace, "key"), blocks.all_gather(v, trace, "value")
     kv_segments = cp.all_segments(sched.kv_segments)
     grad_q, grad_k_all, grad_v_all = [], [], []
     for rank in range(sched.world_size):
-        dq, dk, dv = _attend_backward(
+        dq, dk, dv = blocks.attend_backward(
             q[rank], k_all[rank], v_all[rank], kv_lengths, output[rank], lse[rank],
             _to_compute(grad_output[rank]), sched.q_segments[rank], kv_segments, sched, args)
         grad_q.append(dq)
         grad_k_all.append(dk)
         grad_v_all.append(dv)
-    grad_k = _reduce_scatter(grad_k_all, trace, "grad_key")
-    grad_v = _reduce_scatter(grad_v_all, trace, "grad_value")
+    grad_k = blocks.reduce_scatter(grad_k_all, trace, "grad_key")
+    grad_v = blocks.reduce_scatter(grad_v_all, trace, "grad_value")
     return grad_q, grad_k, grad_v
 
 
 def _ulysses_forward(q: list, k: list, v: list, kv_lengths: np.ndarray | None,
                      sched: cp.Schedule, args: rules.Arguments, trace: list | None) -> tuple:
     """All-to-all: 1/N of the heads, the whole sequence (layout order); attend; all-to-all back."""
-    q_h = _all_to_all(q, "heads_to_sequence", trace, "query")  # (batch, heads/N, q_len, d)
-    k_h = _all_to_all(k, "heads_to_sequence", trace, "key")
-    v_h = _all_to_all(v, "heads_to_sequence", trace, "value")
+    q_h = blocks.all_to_all(q, "heads_to_sequence", trace, "query")  # (batch, heads/N, q_len, d)
+    k_h = blocks.all_to_all(k, "heads_to_sequence", trace, "key")
+    v_h = blocks.all_to_all(v, "heads_to_sequence", trace, "value")
     q_segments, kv_segments = cp.all_segments(sched.q_segments), cp.all_segments(sched.kv_segments)
     out_h, lse_h = [], []
     for rank in range(sched.world_size):
-        out, lse = _attend(q_h[rank], k_h[rank], v_h[rank], kv_lengths, q_segments, kv_segments,
-                           sched, args)
+        out, lse = blocks.attend(q_h[rank], k_h[rank], v_h[rank], kv_lengths, q_segments,
+                                 kv_segments, sched, args)
         out_h.append(out)
-        lse_h.append(_finish(lse))
-    output = _all_to_all(out_h, "sequence_to_heads", trace, "output")
+        lse_h.append(blocks.finish(lse))
+    output = blocks.all_to_all(out_h, "sequence_to_heads", trace, "output")
     return output, (q_h, k_h, v_h, out_h, lse_h)
 
 
@@ -385,66 +303,12 @@ def _ulysses_backward(q: list, k: list, v: list, kv_lengths: np.ndarray | None, 
                       trace: list | None) -> tuple:
     """dO to the head split, the whole-sequence backward per rank, gradients back."""
     q_h, k_h, v_h, out_h, lse_h = saved
-    d_out_h = _all_to_all([_to_compute(g) for g in grad_output], "heads_to_sequence", trace,
-                          "grad_output")
+    d_out_h = blocks.all_to_all([_to_compute(g) for g in grad_output], "heads_to_sequence",
+                                trace, "grad_output")
     q_segments, kv_segments = cp.all_segments(sched.q_segments), cp.all_segments(sched.kv_segments)
-    grads = [_attend_backward(q_h[r], k_h[r], v_h[r], kv_lengths, out_h[r], lse_h[r], d_out_h[r],
-                              q_segments, kv_segments, sched, args)
+    grads = [blocks.attend_backward(q_h[r], k_h[r], v_h[r], kv_lengths, out_h[r], lse_h[r],
+                                    d_out_h[r], q_segments, kv_segments, sched, args)
              for r in range(sched.world_size)]
     names = ("grad_query", "grad_key", "grad_value")
-    return tuple(_all_to_all([g[i] for g in grads], "sequence_to_heads", trace, names[i])
+    return tuple(blocks.all_to_all([g[i] for g in grads], "sequence_to_heads", trace, names[i])
                  for i in range(3))
-
-
-# ------------------------------------------------------------------------------------------
-# The messages (numpy: lists over ranks; jax: lax collectives; torch: torch.distributed)
-# ------------------------------------------------------------------------------------------
-
-
-def _shards(x: np.ndarray, world_size: int) -> list[np.ndarray]:
-    """numpy only: rank ``r``'s shard is the ``r``-th of ``world_size`` equal parts of the
-    sequence axis (the layout order already puts its chunks there)."""
-    return np.split(x, world_size, axis=-2)
-
-
-def _ring_shift(blocks: list, shift: int, trace: list | None, step: int, what: str) -> list:
-    """Rank ``r`` sends its block to rank ``r + shift`` and receives rank ``r - shift``'s."""
-    n = len(blocks)
-    for rank, block in enumerate(blocks):
-        _note(trace, step, rank, "send", what=what, to=(rank + shift) % n, bytes=block.nbytes)
-    return [blocks[(rank - shift) % n] for rank in range(n)]
-
-
-def _all_gather(blocks: list, trace: list | None, what: str) -> list:
-    """Every rank receives every block, concatenated along the sequence in rank order."""
-    n = len(blocks)
-    for rank, block in enumerate(blocks):
-        _note(trace, 0, rank, "send", what=what, to="all", bytes=(n - 1) * block.nbytes)
-    gathered = np.concatenate(blocks, axis=-2)
-    return [gathered] * n
-
-
-def _reduce_scatter(blocks: list, trace: list | None, what: str) -> list:
-    """Sum the ranks' whole-sequence arrays; rank ``r`` keeps the ``r``-th shard of the sum."""
-    n = len(blocks)
-    for rank, block in enumerate(blocks):
-        _note(trace, 0, rank, "send", what=what, to="all", bytes=(n - 1) * block.nbytes // n)
-    return np.split(sum(blocks), n, axis=-2)
-
-
-def _all_to_all(blocks: list, direction: str, trace: list | None, what: str) -> list:
-    """``"heads_to_sequence"``: rank ``r`` sends its ``j``-th group of heads to rank ``j`` and
-    receives group ``r`` of every rank's sequence shard, concatenated in rank order;
-    ``"sequence_to_heads"`` undoes it."""
-    n = len(blocks)
-    split, join = (-3, -2) if direction == "heads_to_sequence" else (-2, -3)
-    pieces = [np.split(block, n, axis=split) for block in blocks]  # pieces[i][j]: i sends to j
-    for rank, block in enumerate(blocks):
-        _note(trace, 0, rank, "send", what=what, to="all", bytes=(n - 1) * block.nbytes // n)
-    return [np.concatenate([pieces[i][j] for i in range(n)], axis=join) for j in range(n)]
-
-
-def _note(trace: list | None, step: int, rank: int, event: str, **details: Any) -> None:
-    """numpy only: record one event of the schedule."""
-    if trace is not None:
-        trace.append({"step": step, "rank": rank, "event": event, **details})

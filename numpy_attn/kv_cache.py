@@ -3,6 +3,8 @@
 Buffers are preallocated to ``max_len`` positions and filled left to right by ``append``;
 ``keys`` and ``values`` are views of the filled part. ``append`` writes in place and returns
 the cache itself (jax_attn returns a new cache: write ``cache = cache.append(k, v)``).
+A modules' decoding step over a long cache runs split-KV (``paged.split_kv_attention``), and
+one over a ``PagedKVCache`` runs ``paged_attention`` (``spec.SPLIT_DECODING``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import attention_rules as rules
 
 from ._core import _check_device
 from .functional import scaled_dot_product_attention
+from .paged import PagedKVCache, split_kv_attention
 
 
 def _dtype(dtype: Any) -> np.dtype:
@@ -108,20 +111,35 @@ def decode_step(
     query: np.ndarray,
     key: np.ndarray,
     value: np.ndarray,
-    cache: KVCache | None,
+    cache: KVCache | PagedKVCache | None,
     max_len: int | None,
-) -> tuple[np.ndarray, KVCache]:
+    sinks: Any = None,
+) -> tuple[np.ndarray, KVCache | PagedKVCache]:
     """One decoding step of a module: append ``key``/``value`` ``(..., kv_heads, n, dim)`` to
     the cache (a new one of ``max_len`` positions when None), then attend
     ``query (..., heads, n, head_dim)`` over every cached position with the bottom-right causal
-    rule: ``(..., heads, n, v_dim)``."""
+    rule: ``(..., heads, n, v_dim)``. ``sinks``: ``(heads,)`` sink logits (a module's
+    learned sinks), or None.
+
+    A long cache is attended in chunks merged by their log-sum-exp (``spec.SPLIT_DECODING``,
+    ``rules.split_chunk``); a ``PagedKVCache`` holds sequences ``0..batch-1`` of the one batch
+    axis and is attended by ``paged_attention``."""
+    if isinstance(cache, PagedKVCache):
+        cache = cache.append(key, value)
+        query = query.astype(cache.key_pages.dtype, copy=False)
+        return cache.attend(query, sinks=sinks), cache
     if cache is None:
         max_len = key.shape[-2] if max_len is None else max_len
         cache = KVCache.empty(key.shape[:-3], key.shape[-3], max_len, key.shape[-1],
                               value.shape[-1], dtype=key.dtype)
     cache = cache.append(key, value)
     query = query.astype(cache.key_buffer.dtype, copy=False)
+    chunk = rules.split_chunk(query.shape[-2], cache.length)
+    if chunk is not None:  # few query rows over many keys: the chunks on every core
+        sinks = None if sinks is None else np.asarray(sinks)
+        return split_kv_attention(query, cache.keys, cache.values, chunk, sinks=sinks)[0], cache
     context = scaled_dot_product_attention(
-        query, cache.keys, cache.values, is_causal=True, causal_alignment="bottom_right"
+        query, cache.keys, cache.values, is_causal=True, causal_alignment="bottom_right",
+        sinks=sinks,
     )
     return context, cache

@@ -262,8 +262,10 @@ class MultiHeadAttention(_Module):
 
     ``head_dim = d_model // num_heads``. Weights: ``W_query (d_model, num_heads·head_dim)``,
     ``W_key``, ``W_value (d_model, num_kv_heads·head_dim)``, ``W_out (num_heads·head_dim,
-    d_model)`` (Xavier uniform), and with ``bias=True`` ``b_query``, ``b_key``, ``b_value``,
-    ``b_out`` (zeros).
+    d_model)`` (Xavier uniform), with ``bias=True`` ``b_query``, ``b_key``, ``b_value``,
+    ``b_out`` (zeros), and with ``sinks=True`` ``sinks (num_heads,)``: GPT-OSS's learned
+    attention sinks, one logit per query head joining every softmax denominator (zeros; drawn
+    after nothing, so the other weights are those of the same module without sinks).
     """
 
     def __init__(
@@ -273,6 +275,7 @@ class MultiHeadAttention(_Module):
         *,
         num_kv_heads: int | None = None,
         bias: bool = True,
+        sinks: bool = False,
         dropout_p: float = 0.0,
         rng: Any = None,
     ) -> None:
@@ -296,7 +299,23 @@ class MultiHeadAttention(_Module):
             self.b_value = np.zeros(kv_size, np.float32)
             self.b_out = np.zeros(d_model, np.float32)
             names += ["b_query", "b_key", "b_value", "b_out"]
+        if sinks:
+            self.sinks = np.zeros(num_heads, np.float32)  # (num_heads,) sink logits
+            names.append("sinks")
         self._weight_names = tuple(names)
+
+    def _sinks(self) -> np.ndarray | None:
+        """The ``(num_heads,)`` sink logits, or None for a module without sinks."""
+        return self.sinks if "sinks" in self._weight_names else None
+
+    def _out(self, context_vec: np.ndarray) -> np.ndarray:
+        """``(..., heads, seq, head_dim)`` → the output projection ``(..., seq, d_model)``."""
+        merged = np.swapaxes(context_vec, -2, -3)  # (..., seq, heads, head_dim)
+        merged = merged.reshape(merged.shape[:-2] + (-1,))  # (..., seq, heads * head_dim)
+        output = _matmul(merged, self.W_out)  # (..., seq, d_model)
+        if "b_out" in self._weight_names:
+            output = output + self.b_out
+        return output
 
     def _project(self, x: Any, name: str, heads: int) -> np.ndarray:
         """``(..., seq, d_model)`` → ``(..., heads, seq, head_dim)``."""
@@ -339,14 +358,10 @@ class MultiHeadAttention(_Module):
         result = scaled_dot_product_attention(
             query, key, value, mask=mask, is_causal=is_causal, causal_alignment=causal_alignment,
             window=window, dropout_p=self.dropout_p if self.training else 0.0, rng=rng,
-            return_weights=return_weights,
+            return_weights=return_weights, sinks=self._sinks(),
         )
         context_vec, weights = result if return_weights else (result, None)
-        merged = np.swapaxes(context_vec, -2, -3)  # (..., q_len, heads, head_dim)
-        merged = merged.reshape(merged.shape[:-2] + (-1,))  # (..., q_len, heads * head_dim)
-        output = _matmul(merged, self.W_out)  # (..., q_len, d_model)
-        if "b_out" in self._weight_names:
-            output = output + self.b_out
+        output = self._out(context_vec)  # (..., q_len, d_model)
         return (output, weights) if return_weights else output
 
     def backward(
@@ -368,7 +383,8 @@ class MultiHeadAttention(_Module):
           context, mask, is_causal, causal_alignment, window: as in ``forward``.
 
         Returns:
-          weight name → gradient, for every weight.
+          weight name → gradient, for every weight (``sinks``: the attention's own sinks
+          gradient, ``scaled_dot_product_attention_vjp``'s fifth result).
         """
         _check_no_dropout(self)
         x = np.asarray(x)
@@ -379,17 +395,17 @@ class MultiHeadAttention(_Module):
         value = self._project(context, "value", self.num_kv_heads)
         context_vec = scaled_dot_product_attention(
             query, key, value, mask=mask, is_causal=is_causal,
-            causal_alignment=causal_alignment, window=window,
+            causal_alignment=causal_alignment, window=window, sinks=self._sinks(),
         )
         merged = np.swapaxes(context_vec, -2, -3)  # (..., q_len, heads, head_dim)
         merged = merged.reshape(merged.shape[:-2] + (-1,))  # (..., q_len, heads * head_dim)
         grads = {"W_out": projection_grads(merged, grad_output)}
         grad_merged = _matmul(grad_output, self.W_out.T)  # (..., q_len, heads * head_dim)
         grad_split = grad_merged.reshape(grad_merged.shape[:-1] + (self.num_heads, -1))
-        grad_q, grad_k, grad_v, _ = scaled_dot_product_attention_vjp(
+        grad_q, grad_k, grad_v, _, *grad_sinks = scaled_dot_product_attention_vjp(
             query, key, value, np.swapaxes(grad_split, -2, -3), mask=mask, is_causal=is_causal,
-            causal_alignment=causal_alignment, window=window,
-        )
+            causal_alignment=causal_alignment, window=window, sinks=self._sinks(),
+        )  # grad_sinks: [(num_heads,)] with sinks, else []
         for name, source, grad in (("query", x, grad_q), ("key", context, grad_k),
                                    ("value", context, grad_v)):
             joined = np.swapaxes(grad, -2, -3)  # (..., seq, heads, head_dim)
@@ -399,6 +415,8 @@ class MultiHeadAttention(_Module):
                 grads[f"b_{name}"] = joined.reshape(-1, joined.shape[-1]).sum(axis=0)
         if "b_out" in self._weight_names:
             grads["b_out"] = grad_output.reshape(-1, grad_output.shape[-1]).sum(axis=0)
+        if grad_sinks:
+            grads["sinks"] = grad_sinks[0]
         return grads
 
     def decode(
@@ -413,16 +431,11 @@ class MultiHeadAttention(_Module):
 
         Returns:
           ``(output (..., n, d_model), cache)``; equals ``forward(x_all, is_causal=True)`` at
-          these positions. No dropout. The cache is updated in place.
+          these positions (the sinks included). No dropout. The cache is updated in place.
         """
         x = np.asarray(x)
         query = self._project(x, "query", self.num_heads)  # (..., heads, n, head_dim)
         key = self._project(x, "key", self.num_kv_heads)  # (..., kv_heads, n, head_dim)
         value = self._project(x, "value", self.num_kv_heads)
-        context_vec, cache = decode_step(query, key, value, cache, max_len)
-        merged = np.swapaxes(context_vec, -2, -3)  # (..., n, heads, head_dim)
-        merged = merged.reshape(merged.shape[:-2] + (-1,))  # (..., n, heads * head_dim)
-        output = _matmul(merged, self.W_out)  # (..., n, d_model)
-        if "b_out" in self._weight_names:
-            output = output + self.b_out
-        return output, cache
+        context_vec, cache = decode_step(query, key, value, cache, max_len, sinks=self._sinks())
+        return self._out(context_vec), cache  # (..., n, d_model)

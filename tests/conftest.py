@@ -2,9 +2,29 @@
 
 CI installs all three frameworks, so nothing is skipped there; a NumPy-only machine runs the
 NumPy backend and skips the others with the command that installs them.
+
+JAX's float64 switch (``jax_enable_x64``) is never turned on for the whole run by a test file:
+a test that needs float64 in JAX asks for ``x64_on`` (x64 on for that test only, with
+``jax.enable_x64``), and a JAX check whose result could depend on the switch asks for ``x64``
+and runs twice, with x64 off (JAX's default, what users get) and on. (The harness's JAX
+adapter, ``conformance.backends.jax_prepare``, turns x64 on for the process when a test first
+uses the ``jax`` backend; ``jax.enable_x64(False)`` still turns it off inside a test.)
+
+Memory: JAX keeps every program it compiles (about 1.5 MB each on the CPU; a module of JAX tests
+compiles hundreds), so ``release_memory`` drops them (``jax.clear_caches``) with torch.compile's
+caches and unreachable objects, and hands freed memory back to the system (about a second):
+after a test module that left the process ``RELEASE_MODULE_GROWTH_MIB`` above what it held
+after the last release, and after any test that left it ``RELEASE_GROWTH_MIB`` above. The
+whole run's peak is then about the largest module's, not the sum of every module's (a later
+test that needs a dropped program compiles it again, or reads it from JAX's persistent cache
+where the harness turned that on).
 """
 
 from __future__ import annotations
+
+import ctypes
+import gc
+import sys
 
 import numpy as np
 import pytest
@@ -28,6 +48,26 @@ def rng() -> np.random.Generator:
     return np.random.default_rng(20261130)
 
 
+@pytest.fixture
+def x64_on():
+    """JAX with x64 on for this test only (float64 arrays stay float64); skipped without JAX."""
+    jax = pytest.importorskip("jax", reason="pip install jax")
+    with jax.enable_x64(True):
+        yield True
+
+
+@pytest.fixture(params=[False, True], ids=["x64_off", "x64_on"])
+def x64(request: pytest.FixtureRequest, x64_on: bool):
+    """The test twice: JAX with x64 off (its default) and on; the value is the switch.
+
+    Set up after ``x64_on`` (its argument), so a module that turns x64 on for every test
+    (``pytestmark = pytest.mark.usefixtures("x64_on")``) still gets x64 off here."""
+    import jax
+
+    with jax.enable_x64(request.param):
+        yield request.param
+
+
 @pytest.fixture(params=["fast", "explicit"])
 def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """torch_attn's route: ``"fast"`` as it stands, ``"explicit"`` with the fast path switched
@@ -38,3 +78,52 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
 
         monkeypatch.setattr(_fast, "use_fast_path", lambda *args, **kwargs: None)
     return request.param
+
+
+#: Growth of resident memory (MiB) since the last release after which a test's teardown
+#: releases memory again, and after which the end of a test module does.
+RELEASE_GROWTH_MIB = 768
+RELEASE_MODULE_GROWTH_MIB = 256
+_FLOOR: dict[str, float] = {}  # resident MiB after the last release
+
+
+def release_memory() -> None:
+    """Drop JAX's compiled programs and torch.compile's caches (where those frameworks are
+    imported), collect garbage, and hand freed memory back to the system (glibc)."""
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        jax.clear_caches()
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.reset()
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+    rss = backends.resident_mib()
+    if rss is not None:
+        _FLOOR["mib"] = rss
+
+
+def _release_if_grown(limit_mib: float) -> None:
+    """``release_memory`` when resident memory grew by more than ``limit_mib`` since the last
+    release (reading ``/proc``: microseconds)."""
+    rss = backends.resident_mib()
+    if rss is not None and rss - _FLOOR.setdefault("mib", rss) > limit_mib:
+        release_memory()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_memory_after_a_module():
+    """At the end of a test module: release what it grew by more than
+    ``RELEASE_MODULE_GROWTH_MIB`` (its programs are not needed again)."""
+    yield
+    _release_if_grown(RELEASE_MODULE_GROWTH_MIB)
+
+
+@pytest.fixture(autouse=True)
+def _release_memory_after_a_test():
+    """After a test: release once the process grew by more than ``RELEASE_GROWTH_MIB``."""
+    yield
+    _release_if_grown(RELEASE_GROWTH_MIB)

@@ -1,9 +1,11 @@
 """Shared inputs of the jax_attn tests (``tests/test_jax_*.py``) and their reference checks.
 
 The arrays are drawn in one fixed order from one seeded generator, so every test file sees the
-same numbers whichever files run. Importing this module turns on ``jax_enable_x64`` (float64
-inputs stay float64). Expected values come from ``conformance.reference`` (float64) and the
-harness's tolerance rule (``conformance.compare``); never from jax_attn itself.
+same numbers whichever files run. They are NumPy float64 arrays: a test that hands them to JAX
+as float64 runs with x64 on (``conftest.x64_on``; importing this module changes no JAX setting,
+so other tests see JAX's default, x64 off). Expected values come from ``conformance.reference``
+(float64) and the harness's tolerance rule (``conformance.compare``, ``tests/numerics.py``);
+never from jax_attn itself.
 """
 
 from __future__ import annotations
@@ -12,12 +14,10 @@ import functools
 
 import jax
 import numpy as np
+from numerics import assert_matches_reference
 
-jax.config.update("jax_enable_x64", True)
-
-import jax_attn as ja  # noqa: E402
-from conformance import compare, expected, reference  # noqa: E402
-from conformance.cases import CaseData  # noqa: E402
+import jax_attn as ja
+from conformance import reference
 
 HALF = ("bfloat16", "float16")
 
@@ -65,14 +65,7 @@ def _jitted(static_items):
 def _assert_matches_reference(actual, step, dtype, arrays, **options):
     """The harness's one tolerance rule (``conformance.compare``: ``spec.TOLERANCES`` scaled by
     a naive implementation's error in ``dtype``) against the float64 reference."""
-    data = CaseData({n: np.asarray(a) for n, a in arrays.items()}, options)
-    exp = expected.expected_for(data, "sdpa", dtype, gradients=False)
-    result = compare.compare_step(exp, step, np.asarray(actual), "input")
-    assert result.passed, (
-        f"{step}: |diff| {result.ratio:.3g} × tolerance at {result.index} {result.note} "
-        f"[dtype={dtype}, options={options}]"
-    )
-
+    assert_matches_reference(actual, arrays, dtype, step, **options)
 
 
 __all__ = ["BIAS", "GBIAS", "GCOT", "GK", "GMASK", "GQ", "GV", "HALF", "KEEP", "MASK", "K", "Q",

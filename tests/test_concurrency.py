@@ -1,8 +1,9 @@
 """Concurrency and determinism (``spec.CONCURRENCY``, ``spec.BLAS_LIMIT``, ``spec.REPEATABLE``).
 
-* numpy_attn under load: THREADS threads × CALLS calls of mixed shapes, forward and VJP, causal
-  and not, on the fast path and off it, all started together, each result compared bit for bit
-  with the same call made alone; a deadline bounds the run;
+* numpy_attn under load, its tiled paths in ``LANES`` lanes whatever the machine
+  (``four_lanes``): THREADS threads × CALLS calls of mixed shapes, forward and VJP, causal and
+  not, on the fast path and off it, all started together, each result compared bit for bit with
+  the same call made alone; a deadline bounds the run;
 * numpy_attn's fast path gives the caller's BLAS thread count back, and its bits do not depend
   on it;
 * the harness's repeat check (``conformance.repeat``) passes for every installed backend, and
@@ -21,6 +22,7 @@ import pytest
 from conformance import backends, repeat
 
 THREADS, CALLS = 4, 4
+LANES = 4
 DEADLINE_S = 240.0
 # (query shape, key/value shape, is_causal, bias shape): four take the fast path (>= 2**20
 # scores); the biases are broadcast over heads (shared by the tasks of a key block) and over keys
@@ -32,6 +34,18 @@ SHAPES = (
     ((1, 2, 256, 16), (1, 2, 2048, 16), True, (1, 1, 256, 1)),
     ((2, 2, 40, 8), (2, 2, 40, 8), True, None),
 )
+
+
+@pytest.fixture
+def four_lanes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """numpy_attn's tiled paths deal their tasks into ``LANES`` lanes, whatever the machine.
+    The lane count is the number of cores (``_threads._cores``): on 2 cores the two lanes'
+    scratches, added in one order or the other, give the same bits (``a + b == b + a``), and a
+    sum that followed the threads' timing instead of the lanes' order would go unseen. With 4
+    lanes (run by up to as many threads as BLAS may use) it shows."""
+    from numpy_attn import _threads
+
+    monkeypatch.setattr(_threads, "_cores", lambda: LANES)
 
 
 def _problems() -> list[tuple]:
@@ -61,7 +75,7 @@ def _same_bits(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
                for x, y in zip(a, b, strict=True))
 
 
-def test_numpy_threads_give_the_sequential_bits():
+def test_numpy_threads_give_the_sequential_bits(four_lanes):
     import numpy_attn
 
     problems = _problems()
@@ -177,7 +191,7 @@ def test_first_difference_sees_the_sign_of_zero():
     assert repeat.first_difference(a, b).startswith("grad_value: ")
 
 
-def test_numpy_blockwise_vjp_gives_the_same_bits_from_threads():
+def test_numpy_blockwise_vjp_gives_the_same_bits_from_threads(four_lanes):
     """blockwise_attention_vjp with a bias broadcast over keys (every key block adds into the
     same grad_bias entries): the sums follow the lanes' order, never the threads' timing."""
     import numpy_attn

@@ -1,7 +1,9 @@
 """context_parallel_attention in every backend: forward and gradients against the float64
 reference (through ``conformance.context_parallel``), the layout, the schedule, the bytes sent,
-and the bad calls. NumPy runs here; JAX in one subprocess with 4 host devices; torch in one
-subprocess spawning 4 gloo ranks (worlds of 2 and 4), each with a deadline."""
+the bad calls, and the ring's memory per device. NumPy runs here; JAX in one subprocess with 4
+host devices; torch in one subprocess spawning 4 gloo ranks (worlds of 2 and 4), each with a
+deadline; the memory check compiles JAX programs in one more subprocess while 4 more gloo ranks
+run the torch ring."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import pytest
 from attention_rules import context_parallel as cp
 from conformance import context_parallel as ccp
 from conformance import reference, spec
+from numpy_attn import context_blocks as nblocks
 from numpy_attn import context_parallel as ncp
 
 
@@ -51,8 +54,8 @@ def _computed_pairs(case_q: int, case_kv: int, world: int, load_balance: bool, *
 @pytest.mark.parametrize("load_balance", [False, True])
 def test_ring_computes_exactly_the_pairs_the_causal_rule_keeps(monkeypatch, load_balance):
     calls = []
-    original = ncp.forward_tiles
-    monkeypatch.setattr(ncp, "forward_tiles",
+    original = nblocks.forward_tiles
+    monkeypatch.setattr(nblocks, "forward_tiles",
                         lambda *a, **k: calls.append(1) or original(*a, **k))
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((1, 2, 16, 4)) for _ in range(3))
@@ -163,6 +166,60 @@ def test_jax_mesh_matches_the_reference(results):
 
 
 # ------------------------------------------------------------------------------------------
+# Memory per device (issue 26): the ring holds about 1/N of one device's
+# ------------------------------------------------------------------------------------------
+
+
+def _memory_benchmark():
+    """``benchmarks/context_parallel_memory.py``, the measurement these tests share with the
+    benchmark (docs/context_parallel.md, "Memory per device", says what it counts)."""
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent)
+    if root not in sys.path:  # spawned torch ranks import the module by this name too
+        sys.path.insert(0, root)
+    return importlib.import_module("benchmarks.context_parallel_memory")
+
+
+def test_ring_per_device_memory_is_at_most_035_of_one_device():
+    """The ring at 4 devices, forward + backward, 8 heads of 64, causal, zig-zag: each device's
+    peak within 0.35 of single-device ``blockwise_attention``'s. JAX: the compiled programs'
+    memory analysis (arguments, outputs, temporaries; compiled, never run) at 4,096 and 16,384
+    tokens; torch: the live-tensor peak of rank 0 of 4 gloo ranks at 4,096 tokens (the inputs
+    plus every storage the call allocates), run at the same time in a thread. Before issue 26:
+    JAX 0.51 and 0.69, torch 0.48."""
+    import threading
+
+    bench, failures, ratios = _memory_benchmark(), [], {}
+
+    def jax_ratios() -> None:
+        try:
+            one, ring, one_long, ring_long = bench.jax_memory(
+                (4096, 1, "blockwise"), (4096, 4, "ring"), (16384, 1, "blockwise"),
+                (16384, 4, "ring"))
+            ratios["jax 4096"] = ring["total"] / one["total"]
+            ratios["jax 16384"] = ring_long["total"] / one_long["total"]
+        except Exception as error:  # noqa: BLE001 - reported by the main thread
+            failures.append(error)
+
+    worker = None
+    if importlib.util.find_spec("jax") is not None:
+        worker = threading.Thread(target=jax_ratios)
+        worker.start()
+    if importlib.util.find_spec("torch") is not None:
+        ring = bench.torch_memory(4096, 4, timeout=400)
+        ratios["torch 4096"] = ring["total"] / bench.torch_memory(4096, 1)["total"]
+    if worker is not None:
+        worker.join(timeout=600)
+        assert not worker.is_alive(), "JAX's memory analysis: no result after 600 s"
+    assert not failures, failures
+    if not ratios:
+        pytest.skip("needs jax or torch: pip install -r requirements-test.txt")
+    assert all(r <= 0.35 for r in ratios.values()), ratios
+
+
+# ------------------------------------------------------------------------------------------
 # The spec's stubs
 # ------------------------------------------------------------------------------------------
 
@@ -206,21 +263,25 @@ def test_the_documents_snippets_run_and_print_what_it_says():
             assert _normal(result["out"]) == _normal(documented), (first, result["out"])
 
 
-def test_the_three_files_define_their_shared_functions_in_the_same_order():
-    """``diff numpy_attn/context_parallel.py torch_attn/context_parallel.py`` shows the library
-    differences: the functions they share come in the same order."""
+@pytest.mark.parametrize(("file", "shared"), [
+    ("context_parallel.py", {"_arguments", "_ring_forward", "_ring_backward", "_ulysses_forward"}),
+    ("context_blocks.py", {"attend", "attend_pair", "attend_backward", "ring_shift", "all_to_all"}),
+])
+def test_the_three_files_define_their_shared_functions_in_the_same_order(file, shared):
+    """``diff numpy_attn/context_parallel.py torch_attn/context_parallel.py`` (and the same of
+    ``context_blocks.py``) shows the library differences: the functions they share come in the
+    same order."""
     import ast
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
 
     def names(package: str) -> list[str]:
-        tree = ast.parse((root / package / "context_parallel.py").read_text(encoding="utf-8"))
+        tree = ast.parse((root / package / file).read_text(encoding="utf-8"))
         return [n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef)]
 
     packages = ("numpy_attn", "jax_attn", "torch_attn")
     common = set(names(packages[0])).intersection(*(names(p) for p in packages[1:]))
     orders = [[n for n in names(p) if n in common] for p in packages]
     assert orders[0] == orders[1] == orders[2], orders
-    assert {"_attend", "_attend_pair", "_ring_forward", "_ring_backward",
-            "_ulysses_forward"} <= common  # the merge is _core._merge_partials
+    assert shared <= common  # the merge is _core._merge_partials

@@ -7,14 +7,20 @@ no state beyond its cache (``spec.DECODING``).
   ``decode`` output NaN, and ``checkify`` with ``index_checks`` reports it;
 * torch_attn: ``decode`` in ``eval()`` records no autograd history and the cache never does, over
   hundreds of steps; in training mode a step's graph holds that step only (the same number of
-  nodes at every step, the saved tensors one copy of the cache), and its gradient equals the
-  full forward pass's for what this step computes.
+  nodes at every step, the saved tensors one copy of the cache), and every parameter's gradient
+  (``W_key`` and ``W_value`` through this step's key and value) equals autograd on an explicit
+  computation in which the earlier positions' keys and values are constants, as
+  ``torch_attn.kv_cache.decode_step`` promises.
+
+Decoded outputs are compared with the float64 causal pass (``test_kv_cache.mha_reference``
+on the module's exported weights), never with the same backend's forward pass.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_kv_cache import mha_reference
 
 D_MODEL, HEADS, MAX_LEN = 8, 2, 4
 
@@ -57,24 +63,22 @@ def test_jax_overflow_under_jit_poisons_and_flags(jax_decoding):
     jax_attn, module, step, _ = jax_decoding
     tokens = np.random.default_rng(0).standard_normal((1, MAX_LEN + 2, D_MODEL))
     tokens = tokens.astype(np.float32)
+    expected = mha_reference(module.export_weights(), tokens[:, :MAX_LEN], HEADS, num_heads=HEADS)
     cache = jax_attn.KVCache.empty((1,), HEADS, MAX_LEN, D_MODEL // HEADS)
     for i in range(MAX_LEN + 2):
         output, cache, overflowed = step(module, tokens[:, i:i + 1], cache)
         output = np.asarray(output)
         assert int(cache.length) == i + 1
-        if i < MAX_LEN:  # within capacity: finite, and equal to the eager decode's
-            assert not bool(overflowed) and np.isfinite(output).all()
+        if i < MAX_LEN:  # within capacity: the float64 causal pass at this position
+            assert not bool(overflowed)
+            np.testing.assert_allclose(output[:, 0], expected[:, i], rtol=1e-5, atol=1e-5,
+                                       err_msg=f"step {i}")
+            full = cache
         else:  # past it: flagged, and NaN however the write was clamped
             assert bool(overflowed) and bool(cache.overflowed), f"step {i}"
             assert np.isnan(output).all(), f"step {i}: finite output past max_len"
-    eager, _ = module.decode(tokens[:, :MAX_LEN], None, max_len=MAX_LEN)
-    cache = jax_attn.KVCache.empty((1,), HEADS, MAX_LEN, D_MODEL // HEADS)
-    for i in range(MAX_LEN):
-        output, cache, _ = step(module, tokens[:, i:i + 1], cache)
-    np.testing.assert_allclose(np.asarray(output)[:, 0], np.asarray(eager)[:, -1],
-                               rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match=f"max_len={MAX_LEN}"):  # eagerly: an error, as ever
-        cache.append(cache.key_buffer[..., :1, :], cache.value_buffer[..., :1, :])
+        full.append(full.key_buffer[..., :1, :], full.value_buffer[..., :1, :])
 
 
 def test_jax_overflow_under_jit_reported_by_checkify(jax_decoding):
@@ -151,12 +155,14 @@ def test_torch_eval_decode_keeps_no_graph(rng):
         assert output.grad_fn is None and not output.requires_grad, f"step {i}"
     for buffer in (cache.key_buffer, cache.value_buffer):
         assert buffer.grad_fn is None and not buffer.requires_grad
-    with torch.no_grad():  # and it decodes what forward computes
-        full = module(tokens[:, -5:], is_causal=True)
+    # and it decodes the float64 causal pass
+    expected = mha_reference(module.export_weights(), tokens[:, -5:].numpy(), 1,
+                              num_heads=HEADS)
     cache = None
     for i in range(STEPS - 5, STEPS):
         output, cache = module.decode(tokens[:, i:i + 1], cache, max_len=5)
-    torch.testing.assert_close(output[:, 0], full[:, -1], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(output[:, 0].numpy(), expected[:, i - STEPS + 5], rtol=1e-5,
+                                   atol=1e-5, err_msg=f"step {i}")
 
 
 def test_torch_training_decode_graph_stays_one_step(rng):
@@ -178,20 +184,46 @@ def test_torch_training_decode_graph_stays_one_step(rng):
     assert sizes[-1][1] <= cache_bytes + weights + 4096, (sizes[-1], cache_bytes, weights)
 
 
+def _explicit_last_output(torch, module, tokens):
+    """The last position's output ``(batch, d_model)`` of ``module``'s causal multi-head
+    attention over ``tokens (batch, seq, d_model)``, written out in plain torch ops from its
+    parameters (one kv head, repeated), with the keys and values of the earlier positions
+    detached: what ``decode`` promises in training mode (the cache holds values without
+    history; this step's own keys and values keep theirs)."""
+    head_dim = D_MODEL // HEADS
+
+    def heads(y):  # (batch, seq, n·head_dim) → (batch, n, seq, head_dim)
+        return y.reshape(y.shape[:-1] + (-1, head_dim)).transpose(1, 2)
+
+    query = heads(tokens[:, -1:] @ module.W_query + module.b_query)  # (batch, HEADS, 1, hd)
+    key, value = (tokens @ w + b for w, b in ((module.W_key, module.b_key),
+                                               (module.W_value, module.b_value)))
+    key, value = (torch.cat([y[:, :-1].detach(), y[:, -1:]], 1) for y in (key, value))
+    key, value = heads(key), heads(value)  # (batch, 1, seq, hd): every query head's
+    weights = torch.softmax(query @ key.transpose(-1, -2) * head_dim ** -0.5, -1)
+    merged = (weights @ value).transpose(1, 2).reshape(tokens.shape[0], -1)  # (batch, d_model)
+    return merged @ module.W_out + module.b_out
+
+
 def test_torch_training_decode_gradient_of_this_step(rng):
-    """W_query, W_out and b_out reach the last output only through this step's computation,
-    so their gradients equal those of the full causal forward pass at that position."""
+    """Every parameter's gradient of the last step's output, W_key and W_value included (they
+    reach it through this step's key and value), equals autograd on the explicit computation
+    of ``_explicit_last_output``."""
     torch = pytest.importorskip("torch", reason="pip install torch==2.13.0")
-    module = _torch_module(torch).train()
-    tokens = torch.from_numpy(rng.standard_normal((2, 6, D_MODEL)).astype(np.float64))
-    module = module.double()
+    module = _torch_module(torch).double().train()
+    module.load_weights({n: rng.standard_normal(w.shape)
+                         for n, w in module.export_weights().items()})  # non-zero biases
+    tokens = torch.from_numpy(rng.standard_normal((2, 6, D_MODEL)))
     cache = None
     for i in range(6):
         output, cache = module.decode(tokens[:, i:i + 1], cache, max_len=6)
-    names = ("W_query", "W_out", "b_out")
+    names = sorted(n for n, _ in module.named_parameters())
+    assert {"W_key", "W_value", "b_key", "b_value"} <= set(names)
     params = [getattr(module, n) for n in names]
-    got = torch.autograd.grad(output.sum(), params)
-    full = module(tokens, is_causal=True)[:, -1]
-    expected = torch.autograd.grad(full.sum(), params)
+    got = torch.autograd.grad(output.sum(), params, allow_unused=True)
+    explicit = _explicit_last_output(torch, module, tokens)
+    torch.testing.assert_close(output[:, 0], explicit, rtol=0, atol=1e-12)
+    expected = torch.autograd.grad(explicit.sum(), params)
     for name, g, e in zip(names, got, expected, strict=True):
+        assert g is not None, f"{name}: no gradient from decode"
         torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-12, msg=name)

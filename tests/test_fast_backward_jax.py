@@ -6,7 +6,9 @@ and skips what the causal rule or the window masks. These tests shrink the block
 inputs cross several blocks, segments and remainders, and compare the gradients (float64) with
 two independent computations: JAX's autodiff of the explicit steps (``return_weights=True``
 always takes them) and the float64 NumPy reference ``conformance.reference.attention_vjp``.
-One jitted VJP per case, on one set of shapes, keeps the compile count low.
+One jitted VJP per case, on one set of shapes, keeps the compile count low. That the unpatched
+VJP steps through ``spec.FAST_PATHS``' ``block_kv`` keys at a time is
+``tests/test_performance_paths.py``'s (traced, not compiled).
 """
 
 from __future__ import annotations
@@ -164,12 +166,6 @@ def test_blocked_vjp_holds_no_query_by_key_array(small_blocks):
     explicit = jax.make_jaxpr(lambda q, k, v: jax_attn.scaled_dot_product_attention(
         q, k, v, is_causal=True, return_weights=True)[0])(q, k, v)
     assert any(s[-2:] == (Q_SHAPE[-2], K_SHAPE[-2]) for s in shapes(explicit.jaxpr))
-
-
-def test_block_kv_is_the_rule():
-    import attention_rules
-
-    assert _fast.BLOCK_KV == attention_rules.FAST_PATHS["jax_attn"]["blocked"]["block_kv"]
 
 
 def test_public_vjp_takes_the_blocked_backward_pass(small_blocks):

@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch", reason="pip install torch==2.13.0")
 
 import attention_rules  # noqa: E402
 import torch_attn  # noqa: E402
-from conformance import backends, cases, compare, expected  # noqa: E402
+from conformance import backends, cases, compare, expected, spec  # noqa: E402
 from conformance.naive import Precision, naive_attention_vjp  # noqa: E402
 from torch_attn import _fast  # noqa: E402
 
@@ -189,6 +189,27 @@ def test_selection_rule_sends_only_what_sdpa_cannot_skip_to_the_blocks():
     nan_q = big.clone()
     nan_q[0, 0, 5, 0] = float("nan")  # non-finite: the steps, the spec's IEEE rule
     assert _path(nan_q, big, big, softcap=2.0) is None
+
+
+def test_blocked_path_on_each_side_of_the_documented_thresholds():
+    """The unpatched rule at ``spec.FAST_PATHS``' numbers (docs/spec.md): with a soft-cap
+    (which only the tiles or the steps compute), at least ``min_q_len`` queries and
+    ``min_scores`` score entries (all heads counted) take the tiles; one query or one key
+    fewer takes the steps."""
+    numbers = spec.FAST_PATHS["torch_attn"]["blocked"]
+    min_q, min_scores = numbers["min_q_len"], numbers["min_scores"]
+    kv = min_scores // min_q
+    assert kv * min_q == min_scores  # the shapes below sit exactly on the threshold
+
+    def path(q_len, kv_len, heads=1):
+        q, k = torch.zeros(1, heads, q_len, 4), torch.zeros(1, heads, kv_len, 4)
+        return _path(q, k, k, softcap=2.0)
+
+    assert path(min_q, kv) == "blocked"
+    assert path(min_q, kv - 1) is None
+    assert path(min_q - 1, 2 * kv) is None
+    assert path(min_q, kv // 2, heads=2) == "blocked"
+    assert path(min_q, kv // 2 - 1, heads=2) is None
 
 
 @pytest.mark.parametrize("case", ["causal_top_left", "causal_top_left_q_longer"])

@@ -346,3 +346,72 @@ def test_export_refuses_a_file_and_an_earlier_export(tmp_path: Path, gold: Path)
     empty.mkdir()
     assert [p.name for p in golden.export(empty, ["self"], ["float32"])] == [NAME]
     assert golden.check(empty, ["numpy"]).ok
+
+
+# ------------------------------------------------------------------------------ new kinds
+
+NEW_KINDS = ["sinks_window", "merge_empty_split_sinks_gqa", "paged_two_queries_sinks"]
+
+
+@pytest.fixture(scope="module")
+def new_kinds(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("export") / "new_kinds"
+    golden.export(folder, NEW_KINDS, ["bfloat16"])
+    return folder
+
+
+def test_golden_files_carry_sinks_lse_merge_splits_and_pages(new_kinds: Path) -> None:
+    """The inputs (sinks, the merge's split, the pages and their table) and the expected values
+    of the new steps are exported, and a module passes the folder as it passes the cases."""
+    files = {case: _arrays(new_kinds / f"{case}__bfloat16.npz") for case in NEW_KINDS}
+    sinks = files["sinks_window"]
+    assert sinks["in:sinks"].shape == (4,) and sinks["in:sinks"].dtype == np.uint16  # bf16 bits
+    assert {"expected:lse", "expected:blockwise_lse", "expected:grad_sinks"} <= set(sinks)
+    merge = files["merge_empty_split_sinks_gqa"]
+    assert merge["in:key_part"].dtype == np.int64 and len(set(merge["in:key_part"])) == 2
+    assert json.loads(str(merge["meta"]))["options"] == {"parts": 3}  # one part empty
+    assert {"expected:merge_output", "expected:merge_lse", "zeros:merge_output"} <= set(merge)
+    pages = files["paged_two_queries_sinks"]
+    assert {"in:key_pages", "in:value_pages", "in:block_table", "in:seq_lens", "in:sinks",
+            "expected:paged_output", "expected:paged_lse", "expected:paged_cache_output"
+            } <= set(pages)
+    result = golden.check(new_kinds, ["numpy"])
+    assert result.ok and {c.status for c in result.cells} == {"ok"}
+    steps = {s.step for c in result.cells for s in c.steps}
+    assert {"lse", "grad_sinks", "merge_output", "merge_lse", "paged_output",
+            "paged_cache_output"} <= steps
+
+
+@pytest.mark.parametrize(("case", "array", "bad", "match"), [
+    ("merge_empty_split_sinks_gqa", "in:key_part", np.full(7, 3), "key_part"),
+    ("merge_empty_split_sinks_gqa", "in:key_part", np.zeros(6, np.int64), "key_part"),
+    ("paged_two_queries_sinks", "in:seq_lens", np.array([5, 1, 10**12]), "paged cache"),
+    ("paged_two_queries_sinks", "in:block_table", np.full((3, 3), 9), "paged cache"),
+], ids=["part-out-of-range", "part-per-key", "huge-seq-len", "page-out-of-range"])
+def test_a_crafted_split_or_page_table_is_refused(new_kinds: Path, tmp_path: Path, case: str,
+                                                  array: str, bad: np.ndarray,
+                                                  match: str) -> None:
+    """A split or a page table that would make the harness loop forever or read out of range
+    is a one-line GoldenError, before any backend runs."""
+    folder = tmp_path / "golden"
+    shutil.copytree(new_kinds, folder)
+    path = folder / f"{case}__bfloat16.npz"
+    arrays = _arrays(path)
+    arrays[array] = bad
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+    _rehash(folder)
+    with pytest.raises(golden.GoldenError, match=match):
+        golden.check(folder, ["numpy"], [case])
+
+
+def test_a_merge_case_with_too_many_parts_is_refused(new_kinds: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "golden"
+    shutil.copytree(new_kinds, folder)
+    path = folder / "merge_empty_split_sinks_gqa__bfloat16.npz"
+    arrays = _arrays(path)
+    _set_meta(arrays, options={"parts": 10**9})
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+    _rehash(folder)
+    _assert_one_line_error(_cli("check", str(folder), "--backend", "numpy"), "parts")

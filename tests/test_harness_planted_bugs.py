@@ -1,9 +1,10 @@
 """The conformance harness catches real bugs: meta-tests plant classic bugs in a fake backend
 (numpy_attn with one flaw) and check that the harness fails exactly the cases that expose each
 bug and names the bug (the non-finite cases catch a NaN that vanishes and a masked NaN that
-spreads); the report of a wrong backend names its failing cases and exits 1; the property
-checks apply the harness's rule, pass on numpy_attn, and shrink a planted bug to a runnable
-reproducer.
+spreads; the lse, sinks and merge steps catch an lse in log2, a sink added to the numerator and
+a merge without the max); the report of a wrong backend names its failing cases and exits 1;
+the property checks apply the harness's rule, pass on numpy_attn, and shrink a planted bug to a
+runnable reproducer.
 """
 
 from __future__ import annotations
@@ -80,8 +81,9 @@ def _composed(softmax, masking=numpy_attn.mask_scores):  # noqa: ANN001, ANN202
         out = numpy_attn.attention_output(kept, v).astype(q.dtype)
         return (out, w.astype(q.dtype)) if return_weights else out
 
+    # it takes neither sinks nor return_lse, and says so (docs/checking.md)
     return {"attention_weights": weights, "mask_scores": masking,
-            "scaled_dot_product_attention": sdpa}
+            "scaled_dot_product_attention": sdpa, "UNSUPPORTED": {"sinks", "lse"}}
 
 
 def _softmax_no_max(s: np.ndarray) -> np.ndarray:
@@ -149,6 +151,61 @@ def _wrong_scale(wrong):  # noqa: ANN001, ANN202 - test helper
     return {"attention_scores": scores, "scaled_dot_product_attention": sdpa}
 
 
+LOG2_E = np.log2(np.e)
+
+
+def _lse_in_log2() -> dict:
+    """sdpa and blockwise_attention whose lse is log2-sum-exp2 (the unit kernels keep)."""
+
+    def in_log2(result):  # noqa: ANN001, ANN202
+        return (*result[:-1], (result[-1] * LOG2_E).astype(result[-1].dtype))
+
+    def sdpa(q, k, v, **kw):  # noqa: ANN001, ANN202
+        result = numpy_attn.scaled_dot_product_attention(q, k, v, **kw)
+        return in_log2(result) if kw.get("return_lse") else result
+
+    def blockwise(q, k, v, **kw):  # noqa: ANN001, ANN202
+        result = numpy_attn.blockwise_attention(q, k, v, **kw)
+        return in_log2(result) if kw.get("return_lse") else result
+
+    return {"scaled_dot_product_attention": sdpa, "blockwise_attention": blockwise}
+
+
+def _sink_in_numerator(q, k, v, *, sinks=None, return_weights=False, return_lse=False,
+                       dropout_p=0.0, dropout_mask=None, rng=None, **kw):  # noqa: ANN001, ANN202
+    """sdpa whose weights are (exp(s_ij) + exp(sink)) / (exp(sink) + sum_k exp(s_ik)) at every
+    allowed key: the sink's term in each numerator too."""
+    if sinks is None:
+        return numpy_attn.scaled_dot_product_attention(
+            q, k, v, return_weights=return_weights, return_lse=return_lse, **kw)
+    scores = numpy_attn.attention_scores(q, k, scale=kw.pop("scale", None),
+                                         softcap=kw.pop("softcap", None))
+    scores = numpy_attn.mask_scores(scores, **kw)  # (..., heads, q_len, kv_len)
+    sink = np.asarray(sinks, scores.dtype)[:, None, None]
+    lse = np.logaddexp(np.logaddexp.reduce(scores, axis=-1, keepdims=True), sink)
+    weights = np.where(np.isneginf(scores), 0, np.exp(scores - lse) + np.exp(sink - lse))
+    out = numpy_attn.attention_output(weights, v).astype(q.dtype)
+    result = (out,) + ((weights.astype(q.dtype),) if return_weights else ()) + (
+        (lse[..., 0],) if return_lse else ())
+    return result if len(result) > 1 else out
+
+
+def _merge_without_max(outputs, lses, *, sinks=None):  # noqa: ANN001, ANN202
+    """merge_attention as sum_i exp(lse_i) o_i / sum_i exp(lse_i): no largest lse subtracted."""
+    dtype = np.float64 if outputs[0].dtype == np.float64 else np.float32
+    shares = [np.exp(np.asarray(lse, dtype)) for lse in lses]
+    total = sum(shares) + (0 if sinks is None else np.exp(np.asarray(sinks, dtype))[:, None])
+    out = sum(s[..., None] * np.asarray(o, dtype) for s, o in zip(shares, outputs, strict=True))
+    return (out / total[..., None]).astype(outputs[0].dtype), np.log(total)
+
+
+def _pages_off_by_one(q, key_pages, value_pages, block_table, seq_lens, **kw):  # noqa: ANN001, ANN202
+    """paged_attention reading page block_table[b, i] + 1 (a 1-based page id read as 0-based)."""
+    table = np.asarray(block_table)
+    shifted = np.where(table >= 0, (table + 1) % np.shape(key_pages)[0], -1)
+    return numpy_attn.paged_attention(q, key_pages, value_pages, shifted, seq_lens, **kw)
+
+
 PLANTED = {
     # bug: (overrides, cases that must fail, cases that must pass, words of the diagnosis)
     "mask_polarity": (_wrap(_flip_mask), {"padding", "mask_and_bias", "fully_masked_rows"},
@@ -179,6 +236,20 @@ PLANTED = {
                       "custom scale is ignored"),
     "scale_divides": (_wrong_scale(lambda scale, d: 1 / scale), {"scale"}, {"self", "softcap"},
                       "divided by the custom scale"),
+    # the row log-sum-exp, attention sinks and merging partial results
+    "lse_in_log2": (_lse_in_log2(), {"self", "sinks_fully_masked_rows", "merge_two_splits"},
+                    {"module_self_attention"}, "log2"),
+    "sink_in_numerator": ({"scaled_dot_product_attention": _sink_in_numerator},
+                          {"sinks_window", "sinks_causal_softcap",
+                           "sinks_fully_masked_rows"},
+                          {"self", "gqa", "merge_empty_split_sinks_gqa"}, "numerator"),
+    "merge_without_max": ({"merge_attention": _merge_without_max},
+                          {"merge_four_splits_huge"},
+                          {"merge_two_splits", "merge_empty_split_sinks_gqa", "self"},
+                          "does not subtract the largest lse"),
+    "pages_off_by_one": ({"paged_attention": _pages_off_by_one},
+                         {"paged_decode_gqa", "paged_two_queries_sinks"}, {"self"},
+                         "page table is read off by one"),
 }
 
 

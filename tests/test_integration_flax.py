@@ -9,6 +9,11 @@ results pass the spec's tolerance rule, ``e`` being ``nnx.dot_product_attention`
 error. Padding follows Flax's usual ``make_attention_mask(tokens > 0, tokens > 0)``: a padding
 query attends nothing (Flax: the mean of the values, jax_attn: 0), so only real tokens are
 compared and the loss leaves padding out.
+
+The model's layers pass neither ``bias``, ``is_causal``, ``dtype`` nor ``module``: direct calls
+(``_direct_calls``, one ``jax.jit``) check them against Flax's ``dot_product_attention_weights``
+in float64 (its bias, mask and causal path), the sown weights also against those Flax's own
+attention sows from the same layer.
 """
 
 from __future__ import annotations
@@ -168,15 +173,89 @@ def test_dropout_draws_flax_keep_mask_from_dropout_rng():
         np.testing.assert_array_equal(deterministic, without)
 
 
+class _Sink(nnx.Module):
+    """A module for ``attention_fn(module=...)`` to sow its weights into."""
+
+
+@functools.cache
+def _direct_calls() -> dict:
+    """``attention_fn`` called directly, next to Flax's own functions on the same float64
+    inputs ``(batch, batch, seq, heads, dim) = (3, 2, 5, 4, 8)``, under one ``jax.jit``:
+
+    * ``out``, ``sown``: with a bias ``(1, 1, heads, 5, 5)``, a float 0/1 mask and
+      ``is_causal``, sowing into a module; ``weights``: Flax's ``dot_product_attention_weights``
+      of the same (its bias, mask and causal path), and ``without_*`` each without one of them;
+    * ``ours32``, ``flax32``: ``dtype=float32`` (jax_attn, ``nnx.dot_product_attention``);
+      ``exact``: Flax's weights path in float64 without ``dtype``."""
+    rng = np.random.default_rng(5)
+    q, k, v = rng.standard_normal((3, 3, 2, 5, 4, 8))
+    bias = rng.standard_normal((1, 1, 4, 5, 5))  # broadcast over the batch axes
+    mask = (rng.random((3, 2, 1, 5, 5)) < 0.8).astype(np.float64)  # 1.0 = may attend
+    mask[..., 0] = 1.0  # every query keeps a key under the causal rule
+
+    @jax.jit
+    def run(q, k, v, bias, mask):
+        def flax_weights(bias, mask, is_causal):
+            return dot_product_attention_weights(q, k, bias, mask, is_causal=is_causal,
+                                                 precision=HIGHEST)
+
+        def call(sink):
+            return fx.attention_fn(q, k, v, bias=bias, mask=mask, is_causal=True, module=sink)
+
+        out, sown = nnx.capture(call, nnx.Intermediate)(_Sink())
+        return {"out": out, "sown": sown["attention_weights"][0],
+                "weights": flax_weights(bias, mask, True),
+                "without_bias": flax_weights(None, mask, True),
+                "without_mask": flax_weights(bias, None, True),
+                "without_causal": flax_weights(bias, mask, False),
+                "ours32": fx.attention_fn(q, k, v, dtype=jnp.float32),
+                "flax32": nnx.dot_product_attention(q, k, v, dtype=jnp.float32),
+                "exact": _flax_weights_path(q, k, v)}
+
+    result = run(q, k, v, bias, mask)
+    return {"v": v, **result}
+
+
+def test_bias_mask_causal_and_sown_weights_equal_flax():
+    """The output and the sown weights of a call with a bias, a float 0/1 mask and
+    ``is_causal`` equal Flax's own weights in float64; each of the three changes those weights
+    (none is vacuous here)."""
+    got = _direct_calls()
+    weights = np.asarray(got["weights"])  # (3, 2, heads, q_len, kv_len)
+    np.testing.assert_allclose(got["sown"], weights, rtol=0, atol=1e-12)
+    expected = np.einsum("...hqk,...khd->...qhd", weights, got["v"])
+    np.testing.assert_allclose(got["out"], expected, rtol=0, atol=1e-12)
+    for name in ("without_bias", "without_mask", "without_causal"):
+        assert np.abs(np.asarray(got[name]) - weights).max() > 0.05, name
+
+
+def test_dtype_promotes_as_flax():
+    """``dtype=float32`` on float64 inputs gives float32, as Flax's, within the spec's float32
+    bound of the float64 result (``e``: Flax's own float32 error)."""
+    got = _direct_calls()
+    assert got["ours32"].dtype == got["flax32"].dtype == jnp.float32
+    exact = np.asarray(got["exact"])
+    e = float(np.abs(np.asarray(got["flax32"], np.float64) - exact).max())
+    assert _worst(np.asarray(got["ours32"], np.float64), exact, e) <= 1.0
+
+
+@nnx.jit
+def _sown_weights(ours, theirs, x):
+    """The weights each layer sows with ``sow_weights=True``: ``(batch, heads, seq, seq)``."""
+    return [nnx.capture(layer, nnx.Intermediate)(x, sow_weights=True)[1]["attention_weights"][0]
+            for layer in (ours, theirs)]
+
+
 def test_sown_weights():
-    """With ``sow_weights=True`` Flax passes ``module``: jax_attn's weights are sown."""
+    """With ``sow_weights=True`` Flax passes ``module``: jax_attn sows the weights that Flax's
+    own attention sows from the same layer (a layer of the seeded model, float32)."""
     x = jnp.asarray(np.random.default_rng(5).standard_normal((2, 4, DIM)), jnp.float32)
-    layer = nnx.MultiHeadAttention(HEADS, DIM, attention_fn=fx.attention_fn, decode=False,
-                                   rngs=nnx.Rngs(6))
-    _, intermediates = nnx.capture(layer, nnx.Intermediate)(x, sow_weights=True)
-    weights = intermediates["attention_weights"][0]
-    assert weights.shape == (2, HEADS, 4, 4)
-    np.testing.assert_allclose(weights.sum(-1), 1.0, rtol=0, atol=1e-6)
+    layer = _seeded_model().blocks[0].attention
+    ours, theirs = nnx.clone(layer), nnx.clone(layer)
+    ours.attention_fn, theirs.attention_fn = fx.attention_fn, nnx.dot_product_attention
+    got, expected = _sown_weights(ours, theirs, x)
+    assert got.shape == (2, HEADS, 4, 4)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
 
 
 def test_one_call_and_declared_signature():
@@ -186,8 +265,8 @@ def test_one_call_and_declared_signature():
                if isinstance(layer, nnx.MultiHeadAttention))
     ours = inspect.signature(fx.attention_fn).parameters
     theirs = inspect.signature(nnx.dot_product_attention).parameters
-    assert list(ours) == list(theirs)
-    assert [p.default for p in ours.values()] == [p.default for p in theirs.values()]
+    assert list(ours) == [*theirs, "sinks"]  # Flax's, and the sinks Flax has not
+    assert [p.default for p in ours.values()] == [p.default for p in theirs.values()] + [None]
     declared = spec.BACKEND_INTEGRATIONS["jax_attn"]["flax"]
     assert sorted(fx.__all__) == sorted(declared)
     assert all(getattr(fx, name).__doc__ for name in declared)
@@ -196,6 +275,100 @@ def test_one_call_and_declared_signature():
                             cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+def _explicit_mha(params, x, mask, sinks):
+    """An explicit float64 ``nnx.MultiHeadAttention`` with attention sinks (GPT-OSS's eager:
+    a column of sink logits joined to the scores before the softmax, dropped after it), from
+    the layer's parameters ``params`` (``nnx.state(layer, nnx.Param)`` as a pure dict):
+    ``x (batch, seq, features)``, ``mask (batch, 1, seq, seq)`` bool, ``sinks (heads,)``."""
+    def project(name):  # (batch, seq, heads, head_dim)
+        return (jnp.einsum("bsi,ihd->bshd", x, params[name]["kernel"], precision=HIGHEST)
+                + params[name]["bias"])
+
+    q, k, v = project("query"), project("key"), project("value")
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=HIGHEST) / np.sqrt(q.shape[-1])
+    scores = jnp.where(mask, scores, -jnp.inf)  # (batch, heads, q_len, kv_len)
+    column = jnp.broadcast_to(sinks[None, :, None, None], scores.shape[:-1] + (1,))
+    weights = jax.nn.softmax(jnp.concatenate([scores, column], -1), -1)[..., :-1]
+    heads = jnp.einsum("bhqk,bkhd->bqhd", weights, v, precision=HIGHEST)
+    return (jnp.einsum("bqhd,hdo->bqo", heads, params["out"]["kernel"], precision=HIGHEST)
+            + params["out"]["bias"])
+
+
+@nnx.jit
+def _sinks_layer_and_explicit(layer, x, mask, cotangent):
+    """Under one ``nnx.jit``: the layer's output and parameter gradients of
+    ``sum(output · cotangent)``, the explicit computation's (``jax.grad``), the explicit output
+    without sinks, and ``attention_fn(..., sinks=...)`` called directly on the projections."""
+    def loss(layer):
+        out = layer(x, mask=mask)
+        return jnp.sum(out * cotangent), out
+
+    (_, out), grads = nnx.value_and_grad(loss, has_aux=True)(layer)
+    params = nnx.to_pure_dict(nnx.state(layer, nnx.Param))
+    sinks = params.pop("sinks")
+
+    def explicit_loss(params, sinks):
+        return jnp.sum(_explicit_mha(params, x, mask, sinks) * cotangent)
+
+    q, k, v = (jnp.einsum("bsi,ihd->bshd", x, params[n]["kernel"], precision=HIGHEST)
+               + params[n]["bias"] for n in ("query", "key", "value"))
+    return {"out": out, "grads": nnx.to_pure_dict(grads), "params": params,
+            "expected": _explicit_mha(params, x, mask, sinks),
+            "expected_grads": jax.grad(explicit_loss, argnums=(0, 1))(params, sinks),
+            "no_sinks": _explicit_mha(params, x, mask, sinks - jnp.inf),
+            "direct": fx.attention_fn(q, k, v, mask=mask, sinks=sinks)}
+
+
+def test_sinks_module_forward_and_grad_equal_explicit_float64():
+    """``MultiHeadAttentionWithSinks`` (learned sinks, an ``nnx.Param``) gives, inside
+    ``nnx.jit``, the output and every parameter's gradient (the sinks' included) of an explicit
+    float64 computation with a sink column, on a padded causal batch whose padding queries
+    attend nothing (output: the output bias alone); ``attention_fn(..., sinks=...)`` called
+    directly gives the same attention, and ``decode=True`` (Flax's cache, token by token) the
+    causal one. The sinks start at 0, are not vacuous here, and ``attention_fn`` cannot be
+    replaced."""
+    layer = fx.MultiHeadAttentionWithSinks(HEADS, 16, decode=False, param_dtype=jnp.float64,
+                                           rngs=nnx.Rngs(1))
+    np.testing.assert_array_equal(layer.sinks[...], np.zeros(HEADS))
+    layer.sinks[...] = jnp.array([1.5, -0.5, 0.0, 2.5])
+    rng = np.random.default_rng(6)
+    x, cotangent = (jnp.asarray(rng.standard_normal((2, 5, 16))) for _ in range(2))
+    real = np.array([[True] * 5, [False, False, True, True, True]])  # left padding
+    mask = jnp.asarray(real[:, None, :, None] & real[:, None, None, :] & np.tri(5, dtype=bool))
+    got = _sinks_layer_and_explicit(layer, x, mask, cotangent)
+    expected, params = got["expected"], got["params"]
+    np.testing.assert_allclose(got["out"], expected, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(got["out"][1, :2], np.broadcast_to(params["out"]["bias"], (2, 16)),
+                               rtol=0, atol=1e-12)  # padding queries: all weight on the sink
+    assert np.abs(expected - got["no_sinks"])[0].max() > 1e-2  # the sinks matter here
+    expected_grads, expected_dsinks = got["expected_grads"]
+    grads = dict(got["grads"])
+    np.testing.assert_allclose(grads.pop("sinks"), expected_dsinks, rtol=0, atol=1e-12)
+    assert np.abs(expected_dsinks).min() > 1e-3
+    leaves = jax.tree_util.tree_leaves_with_path(expected_grads)
+    assert len(leaves) == 8  # query, key, value, out: kernel and bias
+    for path, grad in leaves:
+        actual = grads
+        for key in path:
+            actual = actual[key.key]
+        np.testing.assert_allclose(actual, grad, rtol=0, atol=1e-11,
+                                   err_msg=jax.tree_util.keystr(path))
+    direct = np.einsum("bqhd,hdo->bqo", got["direct"], params["out"]["kernel"])
+    np.testing.assert_allclose(direct + params["out"]["bias"], expected, rtol=0, atol=1e-12)
+    # decode=True: Flax's cache, one token at a time (one program), gives the causal forward
+    layer.init_cache((2, 5, 16), dtype=jnp.float64)
+    step = nnx.jit(lambda layer, token: layer(token, decode=True))
+    decoded = np.concatenate([step(layer, x[:, t:t + 1]) for t in range(5)], axis=1)
+    causal = jnp.asarray(np.broadcast_to(np.tri(5, dtype=bool), (2, 1, 5, 5)))
+    expected = jax.jit(_explicit_mha)(params, x, causal, layer.sinks[...])
+    np.testing.assert_allclose(decoded, expected, rtol=0, atol=1e-12)
+    with pytest.raises(TypeError, match="attention_fn is jax_attn's"):
+        layer.attention_fn = nnx.dot_product_attention
+    with pytest.raises(TypeError, match="attention_fn is jax_attn's"):
+        fx.MultiHeadAttentionWithSinks(HEADS, 16, attention_fn=fx.attention_fn, rngs=nnx.Rngs(1))
+    assert fx.use_jax_attn(layer) == 1  # setting jax_attn's own is accepted
 
 
 def test_the_documented_snippets_print_what_the_docs_say():

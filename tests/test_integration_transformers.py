@@ -4,13 +4,21 @@ transformers' own ``eager`` attention.
 
 Each family exercises a part of the spec: Llama grouped-query heads, Mistral a sliding window
 shorter than the prompt and the generation, Gemma 2 logit soft-capping with alternating
-sliding/full layers, BERT bidirectional attention over a padded batch.
+sliding/full layers, BERT bidirectional attention over a padded batch, GPT-OSS learned attention
+sinks (``s_aux``) with alternating sliding/full layers and a mixture-of-experts MLP.
 
 The float64 reference is transformers' ``eager`` attention with its softmax in float64
 (``_eager_float64``): ``eager`` itself runs the softmax of these decoders in float32, so its
 float64 logits are float32-accurate, and NaN for a left-padded sequence (docs/integrations.md).
+GPT-OSS's own ``eager`` (transformers has no ``sdpa`` path for it) runs its softmax, sink column
+included, in the input dtype and gives 0 where a row attends no key, as the spec: it is the
+reference itself, compared at every position, padding included.
 float32 results pass the spec's tolerance rule: ``|x - ref| <= atol + k·e`` with ``e`` the error
 of ``eager`` in float32 against the same reference.
+
+Direct calls of ``attention_forward`` check what the models do not exercise against an explicit
+float64 computation (``_explicit``): the mask formats, bottom-right decoding, a float mask with
+finite entries (a bias, besides the dtype minimum that masks) and ``position_bias``.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from transformers import (  # noqa: E402
     AutoModelForMaskedLM,
     BertConfig,
     Gemma2Config,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
 )
@@ -80,7 +89,19 @@ FAMILIES = {
                                    attn_logit_softcapping=2.0, final_logit_softcapping=None),
     "bert": lambda: BertConfig(**COMMON, hidden_dropout_prob=0.0,
                                attention_probs_dropout_prob=0.0),
+    # the smallest GPT-OSS: 2 layers (sliding, full), 4 experts of 2 per token, sinks per head;
+    # plain RoPE instead of its YaRN scaling (the attention is what is checked here)
+    "gpt_oss": lambda: GptOssConfig(**{**COMMON, "intermediate_size": 32}, num_key_value_heads=2,
+                                    head_dim=8, sliding_window=4, num_local_experts=4,
+                                    num_experts_per_tok=2,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
 }
+#: Families whose own ``eager`` is float64-exact and gives 0 on rows without a key (as the spec).
+OWN_EAGER = {"gpt_oss"}
+
+
+def _reference(family: str) -> str:
+    return "eager" if family in OWN_EAGER else REFERENCE
 
 
 def _build(family: str, attn: str):
@@ -88,7 +109,9 @@ def _build(family: str, attn: str):
     torch.manual_seed(0)
     config = FAMILIES[family]()
     cls = AutoModelForMaskedLM if family == "bert" else AutoModelForCausalLM
-    model = cls.from_config(config, attn_implementation=attn, dtype=torch.float64)
+    # GPT-OSS: the experts' loop (the default grouped matmul has no float64 kernel)
+    experts = {"experts_implementation": "eager"} if family == "gpt_oss" else {}
+    model = cls.from_config(config, attn_implementation=attn, dtype=torch.float64, **experts)
     return model
 
 
@@ -125,7 +148,8 @@ def _run(family: str, attn: str, dtype):
         out.loss.backward()
         grads = {n: p.grad.detach().double() for n, p in model.named_parameters()
                  if p.grad is not None}
-        _RUNS[family, attn, dtype] = (out.logits.detach().double(), grads, mask.bool())
+        compared = torch.ones_like(labelled) if family in OWN_EAGER else mask.bool()
+        _RUNS[family, attn, dtype] = (out.logits.detach().double(), grads, compared)
     return _RUNS[family, attn, dtype]
 
 
@@ -138,7 +162,7 @@ def _worst(actual, expected, baseline: float, dtype: str) -> float:
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_logits_and_gradients_equal_eager(family):
-    ref_logits, ref_grads, valid = _run(family, REFERENCE, torch.float64)
+    ref_logits, ref_grads, valid = _run(family, _reference(family), torch.float64)
     # float64: torch_attn against eager with a float64 softmax, at every real token
     logits, grads, _ = _run(family, NAME, torch.float64)
     assert torch.isfinite(logits).all()
@@ -157,7 +181,7 @@ def test_logits_and_gradients_equal_eager(family):
         assert _worst(grad, ref_grads[name], e, "float32") <= 1.0, name
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "gpt_oss"])
 def test_greedy_generation_with_cache_equals_eager(family):
     ids, mask = _batch(family)
     tokens = {}
@@ -188,6 +212,29 @@ def test_the_features_change_the_logits():
         unpadded = _build("llama", NAME)(input_ids=ids).logits
     ref, _, valid = _run("llama", REFERENCE, torch.float64)
     assert (unpadded - ref)[valid].abs().max() > 1e-4
+
+
+def test_gpt_oss_sinks_and_sliding_layer_matter():
+    """GPT-OSS alternates a sliding layer (window 4, shorter than the prompt) and a full one,
+    each with its own sinks: without the sinks (``-inf``: no sink) or without the window,
+    torch_attn's logits move from the reference by far more than the 1e-12 the tests allow, so
+    the tests above would see either one dropped."""
+    ref, _, _ = _run("gpt_oss", "eager", torch.float64)
+    ids, mask = _batch("gpt_oss")
+    model = _build("gpt_oss", NAME)
+    assert model.config.layer_types == ["sliding_attention", "full_attention"]
+    assert [layer.self_attn.sliding_window for layer in model.model.layers] == [4, None]
+    for change in ("sinks", "window"):
+        model = _build("gpt_oss", NAME).train()
+        with torch.no_grad():
+            for layer in model.model.layers:
+                if change == "sinks":
+                    layer.self_attn.sinks.fill_(float("-inf"))
+                elif layer.self_attn.sliding_window is not None:
+                    layer.self_attn.sliding_window = model.config.sliding_window = 64
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        assert torch.isfinite(logits).all()
+        assert (logits - ref).abs().max() > 1e-4, change
 
 
 def test_register_makes_the_model_pass_the_padding_mask():
@@ -222,11 +269,22 @@ def _direct_inputs():
     return q, k, v
 
 
-def _explicit(q, k, v, allowed, scale=8 ** -0.5):
-    """float64 softmax(q kᵀ·scale) @ v over allowed keys, heads repeated: ``(b, q, h, d)``."""
+def _explicit(q, k, v, allowed, scale=8 ** -0.5, bias=None, sinks=None, weights=False):
+    """float64 softmax(q kᵀ·scale + bias) @ v over allowed keys, heads repeated:
+    ``(b, q, h, d)`` (and the weights ``(b, h, q, kv)``). ``sinks (h,)``: GPT-OSS's eager, a
+    column of sink logits joined to the scores before the softmax and dropped after it."""
     k, v = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
-    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
-    return (torch.softmax(scores, -1) @ v).transpose(1, 2)
+    scores = q @ k.transpose(-1, -2) * scale
+    if bias is not None:
+        scores = scores + bias
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        column = sinks.reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)  # (b, h, q, 1)
+        p = torch.softmax(torch.cat([scores, column], -1), -1)[..., :-1]
+    else:
+        p = torch.softmax(scores, -1)
+    out = (p @ v).transpose(1, 2)
+    return (out, p) if weights else out
 
 
 def test_mask_formats_and_bottom_right_decoding():
@@ -267,6 +325,34 @@ def test_mask_formats_and_bottom_right_decoding():
     torch.testing.assert_close(out[1, 1:], expected[1, 1:], rtol=0, atol=1e-12)
 
 
+def test_finite_float_mask_and_position_bias_are_added():
+    """A float (additive) mask's finite entries are a bias, its dtype minimum masks; a
+    ``position_bias`` adds to the scores, with or without a mask: each against the explicit
+    float64 computation (a mask of 0 and the minimum alone could not tell a dropped bias)."""
+    q, k, v = _direct_inputs()
+    module = torch.nn.Module().eval()
+    generator = torch.Generator().manual_seed(3)
+    allowed = torch.ones(3, 5).tril(2).bool() & torch.tensor([True, True, False, True, True])
+    allowed = allowed.expand(2, 1, 3, 5)  # (batch, 1, q_len, kv_len), as transformers' masks
+    finite = torch.randn(2, 1, 3, 5, generator=generator, dtype=torch.float64)
+    additive = finite.masked_fill(~allowed, torch.finfo(torch.float64).min)  # (2, 1, 3, 5)
+    position_bias = torch.randn(1, 4, 3, 5, generator=generator, dtype=torch.float64)
+    for mask, kwargs, bias in (
+        (additive, {}, finite),
+        (additive, {"position_bias": position_bias}, finite + position_bias),
+        (allowed, {"position_bias": position_bias}, position_bias),
+    ):
+        out, _ = hf.attention_forward(module, q, k, v, mask, **kwargs)
+        expected = _explicit(q, k, v, allowed, bias=bias)
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-12, msg=str(kwargs))
+        without = _explicit(q, k, v, allowed)
+        assert (expected - without).abs().max() > 0.05  # the bias is not vacuous here
+    out, _ = hf.attention_forward(module, q, k, v, None, position_bias=position_bias,
+                                  is_causal=False)
+    expected = _explicit(q, k, v, torch.ones(3, 5, dtype=torch.bool), bias=position_bias)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+
+
 def test_dropout_only_while_training():
     q, k, v = _direct_inputs()
     module = torch.nn.Module()
@@ -284,10 +370,31 @@ def test_dropout_only_while_training():
     assert torch.all((draws.mean(0) - expected).abs() <= 5 * spread + 1e-12)
 
 
-def test_attention_sinks_are_refused():
+def test_attention_sinks_arrive_as_s_aux():
+    """``s_aux`` (GPT-OSS's ``module.sinks``, one logit per query head) becomes ``sinks``:
+    output, weights (without the sink column) and the sinks' gradient equal the explicit
+    float64 computation with a sink column (GPT-OSS's eager); a row with no allowed key gives
+    0 (all its weight on the sink); a sink per kv head instead of per query head raises."""
     q, k, v = _direct_inputs()
-    with pytest.raises(ValueError, match="s_aux"):
-        hf.attention_forward(torch.nn.Module(), q, k, v, None, s_aux=torch.zeros(4))
+    module = torch.nn.Module().eval()
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64, requires_grad=True)
+    allowed = torch.ones(3, 5).tril(2).bool().expand(2, 1, 3, 5).clone()
+    allowed[1, :, 0] = False  # query 0 of sequence 1 attends no key
+    out, weights = hf.attention_forward(module, q, k, v, allowed, s_aux=sinks,
+                                        output_attentions=True)
+    expected, expected_weights = _explicit(q, k, v, allowed, sinks=sinks, weights=True)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(weights, expected_weights, rtol=0, atol=1e-12)
+    assert torch.all(out[1, 0] == 0) and torch.all(weights[1, :, 0] == 0)
+    assert (expected - _explicit(q, k, v, allowed))[0].abs().max() > 0.05  # the sinks matter
+    cotangent = torch.randn(out.shape, generator=torch.Generator().manual_seed(4),
+                            dtype=torch.float64)
+    (grad,) = torch.autograd.grad(out, sinks, cotangent)
+    (expected_grad,) = torch.autograd.grad(expected, sinks, cotangent)
+    torch.testing.assert_close(grad, expected_grad, rtol=0, atol=1e-12)
+    assert grad.abs().min() > 1e-3
+    with pytest.raises(ValueError, match=r"sinks must have shape \(heads,\) = \(4,\)"):
+        hf.attention_forward(module, q, k, v, None, s_aux=torch.zeros(2, dtype=torch.float64))
 
 
 def test_declared_in_the_spec_and_not_imported_by_the_backend():

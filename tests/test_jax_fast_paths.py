@@ -1,8 +1,8 @@
 """jax_attn's fast path (jax.nn.dot_product_attention, cuDNN on a GPU): which inputs select
-it (shapes and options only), the selection numbers are ``attention_rules.FAST_PATHS``, the
-device of the input decides, and, forced on this machine with jax.nn's XLA implementation, it
-matches the float64 reference under the harness's tolerance rule where it is selected and is
-skipped where a row may be empty.
+it (shapes and options only), on the platforms and in the dtypes ``spec.FAST_PATHS`` states
+and no others, the device of the input decides, and, forced on this machine with jax.nn's XLA
+implementation (x64 off and on), it matches the float64 reference under the harness's
+tolerance rule where it is selected and is skipped where a row may be empty.
 """
 
 from __future__ import annotations
@@ -10,15 +10,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-jax = pytest.importorskip("jax")
-jax.config.update("jax_enable_x64", True)
+jax = pytest.importorskip("jax", reason="pip install jax")
 
 import jax.numpy as jnp  # noqa: E402
 from jax_inputs import MASK, K, Q, V, _assert_matches_reference, _f64  # noqa: E402
 
 import attention_rules  # noqa: E402
 import jax_attn as ja  # noqa: E402
+from conformance import spec  # noqa: E402
 from jax_attn import _fast  # noqa: E402
+
+# float64 inputs stay float64: x64 on for each test here (conftest.x64_on), never for the run
+pytestmark = pytest.mark.usefixtures("x64_on")
+
 
 # ------------------------------------------------------------------------------ fast path
 
@@ -70,12 +74,16 @@ def test_fast_path_selection(case):
     assert (here == "cudnn") is (expected and jax.default_backend() in _fast.CUDNN_PLATFORMS)
 
 
-def test_fast_path_numbers_are_the_rules():
-    numbers = attention_rules.FAST_PATHS["jax_attn"]
-    assert _fast.CUDNN_PLATFORMS == numbers["cudnn"]["platforms"]
-    assert _fast.CUDNN_DTYPES == numbers["cudnn"]["dtypes"]
-    assert _fast.BLOCKED_PLATFORMS == numbers["blocked"]["platforms"]
-    assert _fast.SEGMENTS == numbers["blocked"]["segments"]
+def test_cudnn_is_selected_on_the_documented_platforms_and_dtypes_only():
+    """The unpatched rule against what ``spec.FAST_PATHS`` (docs/spec.md) states: cuDNN on
+    its platforms in its dtypes, nowhere else and in no other dtype (shapes cuDNN takes)."""
+    numbers = spec.FAST_PATHS["jax_attn"]["cudnn"]
+    shapes = ((2, 4, 5, 8), (2, 2, 6, 8), (2, 2, 6, 8))
+    for platform in (*numbers["platforms"], "cpu", "tpu"):
+        for dtype in ("float16", "bfloat16", "float32", "float64"):
+            want = platform in numbers["platforms"] and dtype in numbers["dtypes"]
+            got = _selected(dtype, *shapes, {}, backend=platform)
+            assert (got == "cudnn") is want, (platform, dtype, got)
 
 
 def test_fast_path_follows_the_device_of_the_input(monkeypatch):
@@ -113,7 +121,9 @@ def forced_fast_path(monkeypatch):
 
 
 @pytest.mark.parametrize("case", [c for c in FAST_CASES if c[-1]], ids=lambda c: str(c[4]))
-def test_forced_fast_path_matches_reference_where_selected(case, forced_fast_path):
+def test_forced_fast_path_matches_reference_where_selected(case, forced_fast_path, x64):
+    """x64 off (JAX's default) and on: the fast path's output within the harness's tolerance
+    of the float64 reference, and the explicit path's (the weights force it) too."""
     dtype, q_shape, k_shape, v_shape, options, _, _ = case
     gen = np.random.default_rng(3)
     q, k, v = (jnp.asarray(gen.standard_normal(s), dtype) for s in (q_shape, k_shape, v_shape))
@@ -134,3 +144,17 @@ def test_forced_fast_path_is_skipped_where_a_row_may_be_empty(forced_fast_path):
     out = ja.scaled_dot_product_attention(q, k, v, mask=MASK)
     assert forced_fast_path == []
     assert np.all(_f64(out)[0, :, 2] == 0.0)
+
+
+def test_forced_fast_path_is_skipped_with_dropout_which_is_applied(forced_fast_path):
+    """An input the fast path takes, with dropout: jax.nn cannot apply our keep-mask, so the
+    explicit steps run and drop exactly the given positions (the float64 reference's
+    output with the same keep-mask, under the harness's rule)."""
+    dtype, q_shape, k_shape, v_shape, options, _, _ = FAST_CASES[0]  # selected without dropout
+    gen = np.random.default_rng(5)
+    q, k, v = (jnp.asarray(gen.standard_normal(s), dtype) for s in (q_shape, k_shape, v_shape))
+    keep = gen.random(q_shape[:-1] + k_shape[-2:-1]) > 0.5
+    out = ja.scaled_dot_product_attention(q, k, v, dropout_p=0.5, dropout_mask=keep, **options)
+    assert forced_fast_path == []
+    _assert_matches_reference(out, "output", dtype, {"query": q, "key": k, "value": v,
+                                                     "dropout_mask": keep}, dropout_p=0.5)

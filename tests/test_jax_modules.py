@@ -10,8 +10,7 @@ import math
 import numpy as np
 import pytest
 
-jax = pytest.importorskip("jax")
-jax.config.update("jax_enable_x64", True)
+jax = pytest.importorskip("jax", reason="pip install jax")
 
 import jax.numpy as jnp  # noqa: E402
 from jax_inputs import X2, X, _f64  # noqa: E402
@@ -19,6 +18,10 @@ from jax_inputs import X2, X, _f64  # noqa: E402
 import jax_attn as ja  # noqa: E402
 import numpy_attn as na  # noqa: E402
 from conformance.spec import seed_example  # noqa: E402
+
+# float64 inputs stay float64: x64 on for each test here (conftest.x64_on), never for the run
+pytestmark = pytest.mark.usefixtures("x64_on")
+
 
 # ------------------------------------------------------------------------------ modules
 

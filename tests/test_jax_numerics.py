@@ -1,6 +1,7 @@
-"""jax_attn's numbers: dtypes under jit within the harness's tolerance rule, the explicit
-path's HIGHEST matmul precision, dropout keys (deterministic per key, an explicit keep-mask
-equals the reference), and random configurations (hypothesis) against the float64 reference.
+"""jax_attn's numbers: dtypes under jit within the harness's tolerance rule (x64 off, JAX's
+default, and on), the explicit path's HIGHEST matmul precision, dropout keys (deterministic
+per key, an explicit keep-mask equals the reference), and random configurations
+(hypothesis) against the float64 reference.
 
 Expected values come from ``conformance.reference`` (float64) and ``conformance.compare``;
 never from jax_attn itself.
@@ -11,8 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-jax = pytest.importorskip("jax")
-jax.config.update("jax_enable_x64", True)
+jax = pytest.importorskip("jax", reason="pip install jax")
 
 import jax.numpy as jnp  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
@@ -33,11 +33,17 @@ from jax_inputs import (  # noqa: E402
 
 import jax_attn as ja  # noqa: E402
 
+# float64 inputs stay float64: x64 on for each test here (conftest.x64_on), never for the run
+pytestmark = pytest.mark.usefixtures("x64_on")
+
+
 # ------------------------------------------------------------------------------ dtypes, precision
 
 
 @pytest.mark.parametrize("dtype", HALF + ("float32",))
-def test_dtypes_under_jit(dtype):
+def test_dtypes_under_jit(dtype, x64):
+    """Forward output and weights under jit, x64 off (JAX's default) and on: the input dtype
+    kept, within the harness's tolerance of the float64 reference computed in NumPy."""
     arrays = [jnp.asarray(x, dtype) for x in (Q, K, V)]
     bias = jnp.asarray(BIAS, dtype)
     out, weights = _jitted((("is_causal", True), ("return_weights", True)))(

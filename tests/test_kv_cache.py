@@ -30,16 +30,18 @@ def _weights(rng, num_kv_heads):
     return weights
 
 
-def _mha_reference(weights, x, num_kv_heads):
-    """Causal multi-head attention in float64, from the weight dict."""
-    w = {n: a.astype(np.float64) for n, a in weights.items()}
-    x = x.astype(np.float64)
+def mha_reference(weights: dict, x: np.ndarray, num_kv_heads: int,
+                  num_heads: int = HEADS) -> np.ndarray:
+    """Causal multi-head attention in float64 from the weight dict (any backend's
+    ``export_weights``): ``x (batch, seq, d_model)`` → ``(batch, seq, d_model)``."""
+    w = {n: np.asarray(a).astype(np.float64) for n, a in weights.items()}
+    x = np.asarray(x).astype(np.float64)
 
     def split(name, heads):  # (batch, seq, heads·hd) → (batch, heads, seq, hd)
         y = x @ w[f"W_{name}"] + w[f"b_{name}"]
         return np.swapaxes(y.reshape(y.shape[:-1] + (heads, -1)), -2, -3)
 
-    out = reference.attention(split("query", HEADS), split("key", num_kv_heads),
+    out = reference.attention(split("query", num_heads), split("key", num_kv_heads),
                               split("value", num_kv_heads), is_causal=True).output
     merged = np.swapaxes(out, -2, -3).reshape(x.shape[:-1] + (-1,))
     return merged @ w["W_out"] + w["b_out"]
@@ -70,7 +72,7 @@ def test_mha_decode_equals_full_causal_pass(backend, num_kv_heads, chunks):
     x = rng.standard_normal((2, SEQ, D_MODEL)).astype(np.float32)
     module = _mha(backend, num_kv_heads, weights)
     got, cache = _decode_in_chunks(backend, module, x, chunks, max_len=SEQ + 2)
-    np.testing.assert_allclose(got, _mha_reference(weights, x, num_kv_heads), rtol=1e-5,
+    np.testing.assert_allclose(got, mha_reference(weights, x, num_kv_heads), rtol=1e-5,
                                atol=1e-5)
     assert int(cache.length) == SEQ and cache.max_len == SEQ + 2
     assert tuple(cache.keys.shape) == (2, num_kv_heads, SEQ, D_MODEL // HEADS)
@@ -149,5 +151,5 @@ def test_jax_decode_step_compiles_once():
         out, cache = step(module, x[:, i:i + 1], cache)
         outputs.append(np.asarray(out, np.float64))
     assert len(traces) == 1, "one compilation for every step of the same chunk size"
-    np.testing.assert_allclose(np.concatenate(outputs, 1), _mha_reference(weights, x, 2),
+    np.testing.assert_allclose(np.concatenate(outputs, 1), mha_reference(weights, x, 2),
                                rtol=1e-5, atol=1e-5)

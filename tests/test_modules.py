@@ -1,7 +1,8 @@
 """Modules on every backend: the article's worked example, weights round trips, MultiHeadAttention.
 
 The article's numbers are published values (``conformance.spec.seed_example.ARTICLE``); the other
-expectations come from ``conformance.reference`` in float64.
+expectations come from ``conformance.reference`` in float64 (the whole modules from
+``conformance.module_pipelines`` around it).
 """
 
 from __future__ import annotations
@@ -10,6 +11,10 @@ import numpy as np
 import pytest
 
 from conformance import reference
+from conformance.cases import CaseData
+from conformance.expected import reference_attention
+from conformance.module_pipelines import module_forward
+from conformance.naive import EXACT
 from conformance.spec import seed_example
 from conformance.spec.seed_example import ARTICLE, ARTICLE_INCONSISTENT
 
@@ -106,9 +111,33 @@ MODULE_ARGS = {
 }
 
 
+def module_reference(name: str, init_args: tuple, init_kwargs: dict, weights: dict,
+                     inputs: tuple, forward: dict | None = None) -> np.ndarray:
+    """Module ``name`` (built with ``init_args``, ``init_kwargs``) in float64:
+    ``conformance.module_pipelines`` around the reference attention, reading ``weights``
+    (weight name → array) as they are now. ``inputs``: ``(x,)`` or ``(x, context)``, each
+    ``(batch, seq, d_in)``; ``forward``: MultiHeadAttention's options, ``mask`` included."""
+    arrays = {f"w:{n}": w for n, w in weights.items()}
+    if name == "CrossAttention":
+        arrays.update(x_1=inputs[0], x_2=inputs[1])
+    else:
+        arrays["x"] = inputs[0]
+    if name == "MultiHeadAttention" and len(inputs) == 2:
+        arrays["context"] = inputs[1]
+    forward = dict(forward or {})
+    if "mask" in forward:
+        arrays["mask"] = forward.pop("mask")
+    init = {"num_heads": init_args[-1]}  # the wrapper's heads
+    if name == "MultiHeadAttention":
+        init = {"d_model": init_args[0], "num_heads": init_args[1], **init_kwargs}
+    data = CaseData(arrays, {"module": name, "init": init, "forward": forward})
+    return module_forward(data, EXACT, reference_attention)["output"]
+
+
 @pytest.mark.parametrize("name", sorted(MODULE_ARGS))
 def test_weights_round_trip_between_numpy_and_backend(backend, name):
-    """Weights exported by numpy_attn load into every backend and give the same outputs."""
+    """Weights exported by numpy_attn load into every backend, export back unchanged, and give
+    the float64 module pipeline's outputs."""
     from conformance import backends
 
     args, kwargs = MODULE_ARGS[name]
@@ -116,7 +145,6 @@ def test_weights_round_trip_between_numpy_and_backend(backend, name):
         *args, rng=np.random.default_rng(3), **kwargs
     )
     exported = {k: v.astype(np.float64) for k, v in numpy_module.export_weights().items()}
-    numpy_module = numpy_module.load_weights(exported)
     module = _make(backend, name, *args, **kwargs)
     assert sorted(module.export_weights()) == sorted(exported)
     for key, array in module.export_weights().items():
@@ -128,7 +156,7 @@ def test_weights_round_trip_between_numpy_and_backend(backend, name):
     rng = np.random.default_rng(4)
     x = rng.standard_normal((2, 6, args[0]))
     inputs = (x, rng.standard_normal((2, 3, args[0]))) if name == "CrossAttention" else (x,)
-    expected = numpy_module.forward(*inputs)
+    expected = module_reference(name, args, kwargs, exported, inputs)
     np.testing.assert_allclose(_run(backend, module, *inputs), expected, rtol=1e-10, atol=1e-12)
 
 
@@ -213,3 +241,137 @@ def test_multi_head_attention_rejects_bad_heads(backend):
         cls(10, 4, rng=backend.rng(0))
     with pytest.raises(ValueError, match="num_heads must be a multiple of num_kv_heads"):
         cls(12, 4, num_kv_heads=3, rng=backend.rng(0))
+
+
+# --- MultiHeadAttention with learned attention sinks (GPT-OSS): sinks=True --------------------
+
+SINK_MASK = np.ones((2, 1, 1, 7), bool)
+SINK_MASK[1, ..., 3:] = False  # sequence 1 has 3 keys
+SINK_MASK_EMPTY = SINK_MASK.copy()
+SINK_MASK_EMPTY[1] = False  # sequence 1 attends no key: every row puts its weight on the sink
+
+
+def _sink_module(backend, rng, dtype=np.float64):
+    """A float64 MultiHeadAttention(16, 4 heads over 2 kv heads, sinks=True) with random
+    weights, sinks included, and those weights (a dict of NumPy arrays)."""
+    module = _make(backend, "MultiHeadAttention", 16, 4, num_kv_heads=2, sinks=True)
+    weights = {k: (rng.standard_normal(v.shape) * 0.5).astype(dtype)
+               for k, v in module.export_weights().items()}
+    weights["sinks"] = np.array([1.5, -0.5, 0.0, 2.5], dtype)
+    return module.load_weights(weights), weights
+
+
+@pytest.mark.parametrize("mask", [SINK_MASK, SINK_MASK_EMPTY], ids=["padding", "no_key"])
+def test_multi_head_attention_sinks_against_reference(backend, mask):
+    """``sinks=True``: forward (output and weights, without the sink column) equals the float64
+    reference with the module's sinks as the extra score column, for cross-attention over a
+    padded context; a sequence with no key gives the output bias alone (attention output 0)."""
+    rng = np.random.default_rng(6)
+    module, weights = _sink_module(backend, rng)
+    assert list(module.export_weights())[-1] == "sinks"
+    x, context = rng.standard_normal((2, 5, 16)), rng.standard_normal((2, 7, 16))
+    expected, expected_weights = _mha_reference(weights, x, context, 4, 2, mask=mask,
+                                                sinks=weights["sinks"])
+    out, attn = _run(backend, module, x, context, mask=backend.asarray(mask),
+                     return_weights=True)
+    np.testing.assert_allclose(out, expected, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(attn, expected_weights, rtol=1e-10, atol=1e-12)
+    assert np.all(attn.sum(-1) < 1) and (1 - attn.sum(-1)).mean() > 0.05  # the sink's share
+    without, _ = _mha_reference(weights, x, context, 4, 2, mask=mask)
+    assert np.abs(expected[0] - without[0]).max() > 1e-2  # the sinks are not vacuous here
+    if not mask[1].any():
+        np.testing.assert_allclose(out[1], np.broadcast_to(weights["b_out"], out[1].shape),
+                                   rtol=0, atol=1e-12)
+
+
+def _directional(fn, weights, direction, step=1e-6):
+    """Central difference of ``fn(weights)`` along ``direction`` (float64)."""
+    plus = {k: w + step * direction[k] for k, w in weights.items()}
+    minus = {k: w - step * direction[k] for k, w in weights.items()}
+    return (fn(plus) - fn(minus)) / (2 * step)
+
+
+def test_multi_head_attention_sinks_backward_against_finite_differences(backend):
+    """``backward`` returns every weight's gradient, the sinks' under ``sinks``: each sink
+    logit's gradient and the whole gradient along a random direction equal central finite
+    differences of the float64 reference module (causal, one fully masked row)."""
+    rng = np.random.default_rng(7)
+    module, weights = _sink_module(backend, rng)
+    x, grad_output = rng.standard_normal((2, 5, 16)), rng.standard_normal((2, 5, 16))
+    mask = np.ones((2, 1, 5, 5), bool)
+    mask[0, 0, 1] = False  # batch 0, query 1: no key
+    options = {"mask": mask, "is_causal": True}
+    grads = module.backward(backend.asarray(x), backend.asarray(grad_output),
+                            mask=backend.asarray(mask), is_causal=True)
+    grads = {k: np.asarray(v, dtype=np.float64) for k, v in grads.items()}
+    assert sorted(grads) == sorted(weights) and grads["sinks"].shape == (4,)
+
+    def loss(w):
+        return float(np.sum(_mha_reference(w, x, x, 4, 2, sinks=w["sinks"], **options)[0]
+                            * grad_output))
+
+    for h in range(4):
+        direction = {k: np.zeros_like(w) for k, w in weights.items()}
+        direction["sinks"][h] = 1.0
+        np.testing.assert_allclose(grads["sinks"][h], _directional(loss, weights, direction),
+                                   rtol=1e-6, atol=1e-8)
+    assert np.abs(grads["sinks"]).min() > 1e-3
+    direction = {k: rng.standard_normal(w.shape) for k, w in weights.items()}
+    along = sum(float(np.sum(grads[k] * direction[k])) for k in weights)
+    np.testing.assert_allclose(along, _directional(loss, weights, direction), rtol=1e-6)
+
+
+def test_multi_head_attention_sinks_decode_equals_forward(backend):
+    """``decode`` with sinks (a prompt of 4, then two single tokens) equals the causal forward
+    over the whole sequence at those positions: the cache's decoding step takes the sinks."""
+    rng = np.random.default_rng(8)
+    module, _ = _sink_module(backend, rng)
+    module = module.eval()
+    x = rng.standard_normal((2, 6, 16))
+    full = _run(backend, module, x, is_causal=True)
+    out, cache = module.decode(backend.asarray(x[:, :4]), max_len=6)
+    steps = [backend.to_numpy(out)]
+    for t in (4, 5):
+        out, cache = module.decode(backend.asarray(x[:, t:t + 1]), cache)
+        steps.append(backend.to_numpy(out))
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=1e-10, atol=1e-12)
+
+
+def test_multi_head_attention_sinks_initialisation(backend):
+    """``sinks=True`` adds ``sinks (num_heads,)`` set to 0, drawing nothing: the other weights
+    equal those of the same module built without sinks from the same random source."""
+    plain = _make(backend, "MultiHeadAttention", 16, 4, num_kv_heads=2).export_weights()
+    with_sinks = _make(backend, "MultiHeadAttention", 16, 4, num_kv_heads=2,
+                       sinks=True).export_weights()
+    assert list(with_sinks) == [*plain, "sinks"]
+    np.testing.assert_array_equal(with_sinks["sinks"], np.zeros(4, np.float32))
+    assert with_sinks["sinks"].dtype == np.float32
+    for name, array in plain.items():
+        np.testing.assert_array_equal(with_sinks[name], array)
+
+
+def test_the_harness_module_pipeline_takes_the_sinks(backend):
+    """``conformance.module_pipelines`` (the harness's float64 modules) reads a
+    ``MultiHeadAttention(sinks=True)``'s ``w:sinks``: its forward equals the independent
+    reference above, and its weight gradients, ``sinks`` included, equal the backend's
+    ``backward``."""
+    from conformance.expected import reference_attention_vjp
+    from conformance.module_pipelines import module_backward
+
+    rng = np.random.default_rng(9)
+    module, weights = _sink_module(backend, rng)
+    x, grad_output = rng.standard_normal((2, 5, 16)), rng.standard_normal((2, 5, 16))
+    init = ((16, 4), {"num_kv_heads": 2, "sinks": True})
+    got = module_reference("MultiHeadAttention", *init, weights, (x,), {"is_causal": True})
+    expected, _ = _mha_reference(weights, x, x, 4, 2, is_causal=True, sinks=weights["sinks"])
+    np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
+    arrays = {**{f"w:{n}": w for n, w in weights.items()}, "x": x, "grad_output": grad_output}
+    data = CaseData(arrays, {"module": "MultiHeadAttention",
+                             "init": {"d_model": 16, "num_heads": 4, **init[1]},
+                             "forward": {"is_causal": True}})
+    pipeline = module_backward(data, EXACT, reference_attention, reference_attention_vjp)
+    grads = module.backward(backend.asarray(x), backend.asarray(grad_output), is_causal=True)
+    assert sorted(pipeline) == sorted(grads)
+    for name, grad in grads.items():
+        np.testing.assert_allclose(np.asarray(grad, np.float64), pipeline[name], rtol=1e-9,
+                                   atol=1e-10, err_msg=name)

@@ -59,6 +59,19 @@ PINNED = {
                                                             "masked NaN spreads"))},
     "torch.MHA[sdpa]": {("fully_masked_rows", "float32"): "ok",
                         ("nan_query", "float32"): ("known", ("NaN all heads", "NaN row → 0"))},
+    # the row log-sum-exp (jax.nn's return_residual, FlexAttention's AuxRequest) and sinks
+    "jax.nn": {("causal_top_left", "float32"): "ok",
+               ("padding", "float32"): ("known", ("mean of V", "lse fill")),
+               ("self", "bfloat16"): ("known", ("lse in input dtype",)),
+               ("sinks_window", "float32"): "n/a"},
+    "torch.flex": {("fully_masked_rows", "float32"): "ok", ("softcap", "bfloat16"): "ok",
+                   ("causal_bottom_right", "float64"): "ok",
+                   ("inf_key", "float32"): ("known", ("lse +inf",)),
+                   ("sinks_window", "float32"): "n/a"},
+    "transformers.gpt_oss": {("sinks_fully_masked_rows", "float32"): "ok",
+                             ("sinks_bottom_right_q_longer", "float64"): "ok",
+                             ("sinks_gqa_kv_lengths", "bfloat16"): "ok", ("self", "float32"): "n/a",
+                             ("sinks_causal_softcap", "float32"): "n/a"},
     "onnxruntime": {("causal_bottom_right", "float32"): "ok", ("softcap", "float32"): "ok",
                     ("fully_masked_rows", "float32"): "ok", ("window", "float32"): "ok",
                     ("window_causal_bottom_right", "float16"): "ok",
@@ -253,3 +266,66 @@ def test_known_differences_name_cases_and_alternatives_no_catch_all() -> None:
             if entry["alternative"] == "raises":
                 assert {"type", "match"} <= set(entry["raises"]), where
                 re.compile(entry["raises"]["match"])
+
+
+# ------------------------------------------------------------------------------ lse and sinks
+
+
+def _attend_lse(exp: Expected, **options: object) -> tuple[np.ndarray, np.ndarray]:
+    """``numpy_attn`` with ``return_lse=True`` on the case (sinks included): the output in the
+    input dtype, the lse in the compute dtype."""
+    out, lse = numpy_attn.scaled_dot_product_attention(
+        **cases.sdpa_arrays(exp.data.arrays),
+        **{**cases.sdpa_options(exp.data.options), **options}, return_lse=True)
+    return np.asarray(out).astype(exp.data.arrays["query"].dtype), np.asarray(lse)
+
+
+def test_an_lse_in_log2_is_unexpected_a_fill_is_known_only_where_listed() -> None:
+    """Fake peers that return the lse: in log2 (a planted bug: no entry explains it) is
+    unexpected under FlexAttention's name; jax.nn's finite fill for a fully masked row is known
+    where its entry lists the case, and the same fill is unexpected under FlexAttention's name
+    (its kernel gives -inf there); a correct lse is ok."""
+    def log2(exp: Expected) -> dict[str, np.ndarray]:
+        out, lse = _attend_lse(exp)
+        return {"output": out, "lse": (lse / np.log(2)).astype(lse.dtype)}
+
+    def fill(exp: Expected) -> dict[str, np.ndarray]:
+        out, lse = _attend_lse(exp)
+        fill = np.float32(-0.7) * np.finfo(np.float32).max
+        return {"output": out, "lse": np.where(np.isneginf(lse), fill, lse).astype(lse.dtype)}
+
+    exp = _expected("causal_top_left", "float32")
+    correct = _numpy_peer("torch.flex", lambda e: dict(zip(("output", "lse"), _attend_lse(e),
+                                                           strict=True)))
+    assert runner.run_peer_cell(correct, exp).status == "ok"
+    cell = runner.run_peer_cell(_numpy_peer("torch.flex", log2), exp)
+    assert cell.status == "unexpected" and "lse" in cell.detail, cell.detail
+    empty = _expected("fully_masked_rows", "float32")
+    known = runner.run_peer_cell(_numpy_peer("jax.nn", fill), empty)
+    assert (known.status, known.alternatives) == ("known", ("lse fill",)), known.detail
+    assert runner.run_peer_cell(_numpy_peer("torch.flex", fill), empty).status == "unexpected"
+
+
+def test_a_gpt_oss_peer_that_drops_the_sinks_or_adds_them_to_the_numerator_is_unexpected() -> None:
+    """The sinks cases tell a kernel that ignores the sinks, or puts the sink in the numerator
+    (a key of value 1), from GPT-OSS's own (ok on the same cell)."""
+    exp = _expected("sinks_fully_masked_rows", "float32")
+    real = peers.get("transformers.gpt_oss")
+    if real.available():
+        assert runner.run_peer_cell(real, exp).status == "ok"
+
+    def dropped(e: Expected) -> dict[str, np.ndarray]:
+        arrays = {n: x for n, x in cases.sdpa_arrays(e.data.arrays).items() if n != "sinks"}
+        return {"output": np.asarray(numpy_attn.scaled_dot_product_attention(
+            **arrays, **cases.sdpa_options(e.data.options))).astype(np.float32)}
+
+    def numerator(e: Expected) -> dict[str, np.ndarray]:
+        out, lse = _attend_lse(e)
+        sinks = np.asarray(e.data.arrays["sinks"], np.float64)[:, None]  # (heads, 1)
+        share = np.exp(sinks - lse.astype(np.float64))  # the sink's weight in each row
+        return {"output": (out + share[..., None]).astype(np.float32)}  # its value taken as 1
+
+    for compute in (dropped, numerator):
+        cell = runner.run_peer_cell(_numpy_peer("transformers.gpt_oss", compute), exp)
+        assert cell.status == "unexpected", compute.__name__
+        assert "no entry of spec.KNOWN_DIFFERENCES covers it" in cell.detail

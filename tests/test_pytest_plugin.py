@@ -75,7 +75,7 @@ def test_a_correct_module_passes_under_xdist() -> None:
     steps = sum(len(steps_for(_expected("seed_example", d))) for d in backends.DTYPES)
     passed = sum(s.passed for c in cells for s in c.steps)
     bad = sum(r.passed for r in runner.run_errors([backend], []))
-    assert passed == 8 and bad > 30  # output and output_weights in 4 dtypes; the bad inputs
+    assert passed == 12 and bad > 30  # output, output_weights, lse in 4 dtypes; bad inputs
     total = steps + len(errors.ERROR_CASES) + 1
     assert counts(result.stdout) == {"passed": passed + bad + 1,
                                      "skipped": total - passed - bad - 1}, result.stdout[-2000:]
@@ -117,14 +117,15 @@ def test_k_selects_and_junitxml_lists_exactly_the_selected_items(tmp_path: Path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     chosen = {f"test_cell[gqa-float32-{s.name}]" for s in steps_for(_expected("gqa", "float32"))
               if "weights" not in s.name and "grad" not in s.name}
-    assert len(chosen) == 4  # scores, masked_scores, output, blockwise_output
+    assert len(chosen) == 6  # scores, masked_scores, output, lse, blockwise_output and _lse
     cases = {tc.get("name"): tc for tc in ET.parse(xml).getroot().iter("testcase")}
     assert set(cases) == chosen
     assert {tc.get("classname") for tc in cases.values()} == {"conformance.suite.checks"}
     outcome = {name: "skipped" if tc.find("skipped") is not None else
                "failed" if tc.find("failure") is not None else "passed"
                for name, tc in cases.items()}
-    assert outcome == {n: "passed" if n.endswith("-output]") else "skipped" for n in chosen}
+    assert outcome == {n: "passed" if n.endswith(("-output]", "-lse]")) else "skipped"
+                       for n in chosen}
 
 
 def test_no_module_or_nothing_checked_is_never_a_pass(tmp_path: Path) -> None:
@@ -160,7 +161,7 @@ def _seq_first(query: Any, key: Any, value: Any, *, scale: float | None = None,
 
 
 UNSUPPORTED = {"mask", "bias", "causal", "window", "dropout", "softcap", "grouped_query",
-               "2d_inputs", "return_weights", "errors"}
+               "2d_inputs", "return_weights", "sinks", "lse", "errors"}
 
 
 def _fake(name: str, **attrs: Any) -> backends.Backend:

@@ -151,8 +151,10 @@ def test_module_methods_in_the_same_order():
 
 
 def test_the_spec_and_the_rules_agree():
-    """spec.py restates some of attention_rules' constants in words and dicts: the same."""
-    assert spec.FAST_PATHS is attention_rules.FAST_PATHS  # data of the spec, written once
+    """spec.py restates some of attention_rules' constants in words and dicts: the same.
+    (``spec.FAST_PATHS``' numbers are checked by behaviour, each side of every threshold, in
+    tests/test_performance_paths.py, tests/test_jax_fast_paths.py and
+    tests/test_fast_backward_numpy.py.)"""
     assert tuple(spec.COMPUTE_DTYPE) == attention_rules.SUPPORTED_DTYPES[::-1]
     for dtype, compute in spec.COMPUTE_DTYPE.items():
         assert attention_rules.compute_dtype(dtype) == compute

@@ -1,10 +1,12 @@
 """Bad inputs raise the documented exception, with the same message in every backend.
 
 The bad inputs are ONE list, ``conformance.errors.ERROR_CASES`` (each names its rule of
-``spec.ERRORS``, which gives the exception type); ``tests/test_errors_conform.py`` runs the
-harness's judgement of them, this file checks what a user reads: the message is the same words
-in every backend, with shapes and values printed as plain Python values. Good inputs that look
-like bad ones (NumPy bools, Python ints for ints) must keep working.
+``spec.ERRORS``, which gives the exception type). Each is checked once per backend, two ways:
+the harness's own judgement (``errors.check``, what ``python -m conformance`` reports) and what
+a user reads: the spec's exception type, a message that starts with the function and names the
+arguments, the same words in every backend (numpy_attn's), with shapes and values printed as
+plain Python values. Good inputs that look like bad ones (NumPy bools, Python ints for ints)
+must keep working.
 """
 
 from __future__ import annotations
@@ -30,8 +32,14 @@ def _raised(backend, case):
     return info.value
 
 
+def test_every_error_rule_has_a_case():
+    assert {case.rule for case in errors.ERROR_CASES} == set(spec.ERRORS)
+
+
 @pytest.mark.parametrize("case", errors.ERROR_CASES, ids=lambda c: c.name)
 def test_bad_input_raises_the_spec_type_with_numpy_attn_words(backend, case):
+    judged = errors.check(backend, case)  # the harness's verdict on the same call
+    assert judged.passed, f"{backend.name} {case.name}: {judged.problem} ({judged.message!r})"
     error = _raised(backend, case)
     message = str(error)
     assert type(error).__name__ == spec.ERRORS[case.rule], (case.rule, message)

@@ -53,7 +53,7 @@ def _seq_first(query: Any, key: Any, value: Any, *, scale: float | None = None,
 
 
 DOC_UNSUPPORTED = {"mask", "bias", "causal", "window", "dropout", "softcap", "grouped_query",
-                   "2d_inputs", "return_weights", "errors"}
+                   "2d_inputs", "return_weights", "sinks", "lse", "errors"}
 
 
 def _scale_over_sqrt_d(q: Any, k: Any, v: Any, *, scale: float | None = None,

@@ -10,7 +10,8 @@ others) check their inputs once, with ``attention_rules``, then call these.
 from __future__ import annotations
 
 import functools
-from typing import Any
+import math
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -57,13 +58,17 @@ def _mask_scores(
     is_causal: bool,
     causal_alignment: str,
     window: tuple[int | None, int | None] | None,
+    mods: _Mods | None = None,
 ) -> torch.Tensor:
-    """``scores (..., heads, q_len, kv_len)`` plus ``bias``, then ``-inf`` wherever a position is
-    not allowed (``_allowed``: True in ``mask`` = may attend); out of place."""
+    """``scores (..., heads, q_len, kv_len)`` plus ``bias`` (and ALiBi, then ``score_mod``:
+    ``mods``), then ``-inf`` wherever a position is not allowed (``_allowed``: True in ``mask``
+    = may attend); out of place."""
     if bias is not None:
         scores = scores + bias.to(scores.device, scores.dtype)  # (..., heads, q_len, kv_len)
+    scores = _mods_scores(scores, mods, 0, 0)
     q_len, kv_len = scores.shape[-2:]
-    allowed = _allowed(q_len, kv_len, mask, is_causal, causal_alignment, window, scores.device)
+    allowed = _allowed(q_len, kv_len, mask, is_causal, causal_alignment, window, scores.device,
+                       mods)
     if allowed is not None:
         # replaced, not added: a NaN score at a masked position does not spread; gradient 0
         scores = scores.masked_fill(~allowed, NEG_INF)
@@ -78,13 +83,18 @@ def _allowed(
     causal_alignment: str,
     window: tuple[int | None, int | None] | None,
     device: torch.device | None = None,
+    mods: _Mods | None = None,
 ) -> torch.Tensor | None:
-    """AND of the boolean mask, the causal rule and the window; None when all are absent."""
+    """AND of the boolean mask, the causal rule, the window and ``mods``' chunks, segment ids
+    and ``mask_mod``; None when all are absent."""
     allowed = None if mask is None else mask.to(device)  # torch: built on the inputs' device
     if is_causal or window is not None:
         lo, hi = rules.band(q_len, kv_len, is_causal, causal_alignment, window)
         structural = _in_band(0, q_len, 0, kv_len, lo, hi, device)  # (q_len, kv_len)
         allowed = structural if allowed is None else allowed & structural
+    extra = _mods_allowed(mods, 0, q_len, 0, kv_len)
+    if extra is not None:
+        allowed = extra if allowed is None else allowed & extra
     return allowed
 
 
@@ -96,7 +106,12 @@ def _in_band(
     ``j`` from ``kv_start`` (``rules.band``: the causal rule and the window; ±inf unbounded)."""
     distance = (kv_start + torch.arange(keys, device=device))[None, :] - (
         q_start + torch.arange(rows, device=device))[:, None]  # torch: on the scores' device
-    return (distance >= lo) & (distance <= hi)  # (rows, keys)
+    # torch: an int64 tensor against a Python float (±inf) is compared in floating point, many
+    # times slower; the bounded sides are ints, the unbounded ones need no comparison
+    allowed = distance >= int(lo) if math.isfinite(lo) else None
+    if math.isfinite(hi):
+        allowed = distance <= int(hi) if allowed is None else allowed & (distance <= int(hi))
+    return torch.ones_like(distance, dtype=torch.bool) if allowed is None else allowed
 
 
 def _softmax(scores: torch.Tensor) -> torch.Tensor:
@@ -227,6 +242,203 @@ def _describe_parts(fn: str, name: str, parts: Any) -> list[rules.ArrayInfo]:
     ``name[i]`` each."""
     rules.check_parts(fn, name, parts)
     return [_describe(fn, f"{name}[{i}]", x) for i, x in enumerate(parts)]
+
+
+# ------------------------------------------------------------------------------------------
+# Chunks, ALiBi, segment ids, score_mod and mask_mod (spec.MASKS_AND_MODS), for any tile
+# ------------------------------------------------------------------------------------------
+
+
+class _Mods(NamedTuple):
+    """The chunk rule, ALiBi, segment ids and the mods of one call, ready for any tile of
+    rows ``q0:`` and keys ``k0:``, on the inputs' device."""
+
+    fn: str  # the public function, for the messages of what a mod returns
+    chunk_size: int | None
+    alibi: torch.Tensor | None  # (heads,) slopes in the compute dtype, detached
+    q_ids: torch.Tensor | None  # (..., q_len): the batch axes broadcast
+    kv_ids: torch.Tensor | None  # (..., kv_len)
+    score_mod: Any
+    mask_mod: Any
+    offset: int  # query i sits at key position i + offset
+    batch: tuple[int, ...]  # the leading batch axes
+    heads: int | None  # None: 2-D inputs
+    device: Any  # the inputs' device
+
+    @property
+    def masks(self) -> bool:
+        """Whether a rule here may mask positions (chunks, segment ids, mask_mod)."""
+        return self.chunk_size is not None or self.q_ids is not None or self.mask_mod is not None
+
+
+def _mods(
+    fn: str, args: rules.Arguments, query: torch.Tensor, key: torch.Tensor, alibi: Any,
+    segments: tuple[Any, Any] | None,
+) -> _Mods | None:
+    """The call's ``_Mods`` from validated arguments (None when it has none), on the query's
+    device: ``alibi`` the slopes or None, ``segments`` the query and key ids or None."""
+    if not args.has_mods:
+        return None
+    q_shape, k_shape, device = tuple(query.shape), tuple(key.shape), query.device
+    batch = q_shape[:-3]
+    q_ids = kv_ids = None
+    if segments is not None:
+        q_ids = _as_tensor(segments[0], device).broadcast_to(batch + (q_shape[-2],))
+        kv_ids = _as_tensor(segments[1], device).broadcast_to(batch + (k_shape[-2],))
+    if alibi is not None:  # constants: no gradient reaches the slopes (spec.ALIBI)
+        alibi = _as_tensor(alibi, device).detach().to(getattr(torch, rules.compute_dtype(
+            args.dtype)))
+    offset = rules.causal_offset(args.causal_alignment, q_shape[-2], k_shape[-2])
+    heads = q_shape[-3] if len(q_shape) >= 3 else None
+    return _Mods(fn, args.chunk_size, alibi, q_ids, kv_ids, args.score_mod, args.mask_mod,
+                 offset, batch, heads, device)
+
+
+def _describe_segments(fn: str, segment_ids: Any) -> tuple | None:
+    """``segment_ids`` (one array or a pair) as the rules see it: ``(query ids, key ids,
+    one)``, each ``(shape, dtype name)``."""
+    split = rules.split_segment_ids(fn, segment_ids)
+    if split is None:
+        return None
+    q_ids, kv_ids, one = split
+    names = ("segment_ids", "segment_ids") if one else ("segment_ids[0]", "segment_ids[1]")
+    return _describe(fn, names[0], q_ids), _describe(fn, names[1], kv_ids), one
+
+
+def _segments(segment_ids: Any) -> tuple[Any, Any] | None:
+    """The validated ``segment_ids`` as ``(query ids, key ids)``."""
+    if segment_ids is None:
+        return None
+    if isinstance(segment_ids, (list, tuple)):
+        return segment_ids[0], segment_ids[1]
+    return segment_ids, segment_ids
+
+
+def _mod_target(mods: _Mods, rows: int, keys: int) -> tuple[int, ...]:
+    """The shape of the scores of a tile: ``(..., heads, rows, keys)`` (``(rows, keys)`` for
+    2-D inputs)."""
+    return (rows, keys) if mods.heads is None else mods.batch + (mods.heads, rows, keys)
+
+
+def _mod_indices(mods: _Mods, q0: int, rows: int, k0: int, keys: int
+                 ) -> tuple[torch.Tensor, ...]:
+    """``(batch, head, q_idx, kv_idx)`` of a tile (``spec.MOD_INDICES``): int64 tensors on the
+    inputs' device, broadcasting to its scores."""
+    like = {"device": mods.device, "dtype": torch.int64}
+    q_idx = (q0 + torch.arange(rows, **like))[:, None]  # (rows, 1)
+    kv_idx = k0 + torch.arange(keys, **like)  # (keys,)
+    zero = torch.zeros((), **like)
+    if mods.heads is None:
+        return zero, zero, q_idx, kv_idx
+    batch = torch.arange(math.prod(mods.batch), **like).reshape(mods.batch + (1, 1, 1)) \
+        if mods.batch else zero
+    return batch, torch.arange(mods.heads, **like).reshape(mods.heads, 1, 1), q_idx, kv_idx
+
+
+def _add_alibi(scores: torch.Tensor, mods: _Mods | None, q0: int, k0: int) -> torch.Tensor:
+    """``scores (..., heads, rows, keys)`` minus ``slope_h · |i + offset - j|`` (out of place)."""
+    if mods is None or mods.alibi is None:
+        return scores
+    rows, keys = scores.shape[-2:]
+    device = scores.device
+    distance = ((q0 + mods.offset + torch.arange(rows, device=device))[:, None]
+                - (k0 + torch.arange(keys, device=device))).abs()
+    slopes = mods.alibi[0] if mods.heads is None else mods.alibi[:, None, None]
+    return scores - (slopes.to(device) * distance).to(scores.dtype)
+
+
+def _mods_scores(scores: torch.Tensor, mods: _Mods | None, q0: int, k0: int) -> torch.Tensor:
+    """ALiBi, then ``score_mod``, on a tile of scores (rows from ``q0``, keys from ``k0``);
+    out of place, so autograd runs through ``score_mod``."""
+    scores = _add_alibi(scores, mods, q0, k0)
+    if mods is None or mods.score_mod is None:
+        return scores
+    rows, keys = scores.shape[-2:]
+    result = mods.score_mod(scores, *_mod_indices(mods, q0, rows, k0, keys))
+    _check_result(mods.fn, "score_mod", result, tuple(scores.shape))
+    result = result.to(scores.dtype)
+    return result if result.shape == scores.shape else result.expand(scores.shape).clone()
+
+
+def _mods_allowed(mods: _Mods | None, q0: int, rows: int, k0: int, keys: int,
+                  parts: tuple[str, ...] = ("chunks", "ids", "mask_mod")
+                  ) -> torch.Tensor | None:
+    """Bool, broadcastable to the tile's scores: the chunk rule, the segment ids and
+    ``mask_mod`` (those of ``parts``) on rows ``q0:q0 + rows`` and keys ``k0:k0 + keys``;
+    None when none is given."""
+    if mods is None or not mods.masks:
+        return None
+    allowed = None
+    if mods.chunk_size is not None and "chunks" in parts:  # floor division, as the spec's
+        c, like = mods.chunk_size, {"device": mods.device}
+        allowed = torch.div((q0 + mods.offset + torch.arange(rows, **like))[:, None], c,
+                            rounding_mode="floor") == torch.div(k0 + torch.arange(keys, **like),
+                                                                c, rounding_mode="floor")
+    if mods.q_ids is not None and "ids" in parts:
+        same = mods.q_ids[..., q0 : q0 + rows, None] == mods.kv_ids[..., None, k0 : k0 + keys]
+        if mods.heads is not None:
+            same = same[..., None, :, :]  # (..., 1, rows, keys): every head
+        allowed = same if allowed is None else allowed & same
+    if mods.mask_mod is not None and "mask_mod" in parts:
+        result = mods.mask_mod(*_mod_indices(mods, q0, rows, k0, keys))
+        _check_result(mods.fn, "mask_mod", result, _mod_target(mods, rows, keys))
+        allowed = result if allowed is None else allowed & result
+    return allowed
+
+
+def _check_result(fn: str, name: str, result: Any, target: tuple[int, ...]) -> None:
+    """What a mod returned, against the scores ``target`` (``rules.check_mod_result``)."""
+    tensor = isinstance(result, torch.Tensor)
+    shape = tuple(result.shape) if tensor else None
+    dtype = _dtype_name(result) if tensor else type(result).__name__
+    rules.check_mod_result(fn, name, shape, dtype, target)
+
+
+def _mods_statuses(mods: _Mods, q_len: int, kv_len: int, block_q: int, block_kv: int,
+                   lo: float, hi: float) -> np.ndarray:
+    """``rules.NONE`` / ``SOME`` / ``ALL`` of every ``(block_q, block_kv)`` tile under the band
+    and ``mods``' rules, ``(n_q_blocks, n_kv_blocks)`` uint8 (over every batch entry and head):
+    the chunk rule is arithmetic; segment ids and ``mask_mod`` are evaluated on every row of
+    query blocks, over the keys the band and the chunks leave (``spec.TILE_SKIPPING``)."""
+    base = np.array(rules.structural_statuses(q_len, kv_len, block_q, block_kv, lo, hi,
+                                              mods.offset, mods.chunk_size), np.uint8)
+    base = base.reshape(base.shape[0], -1)  # (n_q_blocks, n_kv_blocks), also when empty
+    if mods.q_ids is None and mods.mask_mod is None:
+        return base
+    statuses = base.copy()
+    for r, q0 in enumerate(range(0, q_len, block_q)):
+        q1, kept = min(q0 + block_q, q_len), np.flatnonzero(base[r])
+        if not kept.size:
+            continue
+        k0, k1 = int(kept[0]) * block_kv, min((int(kept[-1]) + 1) * block_kv, kv_len)
+        with torch.no_grad():
+            allowed = _mods_allowed(mods, q0, q1 - q0, k0, k1 - k0)
+            if math.isfinite(lo) or math.isfinite(hi):
+                allowed = allowed & _in_band(q0, q1 - q0, k0, k1 - k0, lo, hi, mods.device)
+        allowed = np.broadcast_to(allowed.cpu().numpy(), allowed.shape[:-2] + (q1 - q0, k1 - k0))
+        blocks = int(kept[-1]) - int(kept[0]) + 1
+        padded = np.zeros(allowed.shape[:-1] + (blocks * block_kv,), bool)
+        padded[..., : k1 - k0] = allowed
+        padded = padded.reshape((-1,) + padded.shape[-2:-1] + (blocks, block_kv))
+        counts = np.count_nonzero(padded, axis=(0, 1, 3))  # over batch, heads, rows, keys
+        starts = np.arange(int(kept[0]), int(kept[-1]) + 1) * block_kv
+        sizes = padded.shape[0] * (q1 - q0) * (np.minimum(starts + block_kv, kv_len) - starts)
+        statuses[r, kept[0] : kept[-1] + 1] = np.where(
+            counts == sizes, rules.ALL, np.where(counts > 0, rules.SOME, rules.NONE))
+    return statuses
+
+
+def _plan_with_mods(plan: list, mods: _Mods | None, q_len: int, kv_len: int, block_q: int,
+                    block_kv: int, lo: float, hi: float) -> list:
+    """``rules.plan``'s tiles without those ``mods`` (chunks, segment ids, ``mask_mod``) mask
+    entirely, and ``partial | 2`` where they mask part (``_mask_tile`` then masks by them)."""
+    if mods is None or not mods.masks:
+        return plan
+    statuses = _mods_statuses(mods, q_len, kv_len, block_q, block_kv, lo, hi)
+    return [(a, b, [(k0, k1, int(part) | (2 if status == rules.SOME else 0))
+                    for k0, k1, part in blocks
+                    if (status := statuses[a // block_q, k0 // block_kv])])
+            for a, b, blocks in plan]
 
 
 # ------------------------------------------------------------------------------------------

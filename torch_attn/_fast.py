@@ -34,6 +34,15 @@ the steps). It runs from ``MIN_SCORES`` score entries and ``MIN_Q_LEN`` queries:
   bottom-right alone as below) computes every entry but about three times as fast per entry
   as the tiles (no score matrix either).
 
+``"sdpa_blocks"``: chunks, ALiBi, segment ids or ``mask_mod`` (``spec.MASKS_AND_MODS``) without
+``score_mod``, from ``MIN_SCORES`` and ``MIN_Q_LEN``: SDPA per run of ``SDPA_ROWS`` query rows
+that see the same keys, against only those keys (the key blocks of ``SDPA_KEYS`` the band and
+the rules leave, ``_core._mods_statuses``), with a boolean mask only over the key blocks they
+cut (or, with a bias or ALiBi, a float mask): the tiles the rules empty are never computed.
+With ``score_mod`` (or a soft-cap) the
+tiles of ``"blocked"`` run instead, without the tiles the rules empty, ``score_mod``
+differentiated per tile by autograd.
+
 Gradients: ``backward.py`` runs autograd through ``fast_attention``, so SDPA's own backward or
 ``BlockwiseFunction.backward`` computes them; torch_attn needs no ``fast_attention_vjp`` (the
 function numpy_attn and jax_attn write by hand).
@@ -53,13 +62,28 @@ kernel meets an empty row.
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 import attention_rules as rules
 
-from ._core import NEG_INF, _allowed, _groups, _to_compute, _with_sinks
+from ._core import (
+    NEG_INF,
+    _add_alibi,
+    _allowed,
+    _groups,
+    _in_band,
+    _Mods,
+    _mods_allowed,
+    _mods_statuses,
+    _plan_with_mods,
+    _to_compute,
+    _with_sinks,
+)
 from .blockwise import BlockwiseFunction
 
 _BLOCKED = rules.FAST_PATHS["torch_attn"]["blocked"]
@@ -68,6 +92,8 @@ MIN_Q_LEN = _BLOCKED["min_q_len"]  # few queries (decoding): SDPA with a small m
 BLOCK_Q = _BLOCKED["block_q"]  # query rows per tile
 BLOCK_KV = 512  # keys per tile; 256 × 512 beat 512 × 1024 and 128 × 512 (2,048 tokens, fwd+bwd)
 MAX_TILE_FRACTION = _BLOCKED["max_tile_fraction"]  # window / bottom-right: tiles vs SDPA + mask
+SDPA_ROWS = 256  # "sdpa_blocks": query rows per block of the plan (runs of them are one call)
+SDPA_KEYS = 128  # "sdpa_blocks": keys per block of the plan (the mask covers only cut blocks)
 
 # CPU SDPA gives fully masked rows an output and a gradient of exactly 0 (checked on torch 2.13
 # by tests/test_torch_fast_path.py); other devices and older versions are not relied upon.
@@ -93,6 +119,11 @@ def use_fast_path(
         return None  # NaN/inf: SDPA adds the mask instead of replacing masked scores
     if args.has_sinks or args.return_lse:  # SDPA has neither: the tiles, or the steps
         return "blocked" if rules.large_enough(*shapes, MIN_SCORES, MIN_Q_LEN) else None
+    if args.has_mods:  # large inputs: SDPA by blocks of queries, or the tiles for score_mod
+        if not rules.large_enough(*shapes, MIN_SCORES, MIN_Q_LEN):
+            return None
+        return "blocked" if args.score_mod is not None or args.softcap is not None or \
+            args.scale <= 0.0 else "sdpa_blocks"
     if _beyond_sdpa(query.shape[-2], key.shape[-2], args) and rules.large_enough(
         *shapes, MIN_SCORES, MIN_Q_LEN
     ) and _tiles_pay(query.shape[-2], key.shape[-2], args):
@@ -146,11 +177,15 @@ def fast_attention(
     bias: torch.Tensor | None,
     args: rules.Arguments,
     sinks: torch.Tensor | None = None,
+    mods: _Mods | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``scaled_dot_product_attention``'s output on the path ``use_fast_path`` chose (and with
-    ``args.return_lse`` the row log-sum-exp: the tiles only, as with ``sinks``)."""
+    ``args.return_lse`` the row log-sum-exp: the tiles only, as with ``sinks``); ``mods``
+    (chunks, ALiBi, segment ids, the mods) on ``"blocked"`` and ``"sdpa_blocks"``."""
     if path == "blocked":
-        return _blocked_attention(query, key, value, mask, bias, args, sinks)
+        return _blocked_attention(query, key, value, mask, bias, args, sinks, mods)
+    if path == "sdpa_blocks":
+        return _sdpa_blocks(query, key, value, mask, bias, args, mods)
     return _sdpa_attention(
         query, key, value, mask, bias, args.is_causal, args.causal_alignment, args.window,
         args.scale,
@@ -241,10 +276,12 @@ def _blocked_attention(
     bias: torch.Tensor | None,
     args: rules.Arguments,
     sinks: torch.Tensor | None = None,
+    mods: _Mods | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The pipeline in tiles (``blockwise.BlockwiseFunction``), in the input dtype; autograd
     sees one node whose backward recomputes the tiles, and the ``(heads,)`` ``sinks`` joined
-    after it; with ``args.return_lse`` also the lse ``(..., heads, q_len)`` (compute dtype)."""
+    after it; with ``args.return_lse`` also the lse ``(..., heads, q_len)`` (compute dtype).
+    ``mods``: per tile, the tiles they mask entirely left out."""
     q_len, kv_len = query.shape[-2], key.shape[-2]
     rank = len(args.scores_shape)  # mask and bias full rank, so tiles slice the last two axes
     if mask is not None:
@@ -253,8 +290,100 @@ def _blocked_attention(
         bias = bias.reshape((1,) * (rank - bias.ndim) + tuple(bias.shape))
     lo, hi = rules.band(q_len, kv_len, args.is_causal, args.causal_alignment, args.window)
     plan = rules.plan(q_len, kv_len, BLOCK_Q, BLOCK_KV, lo, hi)  # masked tiles left out
+    plan = _plan_with_mods(plan, mods, q_len, kv_len, BLOCK_Q, BLOCK_KV, lo, hi)
     config = (plan, lo, hi, args.scale, args.softcap)
     output, lse = _with_sinks(
-        *BlockwiseFunction.apply(query, key, value, bias, mask, None, config), sinks)
+        *BlockwiseFunction.apply(query, key, value, bias, mask, None, config, mods), sinks)
     output = output.to(query.dtype)
     return (output, lse[..., 0]) if args.return_lse else output
+
+
+def _sdpa_blocks(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    args: rules.Arguments,
+    mods: _Mods,
+) -> torch.Tensor:
+    """Chunks, ALiBi, segment ids or ``mask_mod`` without ``score_mod``: SDPA on each run of
+    ``SDPA_ROWS`` query rows that see the same keys, against only those keys (the key blocks
+    of ``SDPA_KEYS`` the band and ``mods`` leave, ``_core._mods_statuses``), with a boolean
+    mask only where a key block is cut (or, with a bias or ALiBi, a float mask); rows that see
+    no key give 0. Fewer rows per call would skip more but cost more: SDPA on the CPU spreads
+    its work over (batch, heads, blocks of rows). Autograd runs through each SDPA call.
+    Output ``(..., heads, q_len, v_dim)`` in the input dtype."""
+    dtype = query.dtype
+    query, key, value = _to_compute(query), _to_compute(key), _to_compute(value)
+    q_len, kv_len, device = query.shape[-2], key.shape[-2], query.device
+    lo, hi = rules.band(q_len, kv_len, args.is_causal, args.causal_alignment, args.window)
+    size, keys_size = SDPA_ROWS, SDPA_KEYS
+    statuses = _mods_statuses(mods, q_len, kv_len, size, keys_size, lo, hi)
+    runs: list[list[int]] = []  # [r0, r1, k0, k1, p0, p1]: rows, their keys, keys to mask
+    for r, row in enumerate(statuses):
+        seen = np.flatnonzero(row)
+        keys = [0, 0, 0, 0]
+        if seen.size:
+            cut = np.flatnonzero(row[seen[0] : seen[-1] + 1] != rules.ALL) + seen[0]
+            keys = [int(seen[0]) * keys_size, min((int(seen[-1]) + 1) * keys_size, kv_len)]
+            keys += [int(cut[0]) * keys_size, min((int(cut[-1]) + 1) * keys_size, kv_len)] \
+                if cut.size else [keys[0], keys[0]]
+        r0, r1 = r * size, min((r + 1) * size, q_len)
+        if runs and runs[-1][2:4] == keys[:2]:  # the same keys: one call, cut spans joined
+            last = runs[-1]
+            if keys[3] > keys[2]:
+                joined = last[5] > last[4]
+                last[4] = min(last[4], keys[2]) if joined else keys[2]
+                last[5] = max(last[5], keys[3]) if joined else keys[3]
+            last[1] = r1
+        else:
+            runs.append([r0, r1] + keys)
+    rank = len(args.scores_shape)
+    outputs = []
+    for r0, r1, k0, k1, p0, p1 in runs:
+        rows, keys = r1 - r0, k1 - k0
+        if keys == 0:  # no row of the run sees a key: 0, gradient 0
+            outputs.append(query.new_zeros(query.shape[:-2] + (rows, value.shape[-1])))
+            continue
+        # one float mask (SDPA on the CPU takes it faster than a boolean one): the bias and
+        # ALiBi, -inf where the mask, or the band and the rules in the key blocks they cut,
+        # forbid; None when nothing is to be added or masked
+        part = None  # the band and the rules on the cut key blocks [p0, p1)
+        if p1 > p0:
+            part = _mods_allowed(mods, r0, rows, p0, p1 - p0)
+            if math.isfinite(lo) or math.isfinite(hi):
+                band = _in_band(r0, rows, p0, p1 - p0, lo, hi, device)
+                part = band if part is None else part & band
+        attn_mask = None
+        if bias is not None or mods.alibi is not None or mask is not None or part is not None:
+            lead = () if part is None else tuple(part.shape[:-2])  # rules per batch or head
+            attn_mask = query.new_zeros(lead + (rows, keys))
+        if part is not None:  # in place, on the new zeros
+            attn_mask[..., p0 - k0 : p1 - k0].masked_fill_(~part, NEG_INF)
+        if bias is not None:
+            whole = bias.reshape((1,) * (rank - bias.ndim) + tuple(bias.shape))
+            attn_mask = attn_mask + whole[..., _span(whole, r0, r1, -2),
+                                          _span(whole, k0, k1, -1)].to(device, query.dtype)
+        if mods.alibi is not None:
+            attn_mask = _add_alibi(attn_mask, mods, r0, k0)
+        if mask is not None:
+            whole = mask.reshape((1,) * (rank - mask.ndim) + tuple(mask.shape))
+            attn_mask = attn_mask.masked_fill(~whole[..., _span(whole, r0, r1, -2),
+                                                     _span(whole, k0, k1, -1)].to(device),
+                                              NEG_INF)
+        row_ok = None
+        if attn_mask is not None and not (device.type == "cpu" and CPU_SDPA_ZEROES_MASKED_ROWS):
+            row_ok = (attn_mask > NEG_INF).any(dim=-1, keepdim=True)  # the row keeps a key
+            attn_mask = torch.where(row_ok, attn_mask, 0.0)
+        out = F.scaled_dot_product_attention(
+            query[..., r0:r1, :], key[..., k0:k1, :], value[..., k0:k1, :], attn_mask=attn_mask,
+            scale=args.scale, enable_gqa=_groups(query.shape, key.shape) > 1,
+        )  # (..., heads, rows, v_dim)
+        outputs.append(out if row_ok is None else torch.where(row_ok, out, 0.0))
+    return torch.cat(outputs, dim=-2).to(dtype)
+
+
+def _span(x: torch.Tensor, start: int, stop: int, axis: int) -> slice:
+    """``start:stop`` along ``axis`` of a mask or bias, or all of a broadcast (size-1) axis."""
+    return slice(None) if x.shape[axis] == 1 else slice(start, stop)

@@ -16,7 +16,16 @@ import torch
 
 import attention_rules as rules
 
-from ._core import _array, _as_tensor, _describe, _describe_parts, _to_numpy
+from ._core import (
+    _array,
+    _as_tensor,
+    _describe,
+    _describe_parts,
+    _describe_segments,
+    _mods,
+    _segments,
+    _to_numpy,
+)
 from .functional import merge_attention, pipeline
 
 
@@ -36,6 +45,11 @@ def scaled_dot_product_attention_vjp(
     dropout_p: float = 0.0,
     dropout_mask: Any = None,
     sinks: Any = None,
+    chunk_size: int | None = None,
+    alibi_slopes: Any = None,
+    segment_ids: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """Gradients of ``scaled_dot_product_attention`` with respect to its array inputs.
 
@@ -49,6 +63,9 @@ def scaled_dot_product_attention_vjp(
       grad_output: ``(..., heads, q_len, v_dim)``, the gradient of a loss with respect to the
         output.
       sinks: ``(heads,)`` sink logits, or None.
+      chunk_size, alibi_slopes, segment_ids, score_mod, mask_mod: as in
+        ``scaled_dot_product_attention`` (autograd runs through ``score_mod``; the slopes get
+        no gradient).
 
     Returns:
       ``(grad_query, grad_key, grad_value, grad_bias)`` with the shapes and dtype of query, key,
@@ -62,10 +79,13 @@ def scaled_dot_product_attention_vjp(
         mask=_describe(fn, "mask", mask), bias=_describe(fn, "bias", bias), is_causal=is_causal,
         causal_alignment=causal_alignment, window=window, scale=scale, softcap=softcap,
         dropout_p=dropout_p, dropout_mask=_describe(fn, "dropout_mask", dropout_mask),
-        sinks=_describe(fn, "sinks", sinks),
+        sinks=_describe(fn, "sinks", sinks), chunk_size=chunk_size,
+        alibi_slopes=_describe(fn, "alibi_slopes", alibi_slopes),
+        segment_ids=_describe_segments(fn, segment_ids), score_mod=score_mod, mask_mod=mask_mod,
     )  # every rule of the spec, once
     query, key, value, grad_output = _array(query), _array(key), _array(value), _array(grad_output)
     mask, dropout_mask = _array(mask), _array(dropout_mask)
+    mods = _mods(fn, args, query, key, alibi_slopes, _segments(segment_ids))
 
     # autograd differentiates the forward pass; bias and sinks join the inputs only when given.
     given = {name: x.detach().requires_grad_(True) for name, x in
@@ -73,7 +93,8 @@ def scaled_dot_product_attention_vjp(
     inputs = [t.detach().requires_grad_(True) for t in (query, key, value)] + list(given.values())
     with torch.enable_grad():
         output = pipeline(  # validated above
-            *inputs[:3], mask, given.get("bias"), dropout_mask, None, args, given.get("sinks")
+            *inputs[:3], mask, given.get("bias"), dropout_mask, None, args, given.get("sinks"),
+            mods,
         )
         grads = torch.autograd.grad(output, inputs, grad_outputs=grad_output, allow_unused=True)
     grads = dict(zip(["query", "key", "value", *given], (

@@ -35,13 +35,21 @@ import attention_rules as rules
 
 from ._core import (
     NEG_INF,
+    _add_alibi,
     _array,
     _as_tensor,
     _describe,
     _describe_lengths,
+    _describe_segments,
     _groups,
     _in_band,
     _matmul_grouped,
+    _Mods,
+    _mods,
+    _mods_allowed,
+    _mods_scores,
+    _plan_with_mods,
+    _segments,
     _softcap,
     _sum_groups,
     _sum_to_shape,
@@ -74,6 +82,11 @@ def blockwise_attention(
     block_kv: int = DEFAULT_BLOCK_KV,
     sinks: Any = None,
     return_lse: bool = False,
+    chunk_size: int | None = None,
+    alibi_slopes: Any = None,
+    segment_ids: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention in ``(block_q, block_kv)`` tiles, with the online softmax.
 
@@ -97,6 +110,9 @@ def blockwise_attention(
       sinks: ``(heads,)`` sink logits, joined to each row's denominator after the last tile
         (autograd, beyond the tiles' Function).
       return_lse: also return each row's log-sum-exp (differentiable).
+      chunk_size, alibi_slopes, segment_ids, score_mod, mask_mod: as in
+        ``scaled_dot_product_attention``, per tile; the tiles that chunks, segment ids or
+        ``mask_mod`` mask entirely are skipped.
 
     Returns:
       ``(..., heads, q_len, v_dim)`` in the input dtype (fully masked rows give 0), and with
@@ -104,13 +120,15 @@ def blockwise_attention(
     """
     fn = "blockwise_attention"
     args = _arguments(fn, query, key, value, None, bias, kv_lengths, is_causal, causal_alignment,
-                      window, scale, softcap, block_q, block_kv, sinks,
-                      return_lse)  # every rule of the spec, once
+                      window, scale, softcap, block_q, block_kv, sinks, return_lse,
+                      (chunk_size, alibi_slopes, segment_ids, score_mod,
+                       mask_mod))  # every rule of the spec, once
     query, key, value, bias = _array(query), _array(key), _array(value), _array(bias)
-    bias, kv_lengths, plan, lo, hi = _prepare(fn, query, key, bias, kv_lengths, args)
+    mods = _mods(fn, args, query, key, alibi_slopes, _segments(segment_ids))
+    bias, kv_lengths, plan, lo, hi = _prepare(fn, query, key, bias, kv_lengths, args, mods)
     config = (plan, lo, hi, args.scale, args.softcap)
     output, lse = _with_sinks(  # the sinks join once, at the end
-        *BlockwiseFunction.apply(query, key, value, bias, None, kv_lengths, config),
+        *BlockwiseFunction.apply(query, key, value, bias, None, kv_lengths, config, mods),
         _array(sinks))
     output = output.to(query.dtype)
     return (output, lse[..., 0]) if args.return_lse else output
@@ -132,6 +150,11 @@ def blockwise_attention_vjp(
     block_q: int = DEFAULT_BLOCK_Q,
     block_kv: int = DEFAULT_BLOCK_KV,
     sinks: Any = None,
+    chunk_size: int | None = None,
+    alibi_slopes: Any = None,
+    segment_ids: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """Gradients of ``blockwise_attention``, tile by tile, from the saved log-sum-exp.
 
@@ -144,7 +167,8 @@ def blockwise_attention_vjp(
       value: ``(..., kv_heads, kv_len, v_dim)``.
       grad_output: ``(..., heads, q_len, v_dim)``.
       bias, kv_lengths, is_causal, causal_alignment, window, scale, softcap, block_q,
-        block_kv, sinks: as in ``blockwise_attention``.
+        block_kv, sinks, chunk_size, alibi_slopes, segment_ids, score_mod, mask_mod: as in
+        ``blockwise_attention``.
 
     Returns:
       ``(grad_query, grad_key, grad_value, grad_bias)`` shaped like query, key, value and bias
@@ -153,10 +177,12 @@ def blockwise_attention_vjp(
     """
     fn = "blockwise_attention_vjp"
     args = _arguments(fn, query, key, value, grad_output, bias, kv_lengths, is_causal,
-                      causal_alignment, window, scale, softcap, block_q, block_kv, sinks, False)
+                      causal_alignment, window, scale, softcap, block_q, block_kv, sinks, False,
+                      (chunk_size, alibi_slopes, segment_ids, score_mod, mask_mod))
     query, key, value, bias = _array(query), _array(key), _array(value), _array(bias)
     grad_output, bias_shape = _array(grad_output), None if bias is None else bias.shape
-    bias, kv_lengths, plan, lo, hi = _prepare(fn, query, key, bias, kv_lengths, args)
+    mods = _mods(fn, args, query, key, alibi_slopes, _segments(segment_ids))
+    bias, kv_lengths, plan, lo, hi = _prepare(fn, query, key, bias, kv_lengths, args, mods)
     config = (plan, lo, hi, args.scale, args.softcap)
     # autograd through the custom Function; bias and sinks join the inputs only when given.
     given = {name: x.detach().requires_grad_(True) for name, x in
@@ -164,8 +190,8 @@ def blockwise_attention_vjp(
     inputs = [t.detach().requires_grad_(True) for t in (query, key, value)] + list(given.values())
     with torch.enable_grad():
         output, _ = _with_sinks(
-            *BlockwiseFunction.apply(*inputs[:3], given.get("bias"), None, kv_lengths, config),
-            given.get("sinks"))
+            *BlockwiseFunction.apply(*inputs[:3], given.get("bias"), None, kv_lengths, config,
+                                     mods), given.get("sinks"))
         grads = torch.autograd.grad(output.to(query.dtype), inputs, grad_outputs=grad_output,
                                     allow_unused=True)
     grads = dict(zip(["query", "key", "value", *given], (
@@ -193,6 +219,7 @@ def forward_tiles(
     hi: float,
     scale: float,
     softcap: float | None,
+    mods: _Mods | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The online softmax over the tiles of ``plan``, on validated inputs.
 
@@ -207,6 +234,8 @@ def forward_tiles(
         ``b`` is attended only if ``j < kv_lengths[b]``.
       plan: ``rules.plan``'s tiles; lo, hi: the band ``lo <= j - i <= hi``.
       scale: multiplies ``query @ keyᵀ``; softcap: ``softcap · tanh(s / softcap)`` or None.
+      mods: chunks, ALiBi, segment ids and the mods (``_core._mods``), or None; a tile whose
+        ``partial`` has bit 2 (``_core._plan_with_mods``) is masked by them.
 
     Returns:
       ``output (..., heads, q_len, v_dim)`` and ``lse (..., heads, q_len, 1)`` in the compute
@@ -227,7 +256,7 @@ def forward_tiles(
             tile = (q_start, q_stop, kv_start, kv_stop)
             scores = _tile_scores(q[..., q_start:q_stop, :], k[..., kv_start:kv_stop, :], groups,
                                   softcap)  # (..., heads, bq, bk)
-            scores = _mask_tile(scores, bias, mask, kv_lengths, tile, partial, lo, hi)
+            scores = _mask_tile(scores, bias, mask, kv_lengths, tile, partial, lo, hi, mods)
             new_max = torch.maximum(row_max, scores.amax(dim=-1, keepdim=True))
             shift = torch.where(new_max == NEG_INF, 0.0, new_max)  # no -inf - -inf
             scores -= shift
@@ -236,7 +265,8 @@ def forward_tiles(
             row_sum = row_sum * correction + p.sum(dim=-1, keepdim=True)
             acc = acc * correction + _matmul_grouped(p, v[..., kv_start:kv_stop, :], groups)
             row_max = new_max
-        kept = row_sum > 0  # (..., heads, bq, 1); False: a fully masked row
+        kept = row_sum != 0  # (..., heads, bq, 1); False: a fully masked row; NaN
+        # rows stay NaN, their lse too (NON_FINITE), never -inf: a merge must not drop them
         safe_sum = torch.where(kept, row_sum, 1.0)
         output[..., q_start:q_stop, :] = acc / safe_sum  # 0 / 1 = 0 on fully masked rows
         lse[..., q_start:q_stop, :] = torch.where(kept, row_max + torch.log(safe_sum), math.inf)
@@ -260,6 +290,7 @@ def backward_tiles(
     grad_output: torch.Tensor,
     bias_needs_grad: bool = True,
     grad_lse: torch.Tensor | None = None,
+    mods: _Mods | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """FlashAttention's backward per tile (numpy_attn's ``backward.py`` derives it for the whole
     matrix), recomputing each tile's weights as ``exp(s - lse)``.
@@ -273,6 +304,8 @@ def backward_tiles(
       bias_needs_grad: False skips ``grad_bias``.
       grad_lse: the lse's cotangent ``(..., heads, q_len, 1)``, or None: ``dlse / dS = P``, so
         ``dS = P ⊙ (dP - rowsum(dO ⊙ O) + dlse)``.
+      mods: as in ``forward_tiles``; ``dS`` goes back through ``score_mod`` by autograd of
+        the tile.
 
     Returns:
       ``(grad_query, grad_key, grad_value, grad_bias)`` shaped like query, key, value and the
@@ -298,7 +331,17 @@ def backward_tiles(
             tile, cols = (q_start, q_stop, kv_start, kv_stop), slice(kv_start, kv_stop)
             capped = _tile_scores(q_scaled[..., rows, :], k[..., cols, :], groups, softcap)  # S1
             scores = capped.clone() if softcap is not None else capped  # S1 is needed for tanh'
-            scores = _mask_tile(scores, bias, mask, kv_lengths, tile, partial, lo, hi)
+            pre = post = None  # around score_mod, for its derivative
+            if mods is not None and mods.score_mod is not None:
+                if bias is not None:
+                    scores = scores + bias[_bias_tile(bias, *tile)].to(scores.device, scores.dtype)
+                with torch.enable_grad():
+                    pre = _add_alibi(scores, mods, q_start, kv_start).detach().requires_grad_()
+                    post = _mods_scores(pre, mods._replace(alibi=None), q_start, kv_start)
+                scores = _mask_tile(post.detach().clone(), None, mask, kv_lengths, tile, partial,
+                                    lo, hi, mods, transformed=True)
+            else:
+                scores = _mask_tile(scores, bias, mask, kv_lengths, tile, partial, lo, hi, mods)
             p = torch.exp(scores.sub_(lse[..., rows, :]), out=scores)  # P, recomputed, in place
             # dV = Pᵀ dO
             grad_v[..., cols, :] += _sum_groups(p.transpose(-1, -2) @ d_out_tile, groups)
@@ -306,6 +349,8 @@ def backward_tiles(
             grad_p = _matmul_grouped(d_out_tile, v[..., cols, :].transpose(-1, -2), groups)
             # dS = P ⊙ (dP - rowsum(dO ⊙ O))
             grad_s = grad_p.sub_(row_dot[..., rows, :]).mul_(p)  # in place: dP is not needed
+            if post is not None:  # through score_mod: its vector-Jacobian product
+                grad_s = torch.autograd.grad(post, pre, grad_s)[0]
             if grad_bias is not None:
                 index = _bias_tile(grad_bias, *tile)
                 grad_bias[index] += _sum_to_shape(grad_s, grad_bias[index].shape)
@@ -329,10 +374,10 @@ class BlockwiseFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 bias: torch.Tensor | None, mask: torch.Tensor | None,
-                kv_lengths: torch.Tensor | None, config: tuple) -> Any:
-        output, lse = forward_tiles(query, key, value, bias, mask, kv_lengths, *config)
+                kv_lengths: torch.Tensor | None, config: tuple, mods: _Mods | None = None) -> Any:
+        output, lse = forward_tiles(query, key, value, bias, mask, kv_lengths, *config, mods)
         ctx.save_for_backward(query, key, value, bias, mask, kv_lengths, output, lse)
-        ctx.config = config
+        ctx.config, ctx.mods = config, mods
         return output, lse
 
     @staticmethod
@@ -342,10 +387,11 @@ class BlockwiseFunction(torch.autograd.Function):
             query, key, value, bias, mask, kv_lengths, *ctx.config, output, lse, grad_output,
             bias_needs_grad=ctx.needs_input_grad[3],
             grad_lse=torch.where(torch.isinf(lse), 0.0, grad_lse),  # no row: no gradient
+            mods=ctx.mods,
         )
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
         return grad_q.to(query.dtype), grad_k.to(key.dtype), grad_v.to(value.dtype), grad_bias, \
-            None, None, None
+            None, None, None, None
 
 
 # ------------------------------------------------------------------------------------------
@@ -356,9 +402,11 @@ class BlockwiseFunction(torch.autograd.Function):
 def _arguments(
     fn: str, query: Any, key: Any, value: Any, grad_output: Any, bias: Any, kv_lengths: Any,
     is_causal: Any, causal_alignment: Any, window: Any, scale: Any, softcap: Any, block_q: Any,
-    block_kv: Any, sinks: Any, return_lse: Any,
+    block_kv: Any, sinks: Any, return_lse: Any, extra: tuple = (None,) * 5,
 ) -> rules.Arguments:
-    """``rules.attention_arguments`` for the forward pass (``grad_output`` None) and the VJP."""
+    """``rules.attention_arguments`` for the forward pass (``grad_output`` None) and the VJP;
+    ``extra``: ``(chunk_size, alibi_slopes, segment_ids, score_mod, mask_mod)`` as given."""
+    chunk_size, alibi_slopes, segment_ids, score_mod, mask_mod = extra
     return rules.attention_arguments(
         fn, _describe(fn, "query", query), _describe(fn, "key", key),
         _describe(fn, "value", value),
@@ -366,15 +414,18 @@ def _arguments(
         bias=_describe(fn, "bias", bias), is_causal=is_causal, causal_alignment=causal_alignment,
         window=window, scale=scale, softcap=softcap, kv_lengths=_describe_lengths(kv_lengths),
         block_q=block_q, block_kv=block_kv, sinks=_describe(fn, "sinks", sinks),
-        return_lse=return_lse,
+        return_lse=return_lse, chunk_size=chunk_size,
+        alibi_slopes=_describe(fn, "alibi_slopes", alibi_slopes),
+        segment_ids=_describe_segments(fn, segment_ids), score_mod=score_mod, mask_mod=mask_mod,
     )
 
 
 def _prepare(
     fn: str, query: torch.Tensor, key: torch.Tensor, bias: torch.Tensor | None, kv_lengths: Any,
-    args: rules.Arguments,
+    args: rules.Arguments, mods: _Mods | None = None,
 ) -> tuple:
-    """The full-rank bias, the checked ``kv_lengths`` and the tiles to compute with their band."""
+    """The full-rank bias, the checked ``kv_lengths`` and the tiles to compute with their band,
+    without those ``mods`` mask entirely (``_core._plan_with_mods``)."""
     q_len, kv_len = query.shape[-2], key.shape[-2]
     if kv_lengths is not None:  # the range needs the values: checked here
         kv_lengths = _as_tensor(kv_lengths).to(query.device)  # torch: a mask, not an input
@@ -386,6 +437,7 @@ def _prepare(
     if kv_lengths is not None and kv_lengths.numel():  # key blocks past every length: skipped
         longest = int(kv_lengths.max())
         plan = [(a, b, [t for t in blocks if t[0] < longest]) for a, b, blocks in plan]
+    plan = _plan_with_mods(plan, mods, q_len, kv_len, args.block_q, args.block_kv, lo, hi)
     return bias, kv_lengths, plan, lo, hi
 
 
@@ -417,19 +469,28 @@ def _mask_tile(
     mask: torch.Tensor | None,
     kv_lengths: torch.Tensor | None,
     tile: tuple[int, int, int, int],
-    partial: bool,
+    partial: int,
     lo: float,
     hi: float,
+    mods: _Mods | None = None,
+    transformed: bool = False,
 ) -> torch.Tensor:
-    """Add the bias tile, then ``-inf`` where the mask, the band or ``kv_lengths`` forbid (in
-    place; replaced, not added, so a NaN score at a masked position does not spread)."""
+    """Add the bias tile (and ALiBi, then ``score_mod``; not when ``transformed``: done), then
+    ``-inf`` where the mask, the band (bit 1 of ``partial``), ``kv_lengths`` or ``mods``' rules
+    (bit 2) forbid (in place; replaced, not added, so a NaN score at a masked position does not
+    spread)."""
     q_start, q_stop, kv_start, kv_stop = tile
     device = scores.device  # torch: positions are built on the scores' device
     if bias is not None:
         scores += bias[_bias_tile(bias, *tile)].to(device, scores.dtype)
+    if not transformed and mods is not None:
+        scores = _mods_scores(scores, mods, q_start, kv_start)
     if mask is not None:  # torch only: the fast path's boolean mask, full rank, sliced per tile
         scores.masked_fill_(~mask[_bias_tile(mask, *tile)].to(device), NEG_INF)
-    if partial:  # (bq, bk): j - i inside [lo, hi]
+    if partial & 2:  # chunks, segment ids, mask_mod cut the tile
+        allowed = _mods_allowed(mods, q_start, q_stop - q_start, kv_start, kv_stop - kv_start)
+        scores.masked_fill_(~allowed, NEG_INF)
+    if partial & 1:  # (bq, bk): j - i inside [lo, hi]
         allowed = _in_band(q_start, q_stop - q_start, kv_start, kv_stop - kv_start, lo, hi, device)
         scores.masked_fill_(~allowed, NEG_INF)
     if kv_lengths is not None:  # (batch..., 1, 1, bk): key j < kv_lengths[b]

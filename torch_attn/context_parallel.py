@@ -24,13 +24,15 @@ same algorithm with the ranks simulated in a loop):
   sequence" into "1/N of the heads, the whole sequence"; a second one turns the output back.
 
 The same code runs on gloo (CPU) and NCCL (GPU); nothing here names a device or a backend. A
-rank that fails makes the others fail when the process group's timeout expires.
+rank that fails makes the others fail when the process group's timeout expires. The steps are
+made of ``context_blocks.py``'s pairs and messages; memory per rank:
+``docs/context_parallel.md``, "Memory per device".
 """
 
 from __future__ import annotations
 
 import zlib
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,16 +40,16 @@ import torch.distributed as dist
 import attention_rules as rules
 from attention_rules import context_parallel as cp
 
+from . import context_blocks as blocks
 from ._core import (
     _array,
     _as_tensor,
     _describe,
     _describe_lengths,
     _dtype_name,
-    _merge_partials,
     _to_compute,
 )
-from .blockwise import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, backward_tiles, forward_tiles
+from .context_blocks import Communicator
 
 # ------------------------------------------------------------------------------------------
 # Public functions
@@ -96,7 +98,7 @@ def context_parallel_attention(
       fully masked rows give 0. Shards that differ across ranks raise ValueError on every rank.
     """
     fn = "context_parallel_attention"
-    comm = _communicator(group)
+    comm = blocks.communicator(group)
     args, sched = _arguments(fn, query, key, value, None, kv_lengths, comm, strategy, is_causal,
                              causal_alignment, window, scale, softcap, load_balance)
     query, key, value = _array(query), _array(key), _array(value)
@@ -136,7 +138,7 @@ def context_parallel_attention_vjp(
       ``(grad_query, grad_key, grad_value)``: this rank's shards, in the input dtype.
     """
     fn = "context_parallel_attention_vjp"
-    comm = _communicator(group)
+    comm = blocks.communicator(group)
     args, sched = _arguments(fn, query, key, value, grad_output, kv_lengths, comm, strategy,
                              is_causal, causal_alignment, window, scale, softcap, load_balance)
     query, key, value, grad_output = _array(query), _array(key), _array(value), _array(grad_output)
@@ -155,7 +157,7 @@ def context_parallel_attention_vjp(
 
 def _arguments(
     fn: str, query: Any, key: Any, value: Any, grad_output: Any, kv_lengths: Any,
-    comm: _Communicator, strategy: Any, is_causal: Any, causal_alignment: Any, window: Any,
+    comm: Communicator, strategy: Any, is_causal: Any, causal_alignment: Any, window: Any,
     scale: Any, softcap: Any, load_balance: Any,
 ) -> tuple[rules.Arguments, cp.Schedule]:
     """Every rule, once (global shapes), and the static schedule. torch: the ranks first agree
@@ -189,7 +191,7 @@ def _global(info: rules.ArrayInfo, world_size: int) -> rules.ArrayInfo:
     return shape[:-2] + (shape[-2] * world_size,) + shape[-1:], dtype
 
 
-def _same_on_every_rank(fn: str, comm: _Communicator, *call: Any) -> None:
+def _same_on_every_rank(fn: str, comm: Communicator, *call: Any) -> None:
     """torch only: every rank compares a digest of its call (shapes, dtypes, options, the
     ``kv_lengths`` values) with the others'; on a mismatch every rank raises ValueError."""
     if comm.world_size == 1:
@@ -198,7 +200,7 @@ def _same_on_every_rank(fn: str, comm: _Communicator, *call: Any) -> None:
     device = call[0].device if isinstance(call[0], torch.Tensor) else torch.device("cpu")
     digest = torch.tensor([zlib.crc32(text.encode())], dtype=torch.int64, device=device)
     digests = torch.empty(comm.world_size, dtype=torch.int64, device=device)
-    _all_gather_flat(digests, digest, comm)
+    blocks.all_gather_flat(digests, digest, comm)
     if len(set(digests.tolist())) > 1:  # every rank sees the same digests: all raise
         texts: list = [None] * comm.world_size
         dist.all_gather_object(texts, text, group=comm.group)
@@ -224,99 +226,13 @@ def _call_text(call: tuple) -> str:
 
 
 # ------------------------------------------------------------------------------------------
-# The per-block math: blockwise.py's tiles on a pair of chunks (merged by _merge_partials)
-# ------------------------------------------------------------------------------------------
-
-
-def _pair_band(q_start: int, kv_start: int, sched: cp.Schedule) -> tuple[float, float]:
-    """The band ``lo <= j - i <= hi`` in the chunks' own indices (``i``, ``j`` from 0)."""
-    shift = kv_start - q_start
-    return sched.lo - shift, sched.hi - shift
-
-
-def _attend_pair(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lengths: torch.Tensor | None,
-    q_start: int, kv_start: int, sched: cp.Schedule, args: rules.Arguments,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(output, lse)`` of one query chunk against one key chunk (global starts given), lse
-    ``-inf`` on rows with no allowed key; None when the band leaves the pair nothing."""
-    lo, hi = _pair_band(q_start, kv_start, sched)
-    tiles = rules.plan(q.shape[-2], k.shape[-2], DEFAULT_BLOCK_Q, DEFAULT_BLOCK_KV, lo, hi)
-    if not any(blocks for _, _, blocks in tiles):
-        return None  # never computed
-    lengths = None if kv_lengths is None else kv_lengths - kv_start  # in the chunk's indices
-    output, lse = forward_tiles(q, k, v, None, None, lengths, tiles, lo, hi, args.scale,
-                                args.softcap)  # no bias, no mask
-    return output, torch.where(lse == torch.inf, -torch.inf, lse)  # blockwise: +inf on empty
-
-def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lengths: torch.Tensor | None,
-    q_segments: tuple, kv_segments: tuple, sched: cp.Schedule, args: rules.Arguments,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(output, lse)`` of the query chunks ``q_segments`` (concatenated in ``q``) against the
-    key chunks ``kv_segments`` (in ``k`` and ``v``); lse ``-inf`` on rows with no key."""
-    q_size, kv_size = q.shape[-2] // len(q_segments), k.shape[-2] // len(kv_segments)
-    q_c = _to_compute(q)
-    like = {"dtype": q_c.dtype, "device": q_c.device}  # torch: dtype and device of new tensors
-    outputs, lses = [], []
-    for i, (q_start, _) in enumerate(q_segments):
-        q_part = q_c[..., i * q_size:(i + 1) * q_size, :]  # (batch, heads, chunk, head_dim)
-        out = torch.zeros(q_part.shape[:-1] + v.shape[-1:], **like)  # no key yet
-        lse = torch.full(q_part.shape[:-1] + (1,), -torch.inf, **like)
-        for j, (kv_start, _) in enumerate(kv_segments):
-            cols = slice(j * kv_size, (j + 1) * kv_size)
-            part = _attend_pair(q_part, k[..., cols, :], v[..., cols, :], kv_lengths, q_start,
-                                kv_start, sched, args)
-            if part is not None:
-                out, lse = _merge_partials(out, lse, *part)
-        outputs.append(out)
-        lses.append(lse)
-    return torch.cat(outputs, dim=-2), torch.cat(lses, dim=-2)
-
-
-def _attend_backward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lengths: torch.Tensor | None,
-    output: torch.Tensor, lse: torch.Tensor, grad_output: torch.Tensor, q_segments: tuple,
-    kv_segments: tuple, sched: cp.Schedule, args: rules.Arguments,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Contributions of the key chunks ``kv_segments`` to ``(grad_q, grad_k, grad_v)``, from
-    the final ``output`` and ``lse`` (``+inf`` on fully masked rows) of the query chunks."""
-    q_size, kv_size = q.shape[-2] // len(q_segments), k.shape[-2] // len(kv_segments)
-    like = {"dtype": output.dtype, "device": output.device}  # the compute dtype
-    grad_q = torch.zeros(q.shape, **like)
-    grad_k, grad_v = torch.zeros(k.shape, **like), torch.zeros(v.shape, **like)
-    for i, (q_start, _) in enumerate(q_segments):
-        rows = slice(i * q_size, (i + 1) * q_size)
-        for j, (kv_start, _) in enumerate(kv_segments):
-            cols = slice(j * kv_size, (j + 1) * kv_size)
-            lo, hi = _pair_band(q_start, kv_start, sched)
-            tiles = rules.plan(q_size, kv_size, DEFAULT_BLOCK_Q, DEFAULT_BLOCK_KV, lo, hi)
-            if not any(blocks for _, _, blocks in tiles):
-                continue  # never computed
-            lengths = None if kv_lengths is None else kv_lengths - kv_start
-            dq, dk, dv, _ = backward_tiles(
-                q[..., rows, :], k[..., cols, :], v[..., cols, :], None, None, lengths, tiles, lo,
-                hi, args.scale, args.softcap, output[..., rows, :], lse[..., rows, :],
-                grad_output[..., rows, :])
-            grad_q[..., rows, :] += dq
-            grad_k[..., cols, :] += dk
-            grad_v[..., cols, :] += dv
-    return grad_q, grad_k, grad_v
-
-
-def _finish(lse: torch.Tensor) -> torch.Tensor:
-    """The saved log-sum-exp as ``blockwise.py``'s backward wants it: ``+inf`` on empty rows."""
-    return torch.where(lse == -torch.inf, torch.inf, lse)
-
-
-# ------------------------------------------------------------------------------------------
 # Strategies: the code every rank runs
 # ------------------------------------------------------------------------------------------
 
 
 def _strategy_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       kv_lengths: torch.Tensor | None, sched: cp.Schedule, args: rules.Arguments,
-                      comm: _Communicator) -> tuple:
+                      comm: Communicator) -> tuple:
     """``(output shard, saved for the backward pass)``."""
     forward = {"ring": _ring_forward, "all_gather": _all_gather_forward,
                "ulysses": _ulysses_forward}[sched.strategy]
@@ -325,7 +241,7 @@ def _strategy_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def _strategy_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        kv_lengths: torch.Tensor | None, saved: Any, grad_output: torch.Tensor,
-                       sched: cp.Schedule, args: rules.Arguments, comm: _Communicator) -> tuple:
+                       sched: cp.Schedule, args: rules.Arguments, comm: Communicator) -> tuple:
     """``(grad_q, grad_k, grad_v)`` shards."""
     backward = {"ring": _ring_backward, "all_gather": _all_gather_backward,
                 "ulysses": _ulysses_backward}[sched.strategy]
@@ -334,25 +250,25 @@ def _strategy_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   kv_lengths: torch.Tensor | None, sched: cp.Schedule, args: rules.Arguments,
-                  comm: _Communicator) -> tuple:
+                  comm: Communicator) -> tuple:
     """Step ``s``: this rank attends to the block of rank ``r - s``, then passes it on."""
     rank, result = comm.rank, None
     for step in range(sched.steps):
         origin = cp.ring_origin(sched.world_size, rank, step)
         # torch: the next block is on its way while this one is computed
-        pending = _ring_shift_start([k, v], 1, comm) if step + 1 < sched.steps else None
-        part = _attend(q, k, v, kv_lengths, sched.q_segments[rank], sched.kv_segments[origin],
-                       sched, args)
-        result = part if result is None else _merge_partials(*result, *part)
+        pending = blocks.ring_shift_start([k, v], 1, comm) if step + 1 < sched.steps else None
+        result = blocks.attend(q, k, v, kv_lengths, sched.q_segments[rank],
+                               sched.kv_segments[origin], sched, args, result)
         if pending is not None:
-            k, v = _ring_shift_finish(pending)
+            k, v = blocks.ring_shift_finish(pending)
+            pending = None  # torch: its requests hold the blocks sent: let them go now
     output, lse = result
-    return output, (output, _finish(lse))
+    return output, (output, blocks.finish(lse))
 
 
 def _ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    kv_lengths: torch.Tensor | None, saved: Any, grad_output: torch.Tensor,
-                   sched: cp.Schedule, args: rules.Arguments, comm: _Communicator) -> tuple:
+                   sched: cp.Schedule, args: rules.Arguments, comm: Communicator) -> tuple:
     """The ring again; the key/value gradients travel with their blocks, then go home."""
     output, lse = saved
     rank = comm.rank
@@ -362,68 +278,67 @@ def _ring_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     d_out = _to_compute(grad_output)
     for step in range(sched.steps):
         origin = cp.ring_origin(sched.world_size, rank, step)
-        pending = _ring_shift_start([k, v], 1, comm) if step + 1 < sched.steps else None
-        dq, dk, dv = _attend_backward(
+        pending = blocks.ring_shift_start([k, v], 1, comm) if step + 1 < sched.steps else None
+        # the gradient of the block held travels with it
+        grad_q, grad_k, grad_v = blocks.attend_backward(
             q, k, v, kv_lengths, output, lse, d_out, sched.q_segments[rank],
-            sched.kv_segments[origin], sched, args)
-        grad_q += dq
-        grad_k += dk  # the gradient of the block held: it travels with it
-        grad_v += dv
+            sched.kv_segments[origin], sched, args, (grad_q, grad_k, grad_v))
         if pending is not None:
-            k, v = _ring_shift_finish(pending)
-            grad_k, grad_v = _ring_shift_finish(_ring_shift_start([grad_k, grad_v], 1, comm))
+            k, v = blocks.ring_shift_finish(pending)
+            pending = None  # torch: its requests hold the blocks sent: let them go now
+            grad_k, grad_v = blocks.ring_shift([grad_k, grad_v], 1, comm)
     home = -(sched.steps - 1) % sched.world_size  # this rank holds rank r - (steps - 1)'s
     if home:
-        grad_k, grad_v = _ring_shift_finish(_ring_shift_start([grad_k, grad_v], home, comm))
+        grad_k, grad_v = blocks.ring_shift([grad_k, grad_v], home, comm)
     return grad_q, grad_k, grad_v
 
 
 def _all_gather_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         kv_lengths: torch.Tensor | None, sched: cp.Schedule,
-                        args: rules.Arguments, comm: _Communicator) -> tuple:
+                        args: rules.Arguments, comm: Communicator) -> tuple:
     """Gather every key/value block (layout order), then attend to all of them."""
-    k_all, v_all = _all_gather(k, comm), _all_gather(v, comm)
-    output, lse = _attend(q, k_all, v_all, kv_lengths, sched.q_segments[comm.rank],
-                          cp.all_segments(sched.kv_segments), sched, args)
-    return output, (output, _finish(lse))
+    k_all, v_all = blocks.all_gather(k, comm), blocks.all_gather(v, comm)
+    output, lse = blocks.attend(q, k_all, v_all, kv_lengths, sched.q_segments[comm.rank],
+                                cp.all_segments(sched.kv_segments), sched, args)
+    return output, (output, blocks.finish(lse))
 
 
 def _all_gather_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          kv_lengths: torch.Tensor | None, saved: Any, grad_output: torch.Tensor,
-                         sched: cp.Schedule, args: rules.Arguments, comm: _Communicator) -> tuple:
+                         sched: cp.Schedule, args: rules.Arguments, comm: Communicator) -> tuple:
     """Gather again (nothing of the whole sequence was kept), then sum each block's
     gradients back to its owner (reduce-scatter)."""
     output, lse = saved
-    k_all, v_all = _all_gather(k, comm), _all_gather(v, comm)
-    grad_q, grad_k_all, grad_v_all = _attend_backward(
+    k_all, v_all = blocks.all_gather(k, comm), blocks.all_gather(v, comm)
+    grad_q, grad_k_all, grad_v_all = blocks.attend_backward(
         q, k_all, v_all, kv_lengths, output, lse, _to_compute(grad_output),
         sched.q_segments[comm.rank], cp.all_segments(sched.kv_segments), sched, args)
-    return grad_q, _reduce_scatter(grad_k_all, comm), _reduce_scatter(grad_v_all, comm)
+    return grad_q, blocks.reduce_scatter(grad_k_all, comm), blocks.reduce_scatter(grad_v_all, comm)
 
 
 def _ulysses_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      kv_lengths: torch.Tensor | None, sched: cp.Schedule, args: rules.Arguments,
-                     comm: _Communicator) -> tuple:
+                     comm: Communicator) -> tuple:
     """All-to-all: 1/N of the heads, the whole sequence (layout order); attend; all-to-all back."""
-    q_h = _all_to_all(q, "heads_to_sequence", comm)  # (batch, heads / N, q_len, head_dim)
-    k_h = _all_to_all(k, "heads_to_sequence", comm)
-    v_h = _all_to_all(v, "heads_to_sequence", comm)
-    out_h, lse_h = _attend(q_h, k_h, v_h, kv_lengths, cp.all_segments(sched.q_segments),
-                           cp.all_segments(sched.kv_segments), sched, args)
-    output = _all_to_all(out_h, "sequence_to_heads", comm)
-    return output, (q_h, k_h, v_h, out_h, _finish(lse_h))
+    q_h = blocks.all_to_all(q, "heads_to_sequence", comm)  # (batch, heads / N, q_len, head_dim)
+    k_h = blocks.all_to_all(k, "heads_to_sequence", comm)
+    v_h = blocks.all_to_all(v, "heads_to_sequence", comm)
+    out_h, lse_h = blocks.attend(q_h, k_h, v_h, kv_lengths, cp.all_segments(sched.q_segments),
+                                 cp.all_segments(sched.kv_segments), sched, args)
+    output = blocks.all_to_all(out_h, "sequence_to_heads", comm)
+    return output, (q_h, k_h, v_h, out_h, blocks.finish(lse_h))
 
 
 def _ulysses_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       kv_lengths: torch.Tensor | None, saved: Any, grad_output: torch.Tensor,
-                      sched: cp.Schedule, args: rules.Arguments, comm: _Communicator) -> tuple:
+                      sched: cp.Schedule, args: rules.Arguments, comm: Communicator) -> tuple:
     """dO to the head split, the whole-sequence backward, gradients back."""
     q_h, k_h, v_h, out_h, lse_h = saved
-    d_out_h = _all_to_all(_to_compute(grad_output), "heads_to_sequence", comm)
-    grads = _attend_backward(q_h, k_h, v_h, kv_lengths, out_h, lse_h, d_out_h,
-                             cp.all_segments(sched.q_segments),
-                             cp.all_segments(sched.kv_segments), sched, args)
-    return tuple(_all_to_all(g, "sequence_to_heads", comm) for g in grads)
+    d_out_h = blocks.all_to_all(_to_compute(grad_output), "heads_to_sequence", comm)
+    grads = blocks.attend_backward(q_h, k_h, v_h, kv_lengths, out_h, lse_h, d_out_h,
+                                   cp.all_segments(sched.q_segments),
+                                   cp.all_segments(sched.kv_segments), sched, args)
+    return tuple(blocks.all_to_all(g, "sequence_to_heads", comm) for g in grads)
 
 
 class _ContextParallelAttention(torch.autograd.Function):
@@ -432,7 +347,7 @@ class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_lengths: torch.Tensor | None, sched: cp.Schedule, args: rules.Arguments,
-                comm: _Communicator) -> Any:
+                comm: Communicator) -> Any:
         output, saved = _strategy_forward(query, key, value, kv_lengths, sched, args, comm)
         ctx.save_for_backward(query, key, value, kv_lengths, *saved)
         ctx.static = (sched, args, comm)
@@ -445,91 +360,3 @@ class _ContextParallelAttention(torch.autograd.Function):
                                                     grad_output, *ctx.static)
         return grad_q.to(query.dtype), grad_k.to(key.dtype), grad_v.to(value.dtype), None, \
             None, None, None
-
-
-# ------------------------------------------------------------------------------------------
-# The messages (numpy: lists over ranks; jax: lax collectives; torch: torch.distributed)
-# ------------------------------------------------------------------------------------------
-
-
-class _Communicator(NamedTuple):
-    """torch only: the process group, this rank's index in it and its size."""
-
-    group: Any
-    rank: int
-    world_size: int
-
-
-def _communicator(group: Any) -> _Communicator:
-    """torch only: the group (None: the default one), this rank and the size."""
-    return _Communicator(group, dist.get_rank(group), dist.get_world_size(group))
-
-
-def _peer(comm: _Communicator, rank: int) -> int:
-    """torch only: the global rank of ``rank`` of the group (point-to-point ops want it)."""
-    return rank if comm.group is None else dist.get_global_rank(comm.group, rank)
-
-
-def _ring_shift_start(tensors: list, shift: int, comm: _Communicator) -> tuple:
-    """Send each tensor to rank ``r + shift`` and receive rank ``r - shift``'s (started)."""
-    n = comm.world_size
-    to, source = _peer(comm, (comm.rank + shift) % n), _peer(comm, (comm.rank - shift) % n)
-    received, ops = [], []
-    for tensor in tensors:
-        tensor = tensor.contiguous()
-        buffer = torch.empty_like(tensor)
-        ops.append(dist.P2POp(dist.isend, tensor, to, comm.group))
-        ops.append(dist.P2POp(dist.irecv, buffer, source, comm.group))
-        received.append(buffer)
-    return dist.batch_isend_irecv(ops), received
-
-
-def _ring_shift_finish(pending: tuple) -> list:
-    """Wait for a started shift; the received tensors."""
-    requests, received = pending
-    for request in requests:
-        request.wait()
-    return received
-
-
-def _all_gather_flat(output: torch.Tensor, tensor: torch.Tensor, comm: _Communicator) -> None:
-    """``all_gather_single`` (``all_gather_into_tensor`` before torch 2.10) along dim 0."""
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, tensor, group=comm.group)
-
-
-def _all_gather(x: torch.Tensor, comm: _Communicator) -> torch.Tensor:
-    """Every rank's shard, concatenated along the sequence axis in rank order."""
-    parts = x.movedim(-2, 0).contiguous()  # (seq / N, batch, heads, dim): gathered along dim 0
-    gathered = torch.empty((comm.world_size * parts.shape[0],) + parts.shape[1:],
-                           dtype=parts.dtype, device=parts.device)
-    _all_gather_flat(gathered, parts, comm)
-    return gathered.movedim(0, -2)
-
-
-def _reduce_scatter(x: torch.Tensor, comm: _Communicator) -> torch.Tensor:
-    """Sum the ranks' whole-sequence arrays; this rank keeps its shard of the sum."""
-    parts = x.movedim(-2, 0).contiguous()  # (seq, batch, heads, dim)
-    shard = torch.empty((parts.shape[0] // comm.world_size,) + parts.shape[1:],
-                        dtype=parts.dtype, device=parts.device)
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(shard, parts, group=comm.group)
-    return shard.movedim(0, -2)
-
-
-def _all_to_all(x: torch.Tensor, direction: str, comm: _Communicator) -> torch.Tensor:
-    """``"heads_to_sequence"``: send head group ``j`` to rank ``j`` and receive this rank's head
-    group of every rank's sequence shard, concatenated in rank order;
-    ``"sequence_to_heads"`` undoes it."""
-    n = comm.world_size
-    batch, heads, seq, dim = x.shape
-    if direction == "heads_to_sequence":  # (batch, n, heads / n, seq, dim): piece j to rank j
-        pieces = x.reshape(batch, n, heads // n, seq, dim).movedim(1, 0)
-    else:  # (batch, heads, n, seq / n, dim): sequence piece j goes back to rank j
-        pieces = x.reshape(batch, heads, n, seq // n, dim).movedim(2, 0)
-    pieces = pieces.contiguous()
-    received = torch.empty_like(pieces)  # received[i]: the piece rank i sent
-    dist.all_to_all_single(received, pieces, group=comm.group)
-    if direction == "heads_to_sequence":  # (n, batch, heads / n, seq, dim) → sequence axis
-        return received.movedim(0, 2).reshape(batch, heads // n, n * seq, dim)
-    return received.movedim(0, 1).reshape(batch, n * heads, seq // n, dim)

@@ -29,12 +29,16 @@ from ._core import (
     _check_scores,
     _describe,
     _describe_parts,
+    _describe_segments,
     _dropout,
     _in_band,
     _mask_scores,
     _merge_attention,
+    _Mods,
+    _mods,
     _output,
     _scores,
+    _segments,
     _softmax,
     _softmax_lse,
     _to_compute,
@@ -208,6 +212,11 @@ def scaled_dot_product_attention(
     return_weights: bool = False,
     sinks: Any = None,
     return_lse: bool = False,
+    chunk_size: int | None = None,
+    alibi_slopes: Any = None,
+    segment_ids: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Scaled dot-product attention: ``softmax(mask(q kᵀ · scale + bias)) @ v``.
 
@@ -237,6 +246,16 @@ def scaled_dot_product_attention(
         with ``requires_grad`` gets its gradient.
       return_lse: also return each row's log-sum-exp (natural log, of the denominator used:
         the sink included); differentiable.
+      chunk_size: chunked local attention: query ``i`` attends key ``j`` only if
+        ``(i + offset) // chunk_size == j // chunk_size`` (``spec.CHUNKED``).
+      alibi_slopes: ``(heads,)``: ``-slope_h · |i + offset - j|`` added after the soft-cap
+        (``spec.ALIBI``); no gradient reaches it.
+      segment_ids: ints ``(..., seq)``, or a pair ``(..., q_len)`` and ``(..., kv_len)``: only
+        equal ids attend each other (``spec.SEGMENT_IDS``).
+      score_mod: ``score_mod(score, batch, head, q_idx, kv_idx) -> score`` on tensors, after
+        ALiBi (``spec.SCORE_MOD``; autograd runs through it).
+      mask_mod: ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` (``spec.MASK_MOD``); large
+        inputs skip the blocks it masks entirely (``_fast.py``).
 
     Returns:
       ``(..., heads, q_len, v_dim)`` in the input dtype, and, in this order, with
@@ -251,11 +270,14 @@ def scaled_dot_product_attention(
         bias=_describe(fn, "bias", bias), is_causal=is_causal, causal_alignment=causal_alignment,
         window=window, scale=scale, softcap=softcap, dropout_p=dropout_p,
         dropout_mask=_describe(fn, "dropout_mask", dropout_mask), return_weights=return_weights,
-        sinks=_describe(fn, "sinks", sinks), return_lse=return_lse,
+        sinks=_describe(fn, "sinks", sinks), return_lse=return_lse, chunk_size=chunk_size,
+        alibi_slopes=_describe(fn, "alibi_slopes", alibi_slopes),
+        segment_ids=_describe_segments(fn, segment_ids), score_mod=score_mod, mask_mod=mask_mod,
     )  # every rule of the spec, on shapes and dtype names: raises, or normalises the options
     query, key, value = _array(query), _array(key), _array(value)
     mask, bias, dropout_mask = _array(mask), _array(bias), _array(dropout_mask)
-    return pipeline(query, key, value, mask, bias, dropout_mask, rng, args, _array(sinks))
+    mods = _mods(fn, args, query, key, alibi_slopes, _segments(segment_ids))
+    return pipeline(query, key, value, mask, bias, dropout_mask, rng, args, _array(sinks), mods)
 
 
 def merge_attention(
@@ -300,6 +322,7 @@ def pipeline(
     rng: Any,
     args: rules.Arguments,
     sinks: torch.Tensor | None = None,
+    mods: _Mods | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """The whole pipeline on validated arrays (``scaled_dot_product_attention`` after its
     checks): a fast path where ``_fast.use_fast_path`` selects one (it computes the same steps),
@@ -316,6 +339,7 @@ def pipeline(
       rng: ``torch.Generator`` for dropout without a keep-mask, or None (torch's global one).
       args: the options as ``rules.attention_arguments`` normalised them.
       sinks: ``(heads,)`` sink logits, or None.
+      mods: the chunk rule, ALiBi, segment ids and the mods (``_core._mods``), or None.
 
     Returns:
       ``(..., heads, q_len, v_dim)`` in the input dtype, then with ``args.return_weights`` the
@@ -324,10 +348,12 @@ def pipeline(
     """
     path = _fast.use_fast_path(query, key, value, mask, bias, args)
     if path is not None:  # torch's fused kernel, where it computes exactly these steps
-        return _fast.fast_attention(path, query, key, value, mask, bias, args, sinks)
+        return _fast.fast_attention(path, query, key, value, mask, bias, args, sinks, mods)
     scores = _scores(query, key, args.scale, args.softcap)  # (..., heads, q_len, kv_len)
-    scores = _mask_scores(scores, mask, bias, args.is_causal, args.causal_alignment, args.window)
+    scores = _mask_scores(scores, mask, bias, args.is_causal, args.causal_alignment, args.window,
+                          mods)
     may_be_empty = mask is not None or bias is not None or args.is_causal or args.window is not None
+    may_be_empty = may_be_empty or args.has_mods
     lse = None
     if sinks is not None or args.return_lse:  # the sinks join each row's denominator
         weights, lse = _softmax_lse(scores, sinks)  # lse: (..., heads, q_len)

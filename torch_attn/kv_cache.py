@@ -4,6 +4,8 @@ Buffers are preallocated to ``max_len`` positions and filled left to right by ``
 ``keys`` and ``values`` are views of the filled part. ``append`` writes in place and returns
 the cache itself (jax_attn returns a new cache: write ``cache = cache.append(k, v)``).
 The buffers hold values, never autograd history: ``append`` stores detached copies.
+A modules' decoding step over a long cache runs split-KV (``paged.split_kv_attention``), and
+one over a ``PagedKVCache`` runs ``paged_attention`` (``spec.SPLIT_DECODING``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import torch
 import attention_rules as rules
 
 from ._core import _as_tensor
-from .functional import scaled_dot_product_attention
+from .functional import merge_attention, scaled_dot_product_attention
+from .paged import PagedKVCache, paged_cached_part, split_kv_attention
 
 
 def _dtype(dtype: Any) -> torch.dtype:
@@ -109,16 +112,24 @@ def decode_step(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    cache: KVCache | None,
+    cache: KVCache | PagedKVCache | None,
     max_len: int | None,
-) -> tuple[torch.Tensor, KVCache]:
+    sinks: Any = None,
+) -> tuple[torch.Tensor, KVCache | PagedKVCache]:
     """One decoding step of a module: append ``key``/``value`` ``(..., kv_heads, n, dim)`` to
     the cache (a new one of ``max_len`` positions when None), then attend
     ``query (..., heads, n, head_dim)`` over every cached position with the bottom-right causal
-    rule: ``(..., heads, n, v_dim)``.
+    rule: ``(..., heads, n, v_dim)``. ``sinks``: ``(heads,)`` sink logits (a module's
+    learned sinks), or None.
+
+    A long cache is attended in chunks merged by their log-sum-exp (``spec.SPLIT_DECODING``,
+    ``rules.split_chunk``); a ``PagedKVCache`` holds sequences ``0..batch-1`` of the one batch
+    axis and is attended by ``paged_attention``.
 
     torch: the cache stores values without history; when grad mode is on, this call's own
     keys and values are attended with theirs (the cached positions are constants)."""
+    if isinstance(cache, PagedKVCache):
+        return _paged_step(query, key, value, cache, sinks)
     if cache is None:
         max_len = key.shape[-2] if max_len is None else max_len
         cache = KVCache.empty(tuple(key.shape[:-3]), key.shape[-3], max_len, key.shape[-1],
@@ -130,7 +141,34 @@ def decode_step(
     if torch.is_grad_enabled():  # torch: a copy whose last n positions keep their history
         keys = torch.cat([keys[..., :start, :], key.to(keys.dtype)], dim=-2)
         values = torch.cat([values[..., :start, :], value.to(values.dtype)], dim=-2)
+    chunk = rules.split_chunk(query.shape[-2], keys.shape[-2])
+    if chunk is not None:  # few query rows over many keys: chunks merged by their lse
+        sinks = None if sinks is None else _as_tensor(sinks)
+        return split_kv_attention(query, keys, values, chunk, sinks=sinks)[0], cache
     context = scaled_dot_product_attention(
-        query, keys, values, is_causal=True, causal_alignment="bottom_right"
+        query, keys, values, is_causal=True, causal_alignment="bottom_right", sinks=sinks
     )
+    return context, cache
+
+
+def _paged_step(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cache: PagedKVCache,
+    sinks: Any,
+) -> tuple[torch.Tensor, PagedKVCache]:
+    """``decode_step`` over a ``PagedKVCache`` (sequences ``0..batch-1``). torch: with grad
+    mode on, the pages (values without history) give the cached positions' partial result and
+    this step's own keys and values, with their history, the rest (causal among themselves);
+    the two merge by their log-sum-exp."""
+    starts = [cache.seq_len(b) for b in range(key.shape[0])]
+    cache = cache.append(key, value)
+    query = query.to(cache.key_pages.dtype)
+    if not torch.is_grad_enabled():
+        return cache.attend(query, sinks=sinks), cache
+    own = scaled_dot_product_attention(query, key.to(query.dtype), value.to(query.dtype),
+                                       is_causal=True, return_lse=True)
+    cached = paged_cached_part(query, cache, starts)
+    context, _ = merge_attention([cached[0], own[0]], [cached[1], own[1]], sinks=sinks)
     return context, cache

@@ -251,8 +251,11 @@ class MultiHeadAttention(_Module):
 
     ``head_dim = d_model // num_heads``. Weights: ``W_query (d_model, num_heads·head_dim)``,
     ``W_key``, ``W_value (d_model, num_kv_heads·head_dim)``, ``W_out (num_heads·head_dim,
-    d_model)`` (Xavier uniform), and with ``bias=True`` ``b_query``, ``b_key``, ``b_value``,
-    ``b_out`` (zeros). ``weights_from_torch_multihead`` converts ``nn.MultiheadAttention``'s.
+    d_model)`` (Xavier uniform), with ``bias=True`` ``b_query``, ``b_key``, ``b_value``,
+    ``b_out`` (zeros), and with ``sinks=True`` ``sinks (num_heads,)``: GPT-OSS's learned
+    attention sinks, one logit per query head joining every softmax denominator (zeros; drawn
+    after nothing, so the other weights are those of the same module without sinks).
+    ``weights_from_torch_multihead`` converts ``nn.MultiheadAttention``'s.
     """
 
     def __init__(
@@ -262,6 +265,7 @@ class MultiHeadAttention(_Module):
         *,
         num_kv_heads: int | None = None,
         bias: bool = True,
+        sinks: bool = False,
         dropout_p: float = 0.0,
         rng: Any = None,
     ) -> None:
@@ -285,7 +289,23 @@ class MultiHeadAttention(_Module):
             self.b_value = nn.Parameter(torch.zeros(kv_size))
             self.b_out = nn.Parameter(torch.zeros(d_model))
             names += ["b_query", "b_key", "b_value", "b_out"]
+        if sinks:
+            self.sinks = nn.Parameter(torch.zeros(num_heads))  # (num_heads,) sink logits
+            names.append("sinks")
         self._weight_names = tuple(names)
+
+    def _sinks(self) -> torch.Tensor | None:
+        """The ``(num_heads,)`` sink logits, or None for a module without sinks."""
+        return self.sinks if "sinks" in self._weight_names else None
+
+    def _out(self, context_vec: torch.Tensor) -> torch.Tensor:
+        """``(..., heads, seq, head_dim)`` → the output projection ``(..., seq, d_model)``."""
+        merged = context_vec.transpose(-2, -3)  # (..., seq, heads, head_dim)
+        merged = merged.reshape(merged.shape[:-2] + (-1,))  # (..., seq, heads * head_dim)
+        output = merged @ self.W_out  # (..., seq, d_model)
+        if "b_out" in self._weight_names:
+            output = output + self.b_out
+        return output
 
     def _project(self, x: torch.Tensor, name: str, heads: int) -> torch.Tensor:
         """``(..., seq, d_model)`` → ``(..., heads, seq, head_dim)``."""
@@ -328,14 +348,10 @@ class MultiHeadAttention(_Module):
         result = scaled_dot_product_attention(
             query, key, value, mask=mask, is_causal=is_causal, causal_alignment=causal_alignment,
             window=window, dropout_p=self.dropout_p if self.training else 0.0, rng=rng,
-            return_weights=return_weights,
+            return_weights=return_weights, sinks=self._sinks(),
         )
         context_vec, weights = result if return_weights else (result, None)
-        merged = context_vec.transpose(-2, -3)  # (..., q_len, heads, head_dim)
-        merged = merged.reshape(merged.shape[:-2] + (-1,))  # (..., q_len, heads * head_dim)
-        output = merged @ self.W_out  # (..., q_len, d_model)
-        if "b_out" in self._weight_names:
-            output = output + self.b_out
+        output = self._out(context_vec)  # (..., q_len, d_model)
         return (output, weights) if return_weights else output
 
     def backward(
@@ -377,18 +393,15 @@ class MultiHeadAttention(_Module):
 
         Returns:
           ``(output (..., n, d_model), cache)``; equals ``forward(x_all, is_causal=True)`` at
-          these positions. No dropout. The cache is updated in place. torch: no autograd
-          history unless ``_decode_records_graph`` (training mode).
+          these positions (the sinks included). No dropout. The cache is updated in place.
+          torch: no autograd history unless ``_decode_records_graph`` (training mode).
         """
         x = _as_tensor(x)
         with torch.set_grad_enabled(_decode_records_graph(self)):
             query = self._project(x, "query", self.num_heads)  # (..., heads, n, head_dim)
             key = self._project(x, "key", self.num_kv_heads)  # (..., kv_heads, n, head_dim)
             value = self._project(x, "value", self.num_kv_heads)
-            context_vec, cache = decode_step(query, key, value, cache, max_len)
-            merged = context_vec.transpose(-2, -3)  # (..., n, heads, head_dim)
-            merged = merged.reshape(merged.shape[:-2] + (-1,))  # (..., n, heads * head_dim)
-            output = merged @ self.W_out  # (..., n, d_model)
-            if "b_out" in self._weight_names:
-                output = output + self.b_out
+            context_vec, cache = decode_step(query, key, value, cache, max_len,
+                                             sinks=self._sinks())
+            output = self._out(context_vec)  # (..., n, d_model)
         return output, cache

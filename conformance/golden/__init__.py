@@ -5,7 +5,10 @@
 over an earlier export). Each file holds:
 
 * ``in:<name>``: the inputs exactly as backends receive them (bfloat16 stored as its uint16 bits;
-  ``meta`` records each input's dtype);
+  ``meta`` records each input's dtype): the ``sinks`` of a case with sinks, and a merge case's
+  split of the keys, ``key_part`` (int64 ``(kv_len,)``, with its option ``parts``);
+* ``expected:<step>`` covers the new steps too: ``lse`` and ``blockwise_lse`` of every sdpa
+  case, ``grad_sinks`` where it has sinks, ``merge_output`` and ``merge_lse`` of a merge case;
 * ``expected:<step>``: the float64 reference value of every step;
 * ``baseline:<step>``: the measured error of the naive implementation in that dtype;
 * ``zeros:<step>``: positions that must be exactly 0;
@@ -35,8 +38,10 @@ prints one line naming the file and exits with code 2), found before any backend
   dtype of ``DTYPES``, a readable format, option keys the case kind takes, a module case naming
   its own module), every input named in ``meta`` present with the dtype declared there, at
   least one ``expected:<step>`` of a step the harness knows, each with its 0-d
-  ``baseline:<step>``, and ``zeros:``/``any:`` masks of their step's shape. ``check`` also
-  requires ``meta``'s case and dtype to be those of the file's name.
+  ``baseline:<step>``, and ``zeros:``/``any:`` masks of their step's shape; a merge case's
+  ``parts`` an int in ``[1, MAX_PARTS]`` and its ``key_part`` ints ``(kv_len,)`` in
+  ``[0, parts)``. ``check`` also requires ``meta``'s case and dtype to be those of the file's
+  name.
 
 ``export`` and ``load`` trust the path they are given (``load`` follows a symlink you name);
 they distrust the contents.
@@ -46,6 +51,7 @@ from .files import (
     FORMAT,
     INPUT_DTYPES,
     MAX_FILE_BYTES,
+    MAX_PARTS,
     OPTION_KEYS,
     READABLE_FORMATS,
     GoldenError,
@@ -56,7 +62,7 @@ from .files import (
 from .folders import MANIFEST, MAX_MANIFEST_BYTES, check, export, verify
 from .untrusted import MAX_ARRAY_BYTES, MAX_HEADER_BYTES, MAX_LOADED_BYTES, MAX_MEMBERS
 
-__all__ = ["FORMAT", "INPUT_DTYPES", "MANIFEST", "MAX_ARRAY_BYTES", "MAX_FILE_BYTES",
+__all__ = ["FORMAT", "INPUT_DTYPES", "MANIFEST", "MAX_ARRAY_BYTES", "MAX_FILE_BYTES", "MAX_PARTS",
            "MAX_HEADER_BYTES", "MAX_LOADED_BYTES", "MAX_MANIFEST_BYTES", "MAX_MEMBERS",
            "OPTION_KEYS", "READABLE_FORMATS", "GoldenError", "check", "export", "load", "parse",
            "save", "verify"]

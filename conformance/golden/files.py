@@ -27,7 +27,11 @@ INPUT_DTYPES = (*DTYPES, "bool", "int8", "int16", "int32", "int64", "uint8", "ui
                 "uint64")
 #: Option keys a case of each kind may carry.
 OPTION_KEYS = {"sdpa": frozenset(cases_mod.SDPA_OPTIONS),
+               "merge": frozenset({*cases_mod.SDPA_OPTIONS, "parts"}),
+               "paged": frozenset({"scale", "softcap"}),
                "module": frozenset({"module", "init", "forward", "decode"})}
+#: The most parts a merge case may split its keys into (the cases use 2 to 4).
+MAX_PARTS = 16
 _KINDS = ("in", "expected", "baseline", "zeros", "any")
 _SCALARS = (type(None), bool, int, float, str)
 
@@ -89,11 +93,46 @@ def _check_options(options: Any, case: cases_mod.Case, where: str) -> None:
                 isinstance(k, str) and _is_scalar(v) for k, v in value.items())
         elif name == "module":
             ok = value == case.data().options.get("module")
+        elif name == "parts":
+            ok = isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_PARTS
         else:
             ok = _is_scalar(value)
         if not ok:
             raise GoldenError(f"{where}: meta option {name} = {value!r} is not valid for case "
                               f"{case.name}")
+
+
+def _check_split(data: CaseData, label: str) -> None:
+    """A merge case's split: ``parts`` and ``key_part``, ints ``(kv_len,)`` in ``[0, parts)``."""
+    parts, key_part = data.options.get("parts"), data.arrays.get("key_part")
+    key = data.arrays.get("key")
+    if parts is None or key_part is None or key is None:
+        raise GoldenError(f"{label}: a merge case needs option parts and inputs key, key_part")
+    if (key_part.dtype.kind not in "iu" or key_part.shape != key.shape[-2:-1]
+            or (key_part.size and not 0 <= key_part.min() <= key_part.max() < parts)):
+        raise GoldenError(f"{label}: key_part must be ints (kv_len,) = {key.shape[-2:-1]} in "
+                          f"[0, parts={parts}); got {key_part.dtype} {key_part.shape}")
+
+
+def _check_pages(data: CaseData, label: str) -> None:
+    """A paged case: ``query (batch, heads, q_len, head_dim)``, pages ``(num_blocks, block_size,
+    kv_heads, ·)``, ``block_table`` ints ``(batch, max_blocks)`` in ``[-1, num_blocks)`` and
+    ``seq_lens`` ints ``(batch,)`` in ``[0, max_blocks · block_size]``."""
+    a = data.arrays
+    names = ("query", "key_pages", "value_pages", "block_table", "seq_lens")
+    if any(n not in a for n in names):
+        raise GoldenError(f"{label}: a paged case needs inputs {', '.join(names)}")
+    q, kp, vp, table, lens = (a[n] for n in names)
+    ok = (q.ndim == 4 and kp.ndim == vp.ndim == 4 and kp.shape[:3] == vp.shape[:3]
+          and table.dtype.kind in "iu" and lens.dtype.kind in "iu" and table.ndim == 2
+          and lens.shape == (q.shape[0],) and table.shape[0] == q.shape[0])
+    if ok and table.size:
+        ok = -1 <= table.min() and table.max() < kp.shape[0]
+    if ok and lens.size:
+        ok = 0 <= lens.min() and lens.max() <= table.shape[1] * kp.shape[1]
+    if not ok:
+        raise GoldenError(f"{label}: the pages, block_table {table.shape} and seq_lens "
+                          f"{lens.shape} do not describe a paged cache (shapes, ranges)")
 
 
 def _meta(arrays: dict[str, np.ndarray], label: str) -> dict[str, Any]:
@@ -167,6 +206,10 @@ def parse(data: bytes, label: str) -> Expected:
     for name in input_dtypes:
         if name not in data_.arrays:
             raise GoldenError(f"{label}: input {name!r} named in meta has no in:{name} array")
+    if meta["kind"] == "merge":
+        _check_split(data_, label)
+    if meta["kind"] == "paged":
+        _check_pages(data_, label)
     if not values:
         raise GoldenError(f"{label}: no expected:<step> array")
     for kind, found in extra.items():

@@ -7,7 +7,8 @@ object (``local_view``) and inside the worker process for one given by its dotte
 
 * **copies**: every NumPy array of a call, nested in tuples, lists and dicts too, is copied
   before the module sees it, so the module never holds the harness's arrays (which other
-  columns and the expected values share); the top-level arrays are then converted with the
+  columns and the expected values share); the top-level arrays, and those of a top-level list
+  or tuple (``merge_attention``'s ``outputs`` and ``lses``), are then converted with the
   module's ``asarray`` when it defines one. Results are copied too, the module's own arrays
   read back with its ``to_numpy`` (default ``numpy.asarray``);
 * **mutation**: after the call each top-level array argument, read back with ``to_numpy``,
@@ -113,19 +114,19 @@ class Guard:
     # -- one call -------------------------------------------------------------------------
 
     def _argument(self, x: Any, top: bool, given: list[tuple[Any, np.ndarray, Any]],
-                  where: int | str) -> Any:
+                  where: int | str, convert: bool = False) -> Any:
         x = self.unwrap(x)
         if isinstance(x, Seed):
             return self._rng(x.seed)
         if isinstance(x, np.ndarray):
             copy = np.array(x, copy=True)
             if not top:
-                return copy
+                return copy if not convert or self._asarray is None else self._asarray(copy)
             converted = copy if self._asarray is None else self._asarray(copy)
             given.append((where, x, converted))
             return converted
         if type(x) in (tuple, list):
-            return type(x)(self._argument(v, False, given, where) for v in x)
+            return type(x)(self._argument(v, False, given, where, convert=top) for v in x)
         if type(x) is dict:
             return {k: self._argument(v, False, given, where) for k, v in x.items()}
         return x

@@ -9,12 +9,17 @@ adapters and what they cannot express:
                             ``torch.MHA`` and ``torch.MHA[sdpa]``
                             (``torch.nn.MultiheadAttention`` with ``need_weights=True``, its
                             default, and ``need_weights=False``, which runs SDPA)
-``jax_nn``                  ``jax.nn`` (``jax.nn.dot_product_attention``)
+``torch_flex``              ``torch.flex`` (``torch.nn.attention.flex_attention``, eager, with
+                            the row log-sum-exp)
+``jax_nn``                  ``jax.nn`` (``jax.nn.dot_product_attention``, with the row
+                            log-sum-exp of ``return_residual=True``)
 ``keras_ops``               ``keras[numpy]``, ``keras[jax]``, ``keras[torch]``
                             (``keras.ops.dot_product_attention``), one worker process per Keras
                             backend (``keras_worker``)
 ``flax_nnx``                ``flax.nnx`` (``flax.nnx.dot_product_attention``)
 ``transformers_attention``  ``transformers.eager`` and ``transformers.sdpa``
+``transformers_gpt_oss``    ``transformers.gpt_oss`` (GPT-OSS's ``eager_attention_forward``: the
+                            attention sinks' reference semantics; the cases with sinks)
 ``onnx_attention``          ``onnxruntime`` (one ONNX ``Attention`` node: opset 24, the CPU
                             kernel; opset 25 for a window, the function body)
 ``inputs``                  a case's inputs in the peers' conventions (4-D, BTNH, joined masks,
@@ -25,7 +30,8 @@ A peer whose packages are not installed is reported as missing, with its install
 as an error.
 
 A peer is only an adapter: ``compute(exp)`` returns the steps it can give (``output``, sometimes
-``output_weights``) as NumPy arrays, and ``runner.run_peer_cell`` compares them like a backend's.
+``output_weights`` or the row log-sum-exp ``lse``) as NumPy arrays, and ``runner.run_peer_cell``
+compares them like a backend's.
 Each adapter calls its framework the way its users do; where users call it two common ways
 that take different code paths, each way is a column (``torch.MHA`` and ``torch.MHA[sdpa]``,
 ``transformers.eager`` and ``transformers.sdpa``), or the adapter's docstring says which one it
@@ -49,7 +55,16 @@ import numpy as np
 
 from ..expected import Expected
 from ..usage import INSTALL, UsageError
-from . import flax_nnx, jax_nn, keras_ops, onnx_attention, torch_nn, transformers_attention
+from . import (
+    flax_nnx,
+    jax_nn,
+    keras_ops,
+    onnx_attention,
+    torch_flex,
+    torch_nn,
+    transformers_attention,
+    transformers_gpt_oss,
+)
 
 
 @dataclass(frozen=True)
@@ -79,6 +94,7 @@ PEERS: tuple[Peer, ...] = (
     Peer("torch.sdpa", "torch", install_command("torch"), torch_nn.torch_sdpa),
     Peer("torch.MHA", "torch", install_command("torch"), torch_nn.torch_mha),
     Peer("torch.MHA[sdpa]", "torch", install_command("torch"), torch_nn.torch_mha_sdpa),
+    Peer("torch.flex", "torch", install_command("torch"), torch_flex.torch_flex),
     Peer("jax.nn", "jax", install_command("jax"), jax_nn.jax_nn),
     Peer("keras[numpy]", "keras", install_command("keras"), keras_ops.keras_numpy),
     Peer("keras[jax]", "keras", install_command("keras", "jax"), keras_ops.keras_jax, ("jax",)),
@@ -89,6 +105,8 @@ PEERS: tuple[Peer, ...] = (
          transformers_attention.transformers_eager, ("torch",)),
     Peer("transformers.sdpa", "transformers", install_command("transformers", "torch"),
          transformers_attention.transformers_sdpa, ("torch",)),
+    Peer("transformers.gpt_oss", "transformers", install_command("transformers", "torch"),
+         transformers_gpt_oss.transformers_gpt_oss, ("torch",)),
     Peer("onnxruntime", "onnxruntime", install_command("onnxruntime", "onnx"),
          onnx_attention.onnxruntime_attention, ("onnx",)),
 )

@@ -24,13 +24,22 @@ def need(condition: bool, reason: str) -> None:
         raise NotApplicable(reason)
 
 
-def sdpa_case(exp: Expected, peer: str, *, softcap: bool = False
+#: What a peer lacks for a case kind other than ``sdpa`` (its cells are n/a).
+_KINDS = {"module": "has no equivalent of the spec's modules",
+          "merge": "is compared on single attention calls only, not on merging partial results",
+          "paged": "is compared on single attention calls only, not on a paged KV cache"}
+
+
+def sdpa_case(exp: Expected, peer: str, *, softcap: bool = False, sinks: bool = False
               ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """The case's arrays and options, for a kernel named ``peer``; modules, a given dropout
-    keep-mask and (unless ``softcap``) soft-capping are n/a."""
-    need(exp.kind == "sdpa", f"{peer} has no equivalent of the spec's modules")
+    """The case's arrays and options, for a kernel named ``peer``; modules, merge cases, a
+    given dropout keep-mask and (unless ``softcap``) soft-capping and (unless ``sinks``)
+    attention sinks are n/a: a peer that takes sinks passes ``sinks=True`` and reads
+    ``a["sinks"]`` itself."""
+    need(exp.kind == "sdpa", f"{peer} {_KINDS.get(exp.kind, 'takes sdpa cases only')}")
     a, o = exp.data.arrays, exp.data.options
     need(softcap or o.get("softcap") is None, f"{peer} has no soft-capping")
+    need(sinks or a.get("sinks") is None, f"{peer} has no attention sinks")
     need(not o.get("dropout_p"), f"{peer} cannot take a given dropout keep-mask")
     return a, o
 

@@ -4,7 +4,12 @@ Called as models call it: under ``jax.jit``, with ``implementation=None`` (on CP
 cuDNN needs a GPU). Layout ``(batch, seq, heads, head_dim)`` (BTNH); the boolean mask (True =
 may attend) and ``bias`` broadcast to the scores; ``is_causal`` and ``local_window_size`` as
 given (both aligned top-left). Not expressible (n/a): ``v_dim != head_dim``, more than one
-batch axis, soft-capping and a given dropout keep-mask.
+batch axis, soft-capping, attention sinks and a given dropout keep-mask.
+
+It is called with ``return_residual=True``, so it also gives the ``lse`` step: jax 0.10.2's
+residual is ``logsumexp`` (natural log) of the masked float32 logits, shape ``(batch, q_len,
+heads)`` (BTN, transposed here to the spec's ``(batch, heads, q_len)``), cast to the *key's*
+dtype and under ``stop_gradient``. The output is the same with or without the residual.
 """
 
 from __future__ import annotations
@@ -28,12 +33,12 @@ def _jax_nn_compiled() -> Callable[..., Any]:
     import jax
 
     return jax.jit(jax.nn.dot_product_attention,
-                   static_argnames=("is_causal", "scale", "local_window_size"))
+                   static_argnames=("is_causal", "scale", "local_window_size", "return_residual"))
 
 
 def jax_nn(exp: Expected) -> dict[str, np.ndarray]:
-    """The ``jax.nn`` peer: ``output (..., heads, q_len, head_dim)`` from
-    ``jax.nn.dot_product_attention`` (jitted)."""
+    """The ``jax.nn`` peer: ``output (..., heads, q_len, head_dim)`` and ``lse (..., heads,
+    q_len)`` from ``jax.nn.dot_product_attention(..., return_residual=True)`` (jitted)."""
     backends.jax_prepare()
     import jax
     import jax.numpy as jnp
@@ -62,9 +67,13 @@ def jax_nn(exp: Expected) -> dict[str, np.ndarray]:
         big = max(q.shape[-2], k.shape[-2])
         kwargs["local_window_size"] = (big if left is None else left,
                                        big if right is None else right)
+    kwargs["return_residual"] = True  # the row log-sum-exp: (..., q_len, heads)
     try:
-        out = _jax_nn_compiled()(btnh(q), btnh(k), btnh(v), **kwargs)
+        out, lse = _jax_nn_compiled()(btnh(q), btnh(k), btnh(v), **kwargs)
     except ValueError:  # jitted float16 on CPU: "precision 'F16_F16_F32' is not supported"
-        out = jax.nn.dot_product_attention(btnh(q), btnh(k), btnh(v), **kwargs)
+        out, lse = jax.nn.dot_product_attention(btnh(q), btnh(k), btnh(v), **kwargs)
     out_np = np.swapaxes(np.asarray(out), -2, -3)
-    return {"output": out_np[0] if squeeze else out_np}
+    lse_np = np.swapaxes(np.asarray(lse), -1, -2)  # (..., heads, q_len)
+    if squeeze:
+        return {"output": out_np[0], "lse": lse_np[0]}  # 2-D inputs: lse (q_len,)
+    return {"output": out_np, "lse": lse_np}

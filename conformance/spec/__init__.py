@@ -9,8 +9,12 @@ it can be read and imported anywhere. One file per chapter, every name re-export
   conformance harness uses, per dtype;
 * ``functions``: one stub per public function, with the canonical signature and a docstring
   that gives a shape for every argument (axis names as words);
+* ``masks_and_mods``: chunked local attention, ALiBi, segment ids, ``score_mod`` and
+  ``mask_mod``, and the ready-made mods;
+* ``varlen``: packed variable-length batches (``varlen_attention``, the converters);
 * ``modules``: one stub class per public module, with its constructor and methods;
-* ``decoding``: the key/value cache and the modules' ``decode`` method;
+* ``decoding``: the key/value cache and the modules' ``decode`` method, split-KV decoding
+  and the paged cache (``paged_attention``);
 * ``concurrency``: repeatability and thread safety;
 * ``context_parallel``: one sequence split across devices;
 * ``extras``: the names and integrations of one backend only;
@@ -88,7 +92,19 @@ from .context_parallel import (
     context_parallel_attention,
     context_parallel_attention_vjp,
 )
-from .decoding import CACHE_OVERFLOW, CLASSES, DECODING, DECODING_MODULES, DecodingModule, KVCache
+from .decoding import (
+    CACHE_OVERFLOW,
+    CLASSES,
+    DECODING,
+    DECODING_MODULES,
+    PAGED_CACHE,
+    SPLIT_DECODING,
+    SPLIT_KV,
+    DecodingModule,
+    KVCache,
+    PagedKVCache,
+    paged_attention,
+)
 from .extras import BACKEND_EXTRAS, BACKEND_INTEGRATIONS
 from .functions import (
     FUNCTIONS,
@@ -110,6 +126,18 @@ from .functions import (
     sliding_window_mask,
 )
 from .known_differences import KNOWN_ALTERNATIVES, KNOWN_DIFFERENCES
+from .masks_and_mods import (
+    ALIBI,
+    CHUNKED,
+    MASK_MOD,
+    MASKS_AND_MODS_ERRORS,
+    MOD_INDICES,
+    PIPELINE_WITH_MODS,
+    READY_MADE_MODS,
+    SCORE_MOD,
+    SEGMENT_IDS,
+    TILE_SKIPPING,
+)
 from .modules import (
     INITIALISATION,
     MODULE_METHODS,
@@ -120,6 +148,15 @@ from .modules import (
     MultiHeadAttention,
     MultiHeadAttentionWrapper,
     SelfAttention,
+)
+from .varlen import (
+    VARLEN,
+    VARLEN_COMPUTATION,
+    VARLEN_ERRORS,
+    pack_sequences,
+    unpack_sequences,
+    varlen_attention,
+    varlen_attention_vjp,
 )
 
 #: Every name of the spec, chapter by chapter.
@@ -135,11 +172,18 @@ __all__ = [
     "renormalized_causal_weights", "scaled_dot_product_attention",
     "scaled_dot_product_attention_vjp", "blockwise_attention", "blockwise_attention_vjp",
     "merge_attention", "merge_attention_vjp",
+    # varlen
+    "VARLEN", "VARLEN_COMPUTATION", "VARLEN_ERRORS", "varlen_attention", "varlen_attention_vjp",
+    "pack_sequences", "unpack_sequences",
+    # masks_and_mods
+    "PIPELINE_WITH_MODS", "CHUNKED", "ALIBI", "SEGMENT_IDS", "SCORE_MOD", "MASK_MOD",
+    "MOD_INDICES", "TILE_SKIPPING", "READY_MADE_MODS", "MASKS_AND_MODS_ERRORS",
     # modules
     "MODULES", "MODULE_METHODS", "WEIGHTS", "INITIALISATION", "SelfAttention", "CrossAttention",
     "CausalSelfAttention", "MultiHeadAttentionWrapper", "MultiHeadAttention",
     # decoding
     "CLASSES", "DECODING_MODULES", "DECODING", "CACHE_OVERFLOW", "KVCache", "DecodingModule",
+    "SPLIT_KV", "SPLIT_DECODING", "PAGED_CACHE", "PagedKVCache", "paged_attention",
     # concurrency
     "CONCURRENCY", "BLAS_LIMIT", "REPEATABLE", "REPEAT_CALLS",
     # context_parallel

@@ -8,13 +8,16 @@ from __future__ import annotations
 PLUGIN_CONTRACT = (
     "Any importable module can be checked: python -m conformance --backend mypkg.attention. It "
     "must define scaled_dot_product_attention with the signature above; every other name of "
-    "FUNCTIONS and MODULES is optional, and the harness runs exactly the steps the module "
-    "provides and lists the rest once as not provided. It takes and returns NumPy arrays, or "
+    "FUNCTIONS and MODULES, and PagedKVCache, is optional, and the harness runs exactly the "
+    "steps the module provides and lists the rest once as not provided. It takes and returns "
+    "NumPy arrays, or "
     "defines asarray(numpy_array) and to_numpy(x) for its own array type (and rng(seed) for "
     "dropout). It may declare UNSUPPORTED, a set of names of PLUGIN_FEATURES, or raise "
     "NotImplementedError: those cells are reported as unsupported, not failed. With "
     'LAYOUT = "bshd" its query, key, value (and their gradients and the output) are '
-    "(..., seq, heads, head_dim); masks, bias and weights keep (..., heads, q_len, kv_len)."
+    "(..., seq, heads, head_dim); masks, bias and weights keep (..., heads, q_len, kv_len), "
+    "the lse (..., heads, q_len). Attention sinks, the row log-sum-exp and merge_attention are "
+    "checked like everything else: a module without them declares sinks, lse or merge."
 )
 
 #: What a checked module may declare it does not support (``UNSUPPORTED = {...}``): each name,
@@ -33,6 +36,10 @@ PLUGIN_FEATURES = {
     "2d_inputs": "2-D inputs (seq, head_dim) without a heads axis",
     "non_finite": "NaN or Inf inputs (NON_FINITE)",
     "return_weights": "return_weights=True",
+    "sinks": "attention sinks: a sinks array (heads,) (SINKS)",
+    "lse": "return_lse=True: the row log-sum-exp (LOG_SUM_EXP); merge cases need it too",
+    "merge": "merge_attention of partial results over split keys (MERGING)",
+    "paged": "decoding from a paged KV cache (block table, pages, per-sequence lengths)",
     "errors": "the bad inputs of ERRORS (exception type and message)",
     "float64": "float64 inputs",
     "float32": "float32 inputs",

@@ -178,7 +178,9 @@ LOG_SUM_EXP = (
     "when sinks are given. Shape (..., heads, q_len) ((q_len,) for 2-D inputs), dtype the "
     "compute dtype (float32 for float16, bfloat16 and float32 inputs, float64 for float64). A "
     "fully masked row has lse = -inf without sinks (never 0, never +inf, never NaN) and lse = "
-    "its sink logit with sinks. Results come back in the order output[, weights][, lse]. The "
+    "its sink logit with sinks; a row that NON_FINITE makes NaN has a NaN lse (never -inf, "
+    "which would make a merge drop the row's NaN). Results come back in the order "
+    "output[, weights][, lse]. The "
     "lse is differentiable (jax_attn, torch_attn: through autodiff; numpy_attn: "
     "merge_attention_vjp takes its cotangent)."
 )
@@ -219,13 +221,19 @@ ERRORS = {
     "softcap not a positive finite number": "ValueError",
     "scale not a finite number": "ValueError",
     "a Python list, tuple or scalar where an array is expected (see ARRAY_INPUTS)": "TypeError",
-    "is_causal or return_weights not a bool (see FLAGS)": "TypeError",
+    "is_causal, return_weights or return_lse not a bool (see FLAGS)": "TypeError",
     "mask builders: q_len, kv_len or offset not an int (>= 0 for lengths), per-sequence "
     "lengths not 1-D ints in [0, max], or q_lengths without q_len": "ValueError",
     "masks given to combine_masks that do not broadcast together": "ValueError",
     "grad_output not shaped like the output (..., heads, q_len, v_dim)": "ValueError",
     "blockwise_attention: block_q or block_kv below 1, or kv_lengths not ints shaped like "
     "the batch axes, each in [0, kv_len]": "ValueError",
+    "sinks not shaped (heads,) ((1,) for 2-D inputs; see SINKS)": "ValueError",
+    "sinks not floating point": "TypeError",
+    "merge_attention: outputs and lses of different lengths or no part, outputs of different "
+    "shapes, or an lse not shaped like its output without v_dim": "ValueError",
+    "merge_attention: outputs or lses not a list or tuple of arrays, or not floating point "
+    "(see MERGING)": "TypeError",
 }
 
 #: Tolerances of the conformance harness, per input dtype (flash-attention's rule). A step's
@@ -235,18 +243,22 @@ ERRORS = {
 #: run (``conformance.naive``): the float64 pipeline with every intermediate (dot products,
 #: scaled scores, exp, row sums, weights, weighted sum) rounded to the dtype, and every dot
 #: product and row sum accumulated in the compute dtype, as a plain ``query @ keyᵀ`` does. For
-#: the weights and the output, ``e`` is never below the first-order effect of rounding each
-#: score once, ``u·(scale·Σ_d |q_d k_d| + |score|)`` with ``u`` the dtype's unit roundoff,
-#: carried through the softmax and the weighted sum: on a tiny example the measured error can
-#: be small by luck (two roundings that cancel). In float64 ``e`` is ~1e-16, so ``atol`` and
-#: ``rtol`` decide. The property checks (``--hypothesis N``) apply the same rule to each drawn
-#: example. Measured with numpy_attn, jax_attn, torch_attn and the framework kernels on every
-#: case (2026-12): the worst ``|x - ref| / bound`` was 0.30 in float32, 0.38 in bfloat16, 0.44
-#: in float16 and 0.10 in float64, and 0.27 over 2,000 property examples per backend; each
-#: planted bug of ``tests/test_harness_planted_bugs.py`` exceeds 1 by orders of magnitude.
-#: ``k`` is larger in float32 than flash-attention's 2, which compares errors over large
-#: tensors, where the largest error is a stable measure; the cases and property examples here
-#: are tiny. In the half types the final rounding of the output dominates both errors.
+#: the weights, the output and the row log-sum-exp, ``e`` is never below the first-order effect
+#: of rounding each score once, ``u·(scale·Σ_d |q_d k_d| + |score|)`` with ``u`` the dtype's
+#: unit roundoff, carried through the softmax and the weighted sum: on a tiny example the
+#: measured error can be small by luck (two roundings that cancel). A merge case's ``e`` is
+#: that of each part computed naively and merged with every intermediate rounded. In float64
+#: ``e`` is ~1e-16, so ``atol`` and ``rtol`` decide. The property checks (``--hypothesis N``)
+#: apply the same rule to each drawn example. Measured with numpy_attn, jax_attn, torch_attn
+#: and the framework kernels on every case (2026-12): the worst ``|x - ref| / bound`` was 0.30
+#: in float32, 0.38 in bfloat16, 0.44 in float16 and 0.10 in float64, and 0.27 over 2,000
+#: property examples per backend; with the sinks, lse, merge and paged cases added (the three
+#: backends), 0.40 in float32 (jax_attn's blockwise gradient of the sinks), the others
+#: unchanged; each planted bug of ``tests/test_harness_planted_bugs.py`` exceeds 1 by orders
+#: of magnitude. ``k`` is larger in float32 than flash-attention's 2, which compares errors
+#: over large tensors, where the largest error is a stable measure; the cases and property
+#: examples here are tiny. In the half types the final rounding of the output dominates both
+#: errors.
 TOLERANCES = {
     "float64": {"k": 2.0, "atol": 1e-12, "rtol": 1e-12},
     "float32": {"k": 10.0, "atol": 1e-7, "rtol": 0.0},

@@ -21,6 +21,6 @@ BACKEND_EXTRAS = {
 # backend → module → its public names. docs/integrations.md shows how they map onto this spec.
 BACKEND_INTEGRATIONS = {
     "numpy_attn": {},
-    "jax_attn": {"flax": ("attention_fn", "use_jax_attn")},
+    "jax_attn": {"flax": ("MultiHeadAttentionWithSinks", "attention_fn", "use_jax_attn")},
     "torch_attn": {"transformers": ("NAME", "attention_forward", "attention_mask", "register")},
 }

@@ -24,6 +24,12 @@ FUNCTIONS = (
     "blockwise_attention_vjp",
     "merge_attention",
     "merge_attention_vjp",
+    # packed variable-length batches: their stubs are in varlen.py (the next chapter)
+    "varlen_attention",
+    "varlen_attention_vjp",
+    "pack_sequences",
+    "unpack_sequences",
+    "paged_attention",  # the paged KV cache's kernel: its stub is in decoding.py
 )
 
 
@@ -212,6 +218,11 @@ def scaled_dot_product_attention(
     return_weights: bool = False,
     sinks: Any = None,
     return_lse: bool = False,
+    chunk_size: int | None = None,
+    alibi_slopes: Any = None,
+    segment_ids: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
 ) -> Any:
     """Scaled dot-product attention: the whole pipeline of this spec.
 
@@ -233,6 +244,10 @@ def scaled_dot_product_attention(
       sinks: ``(heads,)`` floating-point sink logits (``(1,)`` for 2-D inputs), or ``None``
         (``SINKS``): each joins its head's softmax denominators as a column without a value.
       return_lse: also return the row log-sum-exp (``LOG_SUM_EXP``).
+      chunk_size: keys per chunk of chunked local attention (``CHUNKED``), or None.
+      alibi_slopes: ``(heads,)`` ALiBi slopes (``ALIBI``), or None.
+      segment_ids: ``(..., seq)`` ints or a pair for queries and keys (``SEGMENT_IDS``).
+      score_mod, mask_mod: FlexAttention's callables (``SCORE_MOD``, ``MASK_MOD``), or None.
 
     Returns:
       ``output``: ``(..., heads, q_len, v_dim)`` in the input dtype; with
@@ -258,6 +273,11 @@ def scaled_dot_product_attention_vjp(
     dropout_p: float = 0.0,
     dropout_mask: Any = None,
     sinks: Any = None,
+    chunk_size: int | None = None,
+    alibi_slopes: Any = None,
+    segment_ids: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
 ) -> Any:
     """Gradients of ``scaled_dot_product_attention`` with respect to its array inputs.
 
@@ -272,7 +292,8 @@ def scaled_dot_product_attention_vjp(
       value: ``(..., kv_heads, kv_len, v_dim)``.
       grad_output: ``(..., heads, q_len, v_dim)``: the gradient of a loss w.r.t. the output.
       mask, bias, is_causal, causal_alignment, window, scale, softcap, dropout_p,
-        dropout_mask, sinks: as in ``scaled_dot_product_attention``.
+        dropout_mask, sinks, chunk_size, alibi_slopes, segment_ids, score_mod, mask_mod: as
+        in ``scaled_dot_product_attention`` (no gradient for the slopes; ``SCORE_MOD``).
 
     Returns:
       ``(grad_query, grad_key, grad_value, grad_bias)`` shaped like query, key, value and
@@ -298,6 +319,11 @@ def blockwise_attention(
     block_kv: int = 1024,
     sinks: Any = None,
     return_lse: bool = False,
+    chunk_size: int | None = None,
+    alibi_slopes: Any = None,
+    segment_ids: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
 ) -> Any:
     """Memory-efficient attention: the pipeline in ``(block_q, block_kv)`` tiles, online softmax.
 
@@ -329,6 +355,7 @@ def blockwise_attention(
       block_kv: keys per tile, ``>= 1`` (ValueError otherwise).
       sinks, return_lse: as in ``scaled_dot_product_attention`` (the sinks join each row's
         denominator once, after the last tile).
+      chunk_size, alibi_slopes, segment_ids, score_mod, mask_mod: per tile (TILE_SKIPPING).
 
     Returns:
       ``(..., heads, q_len, v_dim)`` in the input dtype; with ``return_lse``, ``(output,
@@ -352,6 +379,11 @@ def blockwise_attention_vjp(
     block_q: int = 512,
     block_kv: int = 1024,
     sinks: Any = None,
+    chunk_size: int | None = None,
+    alibi_slopes: Any = None,
+    segment_ids: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
 ) -> Any:
     """Gradients of ``blockwise_attention``, tile by tile, from the saved log-sum-exp.
 
@@ -367,7 +399,8 @@ def blockwise_attention_vjp(
       value: ``(..., kv_heads, kv_len, v_dim)``.
       grad_output: ``(..., heads, q_len, v_dim)``: the gradient of a loss w.r.t. the output.
       bias, kv_lengths, is_causal, causal_alignment, window, scale, softcap, block_q,
-        block_kv, sinks: as in ``blockwise_attention``.
+        block_kv, sinks, chunk_size, alibi_slopes, segment_ids, score_mod, mask_mod: as in
+        ``blockwise_attention``.
 
     Returns:
       ``(grad_query, grad_key, grad_value, grad_bias)`` shaped like query, key, value and

@@ -16,7 +16,12 @@ difference shows; a case that meets the spec despite the cause (``huge_logits``:
 ``length_one``, and ``single_query_causal`` aligned top-left: one key) is not listed. Found and
 checked by running ``python -m conformance`` with torch 2.13 (CPU), jax 0.10.2 (CPU), keras
 3.15.1, flax 0.12.8, transformers 5.24.0, onnx 1.23.2 and onnxruntime 1.32.0. torch SDPA gives
-exactly 0 on fully masked rows on CPU (as the spec), so it has no entry for them.
+exactly 0 on fully masked rows on CPU (as the spec), so it has no entry for them. The row
+log-sum-exp: torch FlexAttention (eager, CPU) returns it in natural log (not log2), float32 for
+half inputs and ``-inf`` for a fully masked row, as the spec, and differs only on a ``+inf``
+score; jax.nn's ``return_residual`` is natural log too. GPT-OSS's eager attention
+(``transformers.gpt_oss``) is the sinks' reference semantics and meets the spec on every case
+with sinks it can express, so it has no entry.
 """
 
 from __future__ import annotations
@@ -46,6 +51,14 @@ KNOWN_ALTERNATIVES = {
     "compared with the input dtype's own tolerance",
     "raises": "the call raises an exception of the named type (or a subclass) whose message "
     "matches the entry's pattern",
+    "lse_masking_fill": "a fully masked row's lse is the log-sum-exp of the finite fill the "
+    "kernel puts in masked logits, -0.7·finfo(float32).max + log(kv_len) (about -2.4e38), not "
+    "-inf",
+    "lse_plus_inf": "a row with a +inf score has lse +inf (the log of an infinite sum), not the "
+    "NaN of the spec's IEEE rule (inf - inf once the row maximum is subtracted)",
+    "lse_input_dtype": "the lse is rounded to, and returned in, the input dtype (bfloat16, "
+    "float16), not kept in the compute dtype float32 (float16 rounds the fill of a fully masked "
+    "row to -inf)",
 }
 
 #: Every sdpa case of the harness, by name (``conformance.cases``).
@@ -121,6 +134,10 @@ _JAX_MEAN = {
     "cases": _EMPTY_ROWS, "alternative": "mean_of_value", "short": "mean of V",
     "differs": "fully masked rows give the mean of value",
 }
+_LSE_PLUS_INF = {
+    "cases": ["inf_key"], "alternative": "lse_plus_inf", "short": "lse +inf",
+    "differs": "a row with a +inf score has lse +inf, not NaN",
+}
 
 KNOWN_DIFFERENCES = {
     "torch.sdpa": [
@@ -171,9 +188,33 @@ KNOWN_DIFFERENCES = {
         {**_JAX_MEAN,
          "why": "jax.nn masks with the dtype's most negative finite value, not -inf, so a "
          "row with no allowed key gets uniform weights; the spec gives exactly 0."},
-        {**_JAX_F32, "cases": _but("softcap", "dropout_mask", *_PASS_ANYWAY, *_V_DIM, _ONE_KEY),
+        {**_JAX_F32, "cases": _but("softcap", "dropout_mask", *_V_DIM),
          "why": "jax.nn.dot_product_attention's XLA path casts the masked logits to float32 "
-         "for the softmax ('always carried out in fp32'), whatever the input dtype."},
+         "for the softmax ('always carried out in fp32'), whatever the input dtype, and its "
+         "residual (return_residual=True) is the logsumexp of those float32 logits (so huge "
+         "logits and one key, exact in the output, still show in the lse)."},
+        {"cases": _EMPTY_ROWS, "dtypes": ["float64", "float32", "bfloat16"],
+         "alternative": "lse_masking_fill", "short": "lse fill",
+         "differs": "a fully masked row's lse is about -2.4e38, not -inf",
+         "why": "the residual is logsumexp of the padded logits, where masked logits hold "
+         "-0.7·finfo(float32).max, a finite value: a row with no key gets that plus "
+         "log(kv_len) instead of -inf (float16 rounds it to -inf on its way out)."},
+        {"cases": _but("softcap", "dropout_mask", *_V_DIM),
+         "dtypes": ["bfloat16", "float16"], "alternative": "lse_input_dtype",
+         "short": "lse in input dtype",
+         "differs": "the lse comes back in the input dtype (bfloat16, float16), not float32",
+         "why": "the residual is computed in float32 and cast to the key's dtype "
+         "(logsumexp(...).astype(key.dtype)), so half inputs lose the float32 lse the spec "
+         "keeps (and the merge of partial results needs)."},
+        {**_LSE_PLUS_INF,
+         "why": "logsumexp(padded_logits) of a row holding +inf is +inf; the spec's lse, "
+         "computed with the row maximum subtracted (inf - inf), is NaN there."},
+    ],
+    "torch.flex": [
+        {**_LSE_PLUS_INF,
+         "why": "FlexAttention's lse of a row holding a +inf score is +inf (its output row is "
+         "NaN, as the spec's); the spec's lse, computed with the row maximum subtracted "
+         "(inf - inf), is NaN there."},
     ],
     "keras[numpy]": [
         {"cases": ["gqa", "three_d_gqa_causal"], "alternative": "raises",

@@ -40,7 +40,9 @@ INITIALISATION = (
     "every weight uniformly from [0, 1), in the article's order (W_query, W_key, W_value; head "
     "by head), so torch_attn with torch.manual_seed(123) reproduces the article's numbers. "
     "MultiHeadAttention draws W_query, W_key, W_value, W_out from the Xavier/Glorot uniform "
-    "distribution (as torch.nn.MultiheadAttention's in_proj_weight) and sets biases to 0."
+    "distribution (as torch.nn.MultiheadAttention's in_proj_weight) and sets biases to 0, and "
+    "its sinks (sinks=True) to 0 without drawing, so the other weights are those of the same "
+    "module without sinks."
 )
 
 
@@ -160,8 +162,11 @@ class MultiHeadAttention(_Module):
     ``head_dim = d_model // num_heads``; ``num_kv_heads`` (default ``num_heads``) must divide
     ``num_heads`` (grouped-query / multi-query attention). Weights: ``W_query (d_model,
     num_heads·head_dim)``, ``W_key``/``W_value (d_model, num_kv_heads·head_dim)``,
-    ``W_out (num_heads·head_dim, d_model)``, and with ``bias=True`` ``b_query``, ``b_key``,
-    ``b_value``, ``b_out`` of matching output sizes. Self-attention when ``context`` is None,
+    ``W_out (num_heads·head_dim, d_model)``, with ``bias=True`` ``b_query``, ``b_key``,
+    ``b_value``, ``b_out`` of matching output sizes, and with ``sinks=True`` ``sinks
+    (num_heads,)``: GPT-OSS's learned attention sinks, one logit per query head that joins
+    every softmax denominator of its head (``SINKS``) in ``forward``, ``backward`` (the sinks'
+    gradient under the key ``sinks``) and ``decode``. Self-attention when ``context`` is None,
     cross-attention otherwise.
     """
 
@@ -172,10 +177,12 @@ class MultiHeadAttention(_Module):
         *,
         num_kv_heads: int | None = None,
         bias: bool = True,
+        sinks: bool = False,
         dropout_p: float = 0.0,
         rng: Any = None,
     ) -> None:
-        """``rng``: the backend's random source for the initial weights."""
+        """``rng``: the backend's random source for the initial weights; ``sinks``: a learned
+        sink logit per query head (initialised to 0, drawing nothing)."""
 
     def forward(
         self,

@@ -41,7 +41,7 @@ from ..usage import INSTALL, UsageError, at_least
 from .exercise_catalogue import EXERCISES
 from .exercise_kit import DTYPE, TYPE_NAMES, Check, Exercise, is_native, to_backend, to_numpy
 
-BACKENDS = {"numpy": "pip install numpy", **INSTALL}
+BACKENDS = {"numpy": "pip install numpy", "jax": INSTALL["jax"], "torch": INSTALL["torch"]}
 FRAMEWORK = {"numpy": "numpy", "jax": "jax", "torch": "torch"}
 LEARN = Path(__file__).resolve().parents[2] / "learn"
 TIMEOUT_S = 120.0

@@ -9,6 +9,8 @@ that one goes::
                                    rngs=nnx.Rngs(0))
     use_jax_attn(model)  # or: every MultiHeadAttention of a model built already
 
+    layer = MultiHeadAttentionWithSinks(num_heads=4, in_features=64, rngs=nnx.Rngs(0))
+
 How Flax's arguments map onto the spec (``conformance/spec/functions.py``):
 
 * layout: Flax passes ``(batch..., seq, heads, head_dim)`` ("BTNH"); the spec's layout is
@@ -25,7 +27,13 @@ How Flax's arguments map onto the spec (``conformance/spec/functions.py``):
   weights;
 * ``dtype``/``promote_dtype`` promote query, key and value as Flax does; ``module`` sows the
   weights (before dropout) as ``nnx.Intermediate`` ``attention_weights``; ``precision`` is not
-  used: jax_attn's matmuls always run at ``Precision.HIGHEST``.
+  used: jax_attn's matmuls always run at ``Precision.HIGHEST``;
+* ``sinks`` (not a Flax argument): ``(heads,)`` attention sinks, as GPT-OSS's (``SINKS`` in
+  the spec). Flax has no sinks and ``nnx.MultiHeadAttention`` passes none to its
+  ``attention_fn``, so a learned sink needs a module that holds one:
+  ``MultiHeadAttentionWithSinks`` (an ``nnx.MultiHeadAttention`` with an ``nnx.Param``
+  ``sinks``, zeros at first, whose attention is this function with its sinks); fixed sinks go
+  through ``functools.partial(attention_fn, sinks=...)``.
 
 A query row that may attend no key (a padding token under Flax's usual
 ``make_attention_mask(tokens > 0, tokens > 0)``) gives output 0 as the spec says; Flax gives the
@@ -34,6 +42,7 @@ mean of the values there (``docs/integrations.md``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -44,7 +53,7 @@ from flax.nnx.nn import dtypes
 
 from .. import functional
 
-__all__ = ["attention_fn", "use_jax_attn"]
+__all__ = ["MultiHeadAttentionWithSinks", "attention_fn", "use_jax_attn"]
 
 
 def attention_fn(
@@ -62,6 +71,7 @@ def attention_fn(
     module: nnx.Module | None = None,
     promote_dtype: Callable[..., Any] = dtypes.promote_dtype,
     is_causal: bool = False,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """``flax.nnx.dot_product_attention``'s signature on ``jax_attn.scaled_dot_product_attention``.
 
@@ -80,6 +90,9 @@ def attention_fn(
       module: a Module to sow the weights ``(batch..., heads, q_len, kv_len)`` into.
       promote_dtype: Flax's dtype promotion of ``(query, key, value)``.
       is_causal: query ``i`` attends key ``j`` only if ``j <= i`` (top-left, as Flax).
+      sinks: ``(heads,)`` sink logits (one per query head, joining each row's softmax as a
+        column without a value; a row with no allowed key gives 0), or None. Not a Flax
+        argument: ``MultiHeadAttentionWithSinks`` passes its own.
 
     Returns:
       ``(batch..., q_len, heads, v_dim)`` in the promoted dtype.
@@ -102,7 +115,7 @@ def attention_fn(
         keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_p, shape)
     result = functional.scaled_dot_product_attention(
         q, k, v, mask=mask, bias=bias, is_causal=is_causal, causal_alignment="top_left",
-        dropout_p=dropout_p, dropout_mask=keep, return_weights=module is not None,
+        dropout_p=dropout_p, dropout_mask=keep, return_weights=module is not None, sinks=sinks,
     )  # (..., heads, q_len, v_dim)
     if module is not None:
         result, weights = result
@@ -122,3 +135,42 @@ def use_jax_attn(model: nnx.Module) -> int:
             layer.attention_fn = attention_fn
             count += 1
     return count
+
+
+_FIXED = ("MultiHeadAttentionWithSinks: attention_fn is jax_attn's with the module's sinks "
+          "and cannot be replaced")
+
+
+class MultiHeadAttentionWithSinks(nnx.MultiHeadAttention):
+    """``nnx.MultiHeadAttention`` with learned attention sinks, as GPT-OSS: an ``nnx.Param``
+    ``sinks`` of shape ``(num_heads,)`` (zeros at first, in ``param_dtype``) that joins every
+    softmax denominator of its head, through ``attention_fn(..., sinks=self.sinks)``.
+
+    Flax's ``MultiHeadAttention`` calls ``self.attention_fn`` without sinks, so here
+    ``attention_fn`` is read-only: each call reads it afresh and gets this module's jax_attn
+    ``attention_fn`` with the sinks as they are now (traced under ``nnx.jit``/``nnx.grad``, so
+    they train like the other parameters). Everything else is Flax's: the constructor takes
+    ``nnx.MultiHeadAttention``'s arguments but ``attention_fn``; ``decode=True`` caching, masks,
+    dropout and ``sow_weights`` work as there.
+    """
+
+    def __init__(self, num_heads: int, in_features: int, *args: Any, rngs: nnx.Rngs,
+                 **kwargs: Any) -> None:
+        """``nnx.MultiHeadAttention(num_heads, in_features, ..., rngs=rngs)``, and
+        ``sinks (num_heads,)`` set to 0 (drawing nothing from ``rngs``)."""
+        if "attention_fn" in kwargs:
+            raise TypeError(f"{_FIXED}; got attention_fn={kwargs['attention_fn']!r}")
+        super().__init__(num_heads, in_features, *args, attention_fn=attention_fn, rngs=rngs,
+                         **kwargs)
+        self.sinks = nnx.Param(jnp.zeros((num_heads,), self.param_dtype))  # (num_heads,)
+
+    @property
+    def attention_fn(self) -> Callable[..., jax.Array]:
+        """jax_attn's ``attention_fn`` with this module's sinks, as they are now."""
+        return functools.partial(attention_fn, sinks=self.sinks[...])
+
+    @attention_fn.setter
+    def attention_fn(self, fn: Callable[..., jax.Array]) -> None:
+        # Flax's constructor and use_jax_attn set it: only jax_attn's own is accepted
+        if fn is not attention_fn:
+            raise TypeError(f"{_FIXED}; got attention_fn={fn!r}")

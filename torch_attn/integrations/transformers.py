@@ -30,10 +30,16 @@ How transformers' arguments map onto the spec (``conformance/spec/functions.py``
 * ``scaling`` → ``scale``, ``softcap`` → ``softcap`` (Gemma 2's logit soft-capping),
   ``position_bias`` → ``bias``, grouped-query key/value heads as they come (no repeat);
 * ``dropout`` → ``dropout_p`` while ``module.training`` (torch's global generator);
-* weights are returned (before dropout) only when ``output_attentions=True`` is passed.
+* ``s_aux`` (the learned attention sinks of GPT-OSS and the other families that pass
+  ``s_aux=self.sinks``: one logit per query head) → ``sinks``, as transformers' gpt_oss
+  ``eager_attention_forward`` uses them (an extra softmax column without a value, dropped after
+  the softmax); autograd reaches them, so training updates the sinks;
+* weights are returned (before dropout, without the sink column) only when
+  ``output_attentions=True`` is passed.
 
 A row that may attend no key (a left-padding position of a causal model) gives output 0, as the
 spec says; transformers' ``eager`` gives the mean of every value there (``docs/integrations.md``).
+With sinks such a row puts all its weight on the sink, and GPT-OSS's ``eager`` gives 0 as well.
 """
 
 from __future__ import annotations
@@ -92,15 +98,15 @@ def attention_forward(
         ``attention_mask`` is None or 2-D (a 4-D mask already holds the window).
       kwargs: ``is_causal`` overrides the module's flag; ``position_bias`` (float,
         broadcastable to ``(batch, heads, q_len, kv_len)``) is added to the scores;
-        ``output_attentions=True`` returns the weights; ``s_aux`` (attention sinks) is not
-        supported (ValueError); other keywords are ignored.
+        ``output_attentions=True`` returns the weights; ``s_aux`` (attention sinks, a
+        floating-point ``(heads,)`` tensor, e.g. GPT-OSS's ``module.sinks``) becomes ``sinks``
+        (a wrong shape or dtype raises as ``scaled_dot_product_attention`` says); other
+        keywords are ignored.
 
     Returns:
       ``(output, weights)``: output ``(batch, q_len, heads, v_dim)`` (contiguous), weights
       ``(batch, heads, q_len, kv_len)`` or None.
     """
-    if kwargs.get("s_aux") is not None:
-        raise ValueError("attention_forward: attention sinks (s_aux) are not part of the spec")
     q_len, kv_len = query.shape[-2], key.shape[-2]
     mask, bias = _mask_and_bias(attention_mask)
     position_bias = kwargs.get("position_bias")
@@ -119,6 +125,7 @@ def attention_forward(
         query, key, value, mask=mask, bias=bias, is_causal=is_causal,
         causal_alignment="bottom_right", window=window, scale=scaling, softcap=softcap,
         dropout_p=float(dropout) if module.training else 0.0, return_weights=output_attentions,
+        sinks=kwargs.get("s_aux"),
     )  # (batch, heads, q_len, v_dim)
     output, weights = result if output_attentions else (result, None)
     return output.transpose(1, 2).contiguous(), weights  # (batch, q_len, heads, v_dim)

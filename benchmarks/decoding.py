@@ -1,0 +1,204 @@
+"""Decoding at scale: one token over a long cache, contiguous (split-KV) and paged, in every
+backend, next to torch's SDPA decode step.
+
+One decoding step's attention (the append is not timed): batch 1, 8 query heads over 2 kv heads
+(GQA 8:2), head_dim 64, float32, one query token over ``--tokens`` cached positions (4,096 and
+32,768 by default). Rows, per backend:
+
+* ``contiguous``: the step over a ``KVCache``'s keys as ``decode`` runs it now: split-KV
+  (``spec.SPLIT_DECODING``; jax_attn: jitted, over the buffer with its length traced) from
+  ``SPLIT_KV["min_kv_len"]`` keys, else the ``unsplit`` row;
+* ``unsplit``: the same step as one ``scaled_dot_product_attention`` (before split-KV);
+* ``one chunk`` (numpy_attn): ``split_kv_attention`` with a single chunk: one task, one core;
+* ``paged (in order)`` / ``paged (scattered)``: ``paged_attention`` over a pool of 256-position
+  pages (flash-attn's page size), the sequence's pages in order (as a lone sequence appended in
+  one go gets them) or in a random order (every page elsewhere: a pool shared with other
+  sequences after many frees); jax_attn: jitted with the table traced;
+* ``torch SDPA``: ``torch.nn.functional.scaled_dot_product_attention(..., enable_gqa=True)``
+  on the contiguous keys, the decode step of issue 26's target.
+
+Medians of interleaved rounds (``timing.interleaved``); the ratios are of one run. A control
+first: two threads of single-threaded matrix products against the same work in one thread, what
+two cores give on this machine at the time (the numpy split's speed-up cannot exceed it).
+
+    python benchmarks/decoding.py [--tokens 4096 32768] [--rounds 15] [--torch-threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from timing import interleaved  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 2, 64, 256
+
+
+def _pools(keys: np.ndarray, values: np.ndarray, order: np.ndarray) -> tuple:
+    """The keys and values ``(kv_heads, tokens, dim)`` in pages ``(pages, BLOCK, kv_heads,
+    dim)``, page ``i`` of the sequence at ``order[i]``; the table ``(1, pages)``."""
+    pages = keys.shape[1] // BLOCK
+
+    def paged(x: np.ndarray) -> np.ndarray:
+        pool = np.empty((pages, BLOCK) + (x.shape[0], x.shape[2]), x.dtype)
+        pool[order] = x.reshape(x.shape[0], pages, BLOCK, x.shape[2]).transpose(1, 2, 0, 3)
+        return pool
+
+    return paged(keys), paged(values), order[None].astype(np.int32)
+
+
+def _runs(tokens: int) -> dict:
+    """Every row's call for one cache length."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    import attention_rules as rules
+    import jax_attn
+    import numpy_attn
+    import torch_attn
+    from jax_attn import paged as jax_paged
+    from numpy_attn import paged as numpy_paged
+    from torch_attn import paged as torch_paged
+
+    rng = np.random.default_rng(tokens)
+    query = rng.standard_normal((1, HEADS, 1, HEAD_DIM), dtype=np.float32)
+    keys = rng.standard_normal((KV_HEADS, tokens, HEAD_DIM), dtype=np.float32)
+    values = rng.standard_normal((KV_HEADS, tokens, HEAD_DIM), dtype=np.float32)
+    chunk = rules.split_chunk(1, tokens) or tokens
+    lens = np.array([tokens], np.int32)
+    orders = {"in order": np.arange(tokens // BLOCK),
+              "scattered": rng.permutation(tokens // BLOCK)}
+    pools = {name: _pools(keys, values, order) for name, order in orders.items()}
+    k, v = keys[None], values[None]
+    runs = {}
+    # numpy_attn
+    split = rules.split_chunk(1, tokens) is not None  # what decode runs: split, or one piece
+    runs["numpy", "contiguous"] = functools.partial(numpy_paged.split_kv_attention, query, k, v,
+                                                    chunk) if split else functools.partial(
+        numpy_attn.scaled_dot_product_attention, query, k, v, is_causal=True,
+        causal_alignment="bottom_right")
+    runs["numpy", "one chunk"] = functools.partial(numpy_paged.split_kv_attention, query, k, v,
+                                                   tokens)
+    runs["numpy", "unsplit"] = functools.partial(
+        numpy_attn.scaled_dot_product_attention, query, k, v, is_causal=True,
+        causal_alignment="bottom_right")
+    for name, (kp, vp, table) in pools.items():
+        runs["numpy", f"paged ({name})"] = functools.partial(
+            numpy_attn.paged_attention, query, kp, vp, table, lens)
+    # jax_attn: jitted; the contiguous step over a buffer with a traced length
+    jq, jk, jv, jlen = jnp.asarray(query), jnp.asarray(k), jnp.asarray(v), jnp.asarray(tokens)
+    split_step = jax.jit(lambda q, kb, vb, n: jax_paged.split_kv_attention(q, kb, vb, chunk,
+                                                                           length=n)[0])
+    whole = jax.jit(functools.partial(jax_attn.scaled_dot_product_attention, is_causal=True,
+                                      causal_alignment="bottom_right"))
+    runs["jax", "contiguous"] = (lambda: jax.block_until_ready(split_step(jq, jk, jv, jlen))) \
+        if split else (lambda: jax.block_until_ready(whole(jq, jk, jv)))
+    runs["jax", "unsplit"] = lambda: jax.block_until_ready(whole(jq, jk, jv))
+    paged = jax.jit(jax_attn.paged_attention)
+    for name, arrays in pools.items():
+        kp, vp, table = map(jnp.asarray, arrays)
+        runs["jax", f"paged ({name})"] = functools.partial(
+            lambda kp, vp, table: jax.block_until_ready(paged(jq, kp, vp, table,
+                                                              jnp.asarray(lens))), kp, vp, table)
+    # torch_attn, and torch's own SDPA
+    tq, tk, tv = (torch.from_numpy(x) for x in (query, k, v))
+    with torch.no_grad():
+        runs["torch", "contiguous"] = functools.partial(
+            torch_paged.split_kv_attention, tq, tk, tv, chunk) if split else functools.partial(
+            torch_attn.scaled_dot_product_attention, tq, tk, tv, is_causal=True,
+            causal_alignment="bottom_right")
+        runs["torch", "unsplit"] = functools.partial(
+            torch_attn.scaled_dot_product_attention, tq, tk, tv, is_causal=True,
+            causal_alignment="bottom_right")
+        for name, arrays in pools.items():
+            kp, vp, table = (torch.from_numpy(x) for x in arrays)
+            runs["torch", f"paged ({name})"] = functools.partial(
+                torch_attn.paged_attention, tq, kp, vp, table, torch.from_numpy(lens))
+        runs["torch", "torch SDPA"] = functools.partial(
+            torch.nn.functional.scaled_dot_product_attention, tq, tk, tv, enable_gqa=True)
+    reference = runs["numpy", "unsplit"]()
+    for key, run in runs.items():  # every row computes the same attention
+        np.testing.assert_allclose(np.asarray(_first(run())), reference, rtol=1e-4, atol=1e-5,
+                                   err_msg=str(key))
+    return runs
+
+
+def parallel_ceiling(rounds: int = 5) -> float:
+    """What two threads can gain on this machine now: the same single-threaded BLAS products
+    run twice in a row over both at once in two threads (the split's speed-up is bounded by
+    it; on a machine whose second core is busy elsewhere it is about 1)."""
+    import threading
+
+    from threadpoolctl import threadpool_limits
+
+    a = np.random.default_rng(0).standard_normal((400, 400), dtype=np.float32)
+
+    def work() -> None:
+        for _ in range(40):
+            a @ a
+
+    ratios = []
+    with threadpool_limits(1):
+        work()
+        for _ in range(rounds):
+            start = time.perf_counter()
+            work()
+            work()
+            serial = time.perf_counter() - start
+            threads = [threading.Thread(target=work) for _ in range(2)]
+            start = time.perf_counter()
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            ratios.append(serial / (time.perf_counter() - start))
+    return statistics.median(ratios)
+
+
+def _first(result: object) -> object:
+    return result[0] if isinstance(result, tuple) else result
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Time every row for each cache length and print one table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 32768])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="torch.set_num_threads (default: torch's own, one per core)")
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_grad_enabled(False)
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    print(f"batch 1, {HEADS} heads over {KV_HEADS} kv heads, head_dim {HEAD_DIM}, float32, one "
+          f"query token, pages of {BLOCK}; median of {args.rounds} interleaved rounds; "
+          f"{torch.get_num_threads()} torch threads")
+    print(f"{'tokens':>7} {'backend':<7} {'row':<19} {'ms':>8} {'× contiguous':>13} "
+          f"{'× torch SDPA':>13}")
+    print(f"two threads of single-threaded matmuls: {parallel_ceiling():.2f}× over one "
+          f"(what two cores give here now)")
+    for tokens in args.tokens:
+        times = {key: statistics.median(t)
+                 for key, t in interleaved(_runs(tokens), args.rounds).items()}
+        sdpa = times["torch", "torch SDPA"]
+        for (backend, row), seconds in times.items():
+            contiguous = times[backend, "contiguous"] if backend != "torch" or row != \
+                "torch SDPA" else times["torch", "contiguous"]
+            print(f"{tokens:>7} {backend:<7} {row:<19} {seconds * 1e3:8.2f} "
+                  f"{seconds / contiguous:13.2f} {seconds / sdpa:13.2f}")
+
+
+if __name__ == "__main__":
+    main()

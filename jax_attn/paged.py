@@ -1,0 +1,394 @@
+"""Decoding at scale in JAX: split-KV decoding and a paged key/value cache.
+
+``split_kv_attention`` attends a decoding step's few query rows over a long cache buffer in
+chunks of keys (``rules.split_chunk``) as one batched computation: the buffer reshaped to
+``(..., kv_heads, chunks, chunk, head_dim)`` (a shorter last chunk computed beside it), a
+partial output and row log-sum-exp per chunk, merged by their log-sum-exp (``_merge_chunks``,
+the rule of ``merge_attention``, ``spec.MERGING``). ``length`` may be traced: the unfilled
+positions are masked, so a jitted decoding step compiles once.
+
+``PagedKVCache`` keeps many sequences' keys and values in one pool of pages ``(num_blocks,
+block_size, kv_heads, head_dim)`` (flash-attn's and vLLM's layout), with the bookkeeping of
+``attention_rules.paging``; jax: the pages are immutable arrays, so ``append`` and ``free``
+return a new cache, and the bookkeeping is Python, outside jit. ``paged_attention`` is the
+kernel, jit-able with a traced table and lengths: every sequence's keys in chunks of whole pages
+(``rules.page_chunk``), all chunks of all sequences at once, their pages gathered in
+``SPLIT_KV["steps"]`` steps of the online softmax (no copy of a whole sequence), merged by their
+log-sum-exp. A concrete table is checked (``rules.check_block_table``); a traced one cannot
+raise, so a used entry outside the pool reads NaN (``mode="fill"``) and that sequence's output is
+NaN, never a finite wrong number. Differentiable by autodiff through the gather.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import attention_rules as rules
+
+from ._core import (
+    NEG_INF,
+    _array,
+    _check_device,
+    _describe,
+    _merge_attention,
+    _place,
+    _softcap,
+)
+
+
+def _dtype(dtype: Any) -> jnp.dtype:
+    """A dtype name (``"float32"``) or a JAX/NumPy dtype."""
+    return jnp.dtype(dtype)
+
+
+class PagedKVCache:
+    """Pages ``(num_blocks, block_size, kv_heads, head_dim | v_dim)`` of keys and values shared
+    by many sequences, each with its own page table (``spec.PAGED_CACHE``); jax: immutable,
+    ``append`` and ``free`` return a new cache."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        v_dim: int | None = None,
+        *,
+        dtype: Any = "float32",
+        device: Any = None,
+    ) -> None:
+        """``num_blocks`` free pages of ``block_size`` positions, zeros: ``key_pages
+        (num_blocks, block_size, kv_heads, head_dim)`` and ``value_pages (num_blocks,
+        block_size, kv_heads, v_dim)`` (``v_dim``: ``head_dim``); ``device``: a
+        ``jax.Device``, a platform name, or None for JAX's default placement."""
+        fn = "PagedKVCache"
+        num_blocks = rules.check_int(fn, "num_blocks", num_blocks, minimum=1)
+        block_size = rules.check_int(fn, "block_size", block_size, minimum=1)
+        kv_heads = rules.check_int(fn, "kv_heads", kv_heads, minimum=1)
+        head_dim = rules.check_int(fn, "head_dim", head_dim)
+        v_dim = head_dim if v_dim is None else rules.check_int(fn, "v_dim", v_dim)
+        device = _check_device(fn, device)  # jax: a device or a platform name
+        dtype = _dtype(dtype)
+        rules.check_float_inputs(fn, dtype=dtype.name)
+        shape = (num_blocks, block_size, kv_heads)
+        self.key_pages = _place(jnp.zeros(shape + (head_dim,), dtype), device)
+        self.value_pages = _place(jnp.zeros(shape + (v_dim,), dtype), device)
+        self._book = rules.new_book(num_blocks)
+
+    @property
+    def num_blocks(self) -> int:
+        """Pages in the pool."""
+        return self.key_pages.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        """Positions per page."""
+        return self.key_pages.shape[1]
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Pages on the free list."""
+        return len(self._book.free)
+
+    def append(self, keys: Any, values: Any, seqs: Any = None) -> PagedKVCache:
+        """Add ``keys (batch, kv_heads, n, head_dim)`` and ``values (batch, kv_heads, n,
+        v_dim)``, row ``b`` to sequence ``seqs[b]`` (default ``0..batch-1``); returns a new
+        cache (jax: immutable; outside jit)."""
+        fn = "PagedKVCache.append"
+        keys, values = jnp.asarray(keys), jnp.asarray(values)
+        seqs = list(range(keys.shape[0] if keys.ndim else 0)) if seqs is None else list(seqs)
+        rules.check_paged_append(fn, keys.shape, values.shape, self.key_pages.shape,
+                                 self.value_pages.shape, len(seqs))
+        book, pages, rows = rules.book_append(fn, self._book, seqs, keys.shape[2],
+                                              self.block_size, self.num_blocks)
+        pages, rows = np.asarray(pages, np.int32), np.asarray(rows, np.int32)
+        new = object.__new__(PagedKVCache)
+        new.key_pages = _write(self.key_pages, pages, rows, keys)
+        new.value_pages = _write(self.value_pages, pages, rows, values)
+        new._book = book
+        return new
+
+    def free(self, seq: int) -> PagedKVCache:
+        """Give sequence ``seq``'s pages back to the free list; returns a new cache (the pages'
+        contents stay until reused)."""
+        new = object.__new__(PagedKVCache)
+        new.key_pages, new.value_pages = self.key_pages, self.value_pages
+        new._book = rules.book_free("PagedKVCache.free", self._book, seq)
+        return new
+
+    def seq_len(self, seq: int) -> int:
+        """Positions held for sequence ``seq`` (0 for one the cache does not hold)."""
+        return self._book.lengths.get(seq, 0)
+
+    def tables(self, seqs: Any = None) -> tuple[jax.Array, jax.Array]:
+        """``(block_table (batch, max_blocks), seq_lens (batch,))``, int32, of ``seqs``
+        (default ``0..`` the largest id + 1); -1 past each sequence's last page."""
+        seqs = None if seqs is None else list(seqs)
+        table, lens = rules.book_tables("PagedKVCache.tables", self._book, seqs)
+        return jnp.asarray(table, jnp.int32), jnp.asarray(lens, jnp.int32)
+
+    def attend(
+        self,
+        query: Any,
+        seqs: Any = None,
+        *,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sinks: Any = None,
+        return_lse: bool = False,
+    ) -> Any:
+        """``paged_attention`` of ``query (batch, heads, q_len, head_dim)`` over the pages of
+        ``seqs`` (default ``0..batch-1``): ``(batch, heads, q_len, v_dim)`` (and the lse)."""
+        seqs = range(np.shape(query)[0]) if seqs is None else seqs
+        block_table, seq_lens = self.tables(seqs)
+        return paged_attention(query, self.key_pages, self.value_pages, block_table, seq_lens,
+                               scale=scale, softcap=softcap, sinks=sinks, return_lse=return_lse)
+
+
+@jax.jit
+def _write(pages: jax.Array, page: jax.Array, row: jax.Array, x: jax.Array) -> jax.Array:
+    """``pages`` with ``x (batch, kv_heads, n, dim)`` written to rows ``row`` of pages ``page``
+    (``(batch · n,)`` each, row-major): one compiled scatter per shape."""
+    x = x.transpose(0, 2, 1, 3).reshape(-1, x.shape[1], x.shape[3])  # one row per position
+    return pages.at[page, row].set(x.astype(pages.dtype))
+
+
+def paged_attention(
+    query: Any,
+    key_pages: Any,
+    value_pages: Any,
+    block_table: Any,
+    seq_lens: Any,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Any = None,
+    return_lse: bool = False,
+) -> Any:
+    """Attention of each sequence's newest queries over its keys in a pool of pages.
+
+    Query ``i`` of sequence ``b`` attends positions ``j <= seq_lens[b] - q_len + i``, position
+    ``j`` read from row ``j % block_size`` of page ``block_table[b, j // block_size]``; in
+    chunks of whole pages merged by their log-sum-exp (``spec.SPLIT_DECODING``). Jit-able
+    (``block_table`` and ``seq_lens`` may be traced); differentiable.
+
+    Args:
+      query: ``(batch, heads, q_len, head_dim)``.
+      key_pages: ``(num_blocks, block_size, kv_heads, head_dim)``.
+      value_pages: ``(num_blocks, block_size, kv_heads, v_dim)``.
+      block_table: ``(batch, max_blocks)`` ints; seq_lens: ``(batch,)`` ints.
+      scale, softcap, sinks, return_lse: as in ``scaled_dot_product_attention``.
+
+    Returns:
+      ``(batch, heads, q_len, v_dim)`` in the query's dtype; with ``return_lse``, ``(output,
+      lse)``, lse ``(batch, heads, q_len)`` in the compute dtype.
+    """
+    fn = "paged_attention"
+    args = rules.paged_arguments(
+        fn, _describe(fn, "query", query), _describe(fn, "key_pages", key_pages),
+        _describe(fn, "value_pages", value_pages), _describe(fn, "block_table", block_table),
+        _describe(fn, "seq_lens", seq_lens), scale=scale, softcap=softcap,
+        sinks=_describe(fn, "sinks", sinks))
+    if not isinstance(block_table, jax.core.Tracer) and not isinstance(seq_lens,
+                                                                        jax.core.Tracer):
+        rules.check_block_table(fn, np.asarray(block_table).tolist(),  # jax: when concrete
+                                np.asarray(seq_lens).tolist(), args.num_blocks, args.block_size)
+    query = _array(query)
+    per = rules.page_chunk(args.block_size)  # pages per chunk
+    chunks = tuple(rules.kv_chunks(max(1, args.max_blocks) * args.block_size,
+                                   per * args.block_size))
+    readable = min(per, max(1, args.max_blocks))  # page slots a chunk can read
+    # at most SPLIT_KV["steps"] steps, fewer when few chunks: a step gathers about as many
+    # pages as a chunk holds (a scan step costs tens of microseconds)
+    steps = min(rules.SPLIT_KV["steps"], len(chunks) * args.batch)
+    outputs, lses = _paged(query, _array(key_pages), _array(value_pages),
+                           _array(block_table).astype(jnp.int32),
+                           _array(seq_lens).astype(jnp.int32), args=args, chunks=chunks, per=per,
+                           slots=-(-readable // steps))
+    output, lse = _merge_chunks(outputs, lses, _array(sinks))
+    output = output.astype(query.dtype)
+    return (output, lse) if return_lse else output
+
+
+def split_kv_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    chunk: int,
+    *,
+    sinks: jax.Array | None = None,
+    length: Any = None,
+) -> tuple[jax.Array, jax.Array]:
+    """A decoding step over a contiguous cache, split into chunks of ``chunk`` keys
+    (``spec.SPLIT_DECODING``): ``query (..., heads, n, head_dim)`` are the last ``n`` of the
+    first ``length`` positions of ``key (..., kv_heads, kv_len, head_dim)`` / ``value (...,
+    kv_heads, kv_len, v_dim)`` (the bottom-right causal rule; jax: ``length`` may be traced,
+    default ``kv_len``, later positions are masked); default scale. Validated inputs.
+
+    Returns:
+      ``(output (..., heads, n, v_dim)`` in the query's dtype, ``lse (..., heads, n))``.
+    """
+    kv_len = key.shape[-2]
+    length = kv_len if length is None else length
+    outputs, lses = _split_partials(query, key, value, jnp.asarray(length),
+                                    chunks=tuple(rules.kv_chunks(kv_len, chunk)), chunk=chunk)
+    output, lse = _merge_chunks(outputs, lses, sinks)
+    return output.astype(query.dtype), lse
+
+
+@functools.partial(jax.jit, static_argnames=("chunks", "chunk"))
+def _split_partials(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    length: jax.Array,
+    *,
+    chunks: tuple[tuple[int, int], ...],
+    chunk: int,
+) -> tuple[jax.Array, jax.Array]:
+    """The partial results of ``split_kv_attention``, one compiled program per shape and plan:
+    outputs ``(chunks, ..., heads, n, v_dim)`` and lses ``(chunks, ..., heads, n)`` in the
+    compute dtype. The full chunks run as one batch (the buffer reshaped to ``(..., kv_heads,
+    chunks, chunk, head_dim)``), a shorter last one beside them."""
+    batch, (heads, n, head_dim) = query.shape[:-3], query.shape[-3:]
+    kv_heads, kv_len = key.shape[-3:-1]
+    compute = jnp.dtype(rules.compute_dtype(jnp.dtype(query.dtype).name))
+    rows = query.reshape(-1, kv_heads, heads // kv_heads * n, head_dim).astype(compute)
+    rows = rows * rules.default_scale(head_dim)
+    keys = key.reshape(-1, kv_heads, kv_len, head_dim)
+    values = value.reshape(-1, kv_heads, kv_len, value.shape[-1])
+    limits = (length - n + 1 + jnp.arange(rows.shape[-2]) % max(n, 1))[:, None]  # (rows, 1)
+    full = kv_len // chunk  # jax: the full chunks as one batch, the shorter last one beside
+    outputs, lses = [], []
+    for first, last, width in ((0, full, chunk), (full, len(chunks), kv_len - full * chunk)):
+        if last <= first:
+            continue
+        span = slice(first * chunk, first * chunk + (last - first) * width)
+        part_keys = keys[..., span, :].reshape(keys.shape[:2] + (last - first, width, -1))
+        part_values = values[..., span, :].reshape(values.shape[:2] + (last - first, width, -1))
+        scores = jnp.einsum("bhrd,bhckd->bhcrk", rows, part_keys.astype(compute))
+        positions = (jnp.asarray([start for start, _ in chunks[first:last]])[:, None, None]
+                     + jnp.arange(width))  # (chunks, 1, width)
+        stops = jnp.asarray([stop for _, stop in chunks[first:last]])[:, None, None]
+        allowed = (positions < stops) & (positions < limits)  # (chunks, rows, width)
+        output, lse = _softmax_output(jnp.where(allowed, scores, NEG_INF),
+                                      part_values.astype(compute), "bhcrk,bhckv->bhcrv")
+        outputs.append(output)
+        lses.append(lse)
+    output = jnp.concatenate(outputs, axis=2)  # (batch, kv_heads, chunks, rows, v_dim)
+    lse = jnp.concatenate(lses, axis=2)
+    shape = batch + (heads, n)
+    return (jnp.moveaxis(output, 2, 0).reshape((-1,) + shape + (value.shape[-1],)),
+            jnp.moveaxis(lse, 2, 0).reshape((-1,) + shape))
+
+
+@functools.partial(jax.jit, static_argnames=("args", "chunks", "per", "slots"))
+def _paged(
+    query: jax.Array,
+    key_pages: jax.Array,
+    value_pages: jax.Array,
+    table: jax.Array,
+    lens: jax.Array,
+    *,
+    args: rules.PagedArguments,
+    chunks: tuple[tuple[int, int], ...],
+    per: int,
+    slots: int,
+) -> tuple[jax.Array, jax.Array]:
+    """The partial results of ``paged_attention`` (table and lengths may be traced), one
+    compiled program per shape and plan: outputs ``(chunks, batch, heads, q_len, v_dim)`` and
+    lses ``(chunks, batch, heads, q_len)`` in the compute dtype, for ``_merge_chunks``. Every
+    chunk of every sequence at once: ``chunks`` of the table's positions (``per`` pages each;
+    a sequence's stop at its length), each step gathering ``slots`` pages of every chunk into
+    the online softmax."""
+    compute = jnp.dtype(args.compute)
+    batch, bs = args.batch, args.block_size
+    steps = -(-min(per, max(1, args.max_blocks)) // slots)  # steps that read a page
+    table = jnp.pad(table, ((0, 0), (0, max(0, len(chunks) * per - args.max_blocks))))
+    table = table.reshape(batch, len(chunks), per)[:, :, :steps * slots]
+    table = jnp.pad(table, ((0, 0), (0, 0), (0, steps * slots - table.shape[2])))
+    position = (jnp.asarray([start for start, _ in chunks])[:, None] // bs
+                + jnp.arange(steps * slots)) * bs  # (chunks, slots · steps): each page's first
+    used = position[None] < lens[:, None, None]  # the pages a sequence reads
+    pages = jnp.where(used, table, 0).reshape(batch, len(chunks), steps, slots)  # unread: 0
+    stops = jnp.minimum(jnp.asarray([stop for _, stop in chunks])[None, :], lens[:, None])
+    stops = stops[:, :, None, None, None]  # (batch, chunks, 1, 1, 1)
+    rows = query.reshape(batch, args.kv_heads, -1, query.shape[-1]).astype(compute) * args.scale
+    limits = lens[:, None] - args.q_len + 1 + jnp.arange(rows.shape[-2]) % max(args.q_len, 1)
+    limits = limits[:, None, None, :, None]  # (batch, 1, 1, rows, 1)
+    starts = jnp.asarray([start for start, _ in chunks])[None, :, None, None, None]
+    keys_per_step = slots * bs
+
+    def step(stats: tuple, i: jax.Array) -> tuple[tuple, None]:
+        page = pages[:, :, i]  # (batch, chunks, slots)
+        # jax: an index outside the pool (a traced table) reads NaN, never another page
+        keys = jnp.take(key_pages, page, axis=0, mode="fill", fill_value=jnp.nan)
+        values = jnp.take(value_pages, page, axis=0, mode="fill", fill_value=jnp.nan)
+        keys = keys.reshape(keys.shape[:2] + (-1,) + keys.shape[4:]).astype(compute)
+        values = values.reshape(values.shape[:2] + (-1,) + values.shape[4:]).astype(compute)
+        scores = _softcap(jnp.einsum("bhrd,bckhd->bchrk", rows, keys), args.softcap)
+        positions = starts + i * keys_per_step + jnp.arange(keys_per_step)  # (1, chunks, ...)
+        allowed = (positions < stops) & (positions < limits)  # (batch, chunks, 1, rows, keys)
+        return _online_step(stats, jnp.where(allowed, scores, NEG_INF), values,
+                            "bchrk,bckhv->bchrv"), None
+
+    shape = (batch, len(chunks), args.kv_heads, rows.shape[-2])
+    # jax: lax.scan over the steps (an unrolled loop lets XLA fuse each gather into its
+    # product, several times slower on the CPU)
+    stats = (jnp.full(shape + (1,), NEG_INF, compute), jnp.zeros(shape + (1,), compute),
+             jnp.zeros(shape + (args.v_dim,), compute))
+    stats, _ = jax.lax.scan(step, stats, jnp.arange(steps))
+    row_max, row_sum, acc = stats
+    empty = row_sum == 0.0  # a chunk without a key
+    safe = jnp.where(empty, 1.0, row_sum)
+    lse = jnp.where(empty, NEG_INF, row_max + jnp.log(safe))
+    shape = (len(chunks), batch, args.heads, args.q_len)
+    return (jnp.swapaxes(acc / safe, 0, 1).reshape(shape + (args.v_dim,)),
+            jnp.swapaxes(lse, 0, 1).reshape(shape))
+
+
+def _online_step(
+    stats: tuple | None, scores: jax.Array, values: jax.Array, spec: str
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One step of the online softmax over more keys of the same rows: ``scores (..., rows,
+    keys)`` (``-inf`` where not allowed) and ``values`` (``spec``: the einsum of the weights
+    and the values) update ``(row max, row sum, weighted sum)`` ``(..., rows, 1)``, ``(...,
+    rows, 1)``, ``(..., rows, v_dim)``. The maxima are constants for autodiff (a shift)."""
+    step_max = jax.lax.stop_gradient(scores.max(axis=-1, keepdims=True))
+    row_max = step_max if stats is None else jnp.maximum(stats[0], step_max)
+    shift = jnp.where(row_max == NEG_INF, 0.0, row_max)  # no -inf - -inf
+    weights = jnp.exp(scores - shift)
+    row_sum = weights.sum(axis=-1, keepdims=True)
+    acc = jnp.einsum(spec, weights, values)
+    if stats is not None:
+        rescale = jnp.exp(jnp.where(stats[0] == NEG_INF, NEG_INF, stats[0] - shift))
+        row_sum = stats[1] * rescale + row_sum
+        acc = stats[2] * rescale + acc
+    return row_max, row_sum, acc
+
+
+def _softmax_output(
+    scores: jax.Array, values: jax.Array, spec: str
+) -> tuple[jax.Array, jax.Array]:
+    """One chunk's partial result: ``scores (..., rows, keys)`` (``-inf`` where not allowed)
+    and ``values`` (``spec`` as in ``_online_step``) give the output ``(..., rows, v_dim)`` and
+    the lse ``(..., rows)``; a row without a key gives 0 and ``-inf``."""
+    row_max, row_sum, acc = _online_step(None, scores, values, spec)
+    empty = row_sum == 0.0
+    safe = jnp.where(empty, 1.0, row_sum)
+    return acc / safe, jnp.where(empty, NEG_INF, row_max + jnp.log(safe))[..., 0]
+
+
+def _merge_chunks(
+    outputs: jax.Array, lses: jax.Array, sinks: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
+    """Merge partial results ``(chunks, ..., heads, n, v_dim)`` with their lses ``(chunks,
+    ..., heads, n)`` in chunk order (``merge_attention``'s rule; ``sinks (heads,)`` join once):
+    ``(output (..., heads, n, v_dim), lse (..., heads, n))``."""
+    output, lse = _merge_attention(tuple(outputs), tuple(lses[..., None]), sinks)
+    return output, lse[..., 0]

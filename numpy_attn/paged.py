@@ -1,0 +1,314 @@
+"""Decoding at scale in NumPy: split-KV decoding and a paged key/value cache.
+
+``split_kv_attention`` attends a decoding step's few query rows over a long contiguous cache in
+chunks of keys (``rules.split_chunk``): each chunk gives a partial output and its row
+log-sum-exp, and the partial results are merged by their log-sum-exp (``_merge_chunks``, the
+rule of ``merge_attention``, ``spec.MERGING``). One query row is too little work to share any
+other way, so the chunks run as tasks on numpy_attn's thread pool (``_threads.run_lanes``), every
+core busy: each task writes its own slot of the partial results, and the merge runs in chunk
+order afterwards, so the bits do not depend on the threads.
+
+``PagedKVCache`` keeps many sequences' keys and values in one pool of pages ``(num_blocks,
+block_size, kv_heads, head_dim)`` (flash-attn's and vLLM's layout), with the bookkeeping of
+``attention_rules.paging`` (a free list, one page table per sequence). ``paged_attention`` is
+the kernel: per sequence, chunks of whole pages (``rules.page_chunk``) are the tasks, and a
+task never gathers its pages into a copy: it runs one matrix product per run of consecutive
+pages directly on the pool (a view ``(pages · block_size, kv_heads, head_dim)``, transposed by
+strides), so a sequence whose pages lie in order costs what a contiguous cache costs, and a
+scattered one a product per page. numpy_attn computes the forward pass only: no VJP of
+``paged_attention`` (``spec.PAGED_CACHE``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import attention_rules as rules
+
+from . import _threads
+from ._core import NEG_INF, _array, _check_device, _describe, _merge_attention, _softcap
+
+
+def _dtype(dtype: Any) -> np.dtype:
+    """A dtype name (``"bfloat16"`` via ml_dtypes) or a NumPy dtype."""
+    if isinstance(dtype, str) and dtype == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
+class PagedKVCache:
+    """Pages ``(num_blocks, block_size, kv_heads, head_dim | v_dim)`` of keys and values shared
+    by many sequences, each with its own page table (``spec.PAGED_CACHE``); numpy: appends and
+    frees change the cache in place and return it."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        v_dim: int | None = None,
+        *,
+        dtype: Any = "float32",
+        device: Any = None,
+    ) -> None:
+        """``num_blocks`` free pages of ``block_size`` positions, zeros: ``key_pages
+        (num_blocks, block_size, kv_heads, head_dim)`` and ``value_pages (num_blocks,
+        block_size, kv_heads, v_dim)`` (``v_dim``: ``head_dim``); ``device``: None or "cpu"."""
+        fn = "PagedKVCache"
+        num_blocks = rules.check_int(fn, "num_blocks", num_blocks, minimum=1)
+        block_size = rules.check_int(fn, "block_size", block_size, minimum=1)
+        kv_heads = rules.check_int(fn, "kv_heads", kv_heads, minimum=1)
+        head_dim = rules.check_int(fn, "head_dim", head_dim)
+        v_dim = head_dim if v_dim is None else rules.check_int(fn, "v_dim", v_dim)
+        _check_device(fn, device)  # numpy: the CPU only
+        dtype = _dtype(dtype)
+        rules.check_float_inputs(fn, dtype=dtype.name)
+        shape = (num_blocks, block_size, kv_heads)
+        self.key_pages = np.zeros(shape + (head_dim,), dtype)
+        self.value_pages = np.zeros(shape + (v_dim,), dtype)
+        self._book = rules.new_book(num_blocks)
+
+    @property
+    def num_blocks(self) -> int:
+        """Pages in the pool."""
+        return self.key_pages.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        """Positions per page."""
+        return self.key_pages.shape[1]
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Pages on the free list."""
+        return len(self._book.free)
+
+    def append(self, keys: Any, values: Any, seqs: Any = None) -> PagedKVCache:
+        """Add ``keys (batch, kv_heads, n, head_dim)`` and ``values (batch, kv_heads, n,
+        v_dim)``, row ``b`` to sequence ``seqs[b]`` (default ``0..batch-1``); returns the
+        cache, updated in place (nothing changes when it raises)."""
+        fn = "PagedKVCache.append"
+        keys, values = np.asarray(keys), np.asarray(values)
+        seqs = list(range(keys.shape[0] if keys.ndim else 0)) if seqs is None else list(seqs)
+        rules.check_paged_append(fn, keys.shape, values.shape, self.key_pages.shape,
+                                 self.value_pages.shape, len(seqs))
+        book, pages, rows = rules.book_append(fn, self._book, seqs, keys.shape[2],
+                                              self.block_size, self.num_blocks)
+        # (batch, kv_heads, n, dim) → one (kv_heads, dim) row per new position, row-major
+        self.key_pages[pages, rows] = keys.transpose(0, 2, 1, 3).reshape(
+            -1, keys.shape[1], keys.shape[3])
+        self.value_pages[pages, rows] = values.transpose(0, 2, 1, 3).reshape(
+            -1, values.shape[1], values.shape[3])
+        self._book = book
+        return self
+
+    def free(self, seq: int) -> PagedKVCache:
+        """Give sequence ``seq``'s pages back to the free list; returns the cache."""
+        self._book = rules.book_free("PagedKVCache.free", self._book, seq)
+        return self
+
+    def seq_len(self, seq: int) -> int:
+        """Positions held for sequence ``seq`` (0 for one the cache does not hold)."""
+        return self._book.lengths.get(seq, 0)
+
+    def tables(self, seqs: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(block_table (batch, max_blocks), seq_lens (batch,))``, int32, of ``seqs``
+        (default ``0..`` the largest id + 1); -1 past each sequence's last page."""
+        seqs = None if seqs is None else list(seqs)
+        table, lens = rules.book_tables("PagedKVCache.tables", self._book, seqs)
+        return np.asarray(table, np.int32), np.asarray(lens, np.int32)
+
+    def attend(
+        self,
+        query: Any,
+        seqs: Any = None,
+        *,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sinks: Any = None,
+        return_lse: bool = False,
+    ) -> Any:
+        """``paged_attention`` of ``query (batch, heads, q_len, head_dim)`` over the pages of
+        ``seqs`` (default ``0..batch-1``): ``(batch, heads, q_len, v_dim)`` (and the lse)."""
+        seqs = range(np.shape(query)[0]) if seqs is None else seqs
+        block_table, seq_lens = self.tables(seqs)
+        return paged_attention(query, self.key_pages, self.value_pages, block_table, seq_lens,
+                               scale=scale, softcap=softcap, sinks=sinks, return_lse=return_lse)
+
+
+def paged_attention(
+    query: Any,
+    key_pages: Any,
+    value_pages: Any,
+    block_table: Any,
+    seq_lens: Any,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Any = None,
+    return_lse: bool = False,
+) -> Any:
+    """Attention of each sequence's newest queries over its keys in a pool of pages.
+
+    Query ``i`` of sequence ``b`` attends positions ``j <= seq_lens[b] - q_len + i``, position
+    ``j`` read from row ``j % block_size`` of page ``block_table[b, j // block_size]``; in
+    chunks of whole pages merged by their log-sum-exp (``spec.SPLIT_DECODING``). Forward only.
+
+    Args:
+      query: ``(batch, heads, q_len, head_dim)``.
+      key_pages: ``(num_blocks, block_size, kv_heads, head_dim)``.
+      value_pages: ``(num_blocks, block_size, kv_heads, v_dim)``.
+      block_table: ``(batch, max_blocks)`` ints; seq_lens: ``(batch,)`` ints.
+      scale, softcap, sinks, return_lse: as in ``scaled_dot_product_attention``.
+
+    Returns:
+      ``(batch, heads, q_len, v_dim)`` in the query's dtype; with ``return_lse``, ``(output,
+      lse)``, lse ``(batch, heads, q_len)`` in the compute dtype.
+    """
+    fn = "paged_attention"
+    args = rules.paged_arguments(
+        fn, _describe(fn, "query", query), _describe(fn, "key_pages", key_pages),
+        _describe(fn, "value_pages", value_pages), _describe(fn, "block_table", block_table),
+        _describe(fn, "seq_lens", seq_lens), scale=scale, softcap=softcap,
+        sinks=_describe(fn, "sinks", sinks))
+    table, lens = _array(block_table).tolist(), _array(seq_lens).tolist()
+    rules.check_block_table(fn, table, lens, args.num_blocks, args.block_size)
+    query = _array(query)
+    compute = np.dtype(args.compute)
+    group_rows = args.heads // args.kv_heads * args.q_len  # a kv head's query rows
+    rows = query.reshape(args.batch, args.kv_heads, group_rows, query.shape[-1]).astype(compute)
+    chunk = rules.page_chunk(args.block_size) * args.block_size
+    tasks = [(b, c, start, stop, lens[b]) for b in range(args.batch)
+             for c, (start, stop) in enumerate(rules.kv_chunks(lens[b], chunk))]
+    outputs, lses = _partials(max([t[1] + 1 for t in tasks], default=0), rows, args.v_dim)
+    key_pages, value_pages = _array(key_pages), _array(value_pages)
+
+    def block(b: int, c: int, start: int, stop: int, length: int, scratch: None) -> None:
+        parts = rules.page_runs(table[b], start, stop, args.block_size)
+        keys = [key_pages[p:p + r].reshape(-1, *key_pages.shape[2:])[lo:hi] for p, r, lo, hi
+                in parts]  # (width, kv_heads, head_dim) views of the pool
+        values = [value_pages[p:p + r].reshape(-1, *value_pages.shape[2:])[lo:hi] for p, r,
+                  lo, hi in parts]
+        outputs[c, b], lses[c, b] = _attend_chunk(
+            rows[b], [k.transpose(1, 2, 0) for k in keys], [v.transpose(1, 0, 2) for v in values],
+            start, _limits(length, args.q_len, rows.shape[-2], stop), args.scale, args.softcap)
+
+    _threads.run_lanes(tasks, block, lambda: None)
+    shape = (args.batch, args.heads, args.q_len)
+    output, lse = _merge_chunks(outputs.reshape((-1,) + shape + (args.v_dim,)),
+                                lses.reshape((-1,) + shape), _array(sinks))
+    output = output.astype(query.dtype, copy=False)
+    return (output, lse) if return_lse else output
+
+
+def split_kv_attention(
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    chunk: int,
+    *,
+    sinks: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """A decoding step over a contiguous cache, split into chunks of ``chunk`` keys
+    (``spec.SPLIT_DECODING``): ``query (..., heads, n, head_dim)`` are the last ``n``
+    positions of ``key (..., kv_heads, kv_len, head_dim)`` / ``value (..., kv_heads, kv_len,
+    v_dim)`` (the bottom-right causal rule); default scale. Validated inputs (the cache's).
+
+    Returns:
+      ``(output (..., heads, n, v_dim)`` in the query's dtype, ``lse (..., heads, n))``.
+    """
+    batch, (heads, n, head_dim) = query.shape[:-3], query.shape[-3:]
+    kv_heads, kv_len = key.shape[-3:-1]
+    compute = np.dtype(rules.compute_dtype(query.dtype.name))
+    flat = int(np.prod(batch))  # the batch axes as one
+    rows = query.reshape(flat, kv_heads, heads // kv_heads * n, head_dim).astype(compute)
+    keys = key.reshape(flat, kv_heads, kv_len, head_dim)  # views where the cache allows
+    values = value.reshape(flat, kv_heads, kv_len, value.shape[-1])
+    chunks = rules.kv_chunks(kv_len, chunk)
+    tasks = [(b, c, start, stop) for b in range(rows.shape[0])
+             for c, (start, stop) in enumerate(chunks)]
+    outputs, lses = _partials(len(chunks), rows, value.shape[-1])
+    scale = rules.default_scale(head_dim)
+
+    def block(b: int, c: int, start: int, stop: int, scratch: None) -> None:
+        outputs[c, b], lses[c, b] = _attend_chunk(
+            rows[b], [keys[b, :, start:stop].swapaxes(-1, -2)], [values[b, :, start:stop]],
+            start, _limits(kv_len, n, rows.shape[-2], stop), scale, None)
+
+    _threads.run_lanes(tasks, block, lambda: None)
+    shape = batch + (heads, n)
+    output, lse = _merge_chunks(outputs.reshape((-1,) + shape + (value.shape[-1],)),
+                                lses.reshape((-1,) + shape), sinks)
+    return output.astype(query.dtype, copy=False), lse
+
+
+def _partials(chunks: int, rows: np.ndarray, v_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Slots for every chunk's partial result: outputs ``(chunks, batch, kv_heads, rows,
+    v_dim)`` of zeros and lses ``(chunks, batch, kv_heads, rows)`` of ``-inf`` (a slot no task
+    fills is an empty part); at least one chunk."""
+    shape = (max(1, chunks),) + rows.shape[:-1]
+    return np.zeros(shape + (v_dim,), rows.dtype), np.full(shape, NEG_INF, rows.dtype)
+
+
+def _limits(kv_len: int, q_len: int, rows: int, stop: int) -> np.ndarray | None:
+    """``(rows, 1)``: row ``r`` (query ``r % q_len``) attends the positions below
+    ``kv_len - q_len + 1 + r % q_len`` (bottom-right causal); None when every key before
+    ``stop`` is allowed to every row."""
+    if stop <= kv_len - q_len + 1:
+        return None
+    return (kv_len - q_len + 1 + np.arange(rows) % q_len)[:, None]
+
+
+def _attend_chunk(
+    rows: np.ndarray,
+    keys_t: list[np.ndarray],
+    values: list[np.ndarray],
+    start: int,
+    limits: np.ndarray | None,
+    scale: float,
+    softcap: float | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """One chunk's partial result: ``rows (kv_heads, rows, head_dim)`` (the query heads of a kv
+    head, one after the other) against the chunk's keys, given as parts ``(kv_heads, head_dim,
+    width)`` (views, transposed by strides) with their values ``(kv_heads, width, v_dim)``,
+    at positions from ``start``; ``limits`` as ``_limits``. Returns the output ``(kv_heads,
+    rows, v_dim)`` and the lse ``(kv_heads, rows)``; a row without a key gives 0 and -inf."""
+    widths = [k.shape[-1] for k in keys_t]
+    scores = np.empty(rows.shape[:-1] + (sum(widths),), rows.dtype)  # (kv_heads, rows, width)
+    at = 0
+    for k, width in zip(keys_t, widths, strict=True):  # numpy: one product per run of pages
+        np.matmul(rows, k.astype(rows.dtype, copy=False), out=scores[..., at:at + width])
+        at += width
+    scores *= scale
+    scores = _softcap(scores, softcap)
+    if limits is not None:  # (rows, width): the causal rule by absolute position
+        scores[:, start + np.arange(at)[None, :] >= limits] = NEG_INF
+    row_max = scores.max(axis=-1, keepdims=True)  # (kv_heads, rows, 1)
+    shift = np.where(row_max == NEG_INF, 0.0, row_max).astype(rows.dtype)
+    scores -= shift
+    np.exp(scores, out=scores)
+    row_sum = scores.sum(axis=-1, keepdims=True)
+    output = np.zeros(rows.shape[:-1] + (values[0].shape[-1],), rows.dtype)
+    at = 0
+    for v, width in zip(values, widths, strict=True):
+        output += scores[..., at:at + width] @ v.astype(rows.dtype, copy=False)
+        at += width
+    with np.errstate(divide="ignore"):  # log(0) = -inf: a row without a key
+        lse = shift + np.log(row_sum)
+    output /= np.where(row_sum == 0.0, 1.0, row_sum).astype(rows.dtype)
+    return output, lse[..., 0]
+
+
+def _merge_chunks(
+    outputs: np.ndarray, lses: np.ndarray, sinks: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Merge partial results ``(chunks, ..., heads, n, v_dim)`` with their lses ``(chunks,
+    ..., heads, n)`` in chunk order (``merge_attention``'s rule; ``sinks (heads,)`` join once):
+    ``(output (..., heads, n, v_dim), lse (..., heads, n))``."""
+    output, lse = _merge_attention(tuple(outputs), tuple(lses[..., None]), sinks)
+    return output, lse[..., 0]
