@@ -273,7 +273,8 @@ def check_dropout(fn: str, dropout_p: object, has_mask: bool) -> float:
     except (TypeError, ValueError):
         p = math.nan
     if not 0.0 <= p < 1.0:
-        raise ValueError(f"{fn}: dropout_p must be in [0, 1); got dropout_p={dropout_p!r}")
+        raise ValueError(f"{fn}: dropout_p must be in [0, 1); got dropout_p={dropout_p!r}"
+                         f"{traced_hint('dropout_p', dropout_p)}")
     if has_mask and p == 0.0:
         raise ValueError(
             f"{fn}: dropout_mask needs dropout_p > 0 (survivors are scaled by "
@@ -291,8 +292,18 @@ def check_softcap(fn: str, softcap: object) -> float | None:
     except (TypeError, ValueError):
         c = math.nan
     if not (math.isfinite(c) and c > 0):
-        raise ValueError(f"{fn}: softcap must be a positive finite number; got softcap={softcap!r}")
+        raise ValueError(f"{fn}: softcap must be a positive finite number; got softcap={softcap!r}"
+                         f"{traced_hint('softcap', softcap)}")
     return c
+
+
+def traced_hint(name: str, value: object) -> str:
+    """For a value traced under ``jax.jit`` (a tracer: no number until the program runs), the
+    way out; "" for anything else. The value decides the computation, so it must be static."""
+    if "Tracer" not in type(value).__name__:
+        return ""
+    return (f" (a traced value: {name} must be a Python number when the program is built; "
+            f"mark it static, e.g. jax.jit(fn, static_argnames=({name!r},)))")
 
 
 def default_scale(head_dim: int) -> float:
@@ -309,7 +320,8 @@ def check_scale(fn: str, scale: object, head_dim: int) -> float:
     except (TypeError, ValueError):
         s = math.nan
     if not math.isfinite(s):
-        raise ValueError(f"{fn}: scale must be a finite number; got scale={scale!r}")
+        raise ValueError(f"{fn}: scale must be a finite number; got scale={scale!r}"
+                         f"{traced_hint('scale', scale)}")
     return s
 
 

@@ -168,3 +168,21 @@ def test_jax_attn_imports_no_other_backend_and_mirrors_numpy_attn():
         missing = [n for n in np_funcs if n.startswith("_") and not n.startswith("__")
                    and not hasattr(jax_mod, n) and n not in NUMPY_ONLY_HELPERS]
         assert missing == [], f"jax_attn.{module} lacks numpy_attn's helpers {missing}"
+
+
+@pytest.mark.parametrize("name, value", [("scale", 0.5), ("softcap", 5.0), ("dropout_p", 0.1)])
+def test_a_traced_structural_number_is_refused_naming_static_argnames(name, value):
+    """A number that must be known when the program is built, passed as a jit argument, is a
+    ValueError that says how to mark it static; the same number given statically runs."""
+    q = jnp.ones((1, 2, 4, 8), jnp.float32)
+    extra = {"rng": jax.random.key(0)} if name == "dropout_p" else {}
+
+    def call(q, v):
+        return ja.scaled_dot_product_attention(q, q, q, **{name: v}, **extra)
+
+    with pytest.raises(ValueError, match=rf"static_argnames=\('{name}',\)"):
+        jax.jit(call)(q, value)
+    assert jax.jit(call, static_argnames="v")(q, v=value).shape == (1, 2, 4, 8)
+    with pytest.raises(ValueError) as plain:  # a bad Python number: no hint about tracing
+        call(q, float("nan"))
+    assert "static_argnames" not in str(plain.value)
