@@ -22,7 +22,7 @@ position, or with a row whose allowed scores are all ``-inf``, is not checked by
 ``"blocked"`` (CPU): the explicit steps materialise the whole ``(..., heads, q_len, kv_len)``
 score array, and XLA:CPU then streams it through memory several times (max, exp, sum,
 divide). For large inputs (no ``return_weights``, no dropout, at least ``MIN_Q_LEN`` queries
-and ``MIN_SCORES`` score entries), ``_blocked_attention`` runs the same steps for ``BLOCK_Q``
+and ``MIN_SCORES`` score entries), ``_blocked_attention_lse`` runs the same steps for ``BLOCK_Q``
 queries at a time under ``lax.map``, so a block's scores stay in cache, with the division by the
 row sums moved after ``@ value``; with a window (or a mask or bias, with the causal rule) the
 queries form at most ``SEGMENTS`` static segments, each against only the keys it can see (fully
@@ -47,7 +47,7 @@ tiles' statuses), so their empty tiles are not computed. The backward pass diffe
 ``score_mod`` per block by ``jax.vjp``; the slopes and ids travel through the custom VJP as
 ``_core._Mods.arrays`` (no cotangent).
 
-Its backward pass is its own (``_blocked_attention`` is a ``jax.custom_vjp``: autodiff through
+Its backward pass is its own (``_blocked_attention_lse`` is a ``jax.custom_vjp``: autodiff through
 ``lax.map`` would store every block's weights, the whole ``(q_len, kv_len)`` matrix): the
 forward pass saves the output and the row log-sum-exp, and ``_blocked_attention_vjp`` walks
 ``BLOCK_KV`` keys at a time under ``lax.scan`` against the query rows that can see them,
@@ -160,8 +160,6 @@ def fast_attention(
         except (ValueError, NotImplementedError, RuntimeError):
             return None
         return output.astype(query.dtype)
-    if sinks is None and not args.return_lse and mods is None:
-        return _blocked_attention(args, query, key, value, mask, bias).astype(query.dtype)
     mod_arrays = None
     if mods is not None:  # what a mod returns is checked here, with the caller's name
         _check_mods(mods, query, key)
@@ -231,46 +229,6 @@ def _cudnn_attention(
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _blocked_attention(
-    args: rules.Arguments,
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    mask: jax.Array | None,
-    bias: jax.Array | None,
-) -> jax.Array:
-    """The output ``(..., heads, q_len, v_dim)`` in the compute dtype (``_blocked_forward``);
-    its VJP is ``_blocked_attention_vjp`` (jax: a ``custom_vjp``: autodiff through
-    ``lax.map`` would store every block's weights, the whole ``(q_len, kv_len)`` matrix)."""
-    return _blocked_forward(query, key, value, mask, bias, args, with_lse=False)[0]
-
-
-def _blocked_attention_fwd(
-    args: rules.Arguments,
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    mask: jax.Array | None,
-    bias: jax.Array | None,
-) -> tuple[jax.Array, tuple]:
-    """The output, and what the backward pass needs: the inputs, the output and the row
-    log-sum-exp ``(..., heads, q_len, 1)``."""
-    output, lse = _blocked_forward(query, key, value, mask, bias, args, with_lse=True)
-    return output, (query, key, value, mask, bias, output, lse)
-
-
-def _blocked_attention_bwd(args: rules.Arguments, residuals: tuple, grad_output: jax.Array
-                           ) -> tuple:
-    query, key, value, mask, bias, output, lse = residuals
-    grad_q, grad_k, grad_v, grad_bias = _blocked_attention_vjp(
-        query, key, value, grad_output, mask, bias, args, output, lse)
-    return grad_q, grad_k, grad_v, None, grad_bias  # mask: boolean, no cotangent
-
-
-_blocked_attention.defvjp(_blocked_attention_fwd, _blocked_attention_bwd)
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _blocked_attention_lse(
     args: rules.Arguments,
     query: jax.Array,
@@ -281,8 +239,10 @@ def _blocked_attention_lse(
     sinks: jax.Array | None,
     mod_arrays: tuple | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """``_blocked_attention`` with the ``(heads,)`` ``sinks`` (or None) joined to each row's
-    denominator after the blocks (``_core._with_sinks``), and the row log-sum-exp
+    """The output ``(..., heads, q_len, v_dim)`` in the compute dtype (``_blocked_forward``;
+    jax: a ``custom_vjp``, as autodiff through ``lax.map`` would store every block's weights,
+    the whole ``(q_len, kv_len)`` matrix), with the ``(heads,)`` ``sinks`` (or None) joined to
+    each row's denominator after the blocks (``_core._with_sinks``), and the row log-sum-exp
     ``(..., heads, q_len, 1)`` the blocks compute anyway (``-inf``: no key nor sink); both
     differentiable. The VJP takes the lse's cotangent (``dS = P ⊙ (dP - rowsum(dO ⊙ O) +
     dlse)`` with ``P`` and ``O`` those of the rows with their sinks) and gives the sinks'

@@ -1,6 +1,6 @@
 """jax_attn's blocked fast path has its own backward pass (``_fast._blocked_attention_vjp``).
 
-``_fast._blocked_attention`` is a ``jax.custom_vjp``: the forward pass saves the output and the
+``_fast._blocked_attention_lse`` is a ``jax.custom_vjp``: the forward pass saves the output and the
 row log-sum-exp, the backward pass walks blocks of keys against the query rows that see them
 and skips what the causal rule or the window masks. These tests shrink the blocks so that small
 inputs cross several blocks, segments and remainders, and compare the gradients (float64) with
@@ -52,13 +52,13 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(_fast, "MIN_Q_LEN", BLOCK)
     monkeypatch.setattr(_fast, "BLOCKED_PLATFORMS", (jax.default_backend(),))
     calls = []
-    real = _fast._blocked_attention
+    real = _fast._blocked_attention_lse
 
     def spy(*args):
         calls.append(True)
         return real(*args)
 
-    monkeypatch.setattr(_fast, "_blocked_attention", spy)
+    monkeypatch.setattr(_fast, "_blocked_attention_lse", spy)
     with jax.enable_x64(True):
         yield calls
 
