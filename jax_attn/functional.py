@@ -3,9 +3,9 @@
 The pipeline (``conformance/spec/functions.py``): scores → soft-cap → + bias → mask → softmax →
 dropout → weighted sum of values. Every step is a public function, so every intermediate can be
 printed and compared; ``scaled_dot_product_attention`` validates its inputs once
-(``attention_rules``) and runs them all. The file reads top to bottom: the public steps, then
-``pipeline`` (the steps on validated arrays); the unchecked steps themselves live in ``_core.py``,
-shared with ``blockwise.py`` and the fast paths.
+(``attention_rules``) and runs them all. The file reads top to bottom: the public steps (each
+checks its arguments in one call, ``_checked_...`` at the end, then shows its math), then
+``pipeline``; the unchecked steps live in ``_core.py``, shared with the tiles and fast paths.
 
 Every function works under ``jax.jit``, ``jax.vmap`` and ``jax.grad``/``jax.vjp``. Validation
 runs at trace time on static shapes and dtypes, so the same bad input raises the same exception,
@@ -43,23 +43,28 @@ import attention_rules as rules
 
 from . import _fast
 from ._core import (
+    NEG_INF,
+    _allowed,
     _array,
     _check_scores,
     _describe,
-    _describe_parts,
-    _describe_segments,
     _dropout,
     _in_band,
+    _keep_mask,
     _mask_scores,
-    _merge_attention,
     _Mods,
-    _mods,
     _output,
     _scores,
-    _segments,
     _softmax,
-    _softmax_lse,
     _to_compute,
+)
+from ._extras import (
+    _describe_parts,
+    _describe_segments,
+    _merge_attention,
+    _mods,
+    _segments,
+    _softmax_lse,
 )
 
 # ------------------------------------------------------------------------------------------
@@ -81,14 +86,11 @@ def attention_scores(
     Returns:
       ``(..., heads, q_len, kv_len)`` in the compute dtype.
     """
-    fn = "attention_scores"
-    q_shape, q_dtype = _describe(fn, "query", query)
-    k_shape, k_dtype = _describe(fn, "key", key)
-    rules.check_float_inputs(fn, query=q_dtype, key=k_dtype)
-    rules.check_query_key(fn, q_shape, k_shape)
-    scale = rules.check_scale(fn, scale, q_shape[-1])
-    softcap = rules.check_softcap(fn, softcap)
-    return _scores(_array(query), _array(key), scale, softcap)
+    query, key, scale, softcap = _checked_attention_scores(query, key, scale, softcap)
+    scores = _scores(query, key, scale, None)  # (query · scale) @ keyᵀ, grouped heads
+    if softcap is not None:  # softcap · tanh(scores / softcap): smoothly within ±softcap
+        scores = jnp.tanh(scores * (1.0 / softcap)) * softcap
+    return scores  # (..., heads, q_len, kv_len)
 
 
 def mask_scores(
@@ -116,14 +118,13 @@ def mask_scores(
     Returns:
       ``(..., heads, q_len, kv_len)`` in the compute dtype.
     """
-    fn = "mask_scores"
-    shape, dtype = _check_scores(fn, "scores", scores)
-    rules.check_mask_bias(fn, _describe(fn, "mask", mask), _describe(fn, "bias", bias), shape)
-    is_causal, causal_alignment, window = rules.check_structure(
-        fn, is_causal, causal_alignment, window
-    )
-    scores = _to_compute(_array(scores))  # jax: immutable, no defensive copy needed
-    return _mask_scores(scores, _array(mask), _array(bias), is_causal, causal_alignment, window)
+    scores, mask, bias, is_causal, causal_alignment, window = _checked_mask_scores(
+        scores, mask, bias, is_causal, causal_alignment, window)
+    if bias is not None:
+        scores = scores + bias.astype(scores.dtype)  # (..., heads, q_len, kv_len)
+    allowed = _allowed(*scores.shape[-2:], mask, is_causal, causal_alignment, window)
+    # replaced, not added: a NaN at a masked position spreads nowhere, and its gradient is 0
+    return scores if allowed is None else jnp.where(allowed, scores, NEG_INF)
 
 
 def attention_weights(scores: Any) -> jax.Array:
@@ -135,9 +136,12 @@ def attention_weights(scores: Any) -> jax.Array:
     Returns:
       ``(..., q_len, kv_len)`` in the compute dtype; rows sum to 1 or are all 0.
     """
-    fn = "attention_weights"
-    _check_scores(fn, "scores", scores)
-    return _softmax(_to_compute(_array(scores)))  # jax: immutable, no defensive copy needed
+    scores = _checked_attention_weights(scores)
+    row_max = scores.max(axis=-1, keepdims=True, initial=NEG_INF)  # (..., q_len, 1)
+    row_max = jax.lax.stop_gradient(row_max)  # a shift: the same softmax, no VJP of max
+    exp = jnp.exp(scores - jnp.where(row_max == NEG_INF, 0.0, row_max))  # fully masked: exp(-inf)
+    row_sum = exp.sum(axis=-1, keepdims=True)  # (..., q_len, 1)
+    return exp / jnp.where(row_sum == 0.0, 1.0, row_sum)  # a fully masked row: 0 / 1 = 0
 
 
 def apply_dropout(
@@ -155,15 +159,12 @@ def apply_dropout(
     Returns:
       ``(..., q_len, kv_len)``, same dtype as ``weights``.
     """
-    fn = "apply_dropout"
-    shape, _ = _check_scores(fn, "weights", weights)
-    dropout_p = rules.check_dropout(fn, dropout_p, dropout_mask is not None)
-    rules.check_dropout_mask(fn, _describe(fn, "dropout_mask", dropout_mask), shape)
-    weights, dropout_mask = _array(weights), _array(dropout_mask)
-    _check_rng(fn, dropout_p, dropout_mask, rng)  # jax only: no global random state
+    weights, dropout_p, dropout_mask = _checked_apply_dropout(weights, dropout_p, dropout_mask,
+                                                              rng)
     if dropout_p == 0.0:
         return weights
-    return _dropout(weights, dropout_p, dropout_mask, rng).astype(weights.dtype)
+    keep = _keep_mask(weights, dropout_p, rng) if dropout_mask is None else dropout_mask
+    return (weights * keep * (1.0 / (1.0 - dropout_p))).astype(weights.dtype)
 
 
 def attention_output(weights: Any, value: Any) -> jax.Array:
@@ -176,14 +177,8 @@ def attention_output(weights: Any, value: Any) -> jax.Array:
     Returns:
       ``(..., heads, q_len, v_dim)`` in the compute dtype.
     """
-    fn = "attention_output"
-    w_shape, w_dtype = _describe(fn, "weights", weights)
-    v_shape, v_dtype = _describe(fn, "value", value)
-    rules.check_float_inputs(
-        fn, weights=rules.compute_dtype(w_dtype), value=rules.compute_dtype(v_dtype)
-    )
-    rules.check_weights_value(fn, w_shape, v_shape)
-    return _output(_to_compute(_array(weights)), _array(value))
+    weights, value = _checked_attention_output(weights, value)
+    return _output(weights, value)  # weights @ value, head h with kv head h // groups's values
 
 
 def renormalized_causal_weights(weights: Any, *, causal_alignment: str = "top_left") -> jax.Array:
@@ -352,7 +347,7 @@ def pipeline(
       rng: a ``jax.random`` key for dropout without a keep-mask (checked by the caller).
       args: the normalised options (``rules.attention_arguments``).
       sinks: ``(heads,)`` sink logits, or None.
-      mods: the chunk rule, ALiBi, segment ids and the mods (``_core._mods``), or None.
+      mods: the chunk rule, ALiBi, segment ids and the mods (``_extras._mods``), or None.
 
     Returns:
       ``(..., heads, q_len, v_dim)`` in the input dtype, then with ``args.return_weights`` the
@@ -391,3 +386,60 @@ def _check_rng(fn: str, dropout_p: float, dropout_mask: Any, rng: Any) -> None:
         )
 
 
+# ------------------------------------------------------------------------------------------
+# Validation of the public steps: one call each, the checked arrays and arguments out
+# ------------------------------------------------------------------------------------------
+
+
+def _checked_attention_scores(query: Any, key: Any, scale: float | None, softcap: float | None
+                              ) -> tuple[jax.Array, jax.Array, float, float | None]:
+    """``attention_scores``' arguments, checked (the scale: ``head_dim ** -0.5`` for None)."""
+    fn = "attention_scores"
+    q_shape, q_dtype = _describe(fn, "query", query)
+    k_shape, k_dtype = _describe(fn, "key", key)
+    rules.check_float_inputs(fn, query=q_dtype, key=k_dtype)
+    rules.check_query_key(fn, q_shape, k_shape)
+    scale = rules.check_scale(fn, scale, q_shape[-1])
+    return _array(query), _array(key), scale, rules.check_softcap(fn, softcap)
+
+
+def _checked_mask_scores(scores: Any, mask: Any, bias: Any, is_causal: bool,
+                         causal_alignment: str, window: tuple | None) -> tuple:
+    """``mask_scores``' arguments, checked; the scores in the compute dtype."""
+    fn = "mask_scores"
+    shape, dtype = _check_scores(fn, "scores", scores)
+    rules.check_mask_bias(fn, _describe(fn, "mask", mask), _describe(fn, "bias", bias), shape)
+    is_causal, causal_alignment, window = rules.check_structure(
+        fn, is_causal, causal_alignment, window
+    )
+    scores = _to_compute(_array(scores))  # jax: immutable, no copy needed
+    return scores, _array(mask), _array(bias), is_causal, causal_alignment, window
+
+
+def _checked_attention_weights(scores: Any) -> jax.Array:
+    """``attention_weights``' scores, checked, in the compute dtype."""
+    _check_scores("attention_weights", "scores", scores)
+    return _to_compute(_array(scores))
+
+
+def _checked_apply_dropout(weights: Any, dropout_p: float, dropout_mask: Any, rng: Any) -> tuple:
+    """``apply_dropout``' arguments, checked."""
+    fn = "apply_dropout"
+    shape, _ = _check_scores(fn, "weights", weights)
+    dropout_p = rules.check_dropout(fn, dropout_p, dropout_mask is not None)
+    rules.check_dropout_mask(fn, _describe(fn, "dropout_mask", dropout_mask), shape)
+    weights, dropout_mask = _array(weights), _array(dropout_mask)
+    _check_rng(fn, dropout_p, dropout_mask, rng)  # jax only: no global random state
+    return weights, dropout_p, dropout_mask
+
+
+def _checked_attention_output(weights: Any, value: Any) -> tuple[jax.Array, jax.Array]:
+    """``attention_output``' arguments, checked; the weights in the compute dtype."""
+    fn = "attention_output"
+    w_shape, w_dtype = _describe(fn, "weights", weights)
+    v_shape, v_dtype = _describe(fn, "value", value)
+    rules.check_float_inputs(
+        fn, weights=rules.compute_dtype(w_dtype), value=rules.compute_dtype(v_dtype)
+    )
+    rules.check_weights_value(fn, w_shape, v_shape)
+    return _to_compute(_array(weights)), _array(value)

@@ -30,15 +30,8 @@ import numpy as np
 
 import attention_rules as rules
 
-from ._core import (
-    NEG_INF,
-    _array,
-    _check_device,
-    _describe,
-    _merge_attention,
-    _place,
-    _softcap,
-)
+from ._core import NEG_INF, _array, _check_device, _describe, _place, _softcap
+from ._extras import _merge_attention
 
 
 def _dtype(dtype: Any) -> jnp.dtype:

@@ -47,23 +47,25 @@ from ._core import (
     _add_alibi,
     _array,
     _describe,
-    _describe_parts,
-    _describe_segments,
     _groups,
     _mask_scores,
     _matmul_grouped,
-    _merge_attention,
-    _mods,
-    _mods_slope,
     _output,
     _scores,
-    _segments,
-    _sinks_grad,
     _softmax,
-    _softmax_lse,
     _sum_groups,
     _sum_to_shape,
     _to_compute,
+)
+from ._extras import (
+    _describe_parts,
+    _describe_segments,
+    _merge_attention,
+    _mods,
+    _mods_slope,
+    _segments,
+    _sinks_grad,
+    _softmax_lse,
 )
 
 

@@ -28,7 +28,8 @@ import numpy as np
 import attention_rules as rules
 
 from . import _threads
-from ._core import NEG_INF, _array, _check_device, _describe, _merge_attention, _softcap
+from ._core import NEG_INF, _array, _check_device, _describe, _softcap
+from ._extras import _merge_attention
 
 
 def _dtype(dtype: Any) -> np.dtype:

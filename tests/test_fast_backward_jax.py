@@ -1,4 +1,4 @@
-"""jax_attn's blocked fast path has its own backward pass (``_fast._blocked_attention_vjp``).
+"""jax_attn's blocked fast path has its own backward pass (``_blocked_vjp.py``).
 
 ``_fast._blocked_attention_lse`` is a ``jax.custom_vjp``: the forward pass saves the output and the
 row log-sum-exp, the backward pass walks blocks of keys against the query rows that see them

@@ -20,7 +20,7 @@ from numerics import assert_matches_reference, assert_vjp_matches_reference
 
 import numpy_attn
 from conformance import reference, spec
-from numpy_attn import _fast, _threads
+from numpy_attn import _blocked, _fast, _threads
 
 # (query, key, value) shapes: grouped-query heads with q_len > kv_len, kv_len > q_len, 2-D
 SHAPES = {
@@ -208,9 +208,9 @@ def test_large_scores_take_the_shifted_softmax(small_blocks, monkeypatch, dtype)
     q, k, v, grad_out = _inputs(SHAPES["gqa_q_longer"], dtype=dtype)
     q[0, 1] *= 40.0  # head 1 only: scores of several hundred
     groups = q.shape[-3] // k.shape[-3]
-    bounded = _fast._bounded_heads(q * q.shape[-1] ** -0.5, k, groups, None)
+    bounded = _blocked._bounded_heads(q * q.shape[-1] ** -0.5, k, groups, None)
     assert bounded.tolist() == [[True, False, True, True]]
-    assert _fast._bounded_heads(q, k, groups, 10.0).all()  # soft-capped within ±10
+    assert _blocked._bounded_heads(q, k, groups, 10.0).all()  # soft-capped within ±10
     rtol = 1e-10 if dtype == np.float64 else 2e-5
     for options in ({"is_causal": True}, {"window": (3, 6)}):
         _check(small_blocks, monkeypatch, q, k, v, grad_out, rtol=rtol, **options)
@@ -314,8 +314,8 @@ def test_module_backward_takes_the_blocked_vjp(small_blocks, monkeypatch):
     module = numpy_attn.CausalSelfAttention(6, 4, 5, rng=np.random.default_rng(7))
     x = np.random.default_rng(8).standard_normal((2, 40, 6))
     grad_out = np.random.default_rng(9).standard_normal((2, 40, 5))
-    fast = module.backward(x, grad_out)
-    assert small_blocks, "the module's backward did not take the blocked VJP"
+    fast = module.parameter_gradients(x, grad_out)
+    assert small_blocks, "the module's parameter_gradients did not take the blocked VJP"
     # the float64 reference: projections, the reference VJP, and x^T · d(projection)
     weights = {name: getattr(module, name) for name in ("W_query", "W_key", "W_value")}
     q, k, v = (x @ weights[name] for name in ("W_query", "W_key", "W_value"))

@@ -144,8 +144,10 @@ def test_module_errors_match_numpy_attn(build):
 # ------------------------------------------------------------------------------ structure
 
 
-#: numpy_attn's hand-written VJPs need a score_mod's derivative; jax_attn differentiates it.
-NUMPY_ONLY_HELPERS = {"_mods_slope"}
+#: numpy_attn's hand-written VJPs need a score_mod's derivative (jax_attn differentiates it),
+#: and its blocked fast path's forward and backward share a statuses lookup and a cache of band
+#: strips (jax_attn's share block reshapes instead: the fast paths differ by nature).
+NUMPY_ONLY_HELPERS = {"_mods_slope", "_entry", "_outside_band"}
 
 
 def test_jax_attn_imports_no_other_backend_and_mirrors_numpy_attn():
@@ -161,9 +163,10 @@ def test_jax_attn_imports_no_other_backend_and_mirrors_numpy_attn():
     public = (spec.FUNCTIONS + spec.MODULES + spec.CLASSES + spec.BACKEND_EXTRAS["jax_attn"]
               + spec.CONTEXT_PARALLEL_FUNCTIONS)
     assert sorted(ja.__all__) == sorted(public)
-    for module in ("_core", "functional", "masks"):  # the private helpers live in _core
+    for module in ("_core", "_extras", "_tiles", "functional", "masks"):  # the shared rooms too
         np_mod = importlib.import_module(f"numpy_attn.{module}")
-        np_funcs = [n for n in vars(np_mod) if callable(getattr(np_mod, n))]
+        np_funcs = [n for n, f in vars(np_mod).items()  # defined there, not imported
+                    if callable(f) and getattr(f, "__module__", None) == np_mod.__name__]
         jax_mod = importlib.import_module(f"jax_attn.{module}")
         missing = [n for n in np_funcs if n.startswith("_") and not n.startswith("__")
                    and not hasattr(jax_mod, n) and n not in NUMPY_ONLY_HELPERS]

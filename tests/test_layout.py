@@ -1,15 +1,26 @@
-"""The house: how the packages' files may import each other (``tests/import_graph.py``).
+"""The house: how the packages' files may import each other (``tests/import_graph.py``), and
+how large a file may grow.
 
 * The import graph of the whole library (``attention_rules``, the three backends, ``conformance``)
   has no circle, counting imports written inside functions and the packages around a module.
-* Each backend is one ladder, the same in all three:
-  ``_core < blockwise < _fast < functional < backward < modules``; a file imports only files
-  below it on the ladder (``masks``, ``kv_cache``, ``_threads``, ``context_parallel``,
+* Each backend is one ladder, the same in all three: ``_core < _extras < _tiles < blockwise <
+  _blocked < _blocked_vjp < _fast < functional < backward < modules``; a file imports only
+  files below it on the ladder (``masks``, ``kv_cache``, ``_threads``, ``context_parallel``,
   ``interop`` and the integrations sit where their imports put them, without a circle).
 * No file takes a private name from another file, by import or as ``module._name``, except
-  from its backend's ``_core``: the unchecked steps and helpers every file of a backend shares
-  live there and nowhere else (``conformance`` has no such room: none at all).
-* The three backends have the same files, but for the two that concern one framework only.
+  from its backend's two shared rooms: ``_core`` (the unchecked steps, the mods applied to a
+  tile, the gradient and array helpers) and ``_extras`` (sinks, log-sum-exp and merges, the
+  mods built and the tiles planned, the pieces the blocked fast path's forward and backward
+  share). The helpers several files of a backend share live there and nowhere else; a file
+  split for size hands its parts public names (``_tiles.forward_tiles``,
+  ``_blocked.blocked_attention``) or moves what they share into a room (``conformance`` has no
+  such room: none at all).
+* The three backends have the same files, but for the two that concern one framework only, and
+  the rooms and the split files define the names they have in common in the same order (a
+  reader diffs ``numpy_attn/X.py`` against ``jax_attn/X.py`` and sees only backend
+  differences).
+* Code files stay at most 450 lines (the backends, ``attention_rules`` and the tests;
+  ``conformance`` keeps its own, lower limits: ``tests/test_harness_structure.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +30,10 @@ import ast
 from import_graph import MODULES, ROOT, graph, imports, order, tree
 
 BACKENDS = ("numpy_attn", "jax_attn", "torch_attn")
-LADDER = ("_core", "blockwise", "_fast", "functional", "backward", "modules")
+LADDER = ("_core", "_extras", "_tiles", "blockwise", "_blocked", "_blocked_vjp", "_fast",
+          "functional", "backward", "modules")
+ROOMS = ("_core", "_extras")  # the files whose private names the others of a backend may take
+MAX_LINES = 450
 
 
 def _private(name: str | None) -> bool:
@@ -42,11 +56,11 @@ def test_each_backend_is_one_ladder() -> None:
                     )
 
 
-def test_no_private_name_crosses_a_file_except_from_a_backends_core() -> None:
+def test_no_private_name_crosses_a_file_except_from_a_backends_rooms() -> None:
     crossings = []
     for module in MODULES:
         package = module.split(".")[0]
-        allowed = {f"{package}._core"} if package in BACKENDS else set()
+        allowed = {f"{package}.{room}" for room in ROOMS} if package in BACKENDS else set()
         aliases = {}  # local name → a library module imported as a module
         for target, name, alias in imports(module):
             if name is None:
@@ -71,3 +85,27 @@ def test_the_backends_have_the_same_files() -> None:
     for backend in ("jax_attn", "torch_attn"):
         assert (files("numpy_attn") - extra["numpy_attn"]
                 == files(backend) - extra[backend]), backend
+
+
+def test_the_rooms_and_split_files_define_their_common_names_in_the_same_order() -> None:
+    """``_core``, ``_extras``, ``_tiles``, ``_blocked`` and ``_blocked_vjp`` (the other mirrored
+    files have the same check in ``tests/test_signatures.py``): the top-level functions and
+    classes all three backends define come in the same order in each."""
+
+    def names(backend: str, name: str) -> list[str]:
+        body = tree(f"{backend}.{name}").body
+        return [node.name for node in body if isinstance(node, ast.FunctionDef | ast.ClassDef)]
+
+    for name in ("_core", "_extras", "_tiles", "_blocked", "_blocked_vjp"):
+        common = set(names("numpy_attn", name)).intersection(
+            *(names(backend, name) for backend in BACKENDS[1:]))
+        orders = {backend: [n for n in names(backend, name) if n in common] for backend in BACKENDS}
+        assert orders["numpy_attn"] == orders["jax_attn"] == orders["torch_attn"], (name, orders)
+
+
+def test_code_files_stay_within_450_lines() -> None:
+    paths = [path for package in BACKENDS + ("attention_rules", "tests")
+             for path in sorted((ROOT / package).rglob("*.py"))]
+    long = [f"{path.relative_to(ROOT)}: {n} lines" for path in paths
+            if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES]
+    assert not long, f"over {MAX_LINES} lines (split by concept):\n" + "\n".join(long)

@@ -153,8 +153,8 @@ SMALL_BLOCKS = {  # every backend's fast path taken by the small shapes, blocks 
     "jax": {"MIN_SCORES": 0, "MIN_Q_LEN": 2, "BLOCK_Q": 2, "BLOCK_KV": 3},
     "torch": {"MIN_SCORES": 0, "MIN_Q_LEN": 1, "BLOCK_Q": 2, "BLOCK_KV": 3},
 }
-BLOCKED = {"numpy": "_blocked_attention", "jax": "_blocked_attention_lse",
-           "torch": "_blocked_attention"}  # what runs the blocks when sinks or lse are asked
+BLOCKED = {"numpy": ("_blocked", "blocked_attention"), "jax": ("_fast", "_blocked_attention_lse"),
+           "torch": ("_blocked", "blocked_attention")}  # what runs the blocks (sinks or lse)
 
 
 @pytest.fixture
@@ -163,13 +163,15 @@ def fast_path(backend, monkeypatch):
     fast = backend.module._fast
     for name, value in SMALL_BLOCKS[backend.name].items():
         monkeypatch.setattr(fast, name, value)
-    calls, real = [], getattr(fast, BLOCKED[backend.name])
+    where, name = BLOCKED[backend.name]
+    where = getattr(backend.module, where)
+    calls, real = [], getattr(where, name)
 
     def spy(*args, **kwargs):
         calls.append(True)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fast, BLOCKED[backend.name], spy)
+    monkeypatch.setattr(where, name, spy)
     return calls
 
 

@@ -20,7 +20,7 @@ path can follow the spec:
 
 ``"blocked"``: a soft-cap, a window, or the causal rule bottom-right with ``q_len != kv_len``
 (SDPA's ``is_causal`` is top-left) are beyond SDPA's own options. ``blockwise.BlockwiseFunction``
-(``_blocked_attention``) computes them in ``(BLOCK_Q, BLOCK_KV)`` tiles with the online softmax,
+(``_blocked.py``) computes them in ``(BLOCK_Q, BLOCK_KV)`` tiles with the online softmax,
 never computes a tile that the causal rule or the window mask entirely, and recomputes each tile
 in its backward pass from the saved log-sum-exp, so neither pass holds more than a few tiles.
 The boolean mask and the bias are sliced per tile (a masked score is replaced by ``-inf``, as in
@@ -37,15 +37,13 @@ the steps). It runs from ``MIN_SCORES`` score entries and ``MIN_Q_LEN`` queries:
 ``"sdpa_blocks"``: chunks, ALiBi, segment ids or ``mask_mod`` (``spec.MASKS_AND_MODS``) without
 ``score_mod``, from ``MIN_SCORES`` and ``MIN_Q_LEN``: SDPA per run of ``SDPA_ROWS`` query rows
 that see the same keys, against only those keys (the key blocks of ``SDPA_KEYS`` the band and
-the rules leave, ``_core._mods_statuses``), with a boolean mask only over the key blocks they
+the rules leave, ``_extras._mods_statuses``), with a boolean mask only over the key blocks they
 cut (or, with a bias or ALiBi, a float mask): the tiles the rules empty are never computed.
 With ``score_mod`` (or a soft-cap) the
 tiles of ``"blocked"`` run instead, without the tiles the rules empty, ``score_mod``
 differentiated per tile by autograd.
 
-Gradients: ``backward.py`` runs autograd through ``fast_attention``, so SDPA's own backward or
-``BlockwiseFunction.backward`` computes them; torch_attn needs no ``fast_attention_vjp`` (the
-function numpy_attn and jax_attn write by hand).
+Gradients: autograd (``_blocked_vjp.py`` says why there is nothing to write by hand).
 
 Everything else takes SDPA: the boolean mask, the causal rule and the window become ONE
 explicit boolean ``attn_mask`` (SDPA's own ``is_causal`` when nothing else is to be combined and
@@ -71,6 +69,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 import attention_rules as rules
 
+from . import _blocked
 from ._core import (
     NEG_INF,
     _add_alibi,
@@ -79,12 +78,9 @@ from ._core import (
     _in_band,
     _Mods,
     _mods_allowed,
-    _mods_statuses,
-    _plan_with_mods,
     _to_compute,
-    _with_sinks,
 )
-from .blockwise import BlockwiseFunction
+from ._extras import _mods_statuses
 
 _BLOCKED = rules.FAST_PATHS["torch_attn"]["blocked"]
 MIN_SCORES = _BLOCKED["min_scores"]  # below this many score entries SDPA / the steps are as fast
@@ -183,7 +179,8 @@ def fast_attention(
     ``args.return_lse`` the row log-sum-exp: the tiles only, as with ``sinks``); ``mods``
     (chunks, ALiBi, segment ids, the mods) on ``"blocked"`` and ``"sdpa_blocks"``."""
     if path == "blocked":
-        return _blocked_attention(query, key, value, mask, bias, args, sinks, mods)
+        return _blocked.blocked_attention(query, key, value, mask, bias, args, sinks, mods,
+                                          blocks=(BLOCK_Q, BLOCK_KV))
     if path == "sdpa_blocks":
         return _sdpa_blocks(query, key, value, mask, bias, args, mods)
     return _sdpa_attention(
@@ -268,36 +265,6 @@ def _bottom_right_attention(
     return torch.cat([zeros, seen], dim=-2)  # (..., heads, q_len, v_dim)
 
 
-def _blocked_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    args: rules.Arguments,
-    sinks: torch.Tensor | None = None,
-    mods: _Mods | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The pipeline in tiles (``blockwise.BlockwiseFunction``), in the input dtype; autograd
-    sees one node whose backward recomputes the tiles, and the ``(heads,)`` ``sinks`` joined
-    after it; with ``args.return_lse`` also the lse ``(..., heads, q_len)`` (compute dtype).
-    ``mods``: per tile, the tiles they mask entirely left out."""
-    q_len, kv_len = query.shape[-2], key.shape[-2]
-    rank = len(args.scores_shape)  # mask and bias full rank, so tiles slice the last two axes
-    if mask is not None:
-        mask = mask.reshape((1,) * (rank - mask.ndim) + tuple(mask.shape))
-    if bias is not None:
-        bias = bias.reshape((1,) * (rank - bias.ndim) + tuple(bias.shape))
-    lo, hi = rules.band(q_len, kv_len, args.is_causal, args.causal_alignment, args.window)
-    plan = rules.plan(q_len, kv_len, BLOCK_Q, BLOCK_KV, lo, hi)  # masked tiles left out
-    plan = _plan_with_mods(plan, mods, q_len, kv_len, BLOCK_Q, BLOCK_KV, lo, hi)
-    config = (plan, lo, hi, args.scale, args.softcap)
-    output, lse = _with_sinks(
-        *BlockwiseFunction.apply(query, key, value, bias, mask, None, config, mods), sinks)
-    output = output.to(query.dtype)
-    return (output, lse[..., 0]) if args.return_lse else output
-
-
 def _sdpa_blocks(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -309,7 +276,7 @@ def _sdpa_blocks(
 ) -> torch.Tensor:
     """Chunks, ALiBi, segment ids or ``mask_mod`` without ``score_mod``: SDPA on each run of
     ``SDPA_ROWS`` query rows that see the same keys, against only those keys (the key blocks
-    of ``SDPA_KEYS`` the band and ``mods`` leave, ``_core._mods_statuses``), with a boolean
+    of ``SDPA_KEYS`` the band and ``mods`` leave, ``_extras._mods_statuses``), with a boolean
     mask only where a key block is cut (or, with a bias or ALiBi, a float mask); rows that see
     no key give 0. Fewer rows per call would skip more but cost more: SDPA on the CPU spreads
     its work over (batch, heads, blocks of rows). Autograd runs through each SDPA call.

@@ -27,7 +27,8 @@ import torch.distributed as dist
 import attention_rules as rules
 from attention_rules import context_parallel as cp
 
-from ._core import _merge_partials, _to_compute
+from ._core import _to_compute
+from ._extras import _merge_partials
 from .blockwise import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, backward_tiles, forward_tiles
 
 # ------------------------------------------------------------------------------------------

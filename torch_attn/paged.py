@@ -26,7 +26,8 @@ import torch
 
 import attention_rules as rules
 
-from ._core import NEG_INF, _array, _as_tensor, _describe, _dtype_name, _merge_attention, _softcap
+from ._core import NEG_INF, _array, _as_tensor, _describe, _dtype_name, _softcap
+from ._extras import _merge_attention
 
 
 def _dtype(dtype: Any) -> torch.dtype:

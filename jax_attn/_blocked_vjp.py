@@ -1,0 +1,327 @@
+"""The blocked path of jax_attn, backward: its own pass, ``blocked_attention_vjp`` (the
+blocked path is a ``jax.custom_vjp``, ``_fast._blocked_attention_lse``: autodiff through
+``lax.map`` would store every block's weights, the whole ``(q_len, kv_len)`` matrix).
+
+The forward pass (``_blocked.py``) saves the output and the row log-sum-exp, and
+``blocked_attention_vjp`` walks ``BLOCK_KV`` keys at a time under ``lax.scan`` against the
+query rows that can see them, recomputing the weights from the log-sum-exp (FlashAttention-2's
+backward; with the causal rule or a window, ``SEGMENTS`` static segments of keys skip the
+masked rows; the causal rule alone takes the forward pass's pieces, ``_causal_vjp``). No
+array is ``(q_len, kv_len)`` (``tests/test_fast_backward_jax.py``: float64 gradients against
+JAX's autodiff of the explicit steps and the NumPy reference): ``jax.grad`` of
+``scaled_dot_product_attention`` and ``scaled_dot_product_attention_vjp`` reach it through
+``jax.vjp`` of the forward pass. With chunks, segment ids or ``mask_mod`` the keys form at most
+``MOD_SEGMENTS`` static segments, each against only the rows their tiles leave; ``score_mod``
+is differentiated per block by ``jax.vjp``. The block sizes are ``_fast.py``'s constants,
+passed at each call (``blocks``). Figures: ``benchmarks/jax_backward.py`` and
+``benchmarks/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+import attention_rules as rules
+
+from . import _core, _extras  # the steps the fast paths must equal, and reuse
+from ._core import NEG_INF, _sum_groups, _sum_to_shape
+from ._extras import (
+    _blocks,
+    _cols,
+    _halves,
+    _items,
+    _pad_rows,
+    _rows,
+    _squeeze,
+    _to_items,
+    _triangle,
+    _unblock,
+    _unhalves,
+)
+
+# ------------------------------------------------------------------------------------------
+# The blocked backward pass
+# ------------------------------------------------------------------------------------------
+
+
+def _causal_vjp(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    grad_output: jax.Array,
+    args: rules.Arguments,
+    delta: jax.Array,
+    lse: jax.Array,
+    blocks: tuple[int, int, int, int],
+) -> tuple[jax.Array, jax.Array, jax.Array, None]:
+    """The causal rule alone (no mask, bias or window): ``_vjp_heads`` over the pieces of
+    ``_causal_forward`` (rectangles without a mask, a triangle halved again and again, causal
+    leaves), each with the rows' own ``delta`` and log-sum-exp, the gradients added up."""
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    i0, c0, n, depth, side = _triangle(q_len, kv_len, args, blocks[0])
+    plain = args._replace(is_causal=False, window=None)
+    q, k, v = (_core._to_compute(x) for x in (query, key, value))  # sums in compute dtype
+    d_out = grad_output.astype(q.dtype)
+    grad_q, grad_k, grad_v = jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
+    for r0, k0, k1 in ((i0, 0, c0), (i0 + n, c0, kv_len)):  # rectangles: rows r0.. × keys k0:k1
+        if k1 > k0 and r0 < q_len:
+            gq, gk, gv, _ = _vjp_heads(q[..., r0:, :], k[..., k0:k1, :], v[..., k0:k1, :],
+                                       d_out[..., r0:, :], None, None, plain,
+                                       delta[..., r0:, :], lse[..., r0:, :], blocks=blocks)
+            grad_q = grad_q.at[..., r0:, :].add(gq)
+            grad_k = grad_k.at[..., k0:k1, :].add(gk)
+            grad_v = grad_v.at[..., k0:k1, :].add(gv)
+    # rows padded to side: dO = 0 and lse = +inf, so they add 0
+    rows = [_pad_rows(x[..., i0 : i0 + n, :], side) for x in (q, d_out, delta)]
+    lse_tri = jnp.pad(lse[..., i0 : i0 + n, :], [(0, 0)] * (lse.ndim - 2) + [(0, side - n), (0, 0)],
+                      constant_values=jnp.inf)
+    rows.append(lse_tri)
+    cols = [_pad_rows(x[..., c0 : c0 + n, :], side) for x in (k, v)]
+    tri_q = jnp.zeros(rows[0].shape, q.dtype)
+    tri_k, tri_v = jnp.zeros(cols[0].shape, q.dtype), jnp.zeros(cols[1].shape, q.dtype)
+    for level in range(depth + 1):
+        parts = 2**level
+        if level < depth:  # rows of each lower half against keys of its upper half
+            size, lower, piece_args = side // (2 * parts), True, plain
+        else:  # the diagonal leaves, causal
+            size, lower, piece_args = side // parts, None, args._replace(
+                causal_alignment="top_left", window=None)
+        q_l, d_l, o_l, lse_l = (_halves(x, parts, size, lower) for x in rows)
+        k_l, v_l = (_halves(x, parts, size, None if lower is None else False) for x in cols)
+        gq, gk, gv, _ = _vjp_heads(q_l, k_l, v_l, d_l, None, None, piece_args, o_l, lse_l,
+                                   blocks=blocks)
+        halves = level < depth
+        tri_q = tri_q + _unhalves(gq, halves, 0.0)
+        tri_k = tri_k + _unhalves(gk, halves, 0.0, lower=False)
+        tri_v = tri_v + _unhalves(gv, halves, 0.0, lower=False)
+    grad_q = grad_q.at[..., i0 : i0 + n, :].add(tri_q[..., :n, :])
+    grad_k = grad_k.at[..., c0 : c0 + n, :].add(tri_k[..., :n, :])
+    grad_v = grad_v.at[..., c0 : c0 + n, :].add(tri_v[..., :n, :])
+    return (grad_q.astype(query.dtype), grad_k.astype(key.dtype), grad_v.astype(value.dtype),
+            None)
+
+
+def blocked_attention_vjp(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    grad_output: jax.Array,
+    mask: jax.Array | None,
+    bias: jax.Array | None,
+    args: rules.Arguments,
+    output: jax.Array,
+    lse: jax.Array,
+    grad_lse: jax.Array | None = None,
+    mods: _core._Mods | None = None,
+    *,
+    blocks: tuple[int, int, int, int],
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """The gradients of the blocked path from its saved output and row log-sum-exp
+    (FlashAttention-2's backward pass; numpy_attn's ``backward.py`` derives it for the whole
+    matrix): ``BLOCK_KV`` keys at a time under ``lax.scan``, each against the query rows that
+    can see them, recomputing the block's weights as ``exp(score - lse)``::
+
+        P = exp(S - lse)     dV = Pᵀ dO     dP = dO Vᵀ     dS = P ⊙ (dP - rowsum(dO ⊙ O))
+        dK = dSᵀ Q · scale   dQ += dS K · scale             (dS · tanh' with a soft-cap)
+
+    With the causal rule or a window the keys are cut into at most ``SEGMENTS`` static
+    segments, each against only the query rows that see it (fully masked work is skipped).
+    No array is ``(q_len, kv_len)``: a step holds ``(..., heads, rows, BLOCK_KV)``.
+
+    Args:
+      query: ``(..., heads, q_len, head_dim)``; key: ``(..., kv_heads, kv_len, head_dim)``;
+      value: ``(..., kv_heads, kv_len, v_dim)``; mask, bias: broadcastable to
+      ``(..., heads, q_len, kv_len)``; output: ``(..., heads, q_len, v_dim)`` and lse:
+      ``(..., heads, q_len, 1)`` from the forward pass (compute dtype); grad_output:
+      ``(..., heads, q_len, v_dim)``; grad_lse: the lse's cotangent ``(..., heads, q_len, 1)``
+      or None. Only ``delta = rowsum(dO ⊙ O) - dlse`` reaches the blocks (``_vjp_heads``).
+
+    Like the forward pass, one (batch, kv head) item at a time under ``lax.scan`` (which adds up
+    the items' bias gradients), or all heads at once (``_items``); ``mods``' ``score_mod`` the
+    blocks differentiate by ``jax.vjp``. ``blocks``: ``(BLOCK_Q, BLOCK_KV, SEGMENTS,
+    MOD_SEGMENTS)``, ``_fast.py``'s.
+
+    Returns:
+      ``(grad_query, grad_key, grad_value, grad_bias)`` shaped like and in the dtypes of query,
+      key, value and bias (``grad_bias`` None without a bias).
+    """
+    BLOCK_Q, BLOCK_KV, SEGMENTS, MOD_SEGMENTS = blocks  # _fast.py's, read at each call
+    compute = rules.compute_dtype(query.dtype.name)
+    delta = (grad_output.astype(compute) * output).sum(axis=-1, keepdims=True)  # (..., q, 1)
+    if grad_lse is not None:  # dlse / dS = P: dS = P ⊙ (dP - delta + dlse)
+        delta = delta - grad_lse.astype(compute)
+    items = _items(query, key, mask, bias)
+    pieces = None  # with mods: the static segments of keys, made once for every item
+    if mods is not None and mods.masks:
+        q_len, kv_len = query.shape[-2], key.shape[-2]
+        lo, hi = rules.band(q_len, kv_len, args.is_causal, args.causal_alignment, args.window)
+        pieces = _extras._mods_segments(mods, q_len, kv_len, lo, hi, False, BLOCK_Q, BLOCK_KV,
+                                      MOD_SEGMENTS)
+    if items == 1:
+        return _vjp_heads(query, key, value, grad_output, mask, bias, args, delta, lse, mods,
+                          pieces, blocks=blocks)
+    mask_item, bias_item = _squeeze(mask), _squeeze(bias)  # the same for every item
+    groups = query.shape[-3] // key.shape[-3]
+
+    def item(grad_bias: jax.Array | None, xs: tuple) -> tuple:
+        q, k, v, d_out, delta_item, lse_item, i = xs
+        item_mods = None if mods is None else _extras._mods_item(mods, i, key.shape[-3], groups)
+        grad_q, grad_k, grad_v, grad_b = _vjp_heads(
+            q, k, v, d_out, mask_item, bias_item, args, delta_item, lse_item, item_mods, pieces,
+            blocks=blocks)
+        grad_bias = None if grad_b is None else grad_bias + grad_b.astype(grad_bias.dtype)
+        return grad_bias, (grad_q, grad_k, grad_v)
+
+    xs = tuple(_to_items(x, items) for x in (query, key, value, grad_output, delta, lse))
+    xs += (jnp.arange(items, dtype=jnp.int32),)
+    init = None  # the sum of the items' bias gradients, in the compute dtype
+    if bias is not None:
+        init = jnp.zeros(bias_item.shape, rules.compute_dtype(bias.dtype.name))
+    grad_bias, (grad_q, grad_k, grad_v) = jax.lax.scan(item, init, xs)
+    grads = (grad_q.reshape(query.shape), grad_k.reshape(key.shape), grad_v.reshape(value.shape))
+    return grads + (None if bias is None else grad_bias.reshape(bias.shape).astype(bias.dtype),)
+
+
+def _vjp_heads(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    grad_output: jax.Array,
+    mask: jax.Array | None,
+    bias: jax.Array | None,
+    args: rules.Arguments,
+    delta: jax.Array,
+    lse: jax.Array,
+    mods: _core._Mods | None = None,
+    pieces: list | None = None,
+    *,
+    blocks: tuple[int, int, int, int],
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+    """``blocked_attention_vjp`` for all heads at once; ``delta (..., heads, q_len, 1)`` is
+    ``rowsum(dO ⊙ O) - dlse``; ``pieces``: the segments of keys for ``mods``, if made."""
+    BLOCK_Q, BLOCK_KV, SEGMENTS, MOD_SEGMENTS = blocks  # _fast.py's, read at each call
+    q_len, kv_len, v_dim = query.shape[-2], key.shape[-2], value.shape[-1]
+    compute = rules.compute_dtype(query.dtype.name)
+    lo, hi = rules.band(q_len, kv_len, args.is_causal, args.causal_alignment, args.window)
+    banded = lo > -math.inf or hi < math.inf
+    if args.window is None and mask is None and bias is None and mods is None and banded:
+        if min(q_len - max(0, -int(hi)), kv_len - max(0, int(hi))) >= 2 * BLOCK_Q:
+            return _causal_vjp(query, key, value, grad_output, args, delta, lse, blocks)
+    groups = _core._groups(query.shape, key.shape)
+    rank = query.ndim  # of the scores too
+    q_scaled = _core._to_compute(query) * args.scale  # (..., heads, q_len, head_dim)
+    k, v = _core._to_compute(key), _core._to_compute(value)
+    d_out = grad_output.astype(compute)  # (..., heads, q_len, v_dim)
+    row_dot = delta  # rowsum(dO ⊙ O) - dlse: (..., q_len, 1)
+    if mask is not None:  # full rank: rows and columns are the last two axes
+        mask = mask.reshape((1,) * (rank - mask.ndim) + mask.shape)
+    if bias is not None:
+        full_bias = bias.astype(compute).reshape((1,) * (rank - bias.ndim) + bias.shape)
+        grad_bias = jnp.zeros(full_bias.shape, compute)
+
+    def block(carry, k_blk, v_blk, j0, r0, seg):
+        """One block of keys ``(..., kv_heads, n, head_dim)`` from (traced) ``j0`` against the
+        segment's query rows ``seg`` (from ``r0``; sliced once per segment): adds to the
+        carried ``dQ`` and returns ``dK``, ``dV`` and the bias gradient of the block."""
+        q_seg, d_out_seg, lse_seg, dot_seg, mask_seg, bias_seg = seg  # (..., heads, rows, ·)
+        n, rows = k_blk.shape[-2], q_seg.shape[-2]
+        capped = _core._scores(q_seg, k_blk, 1.0, args.softcap)  # (..., heads, rows, n)
+
+        def masked(scores: jax.Array) -> jax.Array:  # + bias, ALiBi, score_mod; -inf if masked
+            if bias_seg is not None:
+                scores = scores + _cols(bias_seg, j0, n)
+            scores = _core._mods_scores(scores, mods, r0, j0)
+            allowed = _cols(mask_seg, j0, n)
+            if banded:
+                in_band = _core._in_band(r0, rows, j0, n, lo, hi)
+                allowed = in_band if allowed is None else allowed & in_band
+            extra = _core._mods_allowed(mods, r0, rows, j0, n)
+            if extra is not None:
+                allowed = extra if allowed is None else allowed & extra
+            return scores if allowed is None else jnp.where(allowed, scores, NEG_INF)
+
+        through_mod = None  # score_mod's pullback: dS back to the scores before it
+        if mods is not None and mods.score_mod is not None:
+            scores, through_mod = jax.vjp(masked, capped)
+        else:
+            scores = masked(capped)
+        p = jnp.exp(scores - lse_seg)  # the weights, recomputed; 0 where masked
+        grad_v = _sum_groups(_matmul_t(p, d_out_seg), groups)  # dV = Pᵀ dO: (..., n, v_dim)
+        grad_p = _core._scores(d_out_seg, v_blk, 1.0, None)  # dP = dO Vᵀ
+        grad_s = p * (grad_p - dot_seg)  # dS: (..., heads, rows, n)
+        if through_mod is not None:  # d score_mod / d score, by autodiff of the block
+            grad_s = through_mod(grad_s)[0]
+        grad_bias_blk = None
+        if bias_seg is not None:
+            grad_bias_blk = _sum_to_shape(grad_s, _cols(bias_seg, j0, n).shape)
+        if args.softcap is not None:  # tanh' = 1 - (capped / softcap)²
+            grad_s = grad_s * (1.0 - jnp.square(capped * (1.0 / args.softcap)))
+        grad_q = carry + _core._output(grad_s, k_blk)  # dS K (scaled at the end)
+        grad_k = _sum_groups(_matmul_t(grad_s, q_seg), groups)  # dSᵀ Q · scale
+        return grad_q, (grad_k, grad_v, grad_bias_blk)
+
+    if mods is not None and mods.masks:
+        if pieces is None:
+            pieces = _extras._mods_segments(mods, q_len, kv_len, lo, hi, False, BLOCK_Q,
+                                          BLOCK_KV, MOD_SEGMENTS)
+    else:
+        n_blocks = kv_len // BLOCK_KV
+        segments = max(1, min(SEGMENTS, n_blocks)) if banded else 1
+        bounds = [n_blocks * s // segments * BLOCK_KV for s in range(segments)] + [kv_len]
+        pieces = [(c0, c1) + rules.query_range(c0, c1, q_len, lo, hi)[:2]
+                  for c0, c1 in zip(bounds[:-1], bounds[1:], strict=True)]
+    grad_q = jnp.zeros(query.shape, compute)
+    grad_ks, grad_vs = [], []
+    for c0, c1, r0, r1 in pieces:  # static segments of keys, each with the rows that see them
+        if r1 == r0:  # no query sees a key of the segment: zero gradients
+            grad_ks.append(jnp.zeros(key.shape[:-2] + (c1 - c0, key.shape[-1]), compute))
+            grad_vs.append(jnp.zeros(value.shape[:-2] + (c1 - c0, v_dim), compute))
+            continue
+        seg = (q_scaled[..., r0:r1, :], d_out[..., r0:r1, :], lse[..., r0:r1, :],
+               row_dot[..., r0:r1, :], _rows(mask, r0, r1 - r0),
+               None if bias is None else _rows(full_bias, r0, r1 - r0))
+        step = partial(block, r0=r0, seg=seg)
+        full = (c1 - c0) // BLOCK_KV * BLOCK_KV  # keys in whole blocks; the rest is one block
+        carry = jnp.zeros(query.shape[:-2] + (r1 - r0, query.shape[-1]), compute)
+        pieces = []
+        if full:
+            xs = (_blocks(k[..., c0 : c0 + full, :], BLOCK_KV),
+                  _blocks(v[..., c0 : c0 + full, :], BLOCK_KV),
+                  c0 + BLOCK_KV * jnp.arange(full // BLOCK_KV, dtype=jnp.int32))
+            carry, (grad_k, grad_v, grad_b) = jax.lax.scan(
+                lambda carry, xs, step=step: step(carry, *xs), carry, xs)
+            pieces.append((_unblock(grad_k), _unblock(grad_v), grad_b, c0, c0 + full))
+        if c0 + full < c1:
+            carry, (grad_k, grad_v, grad_b) = step(
+                carry, k[..., c0 + full : c1, :], v[..., c0 + full : c1, :], c0 + full)
+            pieces.append((grad_k, grad_v, None if grad_b is None else grad_b[None],
+                           c0 + full, c1))
+        grad_q = grad_q.at[..., r0:r1, :].add(carry)
+        for grad_k, grad_v, grad_b, b0, b1 in pieces:
+            grad_ks.append(grad_k)
+            grad_vs.append(grad_v)
+            if grad_b is not None:  # (blocks, ..., rows or 1, block or 1)
+                if full_bias.shape[-1] == 1:
+                    grad_b = grad_b.sum(axis=0)
+                else:
+                    grad_b = jnp.moveaxis(grad_b, 0, -2)
+                    grad_b = grad_b.reshape(grad_b.shape[:-3] + (grad_b.shape[-3], b1 - b0))
+                row_slice = slice(None) if full_bias.shape[-2] == 1 else slice(r0, r1)
+                col_slice = slice(None) if full_bias.shape[-1] == 1 else slice(b0, b1)
+                grad_bias = grad_bias.at[..., row_slice, col_slice].add(grad_b)
+    grad_q = (grad_q * args.scale).astype(query.dtype)
+    grad_k = jnp.concatenate(grad_ks, axis=-2).astype(key.dtype)
+    grad_v = jnp.concatenate(grad_vs, axis=-2).astype(value.dtype)
+    if bias is None:
+        return grad_q, grad_k, grad_v, None
+    return grad_q, grad_k, grad_v, grad_bias.reshape(bias.shape).astype(bias.dtype)
+
+
+def _matmul_t(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``aᵀ b`` over the last two axes: ``(..., rows, n)ᵀ @ (..., rows, d)`` → ``(..., n, d)``
+    (XLA folds the transpose into the product)."""
+    return jnp.matmul(jnp.swapaxes(a, -1, -2), b, precision=_core.HIGHEST)
