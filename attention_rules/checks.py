@@ -421,10 +421,11 @@ def check_weight_shapes(fn: str, expected: dict[str, Shape], given: dict[str, Sh
 
 
 def check_backward_without_dropout(module: str, dropout_active: bool, dropout_p: float) -> None:
-    """A module's ``backward`` never applies dropout (ValueError while it is active)."""
+    """A module's ``parameter_gradients`` never applies dropout (ValueError while it is
+    active)."""
     # The backward pass must see the forward pass's keep-mask, which a module does not keep.
     if dropout_active:
         raise ValueError(
-            f"{module}.backward: dropout is active; call eval() or use "
+            f"{module}.parameter_gradients: dropout is active; call eval() or use "
             f"dropout_p=0 (got dropout_p={dropout_p})"
         )

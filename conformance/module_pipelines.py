@@ -4,7 +4,8 @@
 from its inputs and weights (arrays ``w:<name>``): the projections, the head split and merge and
 the output projection by hand, and the attention itself through a given function — the float64
 reference (expected values) or the naive pipeline (the error baseline). The backward pass is the
-projections' chain rule around the attention's VJP.
+projections' chain rule around the attention's VJP: what a module's ``parameter_gradients``
+must return (the ``grad_weights`` step).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """How a backend runs a module case (``cases`` kind ``"module"``): build the spec module with
-the case's weights, run its ``forward``, its ``backward`` and its ``decode`` chunk by chunk
-(``steps.Execution`` caches each). On a backend that compiles (JAX) ``forward`` and the whole
-decoding loop are one compiled program each; ``backward`` runs eagerly (it returns NumPy
-arrays, which a compiled program cannot).
+the case's weights, run its ``forward``, its ``parameter_gradients`` and its ``decode`` chunk by
+chunk (``steps.Execution`` caches each). On a backend that compiles (JAX) ``forward`` and the
+whole decoding loop are one compiled program each; ``parameter_gradients`` runs eagerly (it
+returns NumPy arrays, which a compiled program cannot).
 """
 
 from __future__ import annotations
@@ -54,8 +54,9 @@ def forward(backend: Backend, exp: Expected) -> tuple[np.ndarray, np.ndarray | N
     return _to_numpy(backend, result), None
 
 
-def backward(backend: Backend, exp: Expected) -> np.ndarray:
-    """The module's ``backward``: every weight's gradient, flattened in sorted name order."""
+def parameter_gradients(backend: Backend, exp: Expected) -> np.ndarray:
+    """The module's ``parameter_gradients``: every weight's gradient, flattened in sorted name
+    order (the ``grad_weights`` step)."""
     a, o = exp.data.arrays, exp.data.options
     m = build(backend, exp)
     inputs = [to_backend(backend, a[n]) for n in ("x", "x_1", "x_2") if n in a]
@@ -65,9 +66,9 @@ def backward(backend: Backend, exp: Expected) -> np.ndarray:
         if "mask" in a:
             kwargs["mask"] = to_backend(backend, a["mask"])
         context = to_backend(backend, a["context"]) if "context" in a else None
-        grads = m.backward(inputs[0], grad_output, context, **kwargs)
+        grads = m.parameter_gradients(inputs[0], grad_output, context, **kwargs)
     else:
-        grads = m.backward(*inputs, grad_output)
+        grads = m.parameter_gradients(*inputs, grad_output)
     return flatten_weight_grads(grads)
 
 
@@ -95,4 +96,4 @@ def decode(backend: Backend, exp: Expected) -> np.ndarray:
     return np.concatenate([backend.to_numpy(out) for out in outputs], axis=-2)
 
 
-__all__ = ["backward", "build", "decode", "forward"]
+__all__ = ["build", "decode", "forward", "parameter_gradients"]

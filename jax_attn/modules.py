@@ -2,14 +2,15 @@
 
 Every module is an immutable pytree (registered with ``jax.tree_util``): its weights are the
 leaves and its hyperparameters the static part, so a module can be passed through ``jax.jit``,
-differentiated with ``jax.grad`` (the gradient is a module of the same kind) and mapped with
-``jax.tree_util.tree_map``. Modules are built from an explicit ``jax.random`` key passed as
-``rng=`` (``rng=None`` is a ValueError), and draw their weights in numpy_attn's order.
-
-Weights export to a flat dict of NumPy arrays with the same keys in every backend;
-``load_weights`` returns a NEW module in the arrays' dtype. ``train()``/``eval()`` set the mode
-in place (the one attribute that changes) and return the module; dropout needs an ``rng`` key.
-Projections use ``precision=Precision.HIGHEST``, like the functional module.
+mapped with ``jax.tree_util.tree_map`` and trained with ``jax.grad``:
+``jax.grad(lambda m: loss(m(x)))(module)`` is a module of the same kind holding the gradients.
+``parameter_gradients(inputs..., grad_output)`` (``jax.vjp``, NumPy arrays under the weights'
+names) is the harness's interface, the backward pass numpy_attn writes by hand. Modules are
+built from an explicit ``jax.random`` key (``rng=``; None is a ValueError), drawing their
+weights in numpy_attn's order. Weights export to a flat dict of NumPy arrays with the same keys
+in every backend; ``load_weights`` returns a NEW module in the arrays' dtype.
+``train()``/``eval()`` set the mode in place (the one attribute that changes) and return the
+module; dropout needs an ``rng`` key. Projections use ``precision=Precision.HIGHEST``.
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ class SelfAttention(_Module):
         values = _matmul(x, self.W_value)  # (..., seq, d_out_v)
         return scaled_dot_product_attention(queries, keys, values)
 
-    def backward(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
+    def parameter_gradients(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
         """Weight gradients for ``x: (..., seq, d_in)``, ``grad_output: (..., seq, d_out_v)``."""
         return module_weight_grads(self, (x,), grad_output)
 
@@ -178,7 +179,7 @@ class CrossAttention(_Module):
         values_2 = _matmul(x_2, self.W_value)  # (..., kv_len, d_out_v)
         return scaled_dot_product_attention(queries_1, keys_2, values_2)
 
-    def backward(self, x_1: Any, x_2: Any, grad_output: Any) -> dict[str, np.ndarray]:
+    def parameter_gradients(self, x_1: Any, x_2: Any, grad_output: Any) -> dict[str, np.ndarray]:
         """Weight gradients; ``grad_output: (..., q_len, d_out_v)``."""
         return module_weight_grads(self, (x_1, x_2), grad_output)
 
@@ -213,7 +214,7 @@ class CausalSelfAttention(_Module):
             queries, keys, values, is_causal=True, dropout_p=dropout_p, rng=rng
         )
 
-    def backward(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
+    def parameter_gradients(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
         """Weight gradients, without dropout (``eval()`` or ``dropout_p=0``)."""
         _check_no_dropout(self)
         return module_weight_grads(self, (x,), grad_output)
@@ -277,7 +278,7 @@ class MultiHeadAttentionWrapper(_Module):
         """``x: (..., seq, d_in)`` → ``(..., seq, num_heads * d_out_v)``."""
         return jnp.concatenate([head(x) for head in self.heads], axis=-1)
 
-    def backward(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
+    def parameter_gradients(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
         """Weight gradients ``heads.{h}.W_*``; ``grad_output: (..., seq, num_heads * d_out_v)``."""
         return module_weight_grads(self, (x,), grad_output)
 
@@ -401,7 +402,7 @@ class MultiHeadAttention(_Module):
         output = self._out(context_vec)  # (..., q_len, d_model)
         return (output, weights) if return_weights else output
 
-    def backward(
+    def parameter_gradients(
         self,
         x: Any,
         grad_output: Any,
@@ -419,12 +420,11 @@ class MultiHeadAttention(_Module):
           grad_output: ``(..., q_len, d_model)``.
           context, mask, is_causal, causal_alignment, window: as in ``forward``.
 
-        Returns:
-          weight name → gradient, for every weight.
+        Returns: weight name → gradient, for every weight.
         """
         _check_no_dropout(self)
-        static = (("is_causal", is_causal), ("causal_alignment", causal_alignment),
-                  ("window", window))
+        static = tuple(zip(("is_causal", "causal_alignment", "window"),
+                           (is_causal, causal_alignment, window), strict=True))
         return module_weight_grads(self, (x, context), grad_output, {"mask": mask}, static)
 
     def decode(

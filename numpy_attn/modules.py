@@ -4,9 +4,11 @@ Every module exports its weights to a flat dict of NumPy arrays and loads them b
 same keys in every backend. ``load_weights`` keeps the dtype of the arrays it is given, so a
 float64 dict gives a float64 module.
 
-NumPy has no autodiff, so every module here also has ``backward(inputs..., grad_output)``,
-returning the gradient of every weight under the weight's own name (``backward.py`` derives
-it); with ``backward.sgd_step`` or ``backward.Adam`` a NumPy-only user can train.
+NumPy has no autodiff, so every module has ``parameter_gradients(inputs..., grad_output)``: the
+backward pass by hand, the chain rule from ``grad_output`` (dL/d output) through the attention's
+VJP and the projections, giving every weight's gradient under its name; ``backward.sgd_step`` or
+``backward.Adam`` train on it (``examples/train_reverse.py``). jax_attn and torch_attn have the
+method for the harness, by autodiff; their users train with ``jax.grad``, ``loss.backward()``.
 """
 
 from __future__ import annotations
@@ -113,8 +115,14 @@ class SelfAttention(_Module):
         values = _matmul(x, self.W_value)  # (..., seq, d_out_v)
         return scaled_dot_product_attention(queries, keys, values)
 
-    def backward(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
-        """Weight gradients for ``x: (..., seq, d_in)``, ``grad_output: (..., seq, d_out_v)``."""
+    def parameter_gradients(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
+        """The backward pass by hand: every weight's gradient for ``x: (..., seq, d_in)`` and
+        ``grad_output: (..., seq, d_out_v)``, the loss's gradient dL/d output.
+
+        The projections are recomputed, the attention's VJP gives ``dL/dq``, ``dL/dk``,
+        ``dL/dv`` ``(..., seq, d)``, and ``q = x @ W_query`` gives ``dL/dW_query = xᵀ @ dL/dq``
+        summed over the leading axes (``projection_grads``); the same for keys and values.
+        """
         x = np.asarray(x)
         queries, keys, values = (_matmul(x, w) for w in (self.W_query, self.W_key, self.W_value))
         grad_q, grad_k, grad_v, _ = scaled_dot_product_attention_vjp(
@@ -143,7 +151,7 @@ class CrossAttention(_Module):
         values_2 = _matmul(x_2, self.W_value)  # (..., kv_len, d_out_v)
         return scaled_dot_product_attention(queries_1, keys_2, values_2)
 
-    def backward(self, x_1: Any, x_2: Any, grad_output: Any) -> dict[str, np.ndarray]:
+    def parameter_gradients(self, x_1: Any, x_2: Any, grad_output: Any) -> dict[str, np.ndarray]:
         """Weight gradients; ``grad_output: (..., q_len, d_out_v)``."""
         x_1, x_2 = np.asarray(x_1), np.asarray(x_2)
         grad_q, grad_k, grad_v, _ = scaled_dot_product_attention_vjp(
@@ -183,7 +191,7 @@ class CausalSelfAttention(_Module):
             queries, keys, values, is_causal=True, dropout_p=dropout_p, rng=rng
         )
 
-    def backward(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
+    def parameter_gradients(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
         """Weight gradients, without dropout (``eval()`` or ``dropout_p=0``)."""
         _check_no_dropout(self)
         x = np.asarray(x)
@@ -232,13 +240,13 @@ class MultiHeadAttentionWrapper(_Module):
         """``x: (..., seq, d_in)`` → ``(..., seq, num_heads * d_out_v)``."""
         return np.concatenate([head(x) for head in self.heads], axis=-1)
 
-    def backward(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
+    def parameter_gradients(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
         """Weight gradients ``heads.{h}.W_*``; ``grad_output: (..., seq, num_heads * d_out_v)``."""
         per_head = np.split(np.asarray(grad_output), len(self.heads), axis=-1)
         return {
             f"heads.{h}.{name}": grad
             for h, (head, grad_head) in enumerate(zip(self.heads, per_head, strict=True))
-            for name, grad in head.backward(x, grad_head).items()
+            for name, grad in head.parameter_gradients(x, grad_head).items()
         }
 
     def export_weights(self) -> dict[str, np.ndarray]:
@@ -364,7 +372,7 @@ class MultiHeadAttention(_Module):
         output = self._out(context_vec)  # (..., q_len, d_model)
         return (output, weights) if return_weights else output
 
-    def backward(
+    def parameter_gradients(
         self,
         x: Any,
         grad_output: Any,

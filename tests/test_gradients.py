@@ -197,12 +197,12 @@ def test_module_backward_matches_finite_differences(backend, name, forward_kwarg
                for k, v in forward_kwargs.items()}
     if name == "MultiHeadAttention":
         context = inputs[1] if len(inputs) == 2 else None
-        grads = module.backward(inputs[0], backend.asarray(grad_out), context, **options)
+        grads = module.parameter_gradients(inputs[0], backend.asarray(grad_out), context, **options)
     else:
-        grads = module.backward(*inputs, backend.asarray(grad_out))
+        grads = module.parameter_gradients(*inputs, backend.asarray(grad_out))
     assert sorted(grads) == sorted(weights)
     for n in weights:
-        assert isinstance(grads[n], np.ndarray), f"{n}: backward returns NumPy arrays"
+        assert isinstance(grads[n], np.ndarray), f"{n}: parameter_gradients returns NumPy arrays"
         np.testing.assert_allclose(grads[n], expected[n], rtol=1e-6, atol=1e-7,
                                    err_msg=f"{backend.name} {name} d{n}")
 
@@ -212,9 +212,9 @@ def test_module_backward_never_uses_dropout(backend):
     x = backend.asarray(np.ones((5, 4), np.float32))
     grad_out = backend.asarray(np.ones((5, 2), np.float32))
     with pytest.raises(ValueError, match="dropout is active"):  # refused in training mode
-        module.backward(x, grad_out)
+        module.parameter_gradients(x, grad_out)
     module = module.eval()
-    assert module.backward(x, grad_out)["W_query"].shape == (4, 3)
+    assert module.parameter_gradients(x, grad_out)["W_query"].shape == (4, 3)
 
 
 def test_numpy_optimisers_match_torch():

@@ -114,8 +114,8 @@ def test_planted_module_backward_bug_is_caught():
     """A module backward that forgets the output projection's bias gradient fails."""
 
     class Forgetful(numpy_attn.MultiHeadAttention):
-        def backward(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            grads = super().backward(*args, **kwargs)
+        def parameter_gradients(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            grads = super().parameter_gradients(*args, **kwargs)
             grads["b_out"] = np.zeros_like(grads["b_out"])
             return grads
 

@@ -26,6 +26,7 @@ from conformance import backends, runner, spec
 from conformance.__main__ import main
 from conformance.html import page, pictures, write
 from conformance.results import rerun_command
+from conformance.spec import seed_example
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "artifacts"
@@ -242,6 +243,31 @@ def test_the_pictures_are_embedded_or_the_page_says_why(result, loaded, browser,
     assert bare.page.locator("#no-pictures").inner_text() == pictures.NO_MATPLOTLIB
     assert bare.problems == []
     bare.page.close()
+
+
+def test_the_articles_weights_show_each_steps_numbers_on_hover(loaded) -> None:  # noqa: ANN001
+    """The seed article's example on the page: pointing at query 3 ('short,') → key 2 ('is')
+    shows its score ω = q·k, ω/√2 and its softmax weight, each equal to a float64 computation
+    made here from ``seed_example``; a cell the causal rule masks shows −inf and weight 0."""
+    x = np.array(seed_example.EMBEDDING, np.float64)
+    w = {n: np.array(a, np.float64) for n, a in seed_example.self_attention_weights().items()}
+    omega = (x @ w["W_query"]) @ (x @ w["W_key"]).T  # (6, 6)
+    scaled = omega / np.sqrt(2)
+    weights = np.exp(scaled - scaled.max(axis=1, keepdims=True))
+    weights /= weights.sum(axis=1, keepdims=True)
+    page = loaded.page
+    numbers = re.compile(r"ω = q·k = (\S+); ω/√2 = (\S+ ?\S*); weight = (\S+)$")
+    cell = page.locator('#article table[data-part="plain"] td[data-row="2"][data-col="1"]')
+    cell.hover()
+    text = page.locator("#article-tip").inner_text()
+    assert "query 3 'short,' → key 2 'is'" in text and text == cell.get_attribute("title")
+    shown = [float(v) for v in numbers.search(text).groups()]
+    assert shown == pytest.approx([omega[2, 1], scaled[2, 1], weights[2, 1]], rel=1e-5)
+    page.locator('#article table[data-part="causal"] td[data-row="0"][data-col="3"]').hover()
+    masked = numbers.search(page.locator("#article-tip").inner_text()).groups()
+    assert float(masked[0]) == pytest.approx(omega[0, 3], rel=1e-5)
+    assert masked[1:] == ("−inf (masked)", "0")
+    assert loaded.problems == []
 
 
 def test_html_on_run_and_check(tmp_path, capsys) -> None:  # noqa: ANN001

@@ -292,8 +292,8 @@ def _directional(fn, weights, direction, step=1e-6):
 
 
 def test_multi_head_attention_sinks_backward_against_finite_differences(backend):
-    """``backward`` returns every weight's gradient, the sinks' under ``sinks``: each sink
-    logit's gradient and the whole gradient along a random direction equal central finite
+    """``parameter_gradients`` returns every weight's gradient, the sinks' under ``sinks``: each
+    sink logit's gradient and the whole gradient along a random direction equal central finite
     differences of the float64 reference module (causal, one fully masked row)."""
     rng = np.random.default_rng(7)
     module, weights = _sink_module(backend, rng)
@@ -301,7 +301,7 @@ def test_multi_head_attention_sinks_backward_against_finite_differences(backend)
     mask = np.ones((2, 1, 5, 5), bool)
     mask[0, 0, 1] = False  # batch 0, query 1: no key
     options = {"mask": mask, "is_causal": True}
-    grads = module.backward(backend.asarray(x), backend.asarray(grad_output),
+    grads = module.parameter_gradients(backend.asarray(x), backend.asarray(grad_output),
                             mask=backend.asarray(mask), is_causal=True)
     grads = {k: np.asarray(v, dtype=np.float64) for k, v in grads.items()}
     assert sorted(grads) == sorted(weights) and grads["sinks"].shape == (4,)
@@ -354,7 +354,7 @@ def test_the_harness_module_pipeline_takes_the_sinks(backend):
     """``conformance.module_pipelines`` (the harness's float64 modules) reads a
     ``MultiHeadAttention(sinks=True)``'s ``w:sinks``: its forward equals the independent
     reference above, and its weight gradients, ``sinks`` included, equal the backend's
-    ``backward``."""
+    ``parameter_gradients``."""
     from conformance.expected import reference_attention_vjp
     from conformance.module_pipelines import module_backward
 
@@ -370,7 +370,8 @@ def test_the_harness_module_pipeline_takes_the_sinks(backend):
                              "init": {"d_model": 16, "num_heads": 4, **init[1]},
                              "forward": {"is_causal": True}})
     pipeline = module_backward(data, EXACT, reference_attention, reference_attention_vjp)
-    grads = module.backward(backend.asarray(x), backend.asarray(grad_output), is_causal=True)
+    grads = module.parameter_gradients(backend.asarray(x), backend.asarray(grad_output),
+                                       is_causal=True)
     assert sorted(pipeline) == sorted(grads)
     for name, grad in grads.items():
         np.testing.assert_allclose(np.asarray(grad, np.float64), pipeline[name], rtol=1e-9,

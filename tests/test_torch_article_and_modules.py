@@ -153,6 +153,45 @@ def test_parameters_state_dict_and_load_weights():
 
 
 # ------------------------------------------------------------------------------------------
+
+#: Every module with tiny shapes: constructor arguments and its inputs' shapes.
+MODULES = {
+    "SelfAttention": ((3, 2, 4), {}, [(2, 5, 3)]),
+    "CrossAttention": ((3, 2, 4), {}, [(2, 5, 3), (2, 7, 3)]),
+    "CausalSelfAttention": ((3, 2, 4), {}, [(2, 5, 3)]),
+    "MultiHeadAttentionWrapper": ((3, 2, 1, 2), {}, [(2, 5, 3)]),
+    "MultiHeadAttention": ((8, 4), {"num_kv_heads": 2, "sinks": True}, [(2, 5, 8)]),
+}
+
+
+def test_modules_train_with_loss_backward_like_any_nn_module():
+    """No ``backward`` method to write or call: ``loss.backward()`` fills every parameter's
+    ``.grad`` with what numpy_attn's hand-written backward pass (``parameter_gradients``) gives
+    in float64, and torch_attn's own ``parameter_gradients`` (the harness's interface) gives
+    the same without touching ``.grad``."""
+    assert "train it with ``loss.backward()``" in torch_attn.modules.__doc__.replace("\n", " ")
+    rng = np.random.default_rng(5)
+    for name, (args, kwargs, shapes) in MODULES.items():
+        module = getattr(torch_attn, name)(*args, **kwargs)
+        assert not hasattr(module, "backward"), f"{name}.backward would suggest writing one"
+        weights = {n: rng.standard_normal(a.shape) for n, a in module.export_weights().items()}
+        module.load_weights(weights)  # float64
+        inputs = [rng.standard_normal(s) for s in shapes]
+        out = module(*[torch.from_numpy(x) for x in inputs])
+        grad_output = rng.standard_normal(tuple(out.shape))
+        (out * torch.from_numpy(grad_output)).sum().backward()
+        by_hand = getattr(numpy_attn, name)(*args, **kwargs).load_weights(weights)
+        expected = by_hand.parameter_gradients(*inputs, grad_output)
+        for n, grad in expected.items():
+            np.testing.assert_allclose(module.get_parameter(n).grad.numpy(), grad, rtol=1e-10,
+                                       atol=1e-12, err_msg=f"{name}: {n}")
+        grads_before = {n: p.grad.clone() for n, p in module.named_parameters()}
+        again = module.parameter_gradients(*[torch.from_numpy(x) for x in inputs],
+                                           torch.from_numpy(grad_output))
+        for n, grad in expected.items():
+            np.testing.assert_allclose(again[n], grad, rtol=1e-10, atol=1e-12, err_msg=n)
+            assert torch.equal(module.get_parameter(n).grad, grads_before[n]), n
+
 # torch.nn.MultiheadAttention interop
 # ------------------------------------------------------------------------------------------
 

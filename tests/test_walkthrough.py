@@ -12,7 +12,7 @@ from conformance import backends, compare
 from conformance.__main__ import main
 from conformance.spec import seed_example
 from conformance.spec.seed_example import ARTICLE_INCONSISTENT
-from conformance.teaching import walkthrough
+from conformance.teaching import walkthrough, walkthrough_steps
 
 INSTALLED = [n for n in backends.SPEC_BACKENDS if backends.get(n).available()]
 
@@ -37,11 +37,53 @@ def test_every_backend_agrees_and_reproduces_the_article(printed):
 
 def test_the_article_inconsistencies_are_pointed_out(printed):
     text, _ = printed
+    flat = " ".join(text.split())  # the wrapped lines joined
     for key, entry in ARTICLE_INCONSISTENT.items():
         assert f"why ({key})" in text
-        assert f"{entry['printed'][0]:.4f}" in text
+        if "claim" in entry:  # a claim of the text: the claim and the numbers against it
+            assert f"the article says “{entry['claim']}”; its own numbers:" in flat, key
+            for name, value in entry["contradicted_by"].items():
+                assert f"{name}: {value:g}" in flat, (key, name)
+        else:
+            assert f"{entry['printed'][0]:.4f}" in text
     assert seed_example.CODE_SENTENCE in text and seed_example.SENTENCE in text
     assert "-0.2627" in text  # the one printed value that is a rounding off
+
+
+def test_the_claims_the_articles_numbers_contradict_are_recomputed():
+    """The three claims of ``ARTICLE_INCONSISTENT``: every contradicting number recomputed here
+    in plain float64 NumPy from the article's embedding and weights — the article's own code for
+    the −inf method (all of ω, then masked_fill, then the softmax) — equals the entry's and
+    what the walkthrough prints (``claim_numbers`` of its float64 pipeline)."""
+    x = np.array(seed_example.EMBEDDING, np.float64)
+    w = {n: np.array(a, np.float64) for n, a in seed_example.self_attention_weights().items()}
+    omega = (x @ w["W_query"]) @ (x @ w["W_key"]).T  # every score, as the article's code
+    scaled = omega / np.sqrt(2)
+    weights = np.exp(scaled - scaled.max(axis=1, keepdims=True))
+    weights /= weights.sum(axis=1, keepdims=True)
+    upper = np.triu(np.ones((6, 6), bool), 1)  # the article's mask: j > i
+    masked = np.where(upper, -np.inf, omega)  # masked_fill overwrites what was computed
+    exponentiated = np.exp(masked - masked.max(axis=1, keepdims=True))  # softmax: every entry
+    recomputed = {
+        "lowest_score_3": {"lowest input": int(omega[2].argmin()) + 1,
+                           "lowest score": round(float(omega[2].min()), 4)},
+        "attends_most_to_itself": {
+            "queries attending most to themselves": sum(int(weights[i].argmax()) == i
+                                                        for i in range(6)),
+            "queries": 6},
+        "masking_skips_positions": {
+            "masked positions": int(upper.sum()),
+            "their scores computed anyway": int(np.isfinite(omega[upper]).sum()),
+            "entries the softmax exponentiates": int(exponentiated.size)},
+    }
+    for key, numbers in recomputed.items():
+        assert ARTICLE_INCONSISTENT[key]["contradicted_by"] == numbers, key
+    assert walkthrough_steps.claim_numbers(walkthrough.expected_values()[0]) == recomputed
+    printed_score, printed_input = ARTICLE_INCONSISTENT["lowest_score_3"]["printed"]
+    assert (printed_input, printed_score) != (recomputed["lowest_score_3"]["lowest input"],
+                                              recomputed["lowest_score_3"]["lowest score"])
+    assert recomputed["attends_most_to_itself"]["queries attending most to themselves"] < 6
+    assert recomputed["masking_skips_positions"]["their scores computed anyway"] > 0
 
 
 @pytest.mark.skipif("torch" not in INSTALLED,
@@ -91,7 +133,7 @@ def test_pictures_command_writes_every_png(tmp_path, capsys):
     assert main(["pictures", str(tmp_path)]) == 0
     for name in pictures.PICTURES:
         data = (tmp_path / name).read_bytes()
-        assert data.startswith(b"\x89PNG") and len(data) > 10_000, name
+        assert data.startswith(b"\x89PNG") and 10_000 < len(data) < 80_000, name
     assert len(capsys.readouterr().out.splitlines()) == len(pictures.PICTURES)
 
 
@@ -115,9 +157,75 @@ def test_pictures_say_what_they_show_on_the_image():
         assert legends == ([pictures.MASKED_LEGEND] if has_masked else []), name
         assert "white = masked" in pictures.MASKED_LEGEND
         title = fig.get_suptitle()
-        if name in ("gqa.png", "window.png"):
+        if name in ("gqa.png", "window.png", "sinks.png", "alibi.png"):
             assert "causal" in title, (name, title)
         plt.close(fig)
+
+
+def _drawn(name: str) -> list[np.ndarray]:
+    """The arrays picture ``name`` shows, panel by panel (masked cells as 0)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from conformance.teaching import pictures
+
+    fig = pictures.draw(name)
+    arrays = [np.ma.filled(ax.images[0].get_array(), 0.0) for ax in fig.axes if ax.images]
+    plt.close(fig)
+    return arrays
+
+
+def test_the_feature_pictures_show_what_they_say():
+    """sinks.png, packed.png, chunked.png and alibi.png draw what their titles say, checked
+    against independent float64 computations: the sink column is 1 − the row's weights (the
+    float64 reference's) and takes all of a fully masked row; the packed batch's weights are
+    block-diagonal over ``cu_seq`` (then causal within each block); the chunked weights keep
+    ``i // 4 == j // 4`` (and ``j <= i``); ALiBi's are ``softmax(−slope·(i − j))`` over
+    ``j <= i``. Each picture is linked from the doc that explains its feature."""
+    pytest.importorskip("matplotlib")
+    from conformance import reference
+    from conformance.teaching import pictures
+
+    plain, with_sink = _drawn("sinks.png")
+    row = pictures.SINK_EMPTY_ROW
+    assert np.all(plain[row] == 0) and with_sink.shape == (6, 7)
+    assert np.all(with_sink[row, :6] == 0) and with_sink[row, 6] == pytest.approx(1.0)
+    np.testing.assert_allclose(with_sink.sum(axis=1), 1.0, atol=1e-12)
+    rng = np.random.default_rng(2)  # sink_weights' inputs, through the float64 reference
+    q, k, v = (rng.standard_normal((1, 6, 8)) for _ in range(3))
+    mask = np.ones((6, 6), bool)
+    mask[row] = False
+    ref = reference.attention(q, k, v, mask=mask, is_causal=True,
+                              sinks=np.array([pictures.SINK_LOGIT])).weights[0]
+    np.testing.assert_allclose(with_sink[:, :6], ref, atol=1e-12)
+    np.testing.assert_allclose(with_sink[:, 6], 1.0 - ref.sum(axis=1), atol=1e-12)
+
+    i, j = np.arange(10)[:, None], np.arange(10)
+    sequence = np.repeat(np.arange(3), np.diff(pictures.PACKED_CU_SEQ))  # token → sequence
+    block = sequence[:, None] == sequence[None, :]
+    for drawn, allowed in zip(_drawn("packed.png"), (block, block & (j <= i)), strict=True):
+        assert np.array_equal(drawn > 0, allowed)
+        np.testing.assert_allclose(drawn.sum(axis=1), 1.0, atol=1e-12)
+
+    i, j = np.arange(12)[:, None], np.arange(12)
+    chunk = i // 4 == j // 4
+    for drawn, allowed in zip(_drawn("chunked.png"), (chunk, chunk & (j <= i)), strict=True):
+        assert np.array_equal(drawn > 0, allowed)
+
+    i, j = np.arange(10)[:, None], np.arange(10)
+    for drawn, slope in zip(_drawn("alibi.png"), pictures.ALIBI_SLOPES, strict=True):
+        expected = np.where(j <= i, np.exp(-slope * (i - j)), 0.0)
+        np.testing.assert_allclose(drawn, expected / expected.sum(axis=1, keepdims=True),
+                                   atol=1e-12)
+
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    differences = (docs / "backend_differences.md").read_text(encoding="utf-8")
+    sections = {n: differences.split(f"## {n}. ")[1].split("\n## ")[0] for n in (15, 16, 17)}
+    assert "images/sinks.png" in sections[15] and "images/packed.png" in sections[16]
+    assert "images/chunked.png" in sections[17] and "images/alibi.png" in sections[17]
+    assert "images/sinks.png" in (docs / "paged_decoding.md").read_text(encoding="utf-8")
 
 
 def _normal_ratios(line: str) -> str:

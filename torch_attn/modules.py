@@ -1,9 +1,16 @@
 """Attention modules in PyTorch, named as in the article; weights ``x @ W``, ``W: (d_in, d_out)``.
 
-Every module is a ``torch.nn.Module`` whose weights are ``nn.Parameter``s (so ``state_dict``,
-optimisers and ``.to(device)`` work), and exports its weights to a flat dict of NumPy arrays and
-loads them back, with the same keys in every backend. ``load_weights`` keeps the dtype of the
-arrays it is given, so a float64 dict gives a float64 module.
+Every module is an ordinary ``torch.nn.Module`` whose weights are ``nn.Parameter``s: call it,
+and train it with ``loss.backward()`` and an optimiser like any ``nn.Module`` (autograd derives
+the backward pass; there is none to write), ``state_dict`` and ``.to(device)`` work. It also
+exports its weights to a flat dict of NumPy arrays and loads them back, with the same keys in
+every backend; ``load_weights`` keeps the dtype of the arrays it is given, so a float64 dict
+gives a float64 module.
+
+``parameter_gradients(inputs..., grad_output)`` is the harness's cross-backend interface, not a
+step of training: ``torch.autograd.grad`` of ``forward`` against ``grad_output``, as a dict of
+NumPy arrays under the weights' names (the parameters' ``.grad`` are left untouched), where
+numpy_attn, which has no autodiff, writes the backward pass by hand.
 """
 
 from __future__ import annotations
@@ -88,6 +95,7 @@ class SelfAttention(_Module):
     Weights: ``W_query (d_in, d_out_kq)``, ``W_key (d_in, d_out_kq)``, ``W_value (d_in, d_out_v)``,
     drawn by ``torch.rand`` in that order, as in the article (``rng``: a ``torch.Generator``,
     ``None`` for torch's global one, so ``torch.manual_seed(123)`` gives the article's numbers).
+    Train it with ``loss.backward()`` like any ``nn.Module``.
     """
 
     _weight_names = ("W_query", "W_key", "W_value")
@@ -107,7 +115,7 @@ class SelfAttention(_Module):
         values = x @ self.W_value  # (..., seq, d_out_v)
         return scaled_dot_product_attention(queries, keys, values)
 
-    def backward(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
+    def parameter_gradients(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
         """Weight gradients for ``x: (..., seq, d_in)``, ``grad_output: (..., seq, d_out_v)``."""
         with torch.enable_grad():
             return module_weight_grads(self, self.forward(x), grad_output)
@@ -133,7 +141,7 @@ class CrossAttention(_Module):
         values_2 = x_2 @ self.W_value  # (..., kv_len, d_out_v)
         return scaled_dot_product_attention(queries_1, keys_2, values_2)
 
-    def backward(self, x_1: Any, x_2: Any, grad_output: Any) -> dict[str, np.ndarray]:
+    def parameter_gradients(self, x_1: Any, x_2: Any, grad_output: Any) -> dict[str, np.ndarray]:
         """Weight gradients; ``grad_output: (..., q_len, d_out_v)``."""
         with torch.enable_grad():
             return module_weight_grads(self, self.forward(x_1, x_2), grad_output)
@@ -170,7 +178,7 @@ class CausalSelfAttention(_Module):
             queries, keys, values, is_causal=True, dropout_p=dropout_p, rng=rng
         )
 
-    def backward(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
+    def parameter_gradients(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
         """Weight gradients, without dropout (``eval()`` or ``dropout_p=0``)."""
         _check_no_dropout(self)
         with torch.enable_grad():
@@ -225,7 +233,7 @@ class MultiHeadAttentionWrapper(_Module):
         """``x: (..., seq, d_in)`` → ``(..., seq, num_heads * d_out_v)``."""
         return torch.cat([head(x) for head in self.heads], dim=-1)
 
-    def backward(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
+    def parameter_gradients(self, x: Any, grad_output: Any) -> dict[str, np.ndarray]:
         """Weight gradients ``heads.{h}.W_*``; ``grad_output: (..., seq, num_heads * d_out_v)``."""
         with torch.enable_grad():
             return module_weight_grads(self, self.forward(x), grad_output)
@@ -354,7 +362,7 @@ class MultiHeadAttention(_Module):
         output = self._out(context_vec)  # (..., q_len, d_model)
         return (output, weights) if return_weights else output
 
-    def backward(
+    def parameter_gradients(
         self,
         x: Any,
         grad_output: Any,

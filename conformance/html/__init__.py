@@ -15,7 +15,9 @@ its CSS, JS and data are inline and its pictures are ``data:`` URIs. It shows
   cell of a checked backend the smallest failing case of its group as a runnable script and the
   command that reruns the cell; the case's heatmap of the float64 weights;
 * the known differences once each, the bad inputs that failed, the property checks (with their
-  reproducers), the missing packages, and the error-vs-tolerance plot of every column.
+  reproducers), the missing packages, and the error-vs-tolerance plot of every column;
+* the seed article's example (``article.example``): its plain and causal weights, each cell's
+  score ω, scaled score and weight (float64) shown when the pointer is over it.
 
 ``write(result, path)`` computes it (``data.page_data``, ``pictures.embed``) and writes it;
 ``check_path`` validates ``--html FILE`` before a run starts.

@@ -5,7 +5,8 @@ columns (backends and peers), cases and dtypes in the run's order, one entry per
 worst ratio, detail, rerun command, features, each step against its tolerance), the known
 differences of ``spec.KNOWN_DIFFERENCES`` the cells name (with the meaning of each alternative,
 ``spec.KNOWN_ALTERNATIVES``), the smallest failing case of each group of failures, the
-summary, the bad-input and property-check results, the missing packages and the pictures.
+summary, the bad-input and property-check results, the missing packages and the pictures,
+and the seed article's example with each step's numbers (``article.example``).
 
 Choices the issue leaves open:
 
@@ -32,6 +33,7 @@ from .. import report, spec, verdict
 from ..diagnose import short
 from ..results import Cell, RunResult, error_text
 from ..shrink import reproducer, shape_text, shrink
+from . import article
 
 #: The statuses in the order the page's filters and summary list them.
 STATUSES = ("ok", "known", "n/a", "unsupported", "not provided", "unexpected", "FAIL", "error",
@@ -208,6 +210,7 @@ def page_data(result: RunResult, pictures: dict[str, Any] | None = None) -> dict
         "missing": dict(result.missing),
         "notes": list(result.notes),
         "pictures": pictures or {"available": False, "note": "pictures were not drawn"},
+        "article": article.example(number),
     }
 
 

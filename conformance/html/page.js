@@ -348,4 +348,52 @@
       "(1 = the tolerance); each case's weights heatmap is in its cells' detail." }), gallery);
   }
   app.append(pics);
+
+  // ---------------------------------------------------------------- the article's example
+  // The seed article's 6 tokens (float64 reference): each weight's numbers on hover or focus.
+  const A = D.article;
+  const num = (x) => (x === "-inf" ? "\u2212inf (masked)" : String(x));
+  const tip = el("p", { id: "article-tip", class: "mono", text: "Point at a weight (or focus " +
+    "it) to see how it came to be: \u03c9 = q\u00b7k, then \u03c9/\u221ad_k, then the softmax." });
+  function tipText(part, i, j) {
+    const p = A[part];
+    return `${p.title} \u00b7 query ${i + 1} '${A.tokens[i]}' \u2192 key ${j + 1} ` +
+      `'${A.tokens[j]}': \u03c9 = q\u00b7k = ${num(p.scores[i][j])}; \u03c9/\u221a${A.d_k} = ` +
+      `${num(p.scaled[i][j])}; weight = ${num(p.weights[i][j])}`;
+  }
+  function articleGrid(part) {
+    const p = A[part];
+    const top = Math.max(...p.weights.flat().filter(isNum), 1e-12);
+    const table = el("table", { class: "article-grid", "data-part": part },
+      el("caption", { text: p.title }), el("tr", {}, el("th", { text: "query \\ key" }),
+        ...A.tokens.map((t) => el("th", { text: t }))));
+    p.weights.forEach((row, i) => {
+      const tr = el("tr", {}, el("th", { text: A.tokens[i] }));
+      row.forEach((w, j) => {
+        const masked = p.scaled[i][j] === "-inf";
+        const td = el("td", { class: masked ? "masked" : "", tabIndex: 0, "data-row": i,
+          "data-col": j, title: tipText(part, i, j), text: masked ? "" : Number(w).toFixed(2) });
+        if (!masked) {
+          td.style.backgroundColor = `rgba(63, 127, 214, ${(Number(w) / top).toFixed(3)})`;
+          if (Number(w) > 0.55 * top) td.classList.add("dark");
+        }
+        tr.append(td);
+      });
+      table.append(tr);
+    });
+    return table;
+  }
+  const article = el("section", { id: "article" }, el("h2", { text: "The article's example, " +
+    "step by step" }), el("p", { class: "muted", text: "The seed article's sentence " +
+    "(docs/seed_article.md), computed in float64: each cell is one attention weight (white = " +
+    "masked); point at it for its score \u03c9, its scaled score and its weight." }),
+  el("div", { class: "article-grids" }, articleGrid("plain"), articleGrid("causal")), tip);
+  const pointAt = (e) => {
+    const td = e.target.closest("td[data-row]");
+    if (td) tip.textContent = tipText(td.closest("table").dataset.part, +td.dataset.row,
+      +td.dataset.col);
+  };
+  article.addEventListener("mouseover", pointAt);
+  article.addEventListener("focusin", pointAt);
+  app.append(article);
 })();

@@ -4,8 +4,16 @@ Weights use the ``x @ W`` convention of the article: ``(d_in, d_out)``. Every mo
 ``train(mode=True)`` and ``eval()``, which set its mode in place and return the module itself;
 a new module is in training mode. Training mode lets dropout act (``dropout_p`` of
 ``CausalSelfAttention`` and ``MultiHeadAttention``; in jax_attn only when ``forward`` gets an
-``rng`` key), and ``backward`` refuses (ValueError) a module whose dropout is active;
-``eval()`` turns dropout off.
+``rng`` key), and ``parameter_gradients`` refuses (ValueError) a module whose dropout is
+active; ``eval()`` turns dropout off.
+
+``parameter_gradients(inputs..., grad_output)`` is named for what it returns, not ``backward``:
+a torch_attn module is an ordinary ``torch.nn.Module`` trained with ``loss.backward()`` (an
+``nn.Module`` has no ``backward`` method, and one called so would suggest that a PyTorch user
+must write it), a jax_attn module a pytree differentiated with ``jax.grad``. Only numpy_attn,
+without autodiff, needs it to train: there it is the backward pass written by hand, the lesson
+(``numpy_attn/backward.py``). In every backend it is also what the harness compares
+(``grad_weights``), as NumPy arrays.
 """
 
 from __future__ import annotations
@@ -21,18 +29,22 @@ MODULES = (
 )
 
 #: Methods every module has, beyond its constructor.
-MODULE_METHODS = ("forward", "backward", "export_weights", "load_weights", "train", "eval")
+MODULE_METHODS = (
+    "forward", "parameter_gradients", "export_weights", "load_weights", "train", "eval"
+)
 
 WEIGHTS = (
     "Each module's weights export to a flat dict of NumPy arrays (export_weights) and load from "
     "one (load_weights), with the same keys and shapes in every backend. load_weights returns "
     "the module holding the new weights: numpy_attn and torch_attn update the module in place "
     "and return it; jax_attn modules are immutable pytrees and return a new module. Write "
-    "`module = module.load_weights(weights)` to be portable. backward(inputs..., grad_output) "
-    "returns the gradient of every weight as a dict of NumPy arrays with the same keys: "
-    "numpy_attn derives it by hand (backward.py), jax_attn with jax.vjp and torch_attn with "
-    "torch.autograd; it never applies dropout (every backend raises ValueError while "
-    "dropout is active in training mode)."
+    "`module = module.load_weights(weights)` to be portable. "
+    "parameter_gradients(inputs..., grad_output) returns the gradient of every weight (the "
+    "vector-Jacobian product of forward with grad_output) as a dict of NumPy arrays with the "
+    "same keys: numpy_attn derives it by hand (backward.py), jax_attn with jax.vjp and "
+    "torch_attn with torch.autograd.grad (the parameters' .grad are left untouched: a torch "
+    "module trains with loss.backward() like any nn.Module); it never applies dropout (every "
+    "backend raises ValueError while dropout is active in training mode)."
 )
 
 INITIALISATION = (
@@ -54,7 +66,8 @@ class _Module:
         returns the module itself.
 
         In training mode dropout is active (``dropout_p > 0``; in jax_attn only when
-        ``forward`` gets an ``rng`` key) and ``backward`` raises ValueError while it is.
+        ``forward`` gets an ``rng`` key) and ``parameter_gradients`` raises ValueError while it
+        is.
         """
 
     def eval(self) -> Any:
@@ -74,7 +87,7 @@ class SelfAttention(_Module):
     def forward(self, x: Any) -> Any:
         """``x: (..., seq, d_in)`` → ``(..., seq, d_out_v)``."""
 
-    def backward(self, x: Any, grad_output: Any) -> dict:
+    def parameter_gradients(self, x: Any, grad_output: Any) -> dict:
         """Weight gradients: ``grad_output: (..., seq, d_out_v)`` → name → NumPy array."""
 
     def export_weights(self) -> dict:
@@ -96,7 +109,7 @@ class CrossAttention(_Module):
     def forward(self, x_1: Any, x_2: Any) -> Any:
         """``x_1: (..., q_len, d_in)``, ``x_2: (..., kv_len, d_in)`` → ``(..., q_len, d_out_v)``."""
 
-    def backward(self, x_1: Any, x_2: Any, grad_output: Any) -> dict:
+    def parameter_gradients(self, x_1: Any, x_2: Any, grad_output: Any) -> dict:
         """Weight gradients: ``grad_output: (..., q_len, d_out_v)`` → name → NumPy array."""
 
     def export_weights(self) -> dict:
@@ -121,7 +134,7 @@ class CausalSelfAttention(_Module):
     def forward(self, x: Any, *, rng: Any = None) -> Any:
         """``x: (..., seq, d_in)`` → ``(..., seq, d_out_v)``; ``rng`` feeds dropout."""
 
-    def backward(self, x: Any, grad_output: Any) -> dict:
+    def parameter_gradients(self, x: Any, grad_output: Any) -> dict:
         """Weight gradients (no dropout): ``grad_output: (..., seq, d_out_v)``."""
 
     def export_weights(self) -> dict:
@@ -146,7 +159,7 @@ class MultiHeadAttentionWrapper(_Module):
     def forward(self, x: Any) -> Any:
         """``x: (..., seq, d_in)`` → ``(..., seq, num_heads * d_out_v)``."""
 
-    def backward(self, x: Any, grad_output: Any) -> dict:
+    def parameter_gradients(self, x: Any, grad_output: Any) -> dict:
         """Weight gradients ``heads.{h}.W_*``: ``grad_output: (..., seq, num_heads * d_out_v)``."""
 
     def export_weights(self) -> dict:
@@ -165,9 +178,9 @@ class MultiHeadAttention(_Module):
     ``W_out (num_heads·head_dim, d_model)``, with ``bias=True`` ``b_query``, ``b_key``,
     ``b_value``, ``b_out`` of matching output sizes, and with ``sinks=True`` ``sinks
     (num_heads,)``: GPT-OSS's learned attention sinks, one logit per query head that joins
-    every softmax denominator of its head (``SINKS``) in ``forward``, ``backward`` (the sinks'
-    gradient under the key ``sinks``) and ``decode``. Self-attention when ``context`` is None,
-    cross-attention otherwise.
+    every softmax denominator of its head (``SINKS``) in ``forward``, ``parameter_gradients``
+    (the sinks' gradient under the key ``sinks``) and ``decode``. Self-attention when
+    ``context`` is None, cross-attention otherwise.
     """
 
     def __init__(
@@ -210,7 +223,7 @@ class MultiHeadAttention(_Module):
           ``(..., q_len, d_model)`` (and the weights).
         """
 
-    def backward(
+    def parameter_gradients(
         self,
         x: Any,
         grad_output: Any,

@@ -13,7 +13,10 @@ rises in the east'``, which would permute the rows. Inputs here are exact float3
 
 ``ARTICLE`` holds the numbers the article prints (4 decimals): published values that the
 backends must reproduce. ``ARTICLE_INCONSISTENT`` holds printed numbers that the article's own
-setup does not produce, with the reason; the tests check that they are indeed inconsistent.
+setup does not produce, and claims of its text that its own numbers contradict (an entry with
+a ``"claim"``: the number that contradicts it is under ``"contradicted_by"``), each with the
+reason; the walkthrough recomputes each contradicting number from the article's embedding and
+weights in float64, and the tests check that they are indeed inconsistent.
 """
 
 SENTENCE = "Life is short, eat dessert first"
@@ -184,5 +187,33 @@ ARTICLE_INCONSISTENT = {
         "why": "the article says this second row of the SelfAttention output matches the context "
         "vector it computed earlier; it computed query 3's (index 2) earlier, and printed "
         "another vector. The row is right; the claim of a match is not.",
+    },
+    # Claims of the text. "contradicted_by": the numbers of the article's own setup (float64,
+    # scores to 4 decimals; inputs and queries counted from 1, as the article counts them).
+    "lowest_score_3": {
+        "claim": "Lowest compatibility: -1.7589 with input 4",
+        "printed": [-1.7589, 4],
+        "contradicted_by": {"lowest input": 2, "lowest score": -1.3934},
+        "why": "the claim is read off the inconsistent ω₃ above; row 3 of the article's own ω "
+        "has its lowest score with input 2 ('is'); its highest is query 3 itself.",
+    },
+    "attends_most_to_itself": {
+        "claim": "a query attends most to itself, as is common in self-attention",
+        "printed": [],
+        "contradicted_by": {"queries attending most to themselves": 2, "queries": 6},
+        "why": "nothing makes q_i · k_i the largest score: a token's query and key come from "
+        "different matrices (W_query ≠ W_key); here the key of 'is' is by far the longest, so "
+        "most queries attend most to 'is' or 'short,'.",
+    },
+    "masking_skips_positions": {
+        "claim": "masking with −inf is more efficient: it avoids unnecessary computation on "
+        "the masked positions",
+        "printed": [],
+        "contradicted_by": {"masked positions": 15, "their scores computed anyway": 15,
+                            "entries the softmax exponentiates": 36},
+        "why": "the article's code computes all 36 scores, overwrites the 15 above the "
+        "diagonal with masked_fill and exponentiates all 36 in the softmax; it saves the first "
+        "method's second normalisation, not any work at a masked position. Skipping them takes "
+        "a blocked kernel that never computes a fully masked tile (blockwise_attention).",
     },
 }

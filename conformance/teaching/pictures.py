@@ -5,6 +5,14 @@ imported lazily with the Agg backend. Rows are queries, columns keys; a white ce
 position (weight exactly 0), a fully masked row is white from end to end — and every picture
 with a masked cell says so in a legend on the image itself, so it reads without this text.
 Titles say what is drawn (the causal rule included: ``gqa.png`` is causal).
+
+Issue 23's and 24's features have a picture each, computed with numpy_attn's public API:
+``sinks.png`` (the sink as one more softmax column, ``exp(sink − lse)``, beside the weights;
+a fully masked row puts all its weight on it), ``packed.png`` (``varlen_attention``'s weights
+over a packed batch, read through identity values: block-diagonal, then causal within each
+sequence), ``chunked.png`` (``chunk_size``, alone and with ``is_causal``) and ``alibi.png``
+(``alibi_slopes`` with every score 0, so the picture is ALiBi's bias alone). Each PNG stays
+under 80 kB (100 dpi).
 """
 
 from __future__ import annotations
@@ -25,7 +33,21 @@ PICTURES = {
     "window.png": "sliding windows over 12 tokens: (2, 1), and (2, 0) with the causal rule",
     "cross.png": "cross-attention: 6 queries over 8 keys",
     "gqa.png": "grouped-query attention, causal: 4 query heads share 2 key/value heads",
+    "sinks.png": "attention sinks, causal: the sink is one more softmax column that carries "
+                 "no value",
+    "packed.png": "a packed batch: 3 sequences of 3, 5 and 2 tokens in one row of 10 "
+                  "(cu_seq [0, 3, 8, 10])",
+    "chunked.png": "chunked local attention (Llama 4) over 12 tokens, chunk_size=4",
+    "alibi.png": "ALiBi over 10 tokens, causal, with equal scores: the bias −slope·(i − j) "
+                 "alone",
 }
+
+#: ``packed.png``'s sequences: cumulative offsets into the 10 packed tokens.
+PACKED_CU_SEQ = (0, 3, 8, 10)
+#: ``alibi.png``'s slopes, one panel each.
+ALIBI_SLOPES = (1.0, 0.25)
+#: ``sinks.png``: the sink's logit, and the query whose every key is masked.
+SINK_LOGIT, SINK_EMPTY_ROW = 1.0, 3
 
 
 #: The legend of every picture with a masked cell.
@@ -52,6 +74,54 @@ def _article_weights() -> tuple[np.ndarray, np.ndarray]:
     scores = na.attention_scores(x @ w["W_query"], x @ w["W_key"])
     return na.attention_weights(scores), na.attention_weights(na.mask_scores(scores,
                                                                              is_causal=True))
+
+
+def sink_weights() -> tuple[np.ndarray, np.ndarray]:
+    """``sinks.png``'s numbers: causal weights over 6 keys whose query ``SINK_EMPTY_ROW`` may
+    attend no key, without a sink ``(6, 6)`` and with one, ``(6, 6 + 1)``: the last column is
+    the sink's share of the softmax, ``exp(sink − lse)`` (``return_lse``; it joins the
+    denominator, not the output)."""
+    import numpy_attn as na
+
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((1, 6, 8)) for _ in range(3))  # (heads, seq, head_dim)
+    mask = np.ones((6, 6), bool)
+    mask[SINK_EMPTY_ROW] = False
+    options = {"mask": mask, "is_causal": True, "return_weights": True}
+    _, plain = na.scaled_dot_product_attention(q, k, v, **options)
+    sinks = np.array([SINK_LOGIT])  # one logit per head
+    _, w, lse = na.scaled_dot_product_attention(q, k, v, sinks=sinks, return_lse=True,
+                                                **options)
+    sink = np.exp(sinks[:, None] - lse)[..., None]  # (heads, q_len, 1)
+    return plain[0], np.concatenate([w, sink], axis=-1)[0]
+
+
+def packed_weights(window_size: tuple[int, int] = (-1, -1)) -> np.ndarray:
+    """``packed.png``'s numbers: ``varlen_attention``'s weights over the 10 packed tokens of
+    ``PACKED_CU_SEQ``, ``(10, 10)``, read through identity values (``value[t] = e_t``, so each
+    output row is its query's weight row over every packed key)."""
+    import numpy_attn as na
+
+    cu_seq = np.array(PACKED_CU_SEQ, np.int32)
+    total, longest = int(cu_seq[-1]), int(np.diff(cu_seq).max())
+    rng = np.random.default_rng(4)
+    q, k = (rng.standard_normal((total, 1, 8)) for _ in range(2))  # (tokens, heads, dim)
+    identity = np.eye(total)[:, None, :]  # (tokens, 1, tokens)
+    out = na.varlen_attention(q, k, identity, cu_seq, cu_seq, longest, longest,
+                              window_size=window_size)
+    return out[:, 0, :]
+
+
+def alibi_weights() -> np.ndarray:
+    """``alibi.png``'s numbers: causal weights over 10 tokens with every score 0 (``q = 0``), so
+    only ALiBi's bias shapes them, one head per slope of ``ALIBI_SLOPES``: ``(2, 10, 10)``."""
+    import numpy_attn as na
+
+    q = np.zeros((len(ALIBI_SLOPES), 10, 8))
+    k = v = np.random.default_rng(5).standard_normal((len(ALIBI_SLOPES), 10, 8))
+    _, w = na.scaled_dot_product_attention(q, k, v, is_causal=True, return_weights=True,
+                                           alibi_slopes=np.array(ALIBI_SLOPES))
+    return w
 
 
 def _panel(ax: Any, weights: np.ndarray, title: str, xlabels: list[str] | None = None,
@@ -141,6 +211,37 @@ def draw(name: str) -> Any:
         fig, axes = _figure(4, 3.2, 3.9)
         for h in range(4):
             image = _panel(axes[h], w[h], f"query head {h} → kv head {h // 2}\n(causal)")
+    elif name == "sinks.png":
+        plain, with_sink = sink_weights()
+        fig, axes = _figure(2, 4.3, 5.1)
+        row = f"row {SINK_EMPTY_ROW}: every key masked"
+        _panel(axes[0], plain, f"no sink: rows sum to 1\n({row} → all 0)")
+        image = _panel(axes[1], with_sink, f"sink logit {SINK_LOGIT:g}: the last column\n"
+                       f"({row} → all on the sink)", [*map(str, range(6)), "sink"])
+        axes[1].axvline(5.5, color="black", linewidth=1.5)
+        axes[1].set_xlabel("key (the sink has no value: output = Σ weight · value over keys)",
+                          fontsize=8)
+    elif name == "packed.png":
+        fig, axes = _figure(2, 4.3, 5.0)
+        for ax, window, title in ((axes[0], (-1, -1), "window_size=(-1, -1): block-diagonal"),
+                                  (axes[1], (-1, 0), "window_size=(-1, 0): causal\nwithin "
+                                                     "each sequence")):
+            image = _panel(ax, packed_weights(window), f"varlen_attention, {title}")
+            for edge in PACKED_CU_SEQ[1:-1]:
+                ax.axhline(edge - 0.5, color="0.4", linewidth=0.8)
+                ax.axvline(edge - 0.5, color="0.4", linewidth=0.8)
+    elif name == "chunked.png":
+        fig, axes = _figure(2, 4.2, 4.6)
+        _panel(axes[0], _weights(12, 12, chunk_size=4)[0],
+               "chunk_size=4: query i sees\nthe keys of its own chunk")
+        image = _panel(axes[1], _weights(12, 12, chunk_size=4, is_causal=True)[0],
+                       "chunk_size=4, is_causal (Llama 4):\nkeys i//4·4 … i")
+    elif name == "alibi.png":
+        w = alibi_weights()
+        fig, axes = _figure(2, 4.2, 5.0)
+        for h, slope in enumerate(ALIBI_SLOPES):
+            image = _panel(axes[h], w[h], f"alibi_slopes[{h}] = {slope:g}: each key further "
+                           f"back\nweighs e^(−{slope:g}) times as much")
     else:
         raise KeyError(f"unknown picture {name!r}; known: {', '.join(PICTURES)}")
     fig.colorbar(image, ax=list(axes), shrink=0.8, label="attention weight")

@@ -37,6 +37,7 @@ from .walkthrough_steps import (
     SECTIONS,
     Step,
     article_inputs,
+    claim_numbers,
     expected_values,
     run_backend,
 )
@@ -156,6 +157,20 @@ def render_step(step: Step, results: dict[str, np.ndarray], expected: np.ndarray
     return lines
 
 
+def claim_lines(step: Step, numbers: dict[str, dict[str, float | int]], width: int) -> list[str]:
+    """The lines of the article's claims that a step's float64 numbers contradict: the claim,
+    the numbers recomputed here (``walkthrough_steps.claim_numbers``), and why."""
+    _, bad = _marks()
+    lines = []
+    for key in step.claims:
+        entry = ARTICLE_INCONSISTENT[key]
+        found = "; ".join(f"{name}: {value:g}" for name, value in numbers[key].items())
+        lines += _wrap(f"{bad} the article says “{entry['claim']}”; its own numbers: {found}",
+                       width)
+        lines += _wrap(f"why ({key}): {entry['why']}", width)
+    return [("    " + t[6:]) if k == 0 else t for k, t in enumerate(lines)] if lines else []
+
+
 def _identity_lines(results: dict[str, dict[str, np.ndarray]]) -> list[str]:
     """torch drew its weights itself: are they the bits seed_example holds?"""
     if "torch" not in results:
@@ -192,6 +207,7 @@ def walkthrough(names: list[str], width: int) -> tuple[list[str], bool]:
         except Exception as exc:  # noqa: BLE001 - a failing backend is a result
             lines.append(f"  {n}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
     expected, baseline = expected_values()
+    numbers = claim_numbers(expected)
     dc = seed_example.DICTIONARY
     code_words = seed_example.CODE_SENTENCE.split()
     code_dc = {w: i for i, w in enumerate(sorted(code_words))}
@@ -224,6 +240,7 @@ def walkthrough(names: list[str], width: int) -> tuple[list[str], bool]:
             if not shown:
                 continue
             lines += render_step(step, shown, expected[step.key], baseline[step.key], width)
+            lines += claim_lines(step, numbers, width)
             lines.append("")
             for n in shown:
                 worst = _ratio(step, shown[n], expected[step.key], baseline[step.key],

@@ -182,6 +182,29 @@ class Step:
     zeros: np.ndarray | None = None  # positions that must be exactly 0
     notes: list[str] = field(default_factory=list)
     inconsistent: list[tuple[str, int | None]] = field(default_factory=list)  # (key, row)
+    claims: list[str] = field(default_factory=list)  # keys of claims in ARTICLE_INCONSISTENT
+
+
+def claim_numbers(expected: dict[str, np.ndarray]) -> dict[str, dict[str, float | int]]:
+    """The numbers that contradict the article's claims (``ARTICLE_INCONSISTENT`` entries with
+    a ``"claim"``), recomputed from the float64 steps (``expected_values()[0]``): query 3's
+    lowest score and its input (from 1), how many queries attend most to themselves, and how
+    many masked positions the article's −inf method computes and exponentiates anyway."""
+    omega, weights, masked = expected["omega"], expected["weights"], expected["masked_scores"]
+    lowest = int(np.argmin(omega[2]))  # query 3 ('short,'): row index 2
+    is_masked = np.isneginf(masked)
+    return {
+        "lowest_score_3": {"lowest input": lowest + 1,
+                           "lowest score": round(float(omega[2, lowest]), 4)},
+        "attends_most_to_itself": {
+            "queries attending most to themselves": int(
+                (weights.argmax(axis=-1) == np.arange(len(weights))).sum()),
+            "queries": len(weights)},
+        "masking_skips_positions": {  # ω is computed in full before masked_fill overwrites it
+            "masked positions": int(is_masked.sum()),
+            "their scores computed anyway": int((is_masked & np.isfinite(omega)).sum()),
+            "entries the softmax exponentiates": int(masked.size)},
+    }
 
 
 UPPER = np.triu(np.ones((6, 6), bool), 1)
@@ -207,13 +230,14 @@ SECTIONS: list[tuple[str, list[Step]]] = [
     ("4. 计算非归一化注意力权重 · unnormalised attention scores ω", [
         Step("omega", "ω = queries @ keysᵀ (no scaling)",
              "attention_scores(queries, keys, scale=1.0)", TOKENS, TOKENS,
-             article="attn_scores", inconsistent=[("omega_3", 2)],
+             article="attn_scores", inconsistent=[("omega_3", 2)], claims=["lowest_score_3"],
              notes=["row i: how much query i 'likes' key j; ω₃ is the row of 'short,'"]),
     ]),
     ("5. 计算归一化注意力权重 · scaled softmax", [
         Step("weights", "attention weights = softmax(ω / √d_k), d_k = 2",
              "attention_weights(attention_scores(queries, keys))", TOKENS, TOKENS,
              article="attn_weights", inconsistent=[("attention_weights_3", 2)],
+             claims=["attends_most_to_itself"],
              notes=["every row sums to 1"]),
     ]),
     ("6. 计算上下文向量 · context vectors", [
@@ -247,6 +271,7 @@ SECTIONS: list[tuple[str, list[Step]]] = [
              article="causal_weights", zeros=UPPER),
         Step("masked_scores", "method 2: −inf above the diagonal before the softmax",
              "mask_scores(attention_scores(queries, keys), is_causal=True)", TOKENS, TOKENS,
+             claims=["masking_skips_positions"],
              notes=["the article masks ω and divides by √2 afterwards: the same, "
                     "as −inf/√2 = −inf"]),
         Step("causal_weights", "softmax of the masked scores",
@@ -258,5 +283,5 @@ SECTIONS: list[tuple[str, list[Step]]] = [
 ]
 
 
-__all__ = ["BACKENDS", "DTYPE", "SECTIONS", "TOKENS", "Step", "article_inputs", "expected_values",
-           "pipeline", "run_backend"]
+__all__ = ["BACKENDS", "DTYPE", "SECTIONS", "TOKENS", "Step", "article_inputs", "claim_numbers",
+           "expected_values", "pipeline", "run_backend"]
