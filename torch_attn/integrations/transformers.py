@@ -20,7 +20,8 @@ How transformers' arguments map onto the spec (``conformance/spec/functions.py``
   output back as ``(batch, seq, heads, head_dim)``;
 * mask: the boolean 4-D mask ``(batch, 1, q_len, kv_len)`` of ``attention_mask`` (True = may
   attend, as the spec) holds padding, the causal rule at the cache's positions and the sliding
-  window; a float (additive) 4-D mask given by the caller becomes ``mask`` (entries above the
+  window or the chunks of Llama 4's chunked layers (``tests/test_integration_llama4.py``); a
+  float (additive) 4-D mask given by the caller becomes ``mask`` (entries above the
   dtype's most negative value) plus ``bias`` (its other entries); a 2-D ``(batch, kv_len)``
   padding mask becomes ``(batch, 1, 1, kv_len)``;
 * no mask, or a 2-D padding mask (which holds no causal rule; the queries are the last
