@@ -18,6 +18,9 @@ eight wings have a folder each (their ``__init__`` says what each file holds):
 ``case_inputs``       ``CaseData``, the shared shapes, and the inputs of the sinks, merge and
                       paged cases (key splits, shuffled page pools, their contiguous view)
 ``cases``             the named, seeded cases — **add a case here**
+``cases_packed``      the cases of packed batches (varlen), chunks, ALiBi, segment ids, mods
+``mods``              the cases' mask_mod / score_mod callables, named from a registry, and
+                      their tabulation (mask, bias)
 ``reference``         the independent float64 reference of the pipeline and its VJP
 ``naive``             the naive low-precision baseline whose error scales every tolerance
 ``module_pipelines``  the spec's modules in float64 around the reference
@@ -25,13 +28,15 @@ eight wings have a folder each (their ``__init__`` says what each file holds):
                       zeros, positions the NaN rule leaves unspecified
 ``compare``           the one tolerance rule (``compare``), ``StepResult``
 ``diagnose``          plain-words reasons for a failure — **add a diagnosis here**
+``diagnose_packed``   the mistakes of varlen, chunks, ALiBi, segment ids and mods
 ``results``           ``Cell``, ``RunResult`` and the other result types, known differences
 ``lse_alternatives``  the alternatives of the row log-sum-exp (a finite fill, ``+inf``, the
                       input dtype) that ``alternatives`` applies
 ``alternatives``      the alternative semantics each known difference names, computed from a
                       case in float64, and the verdict known / unexpected of a peer's cell
 ``composite``         steps made of several calls: the merge of split keys, the paged cache
-``module_steps``      how a backend runs a module case: forward, backward, decode
+``module_steps``      how a backend runs a module case: forward, parameter_gradients, decode
+``calls``             backend calls as data, several in one compiled program, varlen's calls
 ``steps``             how a backend computes each compared step — **add a compared step here**
 ``peers/``            the frameworks' own kernels as extra columns: the registry ``PEERS`` in
                       its ``__init__`` — **add a peer here**: its adapter in a file of its own
@@ -47,7 +52,8 @@ eight wings have a folder each (their ``__init__`` says what each file holds):
 ``runner``            runs cells, bad inputs and properties into one ``RunResult``
 ``golden/``           golden vectors, which another user's folder may hand over: ``files``
                       (one ``.npz``: save, load with its structure checked), ``folders``
-                      (export, the manifest, verify, check through the runner) and
+                      (export, the manifest, verify, check through the runner),
+                      ``packed`` (varlen and mod files: tables, checks) and
                       ``untrusted`` (bounded reads, ``.npy`` headers before any data)
 ``shrink``            the smallest failing case of a failing cell, as a runnable script
 ``textwidth``         text within a width (``--width``, 100 columns by default): wrapped lines,

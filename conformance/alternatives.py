@@ -16,7 +16,9 @@ tolerance rule (``compare.compare``):
   then one rule for fully masked rows (``mean_of_value``, ``unmasked_row`` or ``nan_rows``),
   then ``nan_row_zero``; ``output = weights @ value`` in float64;
 * output stage: ``mixed_heads``'s output projection;
-* the row log-sum-exp (the ``lse`` step): ``conformance.lse_alternatives``.
+* the row log-sum-exp (the ``lse`` step): ``conformance.lse_alternatives``;
+* a ``varlen`` case: all of it on its padded batch (``varlen_padding.as_sdpa``, the sequences'
+  rules as a mask, in the alignment ``top_left`` may change), packed back into its steps.
 
 ``raises`` is checked on the exception a peer raised instead: its type (or a base class) has the
 entry's name and its message matches the entry's pattern.
@@ -41,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from . import reference, spec
+from . import reference, spec, varlen_padding
 from .backends import numpy_dtype
 from .cases import CaseData
 from .compare import StepResult, compare
@@ -249,11 +251,14 @@ def hypothesis(exp: Expected, names: tuple[str, ...] | list[str]) -> Hypothesis:
     for name in chosen:
         if name in INPUT_STAGE:
             INPUT_STAGE[name](sem)
-    data = CaseData(sem.arrays, sem.options)
+    data, padded = CaseData(sem.arrays, sem.options), None
+    if exp.kind == "varlen":  # its padded batch, the sequences' rules as a mask
+        data, padded = varlen_padding.as_sdpa(data)
+        sem.arrays, sem.options = data.arrays, data.options
     with np.errstate(all="ignore"):
         base = expected_for(data, "sdpa", sem.dtype, gradients=False)
-        steps = reference.Steps(base.values["scores"], base.values["masked_scores"],
-                                base.values["weights"], base.values["output"])
+        steps = reference.Steps(base.values["scores"], base.values["masked_scores"],  # weights
+                                base.values["output_weights"], base.values["output"])  # sinks too
         rows, weights = Rows(sem, steps), steps.weights
         for name in chosen:
             if name in ROW_STAGE:
@@ -272,8 +277,13 @@ def hypothesis(exp: Expected, names: tuple[str, ...] | list[str]) -> Hypothesis:
         if "mixed_heads" in chosen:
             output, out_unspecified = project_output(output, out_unspecified)
     lse_result = sem.result if "lse_input_dtype" in chosen else spec.COMPUTE_DTYPE[sem.result]
-    return Hypothesis(chosen, {"output": output, "output_weights": weights, "lse": lse},
-                      base.baseline, sem.dtype, sem.result,
+    values = {"output": output, "output_weights": weights, "lse": lse}
+    if padded is not None:  # a varlen cell's steps: tokens first again
+        values = {"varlen_output": varlen_padding.repack(output, padded),
+                  "varlen_lse": varlen_padding.repack_lse(lse, padded)}
+        base.baseline.update(varlen_output=base.baseline["output"],
+                             varlen_lse=base.baseline["lse"])
+    return Hypothesis(chosen, values, base.baseline, sem.dtype, sem.result,
                       {"output": out_unspecified,
                        "output_weights": unspecified.get("output_weights")}, lse_result)
 
@@ -284,7 +294,8 @@ def check(hyp: Hypothesis, results: dict[str, np.ndarray]) -> list[StepResult]:
     ``hyp.lse_result``) fails."""
     out = []
     for step, actual in results.items():
-        want = np.dtype(numpy_dtype(hyp.lse_result if step == "lse" else hyp.result))
+        want = np.dtype(numpy_dtype(hyp.lse_result if step in ("lse", "varlen_lse")
+                                    else hyp.result))
         if step not in hyp.values:
             out.append(StepResult(step, float("inf"), False,
                                   note="the alternatives define no value for this step"))

@@ -15,10 +15,18 @@ A paged case (``kind="paged"``) decodes a batch of sequences from a paged KV cac
 page ``i``; -1 past its last page) and ``seq_lens (batch,)``; unused slots hold 1e4.
 ``contiguous`` gives the same problem as one ``scaled_dot_product_attention`` call: the
 expected values' input.
+
+A varlen case (``kind="varlen"``, ``varlen``) is a packed batch: ``query (total_q, heads,
+head_dim)``, ``key``/``value (total_k, kv_heads, ·)``, ``cu_seq_q``/``cu_seq_k (N + 1,)`` int32
+offsets, optional ``seqused_k (N,)`` and ``sinks``; ``varlen_pieces`` cuts it into one
+bottom-right attention problem per sequence (the expected values' input), ``varlen_padded``
+pads it into a batch for the peers (``varlen_packed`` and ``varlen_packed_lse`` pack results
+back).
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,9 +35,10 @@ import numpy as np
 
 B, H, TQ, TK, D = 2, 4, 5, 7, 8
 
-SDPA_ARRAYS = ("query", "key", "value", "mask", "bias", "dropout_mask", "sinks")
+SDPA_ARRAYS = ("query", "key", "value", "mask", "bias", "dropout_mask", "sinks", "alibi_slopes")
 BLOCKWISE_TILES = {"block_q": 2, "block_kv": 3}
-SDPA_OPTIONS = ("is_causal", "causal_alignment", "window", "scale", "softcap", "dropout_p")
+SDPA_OPTIONS = ("is_causal", "causal_alignment", "window", "scale", "softcap", "dropout_p",
+                "chunk_size")
 #: The arrays cut along the keys for each part of a merge case (score-shaped: the last axis).
 PART_ARRAYS = ("key", "value", "mask", "bias")
 
@@ -46,6 +55,25 @@ class CaseData:
         """True when every floating input is finite (no NaN, no ±Inf)."""
         return all(np.isfinite(np.asarray(a).astype(np.float64)).all()
                    for a in self.arrays.values() if np.asarray(a).dtype.kind not in "biu")
+
+
+@dataclass(frozen=True)
+class Case:
+    """A named conformance case (``conformance.cases`` holds the catalogue)."""
+
+    name: str
+    description: str
+    build: Callable[[np.random.Generator], CaseData]
+    kind: str = "sdpa"
+
+    @property
+    def seed(self) -> int:
+        """The seed of the case's generator, derived from its name."""
+        return zlib.crc32(self.name.encode())
+
+    def data(self) -> CaseData:
+        """The float64/bool inputs, drawn from the case's own seeded generator."""
+        return self.build(np.random.default_rng(self.seed))
 
 
 def sdpa_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -220,8 +248,109 @@ def contiguous(arrays: dict[str, np.ndarray], page_shift: int = 0) -> dict[str, 
     return result
 
 
+# ------------------------------------------------------------------------------ varlen
+
+
+def offsets(lengths: tuple[int, ...]) -> np.ndarray:
+    """``(N + 1,)`` int32 cumulative offsets of sequences of ``lengths``."""
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def varlen(q_lens: tuple[int, ...], k_lens: tuple[int, ...], kv_heads: int = H,
+           seqused_k: tuple[int, ...] | None = None, sinks: bool = False
+           ) -> Callable[[np.random.Generator], dict[str, np.ndarray]]:
+    """A varlen case's arrays: ``query (total_q, H, D)``, ``key``/``value (total_k, kv_heads,
+    D)``, ``cu_seq_q``/``cu_seq_k`` (int32), and ``seqused_k (N,)`` (int32), ``sinks (H,)``."""
+    def arrays(rng: np.random.Generator) -> dict[str, np.ndarray]:
+        out = {"query": normal(rng, sum(q_lens), H, D),
+               "key": normal(rng, sum(k_lens), kv_heads, D),
+               "value": normal(rng, sum(k_lens), kv_heads, D),
+               "cu_seq_q": offsets(q_lens), "cu_seq_k": offsets(k_lens)}
+        if seqused_k is not None:
+            out["seqused_k"] = np.array(seqused_k, np.int32)
+        if sinks:
+            out["sinks"] = sink_logits(rng)
+        return out
+
+    return arrays
+
+
+def window_of(window_size: tuple[int, int]) -> tuple | None:
+    """``varlen_attention``'s ``window_size`` (-1 unbounded) as the spec's ``window``."""
+    left, right = (None if int(w) < 0 else int(w) for w in window_size)
+    return None if left is None and right is None else (left, right)
+
+
+@dataclass
+class Piece:
+    """One sequence of a packed batch: its query and key tokens and its sdpa problem, arrays
+    ``(heads, n, dim)`` (``grad_output`` too, when the batch has one)."""
+
+    q: slice
+    k: slice  # the keys in use (seqused_k)
+    arrays: dict[str, np.ndarray]
+    options: dict[str, Any]
+
+
+def varlen_pieces(arrays: dict[str, np.ndarray], options: dict[str, Any],
+                  cu_seq_q: np.ndarray | None = None, cu_seq_k: np.ndarray | None = None
+                  ) -> list[Piece]:
+    """A varlen case as one attention problem per sequence (``spec.VARLEN``): bottom-right
+    aligned, ``window_size`` as the window, ``scale``, ``softcap`` and ``sinks`` as given;
+    other offsets than the case's may be given (a mistake replayed)."""
+    cu_q = np.asarray(arrays["cu_seq_q"] if cu_seq_q is None else cu_seq_q)
+    cu_k = np.asarray(arrays["cu_seq_k"] if cu_seq_k is None else cu_seq_k)
+    used = arrays.get("seqused_k")
+    sdpa = {"causal_alignment": "bottom_right", "window": window_of(
+        options.get("window_size", (-1, -1))), **{k: options[k] for k in ("scale", "softcap")
+                                                  if options.get(k) is not None}}
+    pieces = []
+    for i in range(len(cu_q) - 1):
+        q = slice(int(cu_q[i]), int(cu_q[i + 1]))
+        stop = int(cu_k[i + 1]) if used is None else int(cu_k[i]) + int(used[i])
+        k = slice(int(cu_k[i]), stop)
+        piece = {n: np.swapaxes(arrays[n][q if n in ("query", "grad_output") else k], 0, 1)
+                 for n in ("query", "key", "value", "grad_output") if n in arrays}
+        if "sinks" in arrays:
+            piece["sinks"] = arrays["sinks"]
+        pieces.append(Piece(q, k, piece, dict(sdpa)))
+    return pieces
+
+
+def varlen_padded(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A varlen case as a padded batch: ``query (N, heads, max_q, head_dim)``, ``key``/``value
+    (N, kv_heads, max_k, ·)`` (zeros after each sequence), ``q_lengths``/``kv_lengths (N,)``
+    (the keys in use) and ``sinks``; each sequence is bottom-right aligned to its lengths."""
+    pieces = varlen_pieces(arrays, {})
+    q_len = np.array([p.q.stop - p.q.start for p in pieces], np.int64)
+    k_len = np.array([p.k.stop - p.k.start for p in pieces], np.int64)
+    out: dict[str, np.ndarray] = {"q_lengths": q_len, "kv_lengths": k_len}
+    for name, longest in (("query", q_len), ("key", k_len), ("value", k_len)):
+        x = arrays[name]
+        padded = np.zeros((len(pieces), x.shape[1], max(int(longest.max(initial=0)), 1),
+                           x.shape[2]), x.dtype)
+        for b, piece in enumerate(pieces):
+            padded[b, :, :longest[b]] = piece.arrays[name]
+        out[name] = padded
+    if "sinks" in arrays:
+        out["sinks"] = arrays["sinks"]
+    return out
+
+
+def varlen_packed(padded: np.ndarray, q_lengths: np.ndarray) -> np.ndarray:
+    """``(N, heads, max_q, ·)`` back to tokens first, ``(total_q, heads, ·)``."""
+    parts = [np.swapaxes(padded[b, :, :int(n)], 0, 1) for b, n in enumerate(q_lengths)]
+    return np.concatenate(parts, axis=0)
+
+
+def varlen_packed_lse(lse: np.ndarray, q_lengths: np.ndarray) -> np.ndarray:
+    """An lse ``(N, heads, max_q)`` as ``varlen_attention``'s ``(heads, total_q)``."""
+    return np.concatenate([lse[b, :, :int(n)] for b, n in enumerate(q_lengths)], axis=-1)
+
+
 __all__ = ["BLOCKWISE_TILES", "PART_ARRAYS", "SDPA_ARRAYS", "SDPA_OPTIONS", "CaseData",
-           "contiguous", "fully_masked_mask", "key_parts", "normal", "paged", "pages_of",
-           "paged_layout", "qkv",
+           "Case", "Piece", "contiguous", "fully_masked_mask", "key_parts", "normal", "offsets",
+           "paged", "pages_of", "paged_layout", "qkv", "varlen", "varlen_packed",
+           "varlen_packed_lse", "varlen_padded", "varlen_pieces", "window_of",
            "huge_causal", "random_split", "sdpa_arrays", "sdpa_options", "sink_logits",
            "with_sinks"]

@@ -5,7 +5,8 @@ NumPy's seeded generator (the seed is derived from the name, so a case's data ne
 which other cases run). ``prepare_inputs(case, dtype)`` casts those inputs once to the dtype
 under test; every backend then receives exactly the same bits.
 
-Four kinds of case exist (``conformance.case_inputs`` builds the inputs of the newer ones):
+Five kinds of case exist (``conformance.case_inputs`` builds the inputs of the newer ones;
+``conformance.cases_packed`` holds the cases of chunks, ALiBi, segment ids, mods and varlen):
 
 ``sdpa``
   inputs of ``scaled_dot_product_attention``: arrays ``query``, ``key``, ``value`` and optional
@@ -22,6 +23,11 @@ Four kinds of case exist (``conformance.case_inputs`` builds the inputs of the n
   ``paged_attention`` over a shuffled pool of pages (``case_inputs.paged``), and the same keys
   appended to the implementation's own ``PagedKVCache`` (after a freed sequence, whose pages it
   reuses): both equal the contiguous attention (``case_inputs.contiguous``).
+``varlen``
+  ``varlen_attention`` on a packed batch (tokens first, ``cu_seq_q``/``cu_seq_k`` offsets,
+  options ``max_q``, ``max_k``, ``window_size``, ``enable_gqa``): each sequence's bottom-right
+  attention; sdpa cases may also carry ``chunk_size``, ``alibi_slopes``, segment ids and mods
+  (``cases_packed``).
 ``module``
   a spec module (``options["module"]``) with constructor arguments ``options["init"]``, weights
   (arrays named ``w:<weight name>``) loaded into every backend, and forward inputs ``x``
@@ -54,9 +60,7 @@ shape (batch 2, heads 4, q_len 5, kv_len 7, head_dim 8) so JAX compiles few prog
 from __future__ import annotations
 
 import fnmatch
-import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -69,6 +73,7 @@ from .case_inputs import (
     TK,
     TQ,
     B,
+    Case,
     CaseData,
     D,
     H,
@@ -82,27 +87,9 @@ from .case_inputs import (
     with_sinks,
 )
 from .case_inputs import normal as _normal
+from .cases_packed import PACKED_CASES
 from .spec import seed_example
 from .usage import UsageError
-
-
-@dataclass(frozen=True)
-class Case:
-    """A named conformance case."""
-
-    name: str
-    description: str
-    build: Callable[[np.random.Generator], CaseData]
-    kind: str = "sdpa"
-
-    @property
-    def seed(self) -> int:
-        """The seed of the case's generator, derived from its name."""
-        return zlib.crc32(self.name.encode())
-
-    def data(self) -> CaseData:
-        """The float64/bool inputs, drawn from the case's own seeded generator."""
-        return self.build(np.random.default_rng(self.seed))
 
 
 def cast(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -421,7 +408,7 @@ CASES: tuple[Case, ...] = (
          _module("MultiHeadAttention", {"d_model": 16, "num_heads": 4, "num_kv_heads": 2},
                  _mha_self, {"is_causal": True}, decode=(1, 2, 3)),
          kind="module"),
-)
+) + PACKED_CASES  # packed batches, chunks, ALiBi, segment ids and mods: cases_packed
 
 CASE_NAMES = tuple(c.name for c in CASES)
 

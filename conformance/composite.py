@@ -29,7 +29,9 @@ from .expected import Expected
 
 #: A checked module's call that fails on a keyword it does not take: the keyword → the
 #: ``spec.PLUGIN_FEATURES`` name it should declare instead.
-_KEYWORD_FEATURES = {"sinks": "sinks", "return_lse": "lse"}
+_KEYWORD_FEATURES = {"sinks": "sinks", "return_lse": "lse", "chunk_size": "chunked",
+                     "alibi_slopes": "alibi", "segment_ids": "segments",
+                     "score_mod": "score_mod", "mask_mod": "mask_mod"}
 
 
 def keyword_hint(message: str) -> str:

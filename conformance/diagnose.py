@@ -19,7 +19,9 @@
   mistake at a time: ``exp(lse_i)`` without subtracting the largest lse (in the compute dtype,
   where it overflows), partial lses in log2, the sinks left out of the merge;
 * ``paged_mistakes`` (paged cases) replays the contiguous attention over the pages a page table
-  read off by one page names (``block_table ± 1``).
+  read off by one page names (``block_table ± 1``);
+* ``diagnose_packed``: ALiBi's sign flipped, the chunk boundary shifted by one, a rule or mod
+  ignored (hypotheses) and a varlen case's offsets off by one (``varlen_mistakes``).
 
 A wrong layout (a ``(..., seq, heads, head_dim)`` module without ``LAYOUT = "bshd"``) needs the
 module itself, not one result: ``verdict`` reruns the failing cells transposed.
@@ -40,6 +42,7 @@ from . import reference, spec
 from .case_inputs import contiguous, key_parts
 from .cases import CaseData
 from .compare import compare
+from .diagnose_packed import PACKED_HYPOTHESES, varlen_mistakes
 from .expected import Expected, pipeline
 
 #: Joins the diagnoses of one step (a diagnosis itself may contain "; ").
@@ -122,6 +125,7 @@ HYPOTHESES: tuple[tuple[str, Hypothesis], ...] = (
     ("dropout survivors are not rescaled by 1 / (1 - dropout_p)", _no_rescale),
     ("the sinks are ignored: each head's sink logit joins its rows' softmax denominator (a "
      "module without sinks declares UNSUPPORTED = {'sinks'})", _drop("sinks")),
+    *PACKED_HYPOTHESES,  # ALiBi's sign, the chunk boundary, a rule or mod ignored
 )
 
 
@@ -340,14 +344,14 @@ DIAGNOSES: tuple[Callable[[Expected, str, np.ndarray], str], ...] = (
 def diagnose(exp: Expected, step: str, actual: Any) -> str:
     """Plain-words reasons for a failed step of an sdpa, merge or paged case ("" when none
     applies)."""
-    if exp.kind not in ("sdpa", "merge", "paged") or step not in exp.values:
+    if exp.kind not in ("sdpa", "merge", "paged", "varlen") or step not in exp.values:
         return ""
     actual = np.asarray(actual).astype(np.float64)
     if actual.shape != exp.values[step].shape:
         return ""
     reasons = []
     kinds = {"sdpa": DIAGNOSES, "merge": (planted_mistake, merge_mistakes),
-             "paged": (paged_mistakes,)}
+             "paged": (paged_mistakes,), "varlen": (varlen_mistakes,)}
     for diagnosis in kinds[exp.kind]:
         text = diagnosis(exp, step, actual)
         if text and text not in reasons:

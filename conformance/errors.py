@@ -50,6 +50,32 @@ class ErrorCase:
         return spec.ERRORS[self.rule]
 
 
+def _varlen(vjp: bool = False, **replaced: Any) -> Callable[[], tuple[tuple, dict]]:
+    """A ``varlen_attention`` call (``_vjp``: its VJP) of two sequences (3 and 2 queries over 4
+    and 2 keys, 4 over 2 heads), ``replaced`` changed; the offsets and lengths as keywords (a
+    call of the packed-batch functions is known by them: ``plugins.call_features``)."""
+    def call() -> tuple[tuple, dict]:
+        given = {"query": _n(5, 4, 8), "key": _n(6, 2, 8), "value": _n(6, 2, 8),
+                 "cu_seq_q": np.array([0, 3, 5], np.int32),
+                 "cu_seq_k": np.array([0, 4, 6], np.int32), "max_q": 3, "max_k": 4,
+                 "enable_gqa": True, **replaced}
+        args = tuple(given.pop(n) for n in ("query", "key", "value"))
+        return (*args, _n(5, 4, 8)) if vjp else args, given
+
+    return call
+
+
+def _float_mask(batch: Any, head: Any, q_idx: Any, kv_idx: Any) -> Any:
+    """A mask_mod returning float32 in every framework (a module-level function: a worker
+    process unpickles it)."""
+    return (q_idx >= kv_idx) * np.float32(1.0)
+
+
+def _misshaped_mask(batch: Any, head: Any, q_idx: Any, kv_idx: Any) -> Any:
+    """A mask_mod returning ``(q_len, kv_len, 1)``, which does not broadcast to the scores."""
+    return (q_idx >= kv_idx)[..., None]
+
+
 def _call(*args: Any, **kwargs: Any) -> Callable[[], tuple[tuple, dict]]:
     return lambda: (args, kwargs)
 
@@ -234,6 +260,58 @@ ERROR_CASES: tuple[ErrorCase, ...] = (
     ErrorCase("combine_shapes", _rule("masks given to combine_masks"),
               _call(np.ones((2, 3), bool), np.ones((3, 2), bool)), ("masks",),
               fn="combine_masks"),
+    # chunks, ALiBi, segment ids and the mods (skipped for a module that declares them)
+    ErrorCase("chunk_size_zero", _rule("chunk_size not a positive int"),
+              lambda: (_qkv(), {"chunk_size": 0}), ("chunk_size",)),
+    ErrorCase("alibi_slopes_shape", _rule("chunk_size not a positive int"),
+              lambda: (_qkv(), {"alibi_slopes": _n(3)}), ("alibi_slopes",)),
+    ErrorCase("segment_ids_one_array_cross", _rule("chunk_size not a positive int"),
+              lambda: (_qkv(), {"segment_ids": np.zeros((2, 5), np.int64)}), ("segment_ids",)),
+    ErrorCase("mask_mod_misshaped", _rule("chunk_size not a positive int"),
+              lambda: (_qkv(), {"mask_mod": _misshaped_mask}), ("mask_mod",)),
+    ErrorCase("alibi_slopes_int", _rule("alibi_slopes not floating point"),
+              lambda: (_qkv(), {"alibi_slopes": _n(4, dtype=np.int32)}), ("alibi_slopes",)),
+    ErrorCase("segment_ids_float", _rule("alibi_slopes not floating point"),
+              lambda: (_qkv(q=(2, 4, 7, 8)), {"segment_ids": _n(2, 7)}), ("segment_ids",)),
+    ErrorCase("score_mod_not_callable", _rule("alibi_slopes not floating point"),
+              lambda: (_qkv(), {"score_mod": 2.0}), ("score_mod",)),
+    ErrorCase("mask_mod_floats", _rule("alibi_slopes not floating point"),
+              lambda: (_qkv(), {"mask_mod": _float_mask}), ("mask_mod",)),
+    ErrorCase("blockwise_chunk_size_float", _rule("chunk_size not a positive int"),
+              lambda: (_qkv(), {"chunk_size": 2.5}), ("chunk_size",), fn="blockwise_attention"),
+    # packed batches (skipped for a module that declares varlen unsupported)
+    ErrorCase("varlen_mixed_dtypes", _rule("query, key or value of a floating dtype"),
+              _varlen(key=_n(6, 2, 8, dtype=np.float64)), ("key",), fn="varlen_attention"),
+    ErrorCase("varlen_query_4d", _rule("query not (total_q, heads, head_dim)"),
+              _varlen(query=_n(1, 5, 4, 8)), ("query",), fn="varlen_attention"),
+    ErrorCase("varlen_gqa_not_enabled", _rule("heads != kv_heads without enable_gqa"),
+              _varlen(enable_gqa=False), ("enable_gqa",), fn="varlen_attention"),
+    ErrorCase("varlen_offsets_float", _rule("cu_seq_q or cu_seq_k not a 1-D integer"),
+              _varlen(cu_seq_q=np.array([0.0, 3.0, 5.0], np.float32)), ("cu_seq_q",),
+              fn="varlen_attention"),
+    ErrorCase("varlen_offsets_start", _rule("offsets that do not start at 0"),
+              _varlen(cu_seq_q=np.array([1, 3, 5], np.int32)), ("cu_seq_q",),
+              fn="varlen_attention"),
+    ErrorCase("varlen_vjp_offsets_end", _rule("offsets that do not start at 0"),
+              _varlen(True, cu_seq_k=np.array([0, 2, 3], np.int32)), ("cu_seq_k",),
+              fn="varlen_attention_vjp"),
+    ErrorCase("varlen_max_q_short", _rule("max_q or max_k not an int"),
+              _varlen(max_q=2), ("max_q",), fn="varlen_attention"),
+    ErrorCase("varlen_seqused_k_range", _rule("seqused_k not (N,) ints"),
+              _varlen(seqused_k=np.array([5, 2], np.int32)), ("seqused_k",),
+              fn="varlen_attention"),
+    ErrorCase("varlen_window_size", _rule("window_size not a pair"),
+              _varlen(window_size=(-2, 0)), ("window_size",), fn="varlen_attention"),
+    ErrorCase("varlen_return_lse_int", _rule("enable_gqa or return_lse not a bool"),
+              _varlen(return_lse=1), ("return_lse",), fn="varlen_attention"),
+    ErrorCase("varlen_sinks_shape", _rule("scale or softcap as in"),
+              _varlen(sinks=_n(2)), ("sinks",), fn="varlen_attention"),
+    ErrorCase("pack_lengths_range", _rule("pack_sequences: padded not"),
+              lambda: ((_n(2, 4, 3, 8),), {"lengths": np.array([3, 4])}), ("lengths",),
+              fn="pack_sequences"),
+    ErrorCase("unpack_max_len_short", _rule("pack_sequences: padded not"),
+              lambda: ((_n(5, 4, 8),), {"cu_seq": np.array([0, 3, 5], np.int32),
+                                        "max_len": 2}), ("max_len",), fn="unpack_sequences"),
 )
 
 

@@ -9,7 +9,12 @@ For the dtype-cast inputs of a case, ``expected_for`` computes once:
   softmax step ``attention_weights`` of the masked scores takes no sinks); a merge case's
   ``merge_output``/``merge_lse`` and a paged case's ``paged_output``/``paged_lse``/
   ``paged_cache_output`` are those of the float64 attention over every key (the pages gathered
-  by ``case_inputs.contiguous``), never of the implementation's own merge or pages;
+  by ``case_inputs.contiguous``), never of the implementation's own merge or pages; a varlen
+  case's ``varlen_*`` steps are the float64 attention (and its VJP) of one sequence at a time
+  (``case_inputs.varlen_pieces``); the naive baseline of a case with chunks, ALiBi, segment
+  ids or mods (``mods.uses_mods``) runs on ``mods.dedicated`` (the same rules as a mask and a
+  bias), and its ``masked_scores`` are not compared (``steps``: ``mask_scores`` takes none of
+  those rules);
 * ``baseline``: per step, the largest error of the naive implementation in that dtype
   (``conformance.naive``), which scales the tolerance (``spec.TOLERANCES``);
 * ``zeros``: positions that must be exactly 0 (masked weights, fully masked rows);
@@ -21,15 +26,16 @@ compare a new step, add its value here (``pipeline``) and a ``Step`` there.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from . import cases as cases_mod
-from . import reference
+from . import mods, reference
 from .backends import numpy_dtype
-from .case_inputs import contiguous
+from .case_inputs import contiguous, varlen_pieces
 from .cases import Case, CaseData
 from .module_pipelines import flatten_weight_grads, module_backward, module_forward
 from .naive import (
@@ -53,17 +59,69 @@ BLOCKWISE_GRAD_DTYPES = ("float64", "float32")
 def reference_attention(arrays: dict[str, np.ndarray], options: dict[str, Any],
                         p: Precision = EXACT) -> reference.Steps:
     """``reference.attention`` on a case's arrays and options (``p`` is ignored: float64)."""
-    return reference.attention(**cases_mod.sdpa_arrays(arrays), **cases_mod.sdpa_options(options))
+    return reference.attention(arrays["query"], arrays["key"], arrays["value"],
+                               **mods.sdpa_kwargs(arrays, options))
 
 
 def reference_attention_vjp(arrays: dict[str, np.ndarray], options: dict[str, Any],
                             p: Precision = EXACT) -> reference.Grads:
     """``reference.attention_vjp`` against ``arrays["grad_output"]`` (float64)."""
-    sdpa = cases_mod.sdpa_arrays(arrays)
-    extra = {n: sdpa[n] for n in ("mask", "bias", "dropout_mask", "sinks") if n in sdpa}
-    return reference.attention_vjp(sdpa["query"], sdpa["key"], sdpa["value"],
-                                   arrays["grad_output"], **extra,
-                                   **cases_mod.sdpa_options(options))
+    return reference.attention_vjp(arrays["query"], arrays["key"], arrays["value"],
+                                   arrays["grad_output"], **mods.sdpa_kwargs(arrays, options))
+
+
+def _varlen_values(data: CaseData, attend: Callable, attend_vjp: Callable, p: Precision,
+                   grads: bool, **offsets: np.ndarray) -> dict[str, np.ndarray]:
+    """A varlen case's steps, one sequence at a time (``offsets``: other ``cu_seq_q`` /
+    ``cu_seq_k`` than the case's, a mistake replayed)."""
+    a = data.arrays
+    q, k, v = a["query"], a["key"], a["value"]
+    out = {"varlen_output": np.zeros(q.shape[:-1] + v.shape[-1:]),
+           "varlen_lse": np.full(q.shape[1::-1], -np.inf)}
+    if grads:
+        out.update({f"varlen_{n}": np.zeros(x.shape) for n, x in (
+            ("grad_query", q), ("grad_key", k), ("grad_value", v))})
+        if "sinks" in a:
+            out["varlen_grad_sinks"] = np.zeros(np.shape(a["sinks"]))
+    for piece in varlen_pieces(a, data.options, **offsets):
+        arrays = {n: x for n, x in piece.arrays.items() if n != "grad_output"}
+        steps = attend(arrays, piece.options, p)
+        out["varlen_output"][piece.q] = np.swapaxes(steps.output, 0, 1)
+        out["varlen_lse"][:, piece.q] = steps.lse
+        if grads:
+            g = attend_vjp(piece.arrays, piece.options, p)
+            out["varlen_grad_query"][piece.q] = np.swapaxes(g.query, 0, 1)
+            out["varlen_grad_key"][piece.k] = np.swapaxes(g.key, 0, 1)
+            out["varlen_grad_value"][piece.k] = np.swapaxes(g.value, 0, 1)
+            if g.sinks is not None:  # a sum over the sequences, rounded as it goes
+                out["varlen_grad_sinks"] = p.round(out["varlen_grad_sinks"] + g.sinks)
+    return out
+
+
+def varlen_values(data: CaseData, dtype: str, naive: bool = False,
+                  **offsets: np.ndarray) -> dict[str, np.ndarray]:
+    """A varlen case's expected steps in float64 (``naive``: the naive baseline in ``dtype``),
+    optionally with other offsets (``cu_seq_q=``, ``cu_seq_k=``)."""
+    grads = "grad_output" in data.arrays and data.finite
+    if naive:
+        return _varlen_values(data, naive_attention, naive_attention_vjp, Precision(dtype),
+                              grads, **offsets)
+    return _varlen_values(data, reference_attention, reference_attention_vjp, EXACT, grads,
+                          **offsets)
+
+
+def _varlen_floor(data: CaseData, p: Precision) -> tuple[dict[str, float], np.ndarray]:
+    """The rounding floor of ``varlen_output``/``varlen_lse`` and the rows ``(total_q,
+    heads)`` with no allowed key (output exactly 0)."""
+    floor = {"varlen_output": 0.0, "varlen_lse": 0.0}
+    empty = np.zeros(data.arrays["query"].shape[:-1], bool)
+    for piece in varlen_pieces(data.arrays, data.options):
+        arrays = {n: x for n, x in piece.arrays.items() if n != "grad_output"}
+        ref = reference_attention(arrays, piece.options)
+        rows = rounding_error(arrays, piece.options, p, ref)
+        floor = {n: max(floor[n], rows[n.removeprefix("varlen_")]) for n in floor}
+        empty[piece.q] = np.isneginf(ref.masked_scores).all(-1).T
+    return floor, empty
 
 
 def grad_output_for(shape: tuple[int, ...], dtype: str) -> np.ndarray:
@@ -87,6 +145,14 @@ def pipeline(data: CaseData, kind: str, dtype: str, naive: bool) -> dict[str, np
 
 
 def _pipeline(data: CaseData, kind: str, dtype: str, naive: bool) -> dict[str, np.ndarray]:
+    if kind == "varlen":
+        return varlen_values(data, dtype, naive)
+    with_mods = kind == "sdpa" and mods.uses_mods(data)
+    blockwise = blockwise_applies(data)
+    scores_options = data.options  # "scores" comes before a score_mod folded into softcap
+    if naive and with_mods:  # the naive baseline knows the older arguments only
+        scores_options = {k: v for k, v in data.options.items() if k not in mods.MOD_OPTIONS}
+        data = mods.dedicated(data)
     p = Precision(dtype) if naive else EXACT
     attend = naive_attention if naive else reference_attention
     attend_vjp = naive_attention_vjp if naive else reference_attention_vjp
@@ -114,6 +180,8 @@ def _pipeline(data: CaseData, kind: str, dtype: str, naive: bool) -> dict[str, n
     values = {"scores": steps.scores, "masked_scores": steps.masked_scores,
               "weights": steps.weights, "output": steps.output, "output_weights": steps.weights,
               "lse": steps.lse}
+    if naive and scores_options.get("softcap") != data.options.get("softcap"):
+        values["scores"] = attend(data.arrays, scores_options, p).scores
     if "sinks" in data.arrays:  # attention_weights(masked scores) takes no sinks: its softmax
         without = {k: v for k, v in data.arrays.items() if k != "sinks"}
         values["weights"] = attend(without, data.options, p).weights
@@ -123,7 +191,7 @@ def _pipeline(data: CaseData, kind: str, dtype: str, naive: bool) -> dict[str, n
             value = getattr(g, name.removeprefix("grad_"))
             if value is not None:
                 values[name] = value
-    if blockwise_applies(data):
+    if blockwise:
         values["blockwise_output"] = values["output"]
         values["blockwise_lse"] = values["lse"]
         if dtype in BLOCKWISE_GRAD_DTYPES:
@@ -207,11 +275,12 @@ def unspecified_positions(data: CaseData, values: dict[str, np.ndarray]
 def expected_for(data: CaseData, kind: str, dtype: str, case: str = "", *,
                  gradients: bool = True) -> Expected:
     """Expected values, baseline errors, exact zeros and unspecified positions for dtype-cast
-    inputs ``data`` of a case of ``kind`` (``"sdpa"``, ``"merge"`` or ``"module"``); with
+    inputs ``data`` of a case of ``kind`` (``"sdpa"``, ``"merge"``, ``"paged"``, ``"varlen"`` or
+    ``"module"``); with
     ``gradients``, a seeded ``grad_output`` and the gradient steps (a merge or paged case has
     none; the inputs of a paged case are its pages, compared with the contiguous attention)."""
-    if gradients and kind in ("sdpa", "module") and "grad_output" not in data.arrays:
-        if kind == "sdpa":
+    if gradients and kind in ("sdpa", "module", "varlen") and "grad_output" not in data.arrays:
+        if kind != "module":
             q, v = data.arrays["query"], data.arrays["value"]
             shape = q.shape[:-1] + v.shape[-1:]
         else:
@@ -225,7 +294,15 @@ def expected_for(data: CaseData, kind: str, dtype: str, case: str = "", *,
         p = Precision(dtype)
         baseline = {n: baseline_error(naive[n], values[n], p) for n in values}
         arrays = contiguous(data.arrays) if kind == "paged" else data.arrays
-        full = reference_attention(arrays, data.options) if kind != "module" else None
+        full = reference_attention(arrays, data.options) if kind not in (
+            "module", "varlen") else None
+        zeros = {}
+        if kind == "varlen":
+            floor, empty = _varlen_floor(data, p)
+            for name in floor:
+                baseline[name] = max(baseline[name], floor[name])
+            zeros = {n: np.broadcast_to(empty[..., None], values[n].shape)
+                     for n in ("varlen_output", "varlen_grad_query") if n in values}
         if full is not None:  # never below the first-order effect of rounding each score once
             floor = rounding_error(arrays, data.options, p, full)
             for name in ("blockwise_output", "merge_output", "paged_output",
@@ -236,7 +313,8 @@ def expected_for(data: CaseData, kind: str, dtype: str, case: str = "", *,
             for name in floor:
                 if name in baseline:
                     baseline[name] = max(baseline[name], floor[name])
-        zeros = exact_zeros(values, full.masked_scores) if full is not None else {}
+        if full is not None:
+            zeros = exact_zeros(values, full.masked_scores)
         unspecified = ({} if kind != "sdpa" or data.finite
                        else unspecified_positions(data, values))
     return Expected(case, kind, dtype, data, values, baseline, zeros, unspecified)
@@ -249,4 +327,4 @@ def expected(case: Case, dtype: str) -> Expected:
 
 __all__ = ["BLOCKWISE_GRAD_DTYPES", "GRAD_SEED", "GRAD_STEPS", "Expected", "baseline_error",
            "blockwise_applies", "expected", "expected_for", "grad_output_for", "pipeline",
-           "reference_attention", "reference_attention_vjp"]
+           "reference_attention", "reference_attention_vjp", "varlen_values"]

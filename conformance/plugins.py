@@ -13,7 +13,11 @@ its layout (``spec.PLUGIN_CONTRACT``; ``docs/checking.md`` for users).
 * ``features(arrays, options, dtype)`` names the features a case uses, so a cell needing a
   declared-unsupported feature is reported as unsupported rather than run: ``sinks`` for a
   ``sinks`` array, ``merge`` and ``lse`` for a merge case (its parts call ``return_lse=True``);
-  the ``lse`` steps of an sdpa case need ``lse`` on their own (``steps.Step.feature``).
+  the ``lse`` steps of an sdpa case need ``lse`` on their own (``steps.Step.feature``);
+  ``chunked``, ``alibi``, ``segments``, ``score_mod`` and ``mask_mod`` for the arguments of
+  ``spec.PIPELINE_WITH_MODS`` (a mod is an option of the case, ``conformance.mods``), and
+  ``varlen`` for a packed batch (its ``cu_seq_q``; with ``causal``/``window`` from its
+  ``window_size``, ``grouped_query``, ``sinks``, ``softcap``, ``scale`` as it uses them).
 
 Standard library and NumPy only: ``backends`` builds a plugin's adapter on top of this file.
 """
@@ -194,7 +198,12 @@ def view(module: types.ModuleType, contract: Contract) -> types.ModuleType:
 _KEYWORD_FEATURES = {"mask": "mask", "bias": "bias", "is_causal": "causal", "window": "window",
                      "scale": "scale", "softcap": "softcap", "dropout_p": "dropout",
                      "dropout_mask": "dropout", "return_weights": "return_weights",
-                     "sinks": "sinks", "return_lse": "lse"}
+                     "sinks": "sinks", "return_lse": "lse", "chunk_size": "chunked",
+                     "alibi_slopes": "alibi", "segment_ids": "segments",
+                     "score_mod": "score_mod", "mask_mod": "mask_mod"}
+#: The keywords only the packed-batch functions take (``varlen_attention`` and its VJP,
+#: ``pack_sequences``/``unpack_sequences``): a call with one needs ``varlen``.
+_VARLEN_KEYWORDS = ("cu_seq_q", "cu_seq_k", "lengths", "cu_seq")
 
 
 def _given(value: Any) -> bool:
@@ -218,6 +227,10 @@ def call_features(args: tuple[Any, ...], kwargs: dict[str, Any]) -> frozenset[st
     ``outputs, lses`` (``merge``: a list or tuple of arrays among the first two arguments, or
     two lists; a bare Python list where an array belongs is one list alone)."""
     used = {f for k, f in _KEYWORD_FEATURES.items() if _given(kwargs.get(k))}
+    if kwargs.get("chunk_size") is not None:  # chunk_size=0 is a (bad) chunk size too
+        used.add("chunked")
+    if any(k in kwargs for k in _VARLEN_KEYWORDS):
+        return frozenset(used | _varlen_features(args, kwargs))
     first = args[:2]
     if len(first) == 2 and (any(_parts(a) for a in first)
                             or all(isinstance(a, (list, tuple)) for a in first)):
@@ -240,6 +253,22 @@ def call_features(args: tuple[Any, ...], kwargs: dict[str, Any]) -> frozenset[st
     return frozenset(used)
 
 
+def _varlen_features(args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[str]:
+    """A packed-batch call: ``varlen``, its dtype, ``causal``/``window`` (``window_size``: (-1,
+    0) is the causal rule, anything else but (-1, -1) a window) and ``grouped_query``
+    (``(total, kv_heads, dim)`` keys with fewer heads than the queries)."""
+    used = {"varlen"}
+    window = kwargs.get("window_size")
+    if isinstance(window, (list, tuple)) and tuple(window) != (-1, -1):
+        used.add("causal" if tuple(window) == (-1, 0) else "window")
+    used.update(d for d in map(_dtype_name, (*args, *kwargs.values())) if d in spec.TOLERANCES)
+    shapes = [np.shape(a) for a in args[:2] if hasattr(a, "shape")]
+    if len(shapes) == 2 and len(shapes[0]) == 3 and len(shapes[1]) >= 3 and \
+            shapes[1][-2] != shapes[0][-2]:
+        used.add("grouped_query")
+    return used
+
+
 def features(arrays: dict[str, Any], options: dict[str, Any], dtype: str,
              finite: bool = True) -> frozenset[str]:
     """The names of ``spec.PLUGIN_FEATURES`` a case uses: those of its call (an sdpa case), its
@@ -255,6 +284,8 @@ def features(arrays: dict[str, Any], options: dict[str, Any], dtype: str,
     elif "query" in arrays:
         qkv = tuple(arrays[n] for n in ("query", "key", "value"))
         others = {k: v for k, v in arrays.items() if k not in ("query", "key", "value")}
+        if "q_segment_ids" in others:  # the pair segment_ids=(q_segment_ids, kv_segment_ids)
+            others["segment_ids"] = (others["q_segment_ids"], others["kv_segment_ids"])
         used |= call_features(qkv, {**others, **options})
     return frozenset(used) - {"return_weights"}
 

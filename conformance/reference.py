@@ -16,6 +16,14 @@ Sinks (``spec.SINKS``) are what GPT-OSS's eager attention does: the sink logit i
 every row as one more column of the masked scores, the softmax runs over ``kv_len + 1``
 columns and the sink's column is dropped; the row log-sum-exp (``spec.LOG_SUM_EXP``) is that of
 the same ``kv_len (+ 1)`` columns, ``-inf`` for a row with no allowed column.
+
+The rules of ``spec.PIPELINE_WITH_MODS`` come straight from their chapter (``rule_mask``,
+``alibi_bias``): the chunk rule compares ``(i + offset) // C`` with ``j // C`` over an outer
+grid of positions, segment ids are compared with ``np.equal.outer``-style broadcasting, the
+ALiBi bias ``-slope_h · |i + offset - j|`` is added after the soft-cap and the bias, then
+``score_mod`` sees those scores and ``mask_mod`` ANDs its booleans with every other rule, both
+called on the whole score grid (``spec.MOD_INDICES``). A packed batch (``varlen_attention``) is
+``attention`` of one sequence at a time (``conformance.expected``).
 """
 
 from __future__ import annotations
@@ -70,6 +78,44 @@ def structural_mask(
     return allowed
 
 
+def offset_of(q_len: int, kv_len: int, causal_alignment: str = "top_left") -> int:
+    """Query ``i`` sits at key position ``i + offset``: 0 top-left, ``kv_len - q_len``
+    bottom-right."""
+    return 0 if causal_alignment == "top_left" else kv_len - q_len
+
+
+def rule_mask(shape: tuple[int, ...], *, causal_alignment: str = "top_left",
+              chunk_size: int | None = None, segment_ids: Any = None) -> np.ndarray:
+    """Bool broadcastable to scores of ``shape`` ``(..., heads, q_len, kv_len)``: True where
+    the chunk rule (``(i + offset) // C == j // C``, no chunk for a negative position) and the
+    segment ids (equal ids; one array or a pair ``(..., q_len)``, ``(..., kv_len)``) allow."""
+    q_len, kv_len = shape[-2:]
+    allowed = np.ones((q_len, kv_len), dtype=bool)
+    if chunk_size is not None:
+        position = np.arange(q_len) + offset_of(q_len, kv_len, causal_alignment)
+        same = np.equal.outer(position // chunk_size, np.arange(kv_len) // chunk_size)
+        allowed = allowed & same & (position >= 0)[:, None]
+    if segment_ids is not None:
+        pair = segment_ids if isinstance(segment_ids, (list, tuple)) else (segment_ids,) * 2
+        q_ids, kv_ids = (np.asarray(x) for x in pair)
+        if q_ids.ndim == 1:
+            allowed = allowed & (q_ids[:, None] == kv_ids[None, :])
+        else:  # (..., q_len) against (..., kv_len), a heads axis between
+            allowed = allowed & (q_ids[..., None, :, None] == kv_ids[..., None, None, :])
+    return allowed
+
+
+def alibi_bias(alibi_slopes: Any, shape: tuple[int, ...], causal_alignment: str = "top_left"
+               ) -> np.ndarray:
+    """The ALiBi bias ``-slope_h · |i + offset - j|`` (float64), broadcastable to scores of
+    ``shape``: ``(heads, q_len, kv_len)``, or ``(q_len, kv_len)`` for 2-D scores."""
+    q_len, kv_len = shape[-2:]
+    position = np.arange(q_len) + offset_of(q_len, kv_len, causal_alignment)
+    distance = np.abs(np.subtract.outer(position, np.arange(kv_len))).astype(np.float64)
+    slopes = _f64(alibi_slopes)
+    return -(slopes[:, None, None] * distance if len(shape) >= 3 else slopes[0] * distance)
+
+
 def attention(
     query: Any,
     key: Any,
@@ -85,6 +131,11 @@ def attention(
     dropout_p: float = 0.0,
     dropout_mask: Any = None,
     sinks: Any = None,
+    chunk_size: int | None = None,
+    alibi_slopes: Any = None,
+    segment_ids: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
 ) -> Steps:
     """The spec's pipeline in float64; ``dropout_mask`` (keep-mask) is used when ``dropout_p > 0``.
 
@@ -93,6 +144,9 @@ def attention(
       key: ``(..., kv_heads, kv_len, head_dim)`` or ``(kv_len, head_dim)``.
       value: ``(..., kv_heads, kv_len, v_dim)`` or ``(kv_len, v_dim)``.
       sinks: ``(heads,)`` sink logits (``(1,)`` for 2-D inputs), or None: one more column.
+      chunk_size, alibi_slopes ``(heads,)``, segment_ids: ``rule_mask`` and ``alibi_bias``.
+      score_mod, mask_mod: FlexAttention's callables, called once on the whole score grid
+        with NumPy index arrays (``spec.MOD_INDICES``) and float64 scores.
     """
     q, k, v = _f64(query), _f64(key), _f64(value)
     heads = q.shape[-3] if q.ndim >= 3 else 1
@@ -104,6 +158,11 @@ def attention(
     masked = scores.copy()
     if bias is not None:
         masked = masked + _f64(bias)
+    if alibi_slopes is not None:
+        masked = masked + alibi_bias(alibi_slopes, masked.shape, causal_alignment)
+    grid = mod_indices(masked.shape)
+    if score_mod is not None:
+        masked = np.broadcast_to(_f64(score_mod(masked, *grid)), masked.shape)
     q_len, kv_len = scores.shape[-2:]
     allowed = np.broadcast_to(
         structural_mask(
@@ -111,6 +170,10 @@ def attention(
         ),
         masked.shape,
     )
+    allowed = allowed & rule_mask(masked.shape, causal_alignment=causal_alignment,
+                                  chunk_size=chunk_size, segment_ids=segment_ids)
+    if mask_mod is not None:
+        allowed = allowed & np.asarray(mask_mod(*grid), dtype=bool)
     if mask is not None:
         allowed = allowed & np.asarray(mask, dtype=bool)
     allowed = allowed & (masked != -np.inf)  # a bias of -inf masks its position too
@@ -134,6 +197,17 @@ def attention(
         kept = weights * np.asarray(dropout_mask, dtype=bool) / (1.0 - dropout_p)
     output = np.einsum("...qk,...kd->...qd", kept, v)
     return Steps(scores=scores, masked_scores=masked, weights=weights, output=output, lse=lse)
+
+
+def mod_indices(shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+    """``(batch, head, q_idx, kv_idx)`` of ``spec.MOD_INDICES`` for scores of ``shape``:
+    the flat batch index ``(..., 1, 1, 1)`` (0-d without batch axes), the head ``(heads, 1,
+    1)`` (0-d for 2-D scores), ``q_idx (q_len, 1)`` and ``kv_idx (kv_len,)``, int64."""
+    batch_axes = tuple(shape[:-3])
+    batch = (np.arange(int(np.prod(batch_axes, dtype=np.int64))).reshape(batch_axes + (1, 1, 1))
+             if batch_axes else np.zeros((), np.int64))
+    head = np.arange(shape[-3]).reshape(-1, 1, 1) if len(shape) >= 3 else np.zeros((), np.int64)
+    return batch, head, np.arange(shape[-2])[:, None], np.arange(shape[-1])
 
 
 def sink_column(sinks: Any, ndim: int) -> np.ndarray:
@@ -187,7 +261,9 @@ def attention_vjp(
     Independent of the backends' backward passes: the softmax is differentiated through its
     Jacobian ``diag(w) - w wᵀ`` row by row (``np.einsum``) over every column, the sink's
     included (its value is 0, and ``d lse / d column = w``), kv heads are repeated and their
-    gradients folded back, and the soft-cap derivative is ``sech²``.
+    gradients folded back, the soft-cap derivative is ``sech²`` and ``score_mod``'s its
+    ``derivative`` method (the harness's mods have one, ``conformance.mods``); ALiBi's slopes
+    are constants (no gradient).
     """
     q, k, v = _f64(query), _f64(key), _f64(value)
     d_out = _f64(grad_output)
@@ -227,6 +303,14 @@ def attention_vjp(
         grad_sinks = (sink_grads.reshape(-1, *np.shape(sinks), sink_grads.shape[-1]).sum((0, 2))
                       if weights.ndim >= 3 else sink_grads.sum(keepdims=True))
         grad_scores = grad_scores[..., :kv_len]
+    score_mod = options.get("score_mod")
+    if score_mod is not None:  # through score_mod, at the scores it was given
+        pre = steps.scores + (0.0 if options.get("bias") is None else _f64(options["bias"]))
+        if options.get("alibi_slopes") is not None:
+            pre = pre + alibi_bias(options["alibi_slopes"], pre.shape,
+                                   options.get("causal_alignment", "top_left"))
+        slope = _f64(score_mod.derivative(pre, *mod_indices(pre.shape)))
+        grad_scores = np.where(np.isneginf(steps.masked_scores), 0.0, grad_scores * slope)
     bias = options.get("bias")
     grad_bias = None if bias is None else unbroadcast(grad_scores, np.shape(bias))
     softcap = options.get("softcap")

@@ -8,40 +8,25 @@ per input signature where the backend compiles, ``Backend.function``) and caches
 several steps share (``scaled_dot_product_attention`` gives ``output`` and ``output_weights``).
 The row log-sum-exp is a call of its own (``return_lse=True`` without the weights), so a module
 whose lse is wrong, or that does not take ``return_lse``, fails that step alone; composite
-steps (merging split keys, a paged cache) are ``conformance.composite``'s. To compare a new
+steps (merging split keys, a paged cache) are ``conformance.composite``'s, a packed batch's
+calls ``conformance.calls.varlen``'s (its offsets closed over, on the host). To compare a new
 step: give it an expected value in ``expected.pipeline`` and add a ``Step`` here.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from . import calls as calls_mod
 from . import cases as cases_mod
-from . import composite, module_steps, spec
+from . import composite, mods, module_steps, spec
 from .backends import Backend, numpy_dtype
+from .calls import Call
 from .expected import GRAD_STEPS, Expected
-
-_SDPA_ARRAY_OPTIONS = ("mask", "bias", "dropout_mask", "sinks")
-
-
-@dataclass(frozen=True)
-class Call:
-    """One call of a backend function: ``fn(*args, **kwargs)`` on NumPy arrays; the keyword
-    arguments that are not arrays are static (a compiled program is specialised to them)."""
-
-    key: str  # the execution's cache key
-    fn: str
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any] = field(default_factory=dict)
-
-    def static(self) -> tuple[str, ...]:
-        """The names of the static keyword arguments."""
-        return tuple(sorted(k for k, v in self.kwargs.items() if not isinstance(v, np.ndarray)))
 
 
 class Execution:
@@ -69,9 +54,7 @@ class Execution:
 
     def to_numpy(self, result: Any) -> Any:
         """Backend array (or a tuple of them, None entries kept) → NumPy."""
-        if isinstance(result, tuple):
-            return tuple(None if x is None else self.backend.to_numpy(x) for x in result)
-        return self.backend.to_numpy(result)
+        return calls_mod.to_numpy(self.backend, result)
 
     def cached(self, key: str, compute: Callable[[], Any]) -> Any:
         """``compute()`` once per execution."""
@@ -97,45 +80,7 @@ class Execution:
 
     def prefetch(self, calls: Iterable[Call]) -> None:
         """On a compiling backend, make every call not yet made in one compiled program."""
-        todo = [c for c in calls if c.key not in self.cache]
-        if not self.backend.compiles or len(todo) < 2:
-            return
-        arrays: list[np.ndarray] = []
-
-        def slot(x: Any) -> tuple[str, Any]:
-            if not isinstance(x, np.ndarray):
-                return ("static", x)
-            for i, known in enumerate(arrays):
-                if known is x:
-                    return ("array", i)
-            arrays.append(x)
-            return ("array", len(arrays) - 1)
-
-        layout = tuple((c.fn, tuple(slot(a) for a in c.args),
-                        tuple(sorted((k, slot(v)) for k, v in c.kwargs.items()))) for c in todo)
-        module = self.module
-
-        def build() -> Callable[..., Any]:
-            def together(*xs: Any) -> tuple[Any, ...]:
-                def value(s: tuple[str, Any]) -> Any:
-                    return xs[s[1]] if s[0] == "array" else s[1]
-
-                return tuple(getattr(module, fn)(*(value(s) for s in args),
-                                                 **{k: value(s) for k, s in kwargs})
-                             for fn, args, kwargs in layout)
-
-            return together
-
-        try:
-            functions = tuple(id(getattr(module, c.fn)) for c in todo)  # a patched one: anew
-            fn = self.backend.compiled(("together", layout, functions), build)
-            with warnings.catch_warnings(), np.errstate(all="ignore"):
-                warnings.simplefilter("ignore")
-                results = fn(*(self.to_backend(x) for x in arrays))
-        except Exception:  # noqa: BLE001 - each step then calls on its own and says why
-            return
-        for call, res in zip(todo, results, strict=True):
-            self.cache[call.key] = self.to_numpy(res)
+        calls_mod.prefetch(self.backend, self.cache, calls)
 
     def compute_input(self, step: str) -> np.ndarray:
         """The reference value of ``step`` in the compute dtype (the input of the next step)."""
@@ -168,9 +113,7 @@ class Execution:
         return Call("weights", "attention_weights", (self.compute_input("masked_scores"),))
 
     def _sdpa_kwargs(self) -> dict[str, Any]:
-        a = self.exp.data.arrays
-        extra = {k: v for k, v in a.items() if k in _SDPA_ARRAY_OPTIONS}
-        return {**extra, **cases_mod.sdpa_options(self.exp.data.options)}
+        return mods.sdpa_kwargs(self.exp.data.arrays, self.exp.data.options)
 
     @property
     def returns_weights(self) -> bool:
@@ -197,8 +140,8 @@ class Execution:
 
     def _blockwise_kwargs(self) -> dict[str, Any]:
         a = self.exp.data.arrays
-        kwargs = cases_mod.sdpa_options(self.exp.data.options)
-        kwargs.update({k: a[k] for k in ("bias", "kv_lengths", "sinks") if k in a})
+        kwargs = {k: v for k, v in self._sdpa_kwargs().items() if k != "mask"}
+        kwargs.update({k: a[k] for k in ("kv_lengths",) if k in a})
         kwargs.update(cases_mod.BLOCKWISE_TILES)
         return kwargs
 
@@ -230,8 +173,9 @@ class Execution:
         return self.cached("module", lambda: module_steps.forward(self.backend, self.exp))
 
     def module_backward(self) -> np.ndarray:
-        """The module's ``backward`` (weight gradients), flattened in sorted name order."""
-        return self.cached("backward", lambda: module_steps.backward(self.backend, self.exp))
+        """The module's ``parameter_gradients``, flattened in sorted name order."""
+        return self.cached("backward",
+                           lambda: module_steps.parameter_gradients(self.backend, self.exp))
 
     def module_decode(self) -> np.ndarray:
         """Decode ``x`` chunk by chunk with the module's ``decode`` and a KV cache."""
@@ -240,6 +184,21 @@ class Execution:
     def merged(self) -> tuple[np.ndarray, np.ndarray]:
         """A merge case: ``merge_attention`` of the parts' own attention (``composite``)."""
         return self.cached("merge", lambda: composite.merged(self.backend, self.exp))
+
+    def varlen(self, what: str) -> Any:
+        """A varlen case's ``calls.VARLEN_CALLS[what]``; on a compiling backend the three calls
+        are first tried in one program."""
+        if self.backend.compiles and "varlen:all" not in self.cache:
+            self.cache["varlen:all"] = True
+            try:
+                with np.errstate(all="ignore"):
+                    done = calls_mod.varlen(self.backend, self.exp, tuple(calls_mod.VARLEN_CALLS))
+                self.cache.update({f"varlen:{w}": r for w, r in zip(calls_mod.VARLEN_CALLS,
+                                                                     done, strict=True)})
+            except Exception:  # noqa: BLE001 - each step then calls on its own and says why
+                pass
+        return self.cached(f"varlen:{what}",
+                           lambda: calls_mod.varlen(self.backend, self.exp, (what,))[0])
 
     def paged_cache(self) -> np.ndarray:
         """A paged case decoded from the module's own ``PagedKVCache`` (``composite``)."""
@@ -264,6 +223,8 @@ class Step:
     pick: int | None = None
     #: A ``spec.PLUGIN_FEATURES`` name the step needs beyond the case's own.
     feature: str | None = None
+    #: Whether the step applies to a case that has its expected value.
+    applies: Callable[[Expected], bool] = lambda exp: True
 
 
 def _sdpa_calls(exe: Execution) -> tuple[Call, ...]:
@@ -321,6 +282,17 @@ def _lse_step(blockwise: bool) -> Callable[[Execution], np.ndarray]:
     return run
 
 
+def _varlen_grad(index: int) -> Callable[[Execution], np.ndarray]:
+    def run(exe: Execution) -> np.ndarray:
+        grads = exe.varlen("vjp")
+        if not isinstance(grads, tuple) or len(grads) <= index or grads[index] is None:
+            names = GRAD_STEPS[:3] + GRAD_STEPS[4:]
+            raise ValueError(f"varlen_attention_vjp returned no {names[index]}")
+        return grads[index]
+
+    return run
+
+
 STEPS: dict[str, Step] = {
     s.name: s
     for s in (
@@ -329,7 +301,8 @@ STEPS: dict[str, Step] = {
              _needs("attention_scores")),
         Step("masked_scores", ("sdpa",), lambda exe: exe.result(exe.masked_call()), "compute",
              "mask_scores(reference scores, mask, bias, is_causal, causal_alignment, window)",
-             lambda exe: (exe.masked_call(),), _needs("mask_scores")),
+             lambda exe: (exe.masked_call(),), _needs("mask_scores"),
+             applies=lambda exp: not mods.uses_mods(exp.data)),
         Step("weights", ("sdpa",), lambda exe: exe.result(exe.weights_call()), "compute",
              "attention_weights(reference masked scores)", lambda exe: (exe.weights_call(),),
              _needs("attention_weights")),
@@ -379,16 +352,28 @@ STEPS: dict[str, Step] = {
         Step("paged_cache_output", ("paged",), lambda exe: exe.paged_cache(), "input",
              "PagedKVCache: append (pages reused after a free), then attend: equals the "
              "contiguous attention", needs=_needs("PagedKVCache")),
+        Step("varlen_output", ("varlen",), lambda exe: exe.varlen("forward"), "input",
+             "varlen_attention(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, ...): "
+             "each sequence's bottom-right attention", needs=_needs("varlen_attention")),
+        Step("varlen_lse", ("varlen",), lambda exe: composite.pair(exe.varlen(
+            "lse"), "varlen_attention(..., return_lse=True)")[1], "compute",
+             "varlen_attention(..., return_lse=True): the lse (heads, total_q)",
+             needs=_needs("varlen_attention"), pick=1, feature="lse"),
+        *(Step(f"varlen_{name}", ("varlen",), _varlen_grad(i), "input",
+               f"varlen_attention_vjp(..., grad_output, ...) -> {name}",
+               needs=_needs("varlen_attention_vjp"), pick=i)
+          for i, name in enumerate(GRAD_STEPS[:3] + GRAD_STEPS[4:])),  # no grad_bias
         Step("grad_weights", ("module",), lambda exe: exe.module_backward(), None,
-             "module.backward(inputs, grad_output): every weight's gradient, flattened in "
-             "sorted name order", needs=_needs_module("backward")),
+             "module.parameter_gradients(inputs, grad_output): every weight's gradient, "
+             "flattened in sorted name order", needs=_needs_module("parameter_gradients")),
     )
 }
 
 
 def steps_for(exp: Expected, only: Iterable[str] | None = None) -> list[Step]:
     """The steps that apply to a case (those with an expected value), optionally restricted."""
-    chosen = [s for s in STEPS.values() if exp.kind in s.kinds and s.name in exp.values]
+    chosen = [s for s in STEPS.values()
+              if exp.kind in s.kinds and s.name in exp.values and s.applies(exp)]
     if only is not None:
         keep = set(only)
         chosen = [s for s in chosen if s.name in keep]

@@ -23,7 +23,8 @@ LAYOUT = "bshd"
 # attends float64 inputs in float32; this thin wrapper leaves bad inputs to jax.nn's own errors
 # and passes on neither attention sinks nor the row log-sum-exp (so no merge either).
 UNSUPPORTED = {"bottom_right", "softcap", "dropout", "return_weights", "2d_inputs", "v_dim",
-               "float64", "sinks", "lse", "errors"}
+               "float64", "sinks", "lse", "errors", "chunked", "alibi", "segments", "score_mod",
+               "mask_mod"}
 
 
 def asarray(x: np.ndarray) -> jax.Array:

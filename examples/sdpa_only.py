@@ -8,7 +8,8 @@ lists the spec's other functions and modules once, as not provided. From the rep
 It validates its arguments with the project's shared rules (``attention_rules``), so bad inputs
 raise the spec's exceptions too, and computes the pipeline of the spec in NumPy, attention sinks
 (one more softmax column without a value) and the row log-sum-exp (``return_lse``) included. It
-has no ``merge_attention``: the merge cases are listed once, as not provided.
+has no ``merge_attention``: the merge cases are listed once, as not provided. It declares
+chunked attention, ALiBi, segment ids and the mods unsupported (``UNSUPPORTED``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import numpy as np
 import attention_rules as rules
 
 FN = "scaled_dot_product_attention"
+#: The arguments of chunked attention, ALiBi, segment ids and the mods are not taken here: the
+#: cases that use them are reported as unsupported (docs/checking.md).
+UNSUPPORTED = {"chunked", "alibi", "segments", "score_mod", "mask_mod"}
 
 
 def _describe(name: str, x: Any) -> tuple[tuple[int, ...], str] | None:

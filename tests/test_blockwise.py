@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conformance import backends, cases, compare, expected
+from conformance import backends, cases, compare, expected, mods
 
 TILES = cases.BLOCKWISE_TILES  # block_q 2, block_kv 3: neither divides 5 or 7
 BLOCKWISE_OPTIONS = ("bias", "kv_lengths", "sinks")
@@ -48,8 +48,9 @@ def _all_features(rng: np.random.Generator) -> cases.CaseData:
 
 
 ALL_FEATURES = cases.Case("all_features", "every blockwise option at once", _all_features)
-CASES = {c.name: c for c in cases.CASES
-         if c.kind == "sdpa" and expected.blockwise_applies(c.data())}
+CASES = {c.name: c for c in cases.CASES  # chunks, ALiBi, ids, mods: test_masks_and_mods.py
+         if c.kind == "sdpa" and expected.blockwise_applies(c.data())
+         and not mods.uses_mods(c.data())}
 CASES[ALL_FEATURES.name] = ALL_FEATURES
 GRAD_CASES = ("causal_bottom_right_q_longer", "window_causal_bottom_right", "bias", "kv_lengths",
               "mqa", "softcap", "all_features")

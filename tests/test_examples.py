@@ -57,7 +57,8 @@ WRONG_ATTENTION_FAILS = {
                               "merge_empty_split_sinks_gqa", "merge_four_splits_huge"),
     "wrong causal alignment": ("causal_bottom_right", "causal_bottom_right_q_longer",
                                "window_causal_bottom_right", "single_query_causal",
-                               "sinks_bottom_right_q_longer"),
+                               "sinks_bottom_right_q_longer", "chunked_causal_bottom_right",
+                               "alibi_causal_bottom_right", "segment_ids_bottom_right"),
 }
 
 

@@ -13,6 +13,7 @@ over an earlier export). Each file holds:
 * ``baseline:<step>``: the measured error of the naive implementation in that dtype;
 * ``zeros:<step>``: positions that must be exactly 0;
 * ``any:<step>``: positions where the spec's NaN rule allows any value (format 2);
+* ``table:mask_mod``, ``table:score_mod``: a case's mods tabulated (format 3, below);
 * ``meta``: JSON (case, dtype, kind, scalar options, input dtypes, format).
 
 Everything loads without pickles. ``check(DIR, backends)`` verifies the checksums and runs the
@@ -40,8 +41,20 @@ prints one line naming the file and exits with code 2), found before any backend
   least one ``expected:<step>`` of a step the harness knows, each with its 0-d
   ``baseline:<step>``, and ``zeros:``/``any:`` masks of their step's shape; a merge case's
   ``parts`` an int in ``[1, MAX_PARTS]`` and its ``key_part`` ints ``(kv_len,)`` in
-  ``[0, parts)``. ``check`` also requires ``meta``'s case and dtype to be those of the file's
+  ``[0, parts)``; a varlen case's offsets ``(N + 1,)`` ints from 0 to its tokens,
+  non-decreasing, ``max_q``/``max_k`` at least the longest sequence; a mod option naming a mod
+  of ``conformance.mods`` with its parameters, its arrays and the slopes and segment ids shaped
+  as their rule needs, and the ``table:`` arrays exactly the tabulation of the file's own mod
+  (``packed``). ``check`` also requires ``meta``'s case and dtype to be those of the file's
   name.
+
+Packed batches, chunks, ALiBi, segment ids and mods (``packed``): a varlen case's inputs are
+``in:query``/``key``/``value`` tokens first with ``in:cu_seq_q``, ``in:cu_seq_k`` (int32) and
+its options ``max_q``, ``max_k``, ``window_size``, ``enable_gqa`` in ``meta``; an sdpa case
+carries ``in:alibi_slopes``, ``in:q_segment_ids``/``in:kv_segment_ids``, option ``chunk_size``,
+and a mod as its option (name and parameters), its input arrays ``in:mod_*`` and, for a kernel
+author, ``table:mask_mod`` (bool, the scores' shape: the mask_mod evaluated everywhere) and
+``table:score_mod`` (float64: an additive score mod's bias).
 
 ``export`` and ``load`` trust the path they are given (``load`` follows a symlink you name);
 they distrust the contents.

@@ -14,11 +14,13 @@ from .. import steps as steps_mod
 from ..backends import BFLOAT16, DTYPES
 from ..cases import CaseData
 from ..expected import Expected
+from ..mods import ModError
 from ..usage import UsageError
+from . import packed
 from .untrusted import read_file, read_npz
 
-FORMAT = 2
-READABLE_FORMATS = (1, 2)  # format 1: no ``any:`` arrays
+FORMAT = 3
+READABLE_FORMATS = (1, 2, 3)  # format 1: no ``any:`` arrays; 2: no ``table:`` arrays
 
 #: Largest golden ``.npz`` file hashed or loaded (a full export's largest is well under 1 MiB).
 MAX_FILE_BYTES = 256 * 2**20
@@ -26,13 +28,14 @@ MAX_FILE_BYTES = 256 * 2**20
 INPUT_DTYPES = (*DTYPES, "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
                 "uint64")
 #: Option keys a case of each kind may carry.
-OPTION_KEYS = {"sdpa": frozenset(cases_mod.SDPA_OPTIONS),
+OPTION_KEYS = {"sdpa": frozenset({*cases_mod.SDPA_OPTIONS, "mask_mod", "score_mod"}),
                "merge": frozenset({*cases_mod.SDPA_OPTIONS, "parts"}),
                "paged": frozenset({"scale", "softcap"}),
+               "varlen": packed.VARLEN_OPTIONS,
                "module": frozenset({"module", "init", "forward", "decode"})}
 #: The most parts a merge case may split its keys into (the cases use 2 to 4).
 MAX_PARTS = 16
-_KINDS = ("in", "expected", "baseline", "zeros", "any")
+_KINDS = ("in", "expected", "baseline", "zeros", "any", "table")
 _SCALARS = (type(None), bool, int, float, str)
 
 
@@ -63,6 +66,7 @@ def save(exp: Expected, path: str | Path) -> None:
         arrays[f"zeros:{step}"] = np.ascontiguousarray(zeros)
     for step, free in exp.unspecified.items():
         arrays[f"any:{step}"] = np.ascontiguousarray(free)
+    arrays.update(packed.tables(exp.kind, exp.data))  # a mod as its mask or bias
     meta = {"case": exp.case, "dtype": exp.dtype, "kind": exp.kind,
             "options": exp.data.options, "input_dtypes": input_dtypes, "format": FORMAT}
     arrays["meta"] = np.array(json.dumps(meta))
@@ -82,7 +86,13 @@ def _check_options(options: Any, case: cases_mod.Case, where: str) -> None:
         raise GoldenError(f"{where}: meta options {', '.join(map(str, unknown))} are not options "
                           f"of a {case.kind} case")
     for name, value in options.items():
-        if name == "window":
+        try:
+            ok = packed.check_option(name, value)
+        except ModError as exc:
+            raise GoldenError(f"{where}: meta option {name}: {exc}") from None
+        if ok is not None:
+            pass
+        elif name == "window":
             ok = value is None or (isinstance(value, list) and len(value) == 2 and all(
                 v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in value))
         elif name == "decode":
@@ -178,6 +188,7 @@ def parse(data: bytes, label: str) -> Expected:
     zeros: dict[str, np.ndarray] = {}
     unspecified: dict[str, np.ndarray] = {}
     extra: dict[str, dict[str, np.ndarray]] = {"baseline": {}, "zeros": {}, "any": {}}
+    tables: dict[str, np.ndarray] = {}
     for key, x in arrays.items():
         if key == "meta":
             continue
@@ -195,6 +206,8 @@ def parse(data: bytes, label: str) -> Expected:
             if declared in DTYPES and declared != dtype:
                 raise GoldenError(f"{label}: {key} is {declared} in a {dtype} file")
             data_.arrays[name] = _restore(x, declared)
+        elif kind == "table":
+            tables[key] = x
         elif kind == "expected":
             if name not in steps_mod.STEPS:
                 raise GoldenError(f"{label}: {key} is not a step this harness knows")
@@ -210,6 +223,13 @@ def parse(data: bytes, label: str) -> Expected:
         _check_split(data_, label)
     if meta["kind"] == "paged":
         _check_pages(data_, label)
+    for name in ("window", "window_size"):
+        if isinstance(data_.options.get(name), list):
+            data_.options[name] = tuple(data_.options[name])
+    problem = packed.check_inputs(meta["kind"], data_) or packed.check_tables(
+        tables, meta["kind"], data_)
+    if problem:
+        raise GoldenError(f"{label}: {problem}")
     if not values:
         raise GoldenError(f"{label}: no expected:<step> array")
     for kind, found in extra.items():
@@ -228,8 +248,6 @@ def parse(data: bytes, label: str) -> Expected:
     for name in values:
         if name not in baseline:
             raise GoldenError(f"{label}: expected:{name} has no baseline:{name}")
-    if data_.options.get("window") is not None:
-        data_.options["window"] = tuple(data_.options["window"])
     return Expected(meta["case"], meta["kind"], dtype, data_, values, baseline, zeros,
                     unspecified)
 

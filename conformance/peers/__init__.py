@@ -12,7 +12,9 @@ adapters and what they cannot express:
 ``torch_flex``              ``torch.flex`` (``torch.nn.attention.flex_attention``, eager, with
                             the row log-sum-exp)
 ``jax_nn``                  ``jax.nn`` (``jax.nn.dot_product_attention``, with the row
-                            log-sum-exp of ``return_residual=True``)
+                            log-sum-exp of ``return_residual=True``) and ``jax.nn[lengths]``
+                            (padding as ``query_seq_lengths`` / ``key_value_seq_lengths``; packed
+                            batches, padded)
 ``keras_ops``               ``keras[numpy]``, ``keras[jax]``, ``keras[torch]``
                             (``keras.ops.dot_product_attention``), one worker process per Keras
                             backend (``keras_worker``)
@@ -21,7 +23,9 @@ adapters and what they cannot express:
 ``transformers_gpt_oss``    ``transformers.gpt_oss`` (GPT-OSS's ``eager_attention_forward``: the
                             attention sinks' reference semantics; the cases with sinks)
 ``onnx_attention``          ``onnxruntime`` (one ONNX ``Attention`` node: opset 24, the CPU
-                            kernel; opset 25 for a window, the function body)
+                            kernel; opset 25 for a window, the function body) and
+                            ``onnxruntime[nonpad]`` (key padding as ``nonpad_kv_seqlen``;
+                            packed batches, padded)
 ``inputs``                  a case's inputs in the peers' conventions (4-D, BTNH, joined masks,
                             n/a), shared by every adapter
 ==========================  =====================================================================
@@ -96,6 +100,7 @@ PEERS: tuple[Peer, ...] = (
     Peer("torch.MHA[sdpa]", "torch", install_command("torch"), torch_nn.torch_mha_sdpa),
     Peer("torch.flex", "torch", install_command("torch"), torch_flex.torch_flex),
     Peer("jax.nn", "jax", install_command("jax"), jax_nn.jax_nn),
+    Peer("jax.nn[lengths]", "jax", install_command("jax"), jax_nn.jax_nn_lengths),
     Peer("keras[numpy]", "keras", install_command("keras"), keras_ops.keras_numpy),
     Peer("keras[jax]", "keras", install_command("keras", "jax"), keras_ops.keras_jax, ("jax",)),
     Peer("keras[torch]", "keras", install_command("keras", "torch"), keras_ops.keras_torch,
@@ -109,6 +114,8 @@ PEERS: tuple[Peer, ...] = (
          transformers_gpt_oss.transformers_gpt_oss, ("torch",)),
     Peer("onnxruntime", "onnxruntime", install_command("onnxruntime", "onnx"),
          onnx_attention.onnxruntime_attention, ("onnx",)),
+    Peer("onnxruntime[nonpad]", "onnxruntime", install_command("onnxruntime", "onnx"),
+         onnx_attention.onnxruntime_nonpad, ("onnx",)),
 )
 
 

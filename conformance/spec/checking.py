@@ -17,7 +17,11 @@ PLUGIN_CONTRACT = (
     'LAYOUT = "bshd" its query, key, value (and their gradients and the output) are '
     "(..., seq, heads, head_dim); masks, bias and weights keep (..., heads, q_len, kv_len), "
     "the lse (..., heads, q_len). Attention sinks, the row log-sum-exp and merge_attention are "
-    "checked like everything else: a module without them declares sinks, lse or merge."
+    "checked like everything else: a module without them declares sinks, lse or merge; so are "
+    "packed batches (varlen_attention) and chunk_size, alibi_slopes, segment_ids, score_mod "
+    "and mask_mod (varlen, chunked, alibi, segments, score_mod, mask_mod). A mod reaches the "
+    "module as a callable with FlexAttention's signature that works on NumPy, jax and torch "
+    "arrays (conformance.mods)."
 )
 
 #: What a checked module may declare it does not support (``UNSUPPORTED = {...}``): each name,
@@ -40,6 +44,13 @@ PLUGIN_FEATURES = {
     "lse": "return_lse=True: the row log-sum-exp (LOG_SUM_EXP); merge cases need it too",
     "merge": "merge_attention of partial results over split keys (MERGING)",
     "paged": "decoding from a paged KV cache (block table, pages, per-sequence lengths)",
+    "varlen": "packed variable-length batches: varlen_attention, its VJP, pack_sequences and "
+              "unpack_sequences (VARLEN)",
+    "chunked": "chunk_size: chunked local attention (CHUNKED)",
+    "alibi": "alibi_slopes: ALiBi (ALIBI)",
+    "segments": "segment_ids: packed documents (SEGMENT_IDS)",
+    "score_mod": "a score_mod callable (SCORE_MOD)",
+    "mask_mod": "a mask_mod callable (MASK_MOD)",
     "errors": "the bad inputs of ERRORS (exception type and message)",
     "float64": "float64 inputs",
     "float32": "float32 inputs",

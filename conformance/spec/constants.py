@@ -13,6 +13,8 @@ from __future__ import annotations
 # data of the spec, written once there (a test checks the spec's other restated constants).
 from attention_rules import FAST_PATHS  # noqa: F401 - data of the spec, shown in the docs
 
+from . import masks_and_mods, varlen
+
 #: A boolean mask's True means the query may attend to that key (as in torch SDPA, jax.nn and
 #: ONNX; the opposite of torch.nn.MultiheadAttention's ``key_padding_mask``/``attn_mask``).
 MASK_TRUE_MEANS = "attend"
@@ -235,6 +237,13 @@ ERRORS = {
     "merge_attention: outputs or lses not a list or tuple of arrays, or not floating point "
     "(see MERGING)": "TypeError",
 }
+#: The packed batches' rules (VARLEN_ERRORS) and those of chunks, ALiBi, segment ids and the
+#: mods (MASKS_AND_MODS_ERRORS) are rules of ERRORS too, the same in every backend; numpy_attn's
+#: NotImplementedError for a score_mod without a derivative is not a bad input (jax_attn and
+#: torch_attn differentiate it), so it stays in its chapter alone.
+ERRORS.update(varlen.VARLEN_ERRORS)
+ERRORS.update({rule: kind for rule, kind in masks_and_mods.MASKS_AND_MODS_ERRORS.items()
+               if kind != "NotImplementedError"})
 
 #: Tolerances of the conformance harness, per input dtype (flash-attention's rule). A step's
 #: result ``x`` passes against the float64 reference ``ref`` when

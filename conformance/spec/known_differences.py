@@ -21,7 +21,11 @@ log-sum-exp: torch FlexAttention (eager, CPU) returns it in natural log (not log
 half inputs and ``-inf`` for a fully masked row, as the spec, and differs only on a ``+inf``
 score; jax.nn's ``return_residual`` is natural log too. GPT-OSS's eager attention
 (``transformers.gpt_oss``) is the sinks' reference semantics and meets the spec on every case
-with sinks it can express, so it has no entry.
+with sinks it can express, so it has no entry. FlexAttention meets the spec on every chunked,
+ALiBi, segment-id, mod and packed case it can express (no sinks), in every dtype, so those have
+no entry either; the packed cases' differences are jax.nn's (``jax.nn[lengths]``: top-left,
+the float32 softmax and the lse fill, verified on the padded batch,
+``conformance.varlen_padding``) and ONNX's float64 and bfloat16 (``onnxruntime[nonpad]``).
 """
 
 from __future__ import annotations
@@ -139,6 +143,11 @@ _LSE_PLUS_INF = {
     "differs": "a row with a +inf score has lse +inf, not NaN",
 }
 
+#: The cases the padding-as-lengths peers (jax.nn[lengths], onnxruntime[nonpad]) compute: a
+#: padding mask and a packed batch (unpacked into a padded one).
+_LENGTHS = ["padding", "kv_lengths", "nan_key_masked", "varlen_causal_gqa"]
+_KEY_PADDING = ["kv_lengths", "nan_key_masked", "varlen_causal_gqa"]
+
 KNOWN_DIFFERENCES = {
     "torch.sdpa": [
         {**_TOP_LEFT, "cases": _BOTTOM_RIGHT,
@@ -209,6 +218,31 @@ KNOWN_DIFFERENCES = {
         {**_LSE_PLUS_INF,
          "why": "logsumexp(padded_logits) of a row holding +inf is +inf; the spec's lse, "
          "computed with the row maximum subtracted (inf - inf), is NaN there."},
+    ],
+    "jax.nn[lengths]": [
+        {**_TOP_LEFT, "cases": ["varlen_causal_gqa"],
+         "differs": "a packed batch's causal rule aligned top-left in each sequence, not "
+         "bottom-right",
+         "why": "is_causal of jax.nn.dot_product_attention is aligned top-left of the padded "
+         "block and query_seq_lengths / key_value_seq_lengths only cut its end, so a sequence "
+         "with q_len != kv_len gets the top-left rule where varlen_attention (torch, "
+         "flash-attn) aligns each sequence bottom-right; jax.nn has no per-sequence offset."},
+        {**_JAX_MEAN, "cases": ["kv_lengths"],
+         "why": "key_value_seq_lengths masks the padded keys with the same large finite "
+         "negative value as a mask, so a sequence with no key gets uniform weights over the "
+         "padded keys; query_seq_lengths would zero such rows, but they are not padded queries."},
+        {**_JAX_F32, "cases": _LENGTHS,
+         "why": "the lengths take the same XLA path as the mask: the softmax in float32."},
+        {"cases": ["padding", "kv_lengths", "varlen_causal_gqa"],
+         "dtypes": ["float64", "float32", "bfloat16"], "alternative": "lse_masking_fill",
+         "short": "lse fill", "differs": "a row with no key has lse about -2.4e38, not -inf",
+         "why": "the residual is logsumexp of the padded logits: padded query rows (whose "
+         "output query_seq_lengths zeroes afterwards) and rows without a key keep the finite "
+         "fill -0.7·finfo(float32).max (float16 rounds it to -inf on its way out)."},
+        {"cases": _LENGTHS, "dtypes": ["bfloat16", "float16"], "alternative": "lse_input_dtype",
+         "short": "lse in input dtype",
+         "differs": "the lse comes back in the input dtype (bfloat16, float16), not float32",
+         "why": "as jax.nn: the residual is cast to the key's dtype."},
     ],
     "torch.flex": [
         {**_LSE_PLUS_INF,
@@ -317,5 +351,23 @@ KNOWN_DIFFERENCES = {
          "why": "the CPU Attention kernel is registered for float32 and float16 only; "
          "bfloat16 falls back to the ONNX function body, whose Expand has no bfloat16 CPU "
          "kernel either."},
+    ],
+    "onnxruntime[nonpad]": [
+        {"cases": _KEY_PADDING, "dtypes": _F64, "alternative": "float32_scale",
+         "short": "f32 scale",
+         "differs": "float64: the scale is rounded through float32 (errors ~1e-7, not ~1e-16)",
+         "why": "as the onnxruntime column: float64 runs the ONNX function body (which takes "
+         "nonpad_kv_seqlen too), computing sqrt(scale) in float32."},
+        {**_MASKED_NAN, "dtypes": _F64,
+         "why": "float64 runs the ONNX function body, which turns nonpad_kv_seqlen into a bias "
+         "(0 or -inf) added to the scores, and NaN + (-inf) is NaN; the CPU kernel (float32, "
+         "float16) skips the padded keys and meets the spec."},
+        {"cases": _KEY_PADDING, "dtypes": ["bfloat16"], "alternative": "raises",
+         "raises": {"type": "RuntimeError",
+                    "match": "Could not find an implementation for Expand"},
+         "short": "no bf16 kernel",
+         "differs": "bfloat16: the session cannot be built (no CPU kernel)",
+         "why": "as the onnxruntime column: no bfloat16 CPU Attention kernel, and the function "
+         "body's Expand has none either."},
     ],
 }
