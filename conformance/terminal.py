@@ -21,13 +21,16 @@
 
 Every line fits ``width`` except a runnable reproducer's code, which stays runnable. The full
 detail — every cell's ratio, every failing step, each peer's reasons — is ``report.text``
-(``--verbose``), fitted to the same width.
+(``--verbose``), fitted to the same width. ``Progress`` is the bar on stderr while the cells
+run (a terminal only).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
+import sys
 
 from . import report, spec
 from .results import NOT_CHECKED, Cell, RunResult
@@ -47,7 +50,9 @@ R_LEGEND = ("r = worst |actual - expected| / bound over a cell's steps (r <= 1 p
 KEYS = {"numpy": "np", "jax": "jax", "torch": "pt", "torch.sdpa": "sdpa", "torch.MHA": "MHA",
         "torch.MHA[sdpa]": "MHAs", "jax.nn": "jnn", "keras[numpy]": "k:np", "keras[jax]": "k:jx",
         "keras[torch]": "k:pt", "flax.nnx": "nnx", "transformers.eager": "hf:e",
-        "transformers.sdpa": "hf:s", "onnxruntime": "ort"}
+        "transformers.sdpa": "hf:s", "transformers.gpt_oss": "hf:g", "torch.flex": "flex",
+        "onnxruntime": "ort", "jax.nn[lengths]": "jnnL",
+        "onnxruntime[nonpad]": "ortN"}
 #: The failing backend cells (and unexpected peer cells) the default report explains step by
 #: step; the others are counted (--verbose: all).
 MAX_FAILURES = 12
@@ -213,3 +218,26 @@ def text(result: RunResult, width: int = DEFAULT_WIDTH) -> str:
 
 __all__ = ["GLYPHS", "KEYS", "MAX_FAILURES", "R_LEGEND", "column_keys", "column_summary",
            "failing_cells", "known_differences", "matrix", "text"]
+
+
+class Progress:
+    """A tqdm bar on stderr while cells run, only on a terminal (silent when piped)."""
+
+    def __init__(self, total: int, enabled: bool | None = None) -> None:
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self._bar = None
+        if self.enabled and total and importlib.util.find_spec("tqdm") is not None:
+            from tqdm import tqdm
+            self._bar = tqdm(total=total, file=sys.stderr, leave=False, dynamic_ncols=True,
+                             bar_format="{n_fmt}/{total_fmt} cells {bar} {elapsed}{postfix}")
+
+    def tick(self, text: str) -> None:
+        """One cell more, named ``text``."""
+        if self._bar is not None:
+            self._bar.set_postfix_str(text, refresh=False)
+            self._bar.update(1)
+
+    def close(self) -> None:
+        """Clear the bar."""
+        if self._bar is not None:
+            self._bar.close()
