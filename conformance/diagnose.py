@@ -287,7 +287,7 @@ def _merge_replay(exp: Expected, lse_scale: float = 1.0, max_shift: bool = True,
     share = np.exp(lse - m)  # (parts, ..., q_len)
     total = share.sum(0)
     if sinks and "sinks" in a and not max_shift:
-        total = total + np.exp(reference.sink_column(a["sinks"], lse.ndim - 1)[..., 0])
+        total = total + np.exp(reference.sink_column(a["sinks"], lse.ndim)[..., 0])  # scores' rank
     out = sum(share[i][..., None] * r.output for i, r in enumerate(results))
     if max_shift:  # a correct merge, then the sinks as MERGING applies them
         total = np.where(total > 0, total, 1.0)
