@@ -38,7 +38,9 @@ from flax.nnx.nn.attention import dot_product_attention_weights  # noqa: E402
 from conformance import compare, spec  # noqa: E402
 from jax_attn.integrations import flax as fx  # noqa: E402
 
-jax.config.update("jax_enable_x64", True)  # float64 reference (as tests/jax_inputs.py)
+# The float64 reference needs JAX's x64 switch: on for each test of this file only (conftest's
+# ``x64_on``), never for the whole run, whose other tests see JAX's default.
+pytestmark = pytest.mark.usefixtures("x64_on")
 
 ROOT = Path(__file__).resolve().parent.parent
 HIGHEST = jax.lax.Precision.HIGHEST

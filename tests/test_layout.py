@@ -109,3 +109,19 @@ def test_code_files_stay_within_450_lines() -> None:
     long = [f"{path.relative_to(ROOT)}: {n} lines" for path in paths
             if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES]
     assert not long, f"over {MAX_LINES} lines (split by concept):\n" + "\n".join(long)
+
+
+def test_no_test_module_turns_jax_x64_on_for_the_whole_run() -> None:
+    """conftest's rule: a module-level ``jax.config.update("jax_enable_x64", ...)`` in a test
+    file would change what every later test sees (JAX's default is x64 off, what users get);
+    tests ask for the ``x64_on`` or ``x64`` fixture instead."""
+    offenders = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            call = node.value if isinstance(node, ast.Expr) else None
+            if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                    and call.func.attr == "update" and call.args
+                    and isinstance(call.args[0], ast.Constant)
+                    and call.args[0].value == "jax_enable_x64"):
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert not offenders, offenders
