@@ -6,6 +6,12 @@ frameworks are imported once). When a ```text block follows a python block (only
 between), the snippet's printed output must equal it, line by line, trailing spaces ignored.
 Snippets print rounded numbers, so no float normalisation is needed.
 
+The documented outputs are **regression goldens**: ``--update`` (below) writes them from the
+code, so they catch a change in what a snippet prints, not a wrong value. A number that matters
+is computed inside its snippet against an independent expectation (a float64 reference written
+out in plain NumPy, another framework, or another backend; never the value of the code it
+describes), and the claims the project rests on have their own tests.
+
 To refresh the documented outputs after a deliberate change::
 
     python tests/test_docs.py --update docs/backend_differences.md
