@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -102,10 +103,12 @@ def main(argv: list[str] | None = None) -> None:
     for backend in args.backends.split(","):
         for name, fn in makers[backend](q, grad, args.backward).items():
             runs[backend, name] = fn
+    load = os.getloadavg()[0]
     times = {key: statistics.median(t) for key, t in interleaved(runs, args.rounds).items()}
     what = "forward + backward" if args.backward else "forward"
     print(f"{args.tokens} tokens, batch 1, 8 heads, head_dim 64, float32, {what}; "
-          f"median of {args.rounds} rounds")
+          f"median of {args.rounds} rounds; load average {load:.1f} before, "
+          f"{os.getloadavg()[0]:.1f} after ({os.cpu_count()} cores)")
     print(f"{'backend':<8} {'variant':<16} {'ms':>9} {'ratio':>7} {'target':>8}")
     for (backend, name), seconds in times.items():
         line = f"{backend:<8} {name:<16} {seconds * 1e3:9.1f}"

@@ -30,7 +30,9 @@ row's denominator after the blocks and returns the row log-sum-exp they compute 
 its VJP gives the sinks' gradient; cuDNN is never taken then), ``jit``, ``vmap`` and
 ``grad``, and equals the explicit steps within float32 rounding, NaN and infinities included
 (``tests/test_performance_paths.py``). Its block sizes are the constants below, passed to
-``_blocked.py`` and ``_blocked_vjp.py`` at each call (the tests shrink them).
+``_blocked.py`` and ``_blocked_vjp.py`` at each call (the tests shrink them). A ``mask_mod``
+whose values, known at trace time, are exactly the top-left causal triangle (and no other
+rule but ``is_causal``) runs as ``is_causal=True`` (``_causal_mask_mod``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import attention_rules as rules
 
@@ -60,6 +63,7 @@ MIN_Q_LEN = _BLOCKED["min_q_len"]  # at least BLOCK_Q: a lax.map of whole blocks
 # With chunks, segment ids or mask_mod: at most this many static segments (each a lax.map of
 # its own: more compile, fewer products of tiles those rules empty)
 MOD_SEGMENTS = 16
+MOD_CHECK_ENTRIES = 1 << 22  # _causal_mask_mod: positions of the mod evaluated at once
 _FN = "scaled_dot_product_attention"  # the name in messages raised inside the custom VJP
 
 
@@ -136,6 +140,9 @@ def fast_attention(
     if mods is not None:  # what a mod returns is checked here, with the caller's name
         _check_mods(mods, query, key)
         mod_arrays = mods.arrays
+        if _causal_mask_mod(mods, args, query.shape[-2], key.shape[-2]):  # is_causal's path
+            args = args._replace(is_causal=True, causal_alignment="top_left", mask_mod=None)
+            mod_arrays = None
     output, lse = _blocked_attention_lse(args, query, key, value, mask, bias, sinks, mod_arrays)
     output = output.astype(query.dtype)
     return (output, lse[..., 0]) if args.return_lse else output
@@ -282,6 +289,34 @@ def _check_mods(mods: _core._Mods, query: jax.Array, key: jax.Array) -> None:
         jax.eval_shape(lambda s: _core._mods_scores(s[..., :rows, :], mods, 0, 0), scores)
     if mods.mask_mod is not None:
         jax.eval_shape(lambda: _core._mods_allowed(mods, 0, rows, 0, keys))
+
+
+def _causal_mask_mod(mods: _core._Mods, args: rules.Arguments, q_len: int, kv_len: int
+                     ) -> bool:
+    """jax only: whether the call's one rule beyond the causal rule is a ``mask_mod`` whose
+    values, known at trace time, are exactly the top-left causal triangle (row ``i`` sees the
+    keys ``j <= i``, in every batch entry and head; with ``is_causal`` top-left, a superset of
+    it). Then the call runs as ``is_causal=True`` without the mod: the causal path
+    (``_extras._triangle``) skips the same tiles, in fewer, larger products than the mod's
+    static segments (issue 24: a causal ``mask_mod`` at most 1.15× ``is_causal``). Evaluated
+    ``MOD_CHECK_ENTRIES`` entries at a time, from the first rows (a mod that is not causal is
+    mostly told at its first rows)."""
+    if mods.mask_mod is None or mods.chunk_size is not None or mods.q_ids is not None or \
+            mods.alibi is not None or mods.score_mod is not None or args.window is not None or \
+            (args.is_causal and rules.causal_offset(args.causal_alignment, q_len, kv_len)):
+        return False
+    step = max(1, MOD_CHECK_ENTRIES // max(kv_len, 1))
+    for q0 in range(0, q_len, step):
+        rows = min(step, q_len - q0)
+        with jax.ensure_compile_time_eval():
+            allowed = _core._mods_allowed(mods, q0, rows, 0, kv_len, ("mask_mod",))
+        if isinstance(allowed, jax.core.Tracer):
+            return False  # traced: unknown at trace time
+        triangle = (q0 + np.arange(rows))[:, None] >= np.arange(kv_len)  # (rows, kv_len)
+        allowed = np.broadcast_to(np.asarray(allowed), np.shape(allowed)[:-2] + triangle.shape)
+        if not ((allowed | ~triangle) if args.is_causal else allowed == triangle).all():
+            return False
+    return True
 
 
 def _blocks() -> tuple[int, int, int, int]:

@@ -250,3 +250,139 @@ def test_planted_blocked_path_ignoring_mask_mod_is_caught(monkeypatch):
         mods._replace(mask_mod=None), *rest))
     with pytest.raises(AssertionError, match="output"):
         _close("output", na.scaled_dot_product_attention(FQ, FK, FV, **options), backend, want)
+
+
+# ------------------------------------------------------------------------------------------
+# torch_attn's "sdpa_blocks": a causal triangle without a mask, parts of keys merged by lse
+# ------------------------------------------------------------------------------------------
+
+# square, 4 heads over 2, head_dim == v_dim (the split path's kernel needs both): 6 blocks of 8
+_S = np.random.default_rng(11)
+SQ, SK, SV = (_S.standard_normal((1, 4, 48, 8)), _S.standard_normal((1, 2, 48, 8)),
+              _S.standard_normal((1, 2, 48, 8)))
+SG = _S.standard_normal((1, 4, 48, 8))
+_I, _J = np.arange(48)[:, None], np.arange(48)
+# attention sinks and a window: keys 0-7 and the 17 keys up to the query's own; head 1, query 40
+# sees no key. Blocks of 32 rows and more skip a gap of keys; 32-39 end in a causal triangle.
+SINK_TABLE = np.broadcast_to((_J < 8) | ((_I - 16 <= _J) & (_J <= _I)), (4, 48, 48)).copy()
+SINK_TABLE[1, 40] = False
+
+
+def _torch_sdpa_blocks(monkeypatch):
+    """torch_attn with ``"sdpa_blocks"``' blocks of 8 rows and 8 keys, from any size."""
+    from torch_attn import _fast
+    for name, value in (("SDPA_ROWS", 8), ("SDPA_KEYS", 8), ("MIN_SCORES", 0),
+                        ("MIN_Q_LEN", 1)):
+        monkeypatch.setattr(_fast, name, value)
+    return _fast
+
+
+def _torch_against_reference(mask_mod, table, is_causal=False):
+    """Output and gradients of torch_attn with ``mask_mod`` against the float64 reference of
+    its tabulation ``table`` ``(heads, 48, 48)``."""
+    import torch
+
+    import torch_attn as ta
+    backend = backends.get("torch")
+    q, k, v = (torch.tensor(x, requires_grad=True) for x in (SQ, SK, SV))
+    out = ta.scaled_dot_product_attention(q, k, v, mask_mod=mask_mod, is_causal=is_causal)
+    out.backward(torch.tensor(SG))
+    want = expected(SQ, SK, SV, SG, *rules_as_mask_and_bias(1, 4, 48, 48, mask_table=table),
+                    is_causal=is_causal)
+    _close("output", out, backend, want)
+    for name, x in zip(("grad_query", "grad_key", "grad_value"), (q, k, v), strict=True):
+        _close(name, x.grad, backend, want)
+    return out
+
+
+def test_torch_causal_mask_mod_is_one_is_causal_call(monkeypatch):
+    """The triangles of a causal mask_mod are found and joined: ONE SDPA call over all rows and
+    keys with SDPA's own is_causal and no mask, as is_causal=True (issue 24's speed target)."""
+    pytest.importorskip("torch", reason="pip install torch")
+    from torch_attn import masks
+    _fast = _torch_sdpa_blocks(monkeypatch)
+    calls = []
+    sdpa = _fast.F.scaled_dot_product_attention
+    monkeypatch.setattr(_fast.F, "scaled_dot_product_attention", lambda *a, **kw: (
+        calls.append((a[0].shape[-2], a[1].shape[-2], kw.get("is_causal"),
+                      kw.get("attn_mask"))), sdpa(*a, **kw))[1])
+    _torch_against_reference(masks.causal_mod(), np.tril(np.ones((4, 48, 48), bool)))
+    assert calls == [(48, 48, True, None)], calls
+
+
+def test_torch_parts_of_keys_merged_by_lse(monkeypatch):
+    """Sinks and a window: the runs of rows call torch's CPU kernel once per part of their keys
+    (a causal triangle without a mask, the gap between sinks and window skipped), merged by
+    lse in a custom autograd.Function; a row without any key gives 0, gradient 0. Without that
+    private kernel (other torch versions) one masked call per run gives the same."""
+    torch = pytest.importorskip("torch", reason="pip install torch")
+    _fast = _torch_sdpa_blocks(monkeypatch)
+    table = torch.tensor(SINK_TABLE)
+    mod = lambda b, h, q, k: table[h, q, k]  # noqa: E731
+    runs = _spy(monkeypatch, _fast, "_flash_parts")
+    out = _torch_against_reference(mod, SINK_TABLE)
+    kinds = {kind for args, _ in runs for _, _, kind in args[5]}  # (rows, k, v, r0, k0, parts
+    spans = [(args[3], args[3] + args[0].shape[-2], args[5]) for args, _ in runs]  # ...)
+    assert kinds == {"all", "causal", "mask"}, spans  # a triangle without a mask
+    assert all(len({k0 for k0, _, _ in parts}) > 1 for _, _, parts in spans)  # split
+    gaps = [parts for _, _, parts in spans if any(a[1] < b[0] for a, b in zip(
+        parts, parts[1:], strict=False))]  # the keys between sinks and window skipped
+    assert gaps and any(r0 <= 40 < r1 for r0, r1, _ in spans), spans  # the empty row too
+    assert not out[0, 1, 40].detach().any()
+    monkeypatch.setattr(_fast, "_FLASH_CPU", None)
+    runs.clear()
+    _torch_against_reference(mod, SINK_TABLE)
+    assert not runs
+
+
+def test_planted_torch_triangle_and_ignored_mask_mod_are_caught(monkeypatch):
+    """Two planted bugs in the torch plan, each rejected by the reference check: every run of
+    partly masked tiles taken for a causal triangle; the plan ignoring mask_mod."""
+    torch = pytest.importorskip("torch", reason="pip install torch")
+    from torch_attn import _extras, masks
+    _fast = _torch_sdpa_blocks(monkeypatch)
+    table = torch.tensor(SINK_TABLE)
+    sink_mod = lambda b, h, q, k: table[h, q, k]  # noqa: E731
+    _torch_against_reference(masks.causal_mod(), np.tril(np.ones((4, 48, 48), bool)))
+    def eager(allowed, row, tri, *rest):  # any run of SOME tiles "is" a triangle
+        tri[(row == 1) & np.r_[True, row[:-1] != 1]] = True
+
+    with monkeypatch.context() as planted:
+        planted.setattr(_extras, "_find_triangles", eager)
+        with pytest.raises(AssertionError, match="output"):
+            _torch_against_reference(sink_mod, SINK_TABLE)
+    plan = _fast._mods_plan  # the plan forgets mask_mod
+    monkeypatch.setattr(_fast, "_mods_plan", lambda mods, *rest: plan(
+        mods._replace(mask_mod=None), *rest))
+    with pytest.raises(AssertionError, match="output"):
+        _torch_against_reference(masks.causal_mod(), np.tril(np.ones((4, 48, 48), bool)))
+
+
+def test_jax_exactly_causal_mask_mod_takes_the_causal_path(monkeypatch):
+    """jax_attn: a mask_mod whose values are exactly the causal triangle runs as is_causal=True
+    (the mod evaluated at trace time, not recognised by name), against the float64 reference
+    under jit; one position short of the triangle keeps the mod (traced only: no compile)."""
+    jax = pytest.importorskip("jax", reason="pip install jax")
+    import jax_attn as ja
+    from jax_attn import _fast, masks
+    for name, value in (("BLOCK_Q", 8), ("BLOCK_KV", 8), ("MIN_SCORES", 0), ("MIN_Q_LEN", 8),
+                        ("BLOCKED_PLATFORMS", (jax.default_backend(),))):
+        monkeypatch.setattr(_fast, name, value)
+    backend = backends.get("jax")
+    _ = backend.module  # float64 on, as for every jax test of the harness
+    calls = _spy(monkeypatch, _fast, "_blocked_attention_lse")
+    q, k, v, g = (backend.asarray(x) for x in (SQ, SK, SV, SG))
+    causal = np.tril(np.ones((4, 48, 48), bool))
+    grads = jax.jit(lambda q, k, v, g: ja.scaled_dot_product_attention_vjp(
+        q, k, v, g, mask_mod=masks.causal_mod()))(q, k, v, g)
+    want = expected(SQ, SK, SV, SG, *rules_as_mask_and_bias(1, 4, 48, 48, mask_table=causal))
+    for name, x in zip(("grad_query", "grad_key", "grad_value"), grads[:3], strict=True):
+        _close(name, x, backend, want)
+    assert {(args[0].is_causal, args[0].mask_mod) for args, _ in calls} == {(True, None)}
+    calls.clear()
+    almost = causal.copy()
+    almost[:, 30, 2] = False
+    table = backend.asarray(almost)
+    jax.eval_shape(lambda q, k, v: ja.scaled_dot_product_attention(
+        q, k, v, mask_mod=lambda b, h, i, j: table[h, i, j]), q, k, v)
+    assert calls and all(args[0].mask_mod is not None for args, _ in calls)

@@ -35,13 +35,17 @@ the steps). It runs from ``MIN_SCORES`` score entries and ``MIN_Q_LEN`` queries:
   as the tiles (no score matrix either).
 
 ``"sdpa_blocks"``: chunks, ALiBi, segment ids or ``mask_mod`` (``spec.MASKS_AND_MODS``) without
-``score_mod``, from ``MIN_SCORES`` and ``MIN_Q_LEN``: SDPA per run of ``SDPA_ROWS`` query rows
-that see the same keys, against only those keys (the key blocks of ``SDPA_KEYS`` the band and
-the rules leave, ``_extras._mods_statuses``), with a boolean mask only over the key blocks they
-cut (or, with a bias or ALiBi, a float mask): the tiles the rules empty are never computed.
-With ``score_mod`` (or a soft-cap) the
-tiles of ``"blocked"`` run instead, without the tiles the rules empty, ``score_mod``
-differentiated per tile by autograd.
+``score_mod``, from ``MIN_SCORES`` and ``MIN_Q_LEN``: SDPA per run of query rows that see the
+same keys, against only those keys (the blocks of ``SDPA_ROWS`` rows and ``SDPA_KEYS`` keys the
+band and the rules leave, ``_extras._mods_plan``): the tiles the rules empty are never
+computed. A run's keys are parts: all allowed (no mask), SDPA's own causal triangle (found by
+evaluating the rules: a causal ``mask_mod`` is ONE call with ``is_causal=True``), partly
+allowed (a float mask), none (skipped). Several parts with a triangle or a gap go to torch's
+private CPU kernel, which returns the lse, once per part, merged by lse
+(``_extras._FlashParts``; without that kernel, in other torch versions, one masked call over
+the run's keys: ``_sdpa_blocks`` says when). With ``score_mod`` (or a soft-cap) the tiles of
+``"blocked"`` run instead, without the tiles the rules empty, ``score_mod`` differentiated per
+tile by autograd.
 
 Gradients: autograd (``_blocked_vjp.py`` says why there is nothing to write by hand).
 
@@ -62,7 +66,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
@@ -80,7 +83,7 @@ from ._core import (
     _mods_allowed,
     _to_compute,
 )
-from ._extras import _mods_statuses
+from ._extras import _FLASH_CPU, _FlashParts, _mods_plan, _sdpa_runs
 
 _BLOCKED = rules.FAST_PATHS["torch_attn"]["blocked"]
 MIN_SCORES = _BLOCKED["min_scores"]  # below this many score entries SDPA / the steps are as fast
@@ -90,6 +93,7 @@ BLOCK_KV = 512  # keys per tile; 256 × 512 beat 512 × 1024 and 128 × 512 (2,0
 MAX_TILE_FRACTION = _BLOCKED["max_tile_fraction"]  # window / bottom-right: tiles vs SDPA + mask
 SDPA_ROWS = 256  # "sdpa_blocks": query rows per block of the plan (runs of them are one call)
 SDPA_KEYS = 128  # "sdpa_blocks": keys per block of the plan (the mask covers only cut blocks)
+SDPA_MAX_PARTS = 4  # "sdpa_blocks": more parts of keys than this: one masked call for the run
 
 # CPU SDPA gives fully masked rows an output and a gradient of exactly 0 (checked on torch 2.13
 # by tests/test_torch_fast_path.py); other devices and older versions are not relied upon.
@@ -275,80 +279,159 @@ def _sdpa_blocks(
     mods: _Mods,
 ) -> torch.Tensor:
     """Chunks, ALiBi, segment ids or ``mask_mod`` without ``score_mod``: SDPA on each run of
-    ``SDPA_ROWS`` query rows that see the same keys, against only those keys (the key blocks
-    of ``SDPA_KEYS`` the band and ``mods`` leave, ``_extras._mods_statuses``), with a boolean
-    mask only where a key block is cut (or, with a bias or ALiBi, a float mask); rows that see
-    no key give 0. Fewer rows per call would skip more but cost more: SDPA on the CPU spreads
-    its work over (batch, heads, blocks of rows). Autograd runs through each SDPA call.
-    Output ``(..., heads, q_len, v_dim)`` in the input dtype."""
+    query rows that see the same keys, against only those keys. The rules are evaluated once
+    per group of blocks of ``SDPA_ROWS`` rows and ``SDPA_KEYS`` keys (``_extras._mods_plan``:
+    each tile ``ALL``, ``SOME`` or ``NONE``, and which runs of ``SOME`` tiles are exactly a
+    causal triangle); ``_extras._sdpa_runs`` joins the blocks of rows into runs and splits
+    their keys into parts (``"all"``, ``"causal"``, ``"mask"``, ``"none"``). A run is then:
+
+    * one part ``"all"`` or ``"causal"`` (no bias, ALiBi or boolean mask): one SDPA call
+      without a mask, SDPA's own ``is_causal`` for a triangle (a causal ``mask_mod`` joins all
+      its rows into one run: one call, as ``is_causal=True``);
+    * several parts of which one is a triangle or a gap of ``"none"`` keys, at most
+      ``SDPA_MAX_PARTS`` (no bias, ALiBi or mask; on the CPU, with torch's private
+      ``_scaled_dot_product_flash_attention_for_cpu``, which returns the lse, and
+      ``head_dim == v_dim``, the batch axes of query, key and value equal, not under
+      ``torch.compile``): one call of that kernel per part, the gap skipped, merged by their
+      lse (``_extras._FlashParts``, whose backward pass is the kernel's per part);
+    * else (and where that private kernel is missing: other torch versions) one SDPA call over
+      all the run's keys, with a float mask over the keys from its first part that is not
+      ``"all"`` to its last (the band and the rules there, ``-inf`` where not allowed; with a
+      bias or ALiBi, a float mask over all of them).
+
+    A triangle is found only where it starts at a block's first row and a key block's first
+    key (a causal ``mask_mod`` with an offset that is not a multiple of the blocks is partly
+    allowed there: masked). More than ``SDPA_MAX_PARTS`` parts take one masked call: on a
+    loaded CPU each call and each merge costs about as much as the work a part skips.
+    Rows that see no key give 0. Output ``(..., heads, q_len, v_dim)`` in the input dtype."""
     dtype = query.dtype
     query, key, value = _to_compute(query), _to_compute(key), _to_compute(value)
-    q_len, kv_len, device = query.shape[-2], key.shape[-2], query.device
+    q_len, kv_len = query.shape[-2], key.shape[-2]
     lo, hi = rules.band(q_len, kv_len, args.is_causal, args.causal_alignment, args.window)
-    size, keys_size = SDPA_ROWS, SDPA_KEYS
-    statuses = _mods_statuses(mods, q_len, kv_len, size, keys_size, lo, hi)
-    runs: list[list[int]] = []  # [r0, r1, k0, k1, p0, p1]: rows, their keys, keys to mask
-    for r, row in enumerate(statuses):
-        seen = np.flatnonzero(row)
-        keys = [0, 0, 0, 0]
-        if seen.size:
-            cut = np.flatnonzero(row[seen[0] : seen[-1] + 1] != rules.ALL) + seen[0]
-            keys = [int(seen[0]) * keys_size, min((int(seen[-1]) + 1) * keys_size, kv_len)]
-            keys += [int(cut[0]) * keys_size, min((int(cut[-1]) + 1) * keys_size, kv_len)] \
-                if cut.size else [keys[0], keys[0]]
-        r0, r1 = r * size, min((r + 1) * size, q_len)
-        if runs and runs[-1][2:4] == keys[:2]:  # the same keys: one call, cut spans joined
-            last = runs[-1]
-            if keys[3] > keys[2]:
-                joined = last[5] > last[4]
-                last[4] = min(last[4], keys[2]) if joined else keys[2]
-                last[5] = max(last[5], keys[3]) if joined else keys[3]
-            last[1] = r1
-        else:
-            runs.append([r0, r1] + keys)
-    rank = len(args.scores_shape)
+    plain = mask is None and bias is None and mods.alibi is None
+    split = plain and _FLASH_CPU is not None and query.device.type == "cpu" and \
+        query.shape[-1] == value.shape[-1] and query.shape[:-3] == key.shape[:-3] == \
+        value.shape[:-3] and not torch.compiler.is_compiling()
+    statuses, tri = _mods_plan(mods, q_len, kv_len, SDPA_ROWS, SDPA_KEYS, lo, hi, plain)
+    runs = _sdpa_runs(statuses, tri, SDPA_ROWS, SDPA_KEYS, q_len, kv_len, split)
+    spans = [(parts[0][0], parts[-1][1]) if parts else (0, 0) for _, _, parts in runs]
+    keys, values = _key_spans(key, spans), _key_spans(value, spans)
     outputs = []
-    for r0, r1, k0, k1, p0, p1 in runs:
-        rows, keys = r1 - r0, k1 - k0
-        if keys == 0:  # no row of the run sees a key: 0, gradient 0
-            outputs.append(query.new_zeros(query.shape[:-2] + (rows, value.shape[-1])))
-            continue
-        # one float mask (SDPA on the CPU takes it faster than a boolean one): the bias and
-        # ALiBi, -inf where the mask, or the band and the rules in the key blocks they cut,
-        # forbid; None when nothing is to be added or masked
-        part = None  # the band and the rules on the cut key blocks [p0, p1)
-        if p1 > p0:
-            part = _mods_allowed(mods, r0, rows, p0, p1 - p0)
-            if math.isfinite(lo) or math.isfinite(hi):
-                band = _in_band(r0, rows, p0, p1 - p0, lo, hi, device)
-                part = band if part is None else part & band
+    for (r0, r1, parts), rows, (k0, _), k, v in zip(
+            runs, query.split([r1 - r0 for r0, r1, _ in runs], dim=-2), spans, keys, values,
+            strict=True):
+        kept = [part for part in parts if part[2] != "none"]
+        if not kept:  # no row of the run sees a key: 0, gradient 0
+            outputs.append(query.new_zeros(query.shape[:-2] + (r1 - r0, value.shape[-1])))
+        elif plain and len(kept) == 1 and kept[0][2] != "mask":  # no mask at all
+            outputs.append(F.scaled_dot_product_attention(
+                rows, k, v, is_causal=kept[0][2] == "causal", scale=args.scale,
+                enable_gqa=_groups(query.shape, key.shape) > 1))
+        elif split and len(kept) <= SDPA_MAX_PARTS and (
+                len(kept) < len(parts) or any(kind == "causal" for _, _, kind in kept)):
+            outputs.append(_flash_parts(rows, k, v, r0, k0, kept, mods, lo, hi, args.scale))
+        else:
+            outputs.append(_sdpa_run(rows, k, v, mask, bias, args, mods, r0, k0, parts,
+                                     (lo, hi)))
+    output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-2)
+    return output.to(dtype)
+
+
+def _key_spans(x: torch.Tensor, spans: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """``x[..., k0:k1, :]`` for each ``(k0, k1)`` of ``spans``. When no span starts or ends
+    inside another, from ONE ``torch.split`` of ``x`` (as the rows, which the runs partition):
+    autograd then joins their gradients in one concatenation, where a slice's gradient is a
+    zero tensor of ``x``'s size filled and added per run (most of the backward pass of
+    chunked attention at 4,096 tokens)."""
+    bounds = sorted({0, x.shape[-2]}.union(*spans))
+    if any(k0 < b < k1 for k0, k1 in spans for b in bounds):
+        return [x[..., k0:k1, :] for k0, k1 in spans]
+    sizes = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+    pieces = dict(zip(bounds, x.split(sizes, dim=-2), strict=False))
+    return [pieces[k0] if k1 > k0 else x[..., :0, :] for k0, k1 in spans]
+
+
+def _flash_parts(
+    rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor, r0: int, k0: int, parts: list,
+    mods: _Mods, lo: float, hi: float, scale: float,
+) -> torch.Tensor:
+    """One run's rows ``(..., heads, rows, D)`` from ``r0`` against its keys and values from
+    ``k0`` (``(..., kv_heads, keys, D)``) in ``parts`` (not ``"none"``), one call of torch's
+    private CPU kernel each (``_extras._FlashParts``): the inputs as ``(batch, heads, T, D)``,
+    kv heads repeated for the query heads they serve, a ``"mask"`` part given the band and the
+    rules as a float mask. Output ``(..., heads, rows, D)``."""
+    n, heads = rows.shape[-2], (rows.shape[-3] if rows.ndim >= 3 else 1)
+    groups = _groups(rows.shape, key.shape)
+    four = [x.reshape((-1, x.shape[-3] if x.ndim >= 3 else 1) + x.shape[-2:])
+            for x in (rows, key, value)]
+    if groups > 1:  # the kernel has no grouped heads: each kv head once per query head
+        four[1:] = [x.repeat_interleave(groups, dim=1) for x in four[1:]]
+    flash = []
+    for s0, s1, kind in parts:
         attn_mask = None
-        if bias is not None or mods.alibi is not None or mask is not None or part is not None:
-            lead = () if part is None else tuple(part.shape[:-2])  # rules per batch or head
-            attn_mask = query.new_zeros(lead + (rows, keys))
-        if part is not None:  # in place, on the new zeros
-            attn_mask[..., p0 - k0 : p1 - k0].masked_fill_(~part, NEG_INF)
-        if bias is not None:
-            whole = bias.reshape((1,) * (rank - bias.ndim) + tuple(bias.shape))
-            attn_mask = attn_mask + whole[..., _span(whole, r0, r1, -2),
-                                          _span(whole, k0, k1, -1)].to(device, query.dtype)
-        if mods.alibi is not None:
-            attn_mask = _add_alibi(attn_mask, mods, r0, k0)
-        if mask is not None:
-            whole = mask.reshape((1,) * (rank - mask.ndim) + tuple(mask.shape))
-            attn_mask = attn_mask.masked_fill(~whole[..., _span(whole, r0, r1, -2),
-                                                     _span(whole, k0, k1, -1)].to(device),
-                                              NEG_INF)
-        row_ok = None
-        if attn_mask is not None and not (device.type == "cpu" and CPU_SDPA_ZEROES_MASKED_ROWS):
-            row_ok = (attn_mask > NEG_INF).any(dim=-1, keepdim=True)  # the row keeps a key
-            attn_mask = torch.where(row_ok, attn_mask, 0.0)
-        out = F.scaled_dot_product_attention(
-            query[..., r0:r1, :], key[..., k0:k1, :], value[..., k0:k1, :], attn_mask=attn_mask,
-            scale=args.scale, enable_gqa=_groups(query.shape, key.shape) > 1,
-        )  # (..., heads, rows, v_dim)
-        outputs.append(out if row_ok is None else torch.where(row_ok, out, 0.0))
-    return torch.cat(outputs, dim=-2).to(dtype)
+        if kind == "mask":
+            allowed = _mods_allowed(mods, r0, n, s0, s1 - s0)
+            if math.isfinite(lo) or math.isfinite(hi):
+                band = _in_band(r0, n, s0, s1 - s0, lo, hi, rows.device)
+                allowed = band if allowed is None else allowed & band
+            if allowed.ndim > 2:  # per batch entry or head: (batch, heads, rows, keys)
+                allowed = allowed.broadcast_to(rows.shape[:-2] + (n, s1 - s0)).reshape(
+                    (-1, heads, n, s1 - s0))
+            else:
+                allowed = allowed.broadcast_to((n, s1 - s0))
+            attn_mask = rows.new_zeros(allowed.shape).masked_fill_(~allowed, NEG_INF)
+        flash.append((s0 - k0, s1 - k0, kind == "causal", attn_mask))
+    output = _FlashParts.apply(*four, flash, scale)  # (batch, heads, rows, D)
+    return output.reshape(rows.shape)
+
+
+def _sdpa_run(
+    rows: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+    bias: torch.Tensor | None, args: rules.Arguments, mods: _Mods, r0: int, k0: int,
+    parts: list, band: tuple[float, float],
+) -> torch.Tensor:
+    """One run's rows ``(..., heads, rows, head_dim)`` from ``r0`` in one SDPA call over all
+    its keys and values from ``k0`` (``parts``; ``(..., kv_heads, keys, D)``), with one float
+    mask (SDPA on the CPU takes it faster than a boolean one): the bias and ALiBi, ``-inf``
+    where the mask, or the band (``(lo, hi)``) and the rules on the keys from the first part
+    that is not ``"all"`` to the last, forbid; None when nothing is to be added or masked.
+    Output ``(..., heads, rows, v_dim)``."""
+    device, n, rank = rows.device, rows.shape[-2], len(args.scores_shape)
+    k1, (lo, hi) = parts[-1][1], band
+    r1, keys = r0 + n, k1 - k0
+    cut = [part for part in parts if part[2] != "all"]
+    p0, p1 = (cut[0][0], cut[-1][1]) if cut else (k0, k0)
+    part = None  # the band and the rules on the cut keys [p0, p1)
+    if p1 > p0:
+        part = _mods_allowed(mods, r0, n, p0, p1 - p0)
+        if math.isfinite(lo) or math.isfinite(hi):
+            in_band = _in_band(r0, n, p0, p1 - p0, lo, hi, device)
+            part = in_band if part is None else part & in_band
+    attn_mask = None
+    if bias is not None or mods.alibi is not None or mask is not None or part is not None:
+        lead = () if part is None else tuple(part.shape[:-2])  # rules per batch or head
+        attn_mask = rows.new_zeros(lead + (n, keys))
+    if part is not None:  # in place, on the new zeros
+        attn_mask[..., p0 - k0 : p1 - k0].masked_fill_(~part, NEG_INF)
+    if bias is not None:
+        whole = bias.reshape((1,) * (rank - bias.ndim) + tuple(bias.shape))
+        attn_mask = attn_mask + whole[..., _span(whole, r0, r1, -2),
+                                      _span(whole, k0, k1, -1)].to(device, rows.dtype)
+    if mods.alibi is not None:
+        attn_mask = _add_alibi(attn_mask, mods, r0, k0)
+    if mask is not None:
+        whole = mask.reshape((1,) * (rank - mask.ndim) + tuple(mask.shape))
+        attn_mask = attn_mask.masked_fill(~whole[..., _span(whole, r0, r1, -2),
+                                                 _span(whole, k0, k1, -1)].to(device), NEG_INF)
+    row_ok = None
+    if attn_mask is not None and not (device.type == "cpu" and CPU_SDPA_ZEROES_MASKED_ROWS):
+        row_ok = (attn_mask > NEG_INF).any(dim=-1, keepdim=True)  # the row keeps a key
+        attn_mask = torch.where(row_ok, attn_mask, 0.0)
+    out = F.scaled_dot_product_attention(
+        rows, key, value, attn_mask=attn_mask, scale=args.scale,
+        enable_gqa=_groups(rows.shape, key.shape) > 1,
+    )  # (..., heads, rows, v_dim)
+    return out if row_ok is None else torch.where(row_ok, out, 0.0)
 
 
 def _span(x: torch.Tensor, start: int, stop: int, axis: int) -> slice:
