@@ -118,7 +118,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         html.check_path(args.html)
     result = runner.run(args.backend, args.case, args.dtype, peers=args.peers,
                         check_errors=not args.no_errors, hypothesis=args.hypothesis,
-                        timeout=args.timeout, freeze=True)
+                        timeout=args.timeout, freeze=True, concurrent=True)
     if not result.columns:
         print(report.missing_section(result, resolve_width(args.width, sys.stderr)),
               file=sys.stderr)

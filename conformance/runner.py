@@ -33,6 +33,7 @@ from .compare import StepResult, compare_step
 from .diagnose import diagnose
 from .expected import Expected, expected
 from .isolation import DEFAULT_TIMEOUT_S, PluginFault, check_timeout
+from .peers import background
 from .results import (
     BackendProperties,
     Cell,
@@ -180,32 +181,36 @@ def release(columns: list[Column]) -> None:
 def run_columns(columns: list[Column], expectations: Iterable[Expected], *,
                 progress: Progress | None = None,
                 rerun: Callable[[str, str, str], str] = rerun_command,
-                freeze: bool = False) -> RunResult:
+                freeze: bool = False, concurrent: bool = False) -> RunResult:
     """Every expectation × column, in order; ``rerun(case, dtype, column)`` is each cell's
     rerun command. Returns a ``RunResult`` without errors or properties.
 
     ``freeze`` (the command line's run, one per process): once the first case has run, every
     column's framework is imported, and ``gc.freeze()`` moves those millions of long-lived
     objects out of the collector's sight, so the collection in each later ``release`` scans
-    only what the cases made (milliseconds instead of ~0.4 s per case with all peers loaded)."""
+    only what the cases made (milliseconds instead of ~0.4 s per case with all peers loaded).
+    ``concurrent`` (the command line's run): the peer columns are computed ahead in other
+    processes (``peers.background.Ahead``), the same cells, while this one runs the rest."""
     result = RunResult(columns, [], {}, [])
-    for exp in expectations:
-        if result.rows and result.rows[-1][0] != exp.case:
-            release(columns)  # programs compiled for the previous case
-            if freeze:
-                gc.freeze()
-                freeze = False
-        result.rows.append((exp.case, exp.dtype))
-        result.expectations[(exp.case, exp.dtype)] = exp
-        for col in columns:
-            if progress:
-                progress.tick(f"{col.name:<24} {exp.case} {exp.dtype}")
-            if col.kind == "peer":
-                cell = run_peer_cell(col.peer, exp)
-            else:
-                cell = run_cell(col.backend, exp, column=col.name)
-            cell.rerun = rerun(exp.case, exp.dtype, col.name)
-            result.cells.append(cell)
+    expectations = list(expectations) if concurrent else expectations
+    with background.Ahead(columns, expectations if concurrent else [], run_peer_cell) as ahead:
+        for exp in expectations:
+            if result.rows and result.rows[-1][0] != exp.case:
+                release(columns)  # programs compiled for the previous case
+                if freeze:
+                    gc.freeze()
+                    freeze = False
+            result.rows.append((exp.case, exp.dtype))
+            result.expectations[(exp.case, exp.dtype)] = exp
+            for col in columns:
+                if progress:
+                    progress.tick(f"{col.name:<24} {exp.case} {exp.dtype}")
+                if col.kind == "peer":
+                    cell = ahead.cell(col.peer, exp)
+                else:
+                    cell = run_cell(col.backend, exp, column=col.name)
+                cell.rerun = rerun(exp.case, exp.dtype, col.name)
+                result.cells.append(cell)
     release(columns)
     return result
 
@@ -311,12 +316,13 @@ def run_expectations(columns: list[Column], expectations: Iterable[Expected],
                      missing: dict[str, str], *, total: int = 0, check_errors: bool = False,
                      hypothesis: int = 0, progress: bool | None = None,
                      rerun: Callable[[str, str, str], str] = rerun_command,
-                     timeout: float = DEFAULT_TIMEOUT_S, freeze: bool = False) -> RunResult:
+                     timeout: float = DEFAULT_TIMEOUT_S, freeze: bool = False,
+                     concurrent: bool = False) -> RunResult:
     """The cells of every expectation × column, then the bad-input checks (``check_errors``)
     and ``hypothesis`` property examples per backend column, in one ``RunResult``. A checked
     module run in a worker process gets ``timeout`` seconds per call (0: no limit; negative:
     ``UsageError``), in the cells, the bad-input and the property checks and the verdict's
-    shrinking alike. ``freeze``: see ``run_columns``."""
+    shrinking alike. ``freeze``, ``concurrent``: see ``run_columns``."""
     limit = check_timeout(timeout)
     for col in columns:
         if col.backend is not None:
@@ -324,7 +330,8 @@ def run_expectations(columns: list[Column], expectations: Iterable[Expected],
     start = time.perf_counter()
     bar = Progress(total * len(columns), progress)
     try:
-        result = run_columns(columns, expectations, progress=bar, rerun=rerun, freeze=freeze)
+        result = run_columns(columns, expectations, progress=bar, rerun=rerun, freeze=freeze,
+                             concurrent=concurrent)
     finally:
         bar.close()
     result.missing.update(missing)
@@ -355,14 +362,15 @@ def run(
     progress: bool | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
     freeze: bool = False,
+    concurrent: bool = False,
 ) -> RunResult:
     """The whole conformance run, as ``python -m conformance run`` does it.
 
     ``peers`` None: the peers run when no backend is named. ``hypothesis`` None:
     ``DEFAULT_PROPERTY_EXAMPLES`` per backend when neither cases nor dtypes are selected, else 0.
     ``timeout``: seconds per call of a checked module given by its path (0: no limit; a
-    negative value is a ``UsageError`` before any work). ``freeze``: the one run of a process
-    (the command line), see ``run_columns``.
+    negative value is a ``UsageError`` before any work). ``freeze``, ``concurrent``: the one
+    run of a process (the command line), see ``run_columns``.
     """
     columns, missing = resolve_backends(backend_names, timeout)  # timeout checked first
     if peers is None:
@@ -380,7 +388,7 @@ def run(
     expectations = (expected(case, dtype) for case in selected for dtype in dtypes)
     return run_expectations(columns, expectations, missing, total=len(selected) * len(dtypes),
                             check_errors=check_errors, hypothesis=hypothesis, progress=progress,
-                            timeout=timeout, freeze=freeze)
+                            timeout=timeout, freeze=freeze, concurrent=concurrent)
 
 
 __all__ = ["DEFAULT_PROPERTY_EXAMPLES", "DEFAULT_TIMEOUT_S", "Progress", "check_timeout",

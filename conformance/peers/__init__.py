@@ -28,6 +28,10 @@ adapters and what they cannot express:
                             packed batches, padded)
 ``inputs``                  a case's inputs in the peers' conventions (4-D, BTNH, joined masks,
                             n/a), shared by every adapter
+``background``              the command line's run: the torch, transformers and onnxruntime
+                            columns computed in one background worker process
+                            (``background_worker``), the keras requests queued up front, while
+                            the harness runs the other columns
 ==========================  =====================================================================
 
 A peer whose packages are not installed is reported as missing, with its install command, never
@@ -51,6 +55,7 @@ column): write its ``compute`` function in a file of its own here, and add one `
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,6 +85,9 @@ class Peer:
     install: str
     compute: Callable[[Expected], dict[str, np.ndarray]]
     requires: tuple[str, ...] = ()  # further packages it needs
+    #: Starts ``compute(exp)`` elsewhere and returns a function that waits for its result
+    #: (the keras workers); a run that computes ahead (``background``) submits every case.
+    submit: Callable[[Expected], Callable[[], dict[str, np.ndarray]]] | None = None
 
     def available(self) -> bool:
         """True when the framework and every package of ``requires`` are installed (found
@@ -101,10 +109,12 @@ PEERS: tuple[Peer, ...] = (
     Peer("torch.flex", "torch", install_command("torch"), torch_flex.torch_flex),
     Peer("jax.nn", "jax", install_command("jax"), jax_nn.jax_nn),
     Peer("jax.nn[lengths]", "jax", install_command("jax"), jax_nn.jax_nn_lengths),
-    Peer("keras[numpy]", "keras", install_command("keras"), keras_ops.keras_numpy),
-    Peer("keras[jax]", "keras", install_command("keras", "jax"), keras_ops.keras_jax, ("jax",)),
+    Peer("keras[numpy]", "keras", install_command("keras"), keras_ops.keras_numpy,
+         submit=functools.partial(keras_ops.keras_submit, "numpy")),
+    Peer("keras[jax]", "keras", install_command("keras", "jax"), keras_ops.keras_jax, ("jax",),
+         functools.partial(keras_ops.keras_submit, "jax")),
     Peer("keras[torch]", "keras", install_command("keras", "torch"), keras_ops.keras_torch,
-         ("torch",)),
+         ("torch",), functools.partial(keras_ops.keras_submit, "torch")),
     Peer("flax.nnx", "flax", install_command("flax", "jax"), flax_nnx.flax_nnx, ("jax",)),
     Peer("transformers.eager", "transformers", install_command("transformers", "torch"),
          transformers_attention.transformers_eager, ("torch",)),
