@@ -17,17 +17,27 @@ One decoding step's attention (the append is not timed): batch 1, 8 query heads 
 * ``torch SDPA``: ``torch.nn.functional.scaled_dot_product_attention(..., enable_gqa=True)``
   on the contiguous keys, the decode step of issue 26's target.
 
-Medians of interleaved rounds (``timing.interleaved``); the ratios are of one run. A control
+Medians of interleaved rounds (``timing.interleaved``); the ratios are of one run. In a round,
+each backend's rows run in the order ``unsplit``, ``one chunk`` / ``torch SDPA``,
+``contiguous``, ``paged``: a call that leaves threads spinning for a while after it (numpy_attn's
+``unsplit`` on OpenBLAS's threads) never runs right before a ``contiguous`` or ``paged`` row of
+its backend, which it would slow down (the table lists the rows in the usual order). A control
 first: two threads of single-threaded matrix products against the same work in one thread, what
-two cores give on this machine at the time (the numpy split's speed-up cannot exceed it).
+two cores give on this machine at the time (the numpy split's speed-up cannot exceed it), and
+the load average. ``--clock cpu`` times each call by the process's CPU time instead of the wall
+clock: on a machine shared with other work the waits for a core drop out (threads that spin
+while they wait, OpenMP's and XLA's, still count), so the ratios of paged against contiguous
+move less from run to run; the issue's targets are wall time.
 
     python benchmarks/decoding.py [--tokens 4096 32768] [--rounds 15] [--torch-threads N]
+                                  [--clock wall|cpu] [--backend numpy|jax|torch ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import sys
 import time
@@ -41,6 +51,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from timing import interleaved  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 2, 64, 256
+BACKENDS = ("numpy", "jax", "torch")
+#: The order of a backend's rows within a round (see the module docstring).
+ROW_ORDER = ("unsplit", "one chunk", "torch SDPA", "contiguous", "paged (in order)",
+             "paged (scattered)")
 
 
 def _pools(keys: np.ndarray, values: np.ndarray, order: np.ndarray) -> tuple:
@@ -176,7 +190,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--torch-threads", type=int, default=None,
                         help="torch.set_num_threads (default: torch's own, one per core)")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="time a call by the wall clock (default) or the process's CPU time")
+    parser.add_argument("--backend", choices=["numpy", "jax", "torch"], action="append",
+                        help="time only this backend's rows (repeatable; default: all); the "
+                             "others still run once, to check that every row agrees")
     args = parser.parse_args(argv)
+    chosen = set(args.backend or BACKENDS)
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
     import torch
 
     torch.set_grad_enabled(False)
@@ -184,20 +205,22 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.torch_threads)
     print(f"batch 1, {HEADS} heads over {KV_HEADS} kv heads, head_dim {HEAD_DIM}, float32, one "
           f"query token, pages of {BLOCK}; median of {args.rounds} interleaved rounds; "
-          f"{torch.get_num_threads()} torch threads")
+          f"{torch.get_num_threads()} torch threads; {args.clock} clock; load average "
+          + " ".join(f"{x:.1f}" for x in os.getloadavg()))
     print(f"{'tokens':>7} {'backend':<7} {'row':<19} {'ms':>8} {'× contiguous':>13} "
           f"{'× torch SDPA':>13}")
     print(f"two threads of single-threaded matmuls: {parallel_ceiling():.2f}× over one "
           f"(what two cores give here now)")
     for tokens in args.tokens:
-        times = {key: statistics.median(t)
-                 for key, t in interleaved(_runs(tokens), args.rounds).items()}
-        sdpa = times["torch", "torch SDPA"]
+        runs = {key: run for key, run in _runs(tokens).items() if key[0] in chosen}
+        order = sorted(runs, key=lambda key: (BACKENDS.index(key[0]), ROW_ORDER.index(key[1])))
+        timed = interleaved({key: runs[key] for key in order}, args.rounds, clock=clock)
+        times = {key: statistics.median(timed[key]) for key in runs}  # listed as built
+        sdpa = times.get(("torch", "torch SDPA"))
         for (backend, row), seconds in times.items():
-            contiguous = times[backend, "contiguous"] if backend != "torch" or row != \
-                "torch SDPA" else times["torch", "contiguous"]
+            against = "-" if sdpa is None else f"{seconds / sdpa:.2f}"
             print(f"{tokens:>7} {backend:<7} {row:<19} {seconds * 1e3:8.2f} "
-                  f"{seconds / contiguous:13.2f} {seconds / sdpa:13.2f}")
+                  f"{seconds / times[backend, 'contiguous']:13.2f} {against:>13}")
 
 
 if __name__ == "__main__":

@@ -17,15 +17,18 @@ Key = TypeVar("Key", bound=Hashable)
 
 
 def interleaved(runs: dict[Key, Callable[[], object]], rounds: int,
-                pause_s: float = PAUSE_S) -> dict[Key, list[float]]:
-    """Seconds of each call of each variant: ``{key: [round 0, round 1, ...]}``."""
+                pause_s: float = PAUSE_S,
+                clock: Callable[[], float] = time.perf_counter) -> dict[Key, list[float]]:
+    """Seconds of each call of each variant: ``{key: [round 0, round 1, ...]}``, by ``clock``
+    (wall time; ``time.process_time``: the CPU time of every thread of the process, which other
+    processes' load does not add to, while threads that spin still count)."""
     for fn in runs.values():
         fn()  # warm-up
     times: dict[Key, list[float]] = {key: [] for key in runs}
     for _ in range(rounds):
         for key, fn in runs.items():
             time.sleep(pause_s)
-            start = time.perf_counter()
+            start = clock()
             fn()
-            times[key].append(time.perf_counter() - start)
+            times[key].append(clock() - start)
     return times

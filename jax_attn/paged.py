@@ -12,11 +12,21 @@ block_size, kv_heads, head_dim)`` (flash-attn's and vLLM's layout), with the boo
 ``attention_rules.paging``; jax: the pages are immutable arrays, so ``append`` and ``free``
 return a new cache, and the bookkeeping is Python, outside jit. ``paged_attention`` is the
 kernel, jit-able with a traced table and lengths: every sequence's keys in chunks of whole pages
-(``rules.page_chunk``), all chunks of all sequences at once, their pages gathered in
-``SPLIT_KV["steps"]`` steps of the online softmax (no copy of a whole sequence), merged by their
-log-sum-exp. A concrete table is checked (``rules.check_block_table``); a traced one cannot
-raise, so a used entry outside the pool reads NaN (``mode="fill"``) and that sequence's output is
-NaN, never a finite wrong number. Differentiable by autodiff through the gather.
+(``rules.page_chunk``), a ``lax.scan`` over the chunks whose step gathers one chunk's pages of
+every sequence (``jnp.take``, about ``SPLIT_KV["chunk"]`` positions: a few MiB, still in the
+cache when the step's products read them) and computes the chunk's partial result; the partial
+results are merged by their log-sum-exp. XLA on the CPU copies any slice it gives a product,
+so the gather is the copy a product would make anyway, if it gathers whole pages in the pool's
+layout: a gather that also moves the kv heads to the front runs as an element-by-element loop
+at half the speed, and a product whose batch axis (the kv heads) is not the leading one gets a
+transposing copy first. With at most ``FLAT_KV_HEADS`` kv heads the products therefore read the
+gathered pages as they lie, as one matrix ``(positions · kv_heads, head_dim)``, against the
+query rows of every kv head, and keep each head's own block (kv_heads times the arithmetic of a
+decoding step, which is small beside reading the pages); with more, the gather moves the heads
+to the front and the products are per head (``benchmarks/RESULTS.md``, decoding at scale). A
+concrete table is checked (``rules.check_block_table``); a traced one cannot raise, so a used
+entry outside the pool makes that sequence's output (and lse) NaN, never a finite wrong number.
+Differentiable by autodiff through the gather.
 """
 
 from __future__ import annotations
@@ -32,6 +42,12 @@ import attention_rules as rules
 
 from ._core import NEG_INF, _array, _check_device, _describe, _place, _softcap
 from ._extras import _merge_attention
+
+#: ``paged_attention`` reads the gathered pages in the pool's layout, every kv head's query rows
+#: against every kv head's keys, up to this many kv heads (jax_attn's choice: the cross-head
+#: products cost kv_heads times the arithmetic, yet less than moving the heads; one token over
+#: 16,384 positions, CPU: 2.4 against 2.9 ms with 2 kv heads, 14.7 against 29.4 ms with 8).
+FLAT_KV_HEADS = 8
 
 
 def _dtype(dtype: Any) -> jnp.dtype:
@@ -195,14 +211,10 @@ def paged_attention(
     per = rules.page_chunk(args.block_size)  # pages per chunk
     chunks = tuple(rules.kv_chunks(max(1, args.max_blocks) * args.block_size,
                                    per * args.block_size))
-    readable = min(per, max(1, args.max_blocks))  # page slots a chunk can read
-    # at most SPLIT_KV["steps"] steps, fewer when few chunks: a step gathers about as many
-    # pages as a chunk holds (a scan step costs tens of microseconds)
-    steps = min(rules.SPLIT_KV["steps"], len(chunks) * args.batch)
     outputs, lses = _paged(query, _array(key_pages), _array(value_pages),
                            _array(block_table).astype(jnp.int32),
-                           _array(seq_lens).astype(jnp.int32), args=args, chunks=chunks, per=per,
-                           slots=-(-readable // steps))
+                           _array(seq_lens).astype(jnp.int32), args=args, chunks=chunks,
+                           per=min(per, max(1, args.max_blocks)))
     output, lse = _merge_chunks(outputs, lses, _array(sinks))
     output = output.astype(query.dtype)
     return (output, lse) if return_lse else output
@@ -280,7 +292,7 @@ def _split_partials(
             jnp.moveaxis(lse, 2, 0).reshape((-1,) + shape))
 
 
-@functools.partial(jax.jit, static_argnames=("args", "chunks", "per", "slots"))
+@functools.partial(jax.jit, static_argnames=("args", "chunks", "per"))
 def _paged(
     query: jax.Array,
     key_pages: jax.Array,
@@ -291,58 +303,94 @@ def _paged(
     args: rules.PagedArguments,
     chunks: tuple[tuple[int, int], ...],
     per: int,
-    slots: int,
 ) -> tuple[jax.Array, jax.Array]:
     """The partial results of ``paged_attention`` (table and lengths may be traced), one
     compiled program per shape and plan: outputs ``(chunks, batch, heads, q_len, v_dim)`` and
-    lses ``(chunks, batch, heads, q_len)`` in the compute dtype, for ``_merge_chunks``. Every
-    chunk of every sequence at once: ``chunks`` of the table's positions (``per`` pages each;
-    a sequence's stop at its length), each step gathering ``slots`` pages of every chunk into
-    the online softmax."""
+    lses ``(chunks, batch, heads, q_len)`` in the compute dtype, for ``_merge_chunks``. A
+    ``lax.scan`` over ``chunks`` of the table's positions (``per`` pages each; a sequence's
+    stops at its length): each step gathers the chunk's pages of every sequence and computes
+    their partial results (``_chunk_partial``)."""
     compute = jnp.dtype(args.compute)
-    batch, bs = args.batch, args.block_size
-    steps = -(-min(per, max(1, args.max_blocks)) // slots)  # steps that read a page
-    table = jnp.pad(table, ((0, 0), (0, max(0, len(chunks) * per - args.max_blocks))))
-    table = table.reshape(batch, len(chunks), per)[:, :, :steps * slots]
-    table = jnp.pad(table, ((0, 0), (0, 0), (0, steps * slots - table.shape[2])))
-    position = (jnp.asarray([start for start, _ in chunks])[:, None] // bs
-                + jnp.arange(steps * slots)) * bs  # (chunks, slots · steps): each page's first
-    used = position[None] < lens[:, None, None]  # the pages a sequence reads
-    pages = jnp.where(used, table, 0).reshape(batch, len(chunks), steps, slots)  # unread: 0
-    stops = jnp.minimum(jnp.asarray([stop for _, stop in chunks])[None, :], lens[:, None])
-    stops = stops[:, :, None, None, None]  # (batch, chunks, 1, 1, 1)
-    rows = query.reshape(batch, args.kv_heads, -1, query.shape[-1]).astype(compute) * args.scale
+    batch, bs, count = args.batch, args.block_size, len(chunks)
+    table = jnp.pad(table, ((0, 0), (0, max(0, count * per - args.max_blocks))))
+    table = table[:, :count * per].reshape(batch, count, per)
+    first = jnp.asarray([start for start, _ in chunks])  # (chunks,): a chunk's first position
+    position = (first[:, None] // bs + jnp.arange(per)) * bs  # (chunks, per): each page's first
+    used = position[None] < lens[:, None, None]  # (batch, chunks, per): the pages read
+    # jax: a traced table cannot raise; a used entry outside the pool makes its sequence NaN
+    # (the gather clips it, the NaN goes into the scores), never another page's numbers
+    bad = (used & ((table < 0) | (table >= args.num_blocks))).any(axis=(1, 2))  # (batch,)
+    pages = jnp.where(used, table, 0)  # unread slots read page 0, masked
+    stops = jnp.minimum(jnp.asarray([stop for _, stop in chunks])[:, None], lens)  # (ch, b)
+    group = args.heads // args.kv_heads * args.q_len  # a kv head's query rows
+    rows = query.reshape(batch, args.kv_heads, group, query.shape[-1]).astype(compute) * args.scale
     limits = lens[:, None] - args.q_len + 1 + jnp.arange(rows.shape[-2]) % max(args.q_len, 1)
-    limits = limits[:, None, None, :, None]  # (batch, 1, 1, rows, 1)
-    starts = jnp.asarray([start for start, _ in chunks])[None, :, None, None, None]
-    keys_per_step = slots * bs
+    poison = jnp.where(bad, jnp.nan, 0.0).astype(compute)[:, None, None, None]
 
-    def step(stats: tuple, i: jax.Array) -> tuple[tuple, None]:
-        page = pages[:, :, i]  # (batch, chunks, slots)
-        # jax: an index outside the pool (a traced table) reads NaN, never another page
-        keys = jnp.take(key_pages, page, axis=0, mode="fill", fill_value=jnp.nan)
-        values = jnp.take(value_pages, page, axis=0, mode="fill", fill_value=jnp.nan)
-        keys = keys.reshape(keys.shape[:2] + (-1,) + keys.shape[4:]).astype(compute)
-        values = values.reshape(values.shape[:2] + (-1,) + values.shape[4:]).astype(compute)
-        scores = _softcap(jnp.einsum("bhrd,bckhd->bchrk", rows, keys), args.softcap)
-        positions = starts + i * keys_per_step + jnp.arange(keys_per_step)  # (1, chunks, ...)
-        allowed = (positions < stops) & (positions < limits)  # (batch, chunks, 1, rows, keys)
-        return _online_step(stats, jnp.where(allowed, scores, NEG_INF), values,
-                            "bchrk,bckhv->bchrv"), None
+    def step(carry: None, chunk: tuple) -> tuple[None, tuple[jax.Array, jax.Array]]:
+        start, stop, page = chunk  # (), (batch,), (batch, per)
+        positions = start + jnp.arange(per * bs)  # (keys,)
+        allowed = ((positions < stop[:, None])[:, None, :]  # (batch, rows, keys)
+                   & (positions[None, None, :] < limits[:, :, None]))
+        return None, _chunk_partial(rows, key_pages, value_pages, page, allowed, poison,
+                                    args.softcap)
 
-    shape = (batch, len(chunks), args.kv_heads, rows.shape[-2])
-    # jax: lax.scan over the steps (an unrolled loop lets XLA fuse each gather into its
-    # product, several times slower on the CPU)
-    stats = (jnp.full(shape + (1,), NEG_INF, compute), jnp.zeros(shape + (1,), compute),
-             jnp.zeros(shape + (args.v_dim,), compute))
-    stats, _ = jax.lax.scan(step, stats, jnp.arange(steps))
-    row_max, row_sum, acc = stats
+    _, (output, lse) = jax.lax.scan(step, None, (first, stops, jnp.moveaxis(pages, 1, 0)))
+    shape = (count, batch, args.heads, args.q_len)  # (chunks, batch, kv_heads, rows, ...)
+    return output.reshape(shape + (args.v_dim,)), lse.reshape(shape)
+
+
+def _chunk_partial(
+    rows: jax.Array,
+    key_pages: jax.Array,
+    value_pages: jax.Array,
+    page: jax.Array,
+    allowed: jax.Array,
+    poison: jax.Array,
+    softcap: float | None,
+) -> tuple[jax.Array, jax.Array]:
+    """One chunk of every sequence: ``rows (batch, kv_heads, rows, head_dim)`` (scaled) against
+    the pages ``page (batch, per)`` of the pools, the keys ``allowed (batch, rows, per ·
+    block_size)``, ``poison (batch, 1, 1, 1)`` (NaN or 0) added to the scores. Returns the
+    output ``(batch, kv_heads, rows, v_dim)`` and the lse ``(batch, kv_heads, rows)``, in
+    ``rows``' dtype; a row without a key gives 0 and -inf."""
+    batch, kv_heads, group, head_dim = rows.shape
+    compute, v_dim = rows.dtype, value_pages.shape[-1]
+    width = page.shape[1] * key_pages.shape[1]  # the chunk's positions
+
+    def gather(pool: jax.Array) -> jax.Array:  # whole pages, in the pool's layout
+        dim = pool.shape[-1]
+        pool = pool.reshape(pool.shape[0], -1 if pool.size else 0)  # (num_blocks, page)
+        # jax: mode="clip" (an entry outside the pool poisons its sequence instead)
+        taken = jnp.take(pool, page, axis=0, mode="clip").astype(compute)
+        return taken.reshape(batch, width, kv_heads, dim)  # (batch, keys, kv_heads, dim)
+
+    keys, values = gather(key_pages), gather(value_pages)
+    if kv_heads <= FLAT_KV_HEADS:  # every head's rows against every head's keys, then each
+        # head's block: the products read the gathered pages as they lie (no copy)
+        every = jnp.einsum("bkd,bxd->bkx", keys.reshape(batch, width * kv_heads, head_dim),
+                           rows.reshape(batch, kv_heads * group, head_dim))
+        every = every.reshape(batch, width, kv_heads, kv_heads, group)
+        scores = jnp.stack([every[:, :, h, h] for h in range(kv_heads)], axis=1)
+        scores = jnp.swapaxes(scores, -1, -2)  # (batch, kv_heads, rows, keys)
+    else:  # the heads to the front, then per-head products
+        scores = jnp.einsum("bhkd,bhrd->bhrk", jnp.swapaxes(keys, 1, 2), rows)
+    scores = _softcap(scores, softcap) + poison
+    scores = jnp.where(allowed[:, None], scores, NEG_INF)
+    step_max = jax.lax.stop_gradient(scores.max(axis=-1, keepdims=True))
+    shift = jnp.where(step_max == NEG_INF, 0.0, step_max)  # no -inf - -inf
+    weights = jnp.exp(scores - shift)
+    row_sum = weights.sum(axis=-1, keepdims=True)
+    if kv_heads <= FLAT_KV_HEADS:
+        every = jnp.einsum("bxk,bkv->bxv", weights.reshape(batch, kv_heads * group, width),
+                           values.reshape(batch, width, kv_heads * v_dim))
+        every = every.reshape(batch, kv_heads, group, kv_heads, v_dim)
+        acc = jnp.stack([every[:, h, :, h] for h in range(kv_heads)], axis=1)
+    else:
+        acc = jnp.einsum("bhrk,bhkv->bhrv", weights, jnp.swapaxes(values, 1, 2))
     empty = row_sum == 0.0  # a chunk without a key
     safe = jnp.where(empty, 1.0, row_sum)
-    lse = jnp.where(empty, NEG_INF, row_max + jnp.log(safe))
-    shape = (len(chunks), batch, args.heads, args.q_len)
-    return (jnp.swapaxes(acc / safe, 0, 1).reshape(shape + (args.v_dim,)),
-            jnp.swapaxes(lse, 0, 1).reshape(shape))
+    return acc / safe, jnp.where(empty, NEG_INF, shift + jnp.log(safe))[..., 0]
 
 
 def _online_step(

@@ -11,16 +11,23 @@ order afterwards, so the bits do not depend on the threads.
 ``PagedKVCache`` keeps many sequences' keys and values in one pool of pages ``(num_blocks,
 block_size, kv_heads, head_dim)`` (flash-attn's and vLLM's layout), with the bookkeeping of
 ``attention_rules.paging`` (a free list, one page table per sequence). ``paged_attention`` is
-the kernel: per sequence, chunks of whole pages (``rules.page_chunk``) are the tasks, and a
-task never gathers its pages into a copy: it runs one matrix product per run of consecutive
-pages directly on the pool (a view ``(pages · block_size, kv_heads, head_dim)``, transposed by
-strides), so a sequence whose pages lie in order costs what a contiguous cache costs, and a
-scattered one a product per page. numpy_attn computes the forward pass only: no VJP of
+the kernel: per sequence, chunks of whole pages (``rules.page_chunk``) are the tasks. A task
+copies its pages, a part of about ``PART_BYTES`` at a time, into its thread's buffer
+(``np.take(..., out=)``: one ``memcpy`` per page) right before the part's matrix product, so
+the product reads each kv head's rows from the cache while they are there, as a contiguous
+chunk's product does. numpy: computing on the pool in place costs more, whether the pages are
+scattered (a BLAS call per page, as long as the page's arithmetic) or in order (each kv head
+reads every other ``head_dim`` floats of the pool, and the second head's rows come from memory
+again); the copy runs at the speed of memory (``benchmarks/RESULTS.md``, decoding at scale).
+The buffer is reused by every call in the thread (one per thread, ``PART_BYTES`` or one page,
+whichever is larger). numpy_attn computes the forward pass only: no VJP of
 ``paged_attention`` (``spec.PAGED_CACHE``).
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -30,6 +37,11 @@ import attention_rules as rules
 from . import _threads
 from ._core import NEG_INF, _array, _check_device, _describe, _softcap
 from ._extras import _merge_attention
+
+#: Bytes of pages copied at a time by ``paged_attention`` (at least one page): half of a common
+#: L2 cache, so a part is still there when its product reads it (numpy_attn's choice).
+PART_BYTES = 1 << 20
+_local = threading.local()  # each thread's buffer for the copied pages (``_buffer``)
 
 
 def _dtype(dtype: Any) -> np.dtype:
@@ -183,21 +195,17 @@ def paged_attention(
     compute = np.dtype(args.compute)
     group_rows = args.heads // args.kv_heads * args.q_len  # a kv head's query rows
     rows = query.reshape(args.batch, args.kv_heads, group_rows, query.shape[-1]).astype(compute)
-    chunk = rules.page_chunk(args.block_size) * args.block_size
+    bs, per = args.block_size, rules.page_chunk(args.block_size)  # pages per chunk
     tasks = [(b, c, start, stop, lens[b]) for b in range(args.batch)
-             for c, (start, stop) in enumerate(rules.kv_chunks(lens[b], chunk))]
+             for c, (start, stop) in enumerate(rules.kv_chunks(lens[b], per * bs))]
     outputs, lses = _partials(max([t[1] + 1 for t in tasks], default=0), rows, args.v_dim)
     key_pages, value_pages = _array(key_pages), _array(value_pages)
 
     def block(b: int, c: int, start: int, stop: int, length: int, scratch: None) -> None:
-        parts = rules.page_runs(table[b], start, stop, args.block_size)
-        keys = [key_pages[p:p + r].reshape(-1, *key_pages.shape[2:])[lo:hi] for p, r, lo, hi
-                in parts]  # (width, kv_heads, head_dim) views of the pool
-        values = [value_pages[p:p + r].reshape(-1, *value_pages.shape[2:])[lo:hi] for p, r,
-                  lo, hi in parts]
         outputs[c, b], lses[c, b] = _attend_chunk(
-            rows[b], [k.transpose(1, 2, 0) for k in keys], [v.transpose(1, 0, 2) for v in values],
-            start, _limits(length, args.q_len, rows.shape[-2], stop), args.scale, args.softcap)
+            rows[b], stop - start, _page_parts(key_pages, table[b], start, stop, (1, 2, 0)),
+            _page_parts(value_pages, table[b], start, stop, (1, 0, 2)), start,
+            _limits(length, args.q_len, rows.shape[-2], stop), args.scale, args.softcap)
 
     _threads.run_lanes(tasks, block, lambda: None)
     shape = (args.batch, args.heads, args.q_len)
@@ -238,14 +246,47 @@ def split_kv_attention(
 
     def block(b: int, c: int, start: int, stop: int, scratch: None) -> None:
         outputs[c, b], lses[c, b] = _attend_chunk(
-            rows[b], [keys[b, :, start:stop].swapaxes(-1, -2)], [values[b, :, start:stop]],
-            start, _limits(kv_len, n, rows.shape[-2], stop), scale, None)
+            rows[b], stop - start, [keys[b, :, start:stop].swapaxes(-1, -2)],
+            [values[b, :, start:stop]], start, _limits(kv_len, n, rows.shape[-2], stop), scale,
+            None)
 
     _threads.run_lanes(tasks, block, lambda: None)
     shape = batch + (heads, n)
     output, lse = _merge_chunks(outputs.reshape((-1,) + shape + (value.shape[-1],)),
                                 lses.reshape((-1,) + shape), sinks)
     return output.astype(query.dtype, copy=False), lse
+
+
+def _page_parts(
+    pages: np.ndarray, row: list[int], start: int, stop: int, axes: tuple[int, int, int]
+) -> Iterator[np.ndarray]:
+    """Positions ``start..stop`` (``start`` at a page's first row) of the sequence whose pages
+    are ``row``, in parts of ``PART_BYTES``: each part copied into this thread's buffer as
+    ``(width, kv_heads, dim)`` and yielded transposed by ``axes`` (a view, valid until the next
+    part is copied). The pages come out in the sequence's order, whatever their order in the
+    pool."""
+    bs = pages.shape[1]
+    page_bytes = pages[0].nbytes
+    per = max(1, PART_BYTES // max(1, page_bytes))  # pages per part (empty pages: one)
+    first, last = start // bs, -(-stop // bs)
+    for lo in range(first, last, per):
+        hi = min(lo + per, last)
+        buf = _buffer((hi - lo,) + pages.shape[1:], pages.dtype)
+        # numpy: mode="clip" (the table is checked) copies page by page into ``out``; the
+        # default mode buffers the whole result first
+        np.take(pages, row[lo:hi], axis=0, out=buf, mode="clip")
+        part = buf.reshape(((hi - lo) * bs,) + pages.shape[2:])[:min(stop, hi * bs) - lo * bs]
+        yield part.transpose(axes)
+
+
+def _buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """This thread's buffer as an array of ``shape`` and ``dtype`` (uninitialised), grown when
+    too small and reused otherwise: no allocation (and no fresh memory to fault in) per part."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = getattr(_local, "buffer", None)
+    if raw is None or raw.nbytes < size:
+        raw = _local.buffer = np.empty(size, np.uint8)
+    return raw[:size].view(dtype).reshape(shape)
 
 
 def _partials(chunks: int, rows: np.ndarray, v_dim: int) -> tuple[np.ndarray, np.ndarray]:
@@ -267,38 +308,42 @@ def _limits(kv_len: int, q_len: int, rows: int, stop: int) -> np.ndarray | None:
 
 def _attend_chunk(
     rows: np.ndarray,
-    keys_t: list[np.ndarray],
-    values: list[np.ndarray],
+    width: int,
+    keys_t: Iterable[np.ndarray],
+    values: Iterable[np.ndarray],
     start: int,
     limits: np.ndarray | None,
     scale: float,
     softcap: float | None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """One chunk's partial result: ``rows (kv_heads, rows, head_dim)`` (the query heads of a kv
-    head, one after the other) against the chunk's keys, given as parts ``(kv_heads, head_dim,
-    width)`` (views, transposed by strides) with their values ``(kv_heads, width, v_dim)``,
-    at positions from ``start``; ``limits`` as ``_limits``. Returns the output ``(kv_heads,
-    rows, v_dim)`` and the lse ``(kv_heads, rows)``; a row without a key gives 0 and -inf."""
-    widths = [k.shape[-1] for k in keys_t]
-    scores = np.empty(rows.shape[:-1] + (sum(widths),), rows.dtype)  # (kv_heads, rows, width)
+    head, one after the other) against the chunk's ``width`` keys, given as consecutive parts
+    ``(kv_heads, head_dim, part)`` (views, transposed by strides; read once, in order) with
+    their values as parts ``(kv_heads, part, v_dim)``, at positions from ``start``; ``limits``
+    as ``_limits``. Returns the output ``(kv_heads, rows, v_dim)`` and the lse ``(kv_heads,
+    rows)``; a row without a key gives 0 and -inf."""
+    scores = np.empty(rows.shape[:-1] + (width,), rows.dtype)  # (kv_heads, rows, width)
     at = 0
-    for k, width in zip(keys_t, widths, strict=True):  # numpy: one product per run of pages
-        np.matmul(rows, k.astype(rows.dtype, copy=False), out=scores[..., at:at + width])
-        at += width
+    for k in keys_t:  # numpy: one product per part
+        np.matmul(rows, k.astype(rows.dtype, copy=False), out=scores[..., at:at + k.shape[-1]])
+        at += k.shape[-1]
     scores *= scale
     scores = _softcap(scores, softcap)
     if limits is not None:  # (rows, width): the causal rule by absolute position
-        scores[:, start + np.arange(at)[None, :] >= limits] = NEG_INF
+        scores[:, start + np.arange(width)[None, :] >= limits] = NEG_INF
     row_max = scores.max(axis=-1, keepdims=True)  # (kv_heads, rows, 1)
     shift = np.where(row_max == NEG_INF, 0.0, row_max).astype(rows.dtype)
     scores -= shift
     np.exp(scores, out=scores)
     row_sum = scores.sum(axis=-1, keepdims=True)
-    output = np.zeros(rows.shape[:-1] + (values[0].shape[-1],), rows.dtype)
-    at = 0
-    for v, width in zip(values, widths, strict=True):
-        output += scores[..., at:at + width] @ v.astype(rows.dtype, copy=False)
-        at += width
+    output, at = None, 0
+    for v in values:  # one product per part, summed in order
+        part = scores[..., at:at + v.shape[-2]] @ v.astype(rows.dtype, copy=False)
+        if output is None:
+            output = part
+        else:
+            output += part
+        at += v.shape[-2]
     with np.errstate(divide="ignore"):  # log(0) = -inf: a row without a key
         lse = shift + np.log(row_sum)
     output /= np.where(row_sum == 0.0, 1.0, row_sum).astype(rows.dtype)

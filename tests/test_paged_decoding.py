@@ -326,3 +326,81 @@ def test_the_docs_example_prints_what_it_says():
     with contextlib.redirect_stdout(printed):
         exec(compile(code, "paged_decoding.md", "exec"), {"__name__": "__snippet__"})
     assert printed.getvalue() == documented
+
+
+# ------------------------------------------- how the kernels read scattered pages (issue 23)
+
+
+def _scattered(backend, dtype=np.float32):
+    """One sequence of 23 positions on pages 5, 2, 9, 0, 7, 3 of a pool of ``NUM_BLOCKS`` (the
+    last one partly filled, the pool around it NaN: never read): three chunks of two pages
+    each, no two pages of a chunk next to each other in the pool. Returns the call's arguments
+    and the float64 reference output."""
+    rng = np.random.default_rng(23)
+    pages, length = [5, 2, 9, 0, 7, 3], 23
+    keys = rng.standard_normal((KV_HEADS, length, HEAD_DIM))
+    values = rng.standard_normal((KV_HEADS, length, V_DIM))
+    query = rng.standard_normal((1, HEADS, 1, HEAD_DIM))
+    pools = []
+    for x in (keys, values):
+        pool = np.full((NUM_BLOCKS, BLOCK, KV_HEADS, x.shape[-1]), np.nan)
+        for t in range(length):
+            pool[pages[t // BLOCK], t % BLOCK] = x[:, t]
+        pools.append(pool.astype(dtype))
+    table = np.array([pages], np.int32)
+    args = [backend.asarray(a) for a in (query.astype(dtype), *pools, table,
+                                         np.array([length], np.int32))]
+    expected = reference.attention(query.astype(dtype)[0], keys.astype(dtype),
+                                   values.astype(dtype), is_causal=True,
+                                   causal_alignment="bottom_right").output
+    return args, expected
+
+
+def test_a_scattered_chunk_costs_one_product_per_part_not_per_page(backend, monkeypatch):
+    """numpy_attn and torch_attn copy a chunk's scattered pages into one buffer and run one
+    product for its scores and one for its values (``PART_BYTES`` holds the whole chunk here),
+    not a product per page (each a BLAS call or a dispatch as long as the page's arithmetic):
+    three chunks of two pages each are three score products, not six."""
+    if backend.name == "jax":
+        pytest.skip("jax_attn: XLA compiles the gather and the products (a lax.scan step per "
+                    "chunk); there is no call to count")
+    args, expected = _scattered(backend)
+    calls = []
+    if backend.name == "numpy":  # the score products (the value products are ``@``)
+        matmul = np.matmul
+        monkeypatch.setattr(np, "matmul", lambda *a, **k: calls.append(1) or matmul(*a, **k))
+    else:
+        import torch
+
+        bmm = torch.bmm
+        monkeypatch.setattr(torch, "bmm", lambda *a, **k: calls.append(1) or bmm(*a, **k))
+    output = backend.to_numpy(backend.module.paged_attention(*args))
+    np.testing.assert_allclose(output[0], expected, **TOL)
+    assert len(calls) == (3 if backend.name == "numpy" else 6), calls
+
+
+def test_pages_copied_a_page_at_a_time_and_in_any_dtype_equal_the_reference(backend,
+                                                                            monkeypatch):
+    """The copies of numpy_attn and torch_attn in parts of one page each (``PART_BYTES`` = 1:
+    two parts per chunk, the last one a partly filled page) give the reference, and the
+    thread's buffer, reused, holds float64 pages after float32 ones (jax_attn: the products
+    per kv head, ``FLAT_KV_HEADS`` = 0, instead of every head against every head)."""
+    paged_file = __import__(f"{backend.module.__name__}.paged", fromlist=["paged"])
+    if backend.name == "jax":
+        monkeypatch.setattr(paged_file, "FLAT_KV_HEADS", 0)
+        paged_file._paged.clear_cache()  # traced again, with the per-head products
+    else:
+        monkeypatch.setattr(paged_file, "PART_BYTES", 1)
+    try:
+        cache, truth = _history(backend)
+        _check_paged(backend, cache, truth, [3, 0, 2], q_len=1)
+        _check_paged(backend, cache, truth, [0, 3], q_len=3, softcap=5.0)
+        if backend.name != "jax":  # jax: float64 needs x64; its buffers are XLA's
+            for dtype in (np.float32, np.float64):
+                args, expected = _scattered(backend, dtype)
+                output = backend.to_numpy(backend.module.paged_attention(*args))
+                assert output.dtype == dtype
+                np.testing.assert_allclose(output[0], expected, **TOL)
+    finally:
+        if backend.name == "jax":
+            paged_file._paged.clear_cache()

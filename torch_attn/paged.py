@@ -11,15 +11,21 @@ rule of ``merge_attention``, ``spec.MERGING``).
 ``PagedKVCache`` keeps many sequences' keys and values in one pool of pages ``(num_blocks,
 block_size, kv_heads, head_dim)`` (flash-attn's and vLLM's layout), with the bookkeeping of
 ``attention_rules.paging``. ``paged_attention`` is the kernel: every sequence's keys in chunks of
-whole pages (``rules.page_chunk``), a chunk's pages read as runs of consecutive pages
-(``rules.page_runs``), one ``bmm`` over the kv heads per run on the pool as it lies (transposed
-by strides: a gather would copy the whole sequence first, several times slower on the CPU), the
-chunks merged by their log-sum-exp. Differentiable by autograd through the page reads (query,
-key_pages, value_pages, sinks). The pages hold values only: ``append`` stores detached copies.
+whole pages (``rules.page_chunk``); a chunk's pages are copied, a part of about ``PART_BYTES``
+at a time, with one ``index_select`` into a buffer reused by every part and call of the thread
+(a fresh tensor when autograd records the call), and each part's scores and values are one
+``bmm`` over the kv heads on that buffer (transposed by strides), while the part is in the
+cache; the chunks are merged by their log-sum-exp. torch: a ``bmm`` per page (the pool as it
+lies) costs a dispatch per page, more than the page's arithmetic, and a copy of a whole
+sequence leaves the cache before its products read it (``benchmarks/RESULTS.md``, decoding at
+scale). Differentiable by autograd through the page reads (query, key_pages, value_pages,
+sinks). The pages hold values only: ``append`` stores detached copies.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,6 +34,11 @@ import attention_rules as rules
 
 from ._core import NEG_INF, _array, _as_tensor, _describe, _dtype_name, _softcap
 from ._extras import _merge_attention
+
+#: Bytes of pages copied at a time by ``paged_attention`` (at least one page): half of a common
+#: L2 cache, so a part is still there when its product reads it (torch_attn's choice).
+PART_BYTES = 1 << 20
+_local = threading.local()  # each thread's buffers for the copied pages, per device (_buffer)
 
 
 def _dtype(dtype: Any) -> torch.dtype:
@@ -275,16 +286,14 @@ def _paged(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``paged_attention`` on validated inputs: ``(output (batch, heads, q_len, v_dim)`` in the
     compute dtype, ``lse (batch, heads, q_len))``. Each sequence in chunks of whole pages
-    (``rules.kv_chunks``), a chunk's keys read as runs of consecutive pages, each run a view of
-    the pool (``rules.page_runs``): one ``bmm`` per run over the kv heads, on the pool as it
-    lies (transposed by strides), never a copy of the sequence.
-    ``causal=False``: every row attends all ``lens[b]`` positions."""
+    (``rules.kv_chunks``), a chunk's pages copied in parts (``_page_parts``), one ``bmm`` over
+    the kv heads per part. ``causal=False``: every row attends all ``lens[b]`` positions."""
     device, compute = query.device, getattr(torch, args.compute)
     bs, kv_heads, head_dim = args.block_size, args.kv_heads, query.shape[-1]
-    rows = query.reshape(args.batch, kv_heads, -1, head_dim).to(compute) * args.scale
-    group = rows.shape[2]  # a kv head's query rows
-    key_flat = key_pages.reshape(args.num_blocks * bs, kv_heads, -1)  # (positions, kv, dim)
-    value_flat = value_pages.reshape(args.num_blocks * bs, kv_heads, -1)
+    group = args.heads // kv_heads * args.q_len  # a kv head's query rows
+    rows = query.reshape(args.batch, kv_heads, group, head_dim).to(compute) * args.scale
+    fresh = torch.is_grad_enabled() and any(  # autograd keeps the parts: no shared buffer
+        x.requires_grad for x in (query, key_pages, value_pages))
     chunk = rules.page_chunk(bs) * bs
     per_sequence = [rules.kv_chunks(length, chunk) for length in lens]
     count = max([1] + [len(chunks) for chunks in per_sequence])
@@ -294,40 +303,75 @@ def _paged(
     for b, chunks in enumerate(per_sequence):
         limits = _limits(torch.tensor([lens[b]], device=device), args.q_len if causal else 1,
                          group)[0]  # (rows, 1)
+        pages = torch.tensor(table[b][:rules.pages_needed(lens[b], bs)], dtype=torch.long,
+                             device=device)  # the sequence's pages, in its order
         for c, (start, stop) in enumerate(chunks):
-            runs = [(page * bs + lo, page * bs + hi) for page, _, lo, hi
-                    in rules.page_runs(table[b], start, stop, bs)]  # rows of the flat pool
-            # torch: (kv_heads, rows, dim) @ (kv_heads, dim, keys), the run transposed by
-            # strides: bmm reads the pool in place
-            scores = torch.cat([torch.bmm(rows[b], key_flat[lo:hi].to(compute).permute(1, 2, 0))
-                                for lo, hi in runs], dim=-1)
+            # torch: (kv_heads, rows, dim) @ (kv_heads, dim, keys), a part transposed by
+            # strides
+            scores = torch.cat([torch.bmm(rows[b], k.to(compute).permute(1, 2, 0)) for k
+                                in _page_parts(key_pages, pages, start, stop, fresh)], dim=-1)
             scores = _softcap(scores, args.softcap)  # (kv_heads, rows, keys)
             if stop > int(limits.min()):  # the causal rule reaches into this chunk
-                positions = torch.arange(start, start + scores.shape[-1], device=device)
+                positions = torch.arange(start, stop, device=device)
                 scores = torch.where(positions < limits, scores, NEG_INF)
-            parts[c][b] = _chunk_result(scores, [value_flat[lo:hi] for lo, hi in runs], compute)
+            parts[c][b] = _chunk_result(
+                scores, _page_parts(value_pages, pages, start, stop, fresh), compute)
     outputs = torch.stack([torch.stack([o for o, _ in row]) for row in parts])
     lses = torch.stack([torch.stack([lse for _, lse in row]) for row in parts])
     shape = (count, args.batch, args.heads, args.q_len)
     return _merge_chunks(outputs.reshape(shape + (args.v_dim,)), lses.reshape(shape), sinks)
 
 
+def _page_parts(
+    pool: torch.Tensor, pages: torch.Tensor, start: int, stop: int, fresh: bool
+) -> Iterator[torch.Tensor]:
+    """Positions ``start..stop`` (``start`` at a page's first row) of the sequence whose pages
+    are ``pages`` (its table row, as a tensor), in parts of ``PART_BYTES``, each copied by one
+    ``index_select`` and yielded as ``(width, kv_heads, dim)``: a view of this thread's buffer
+    (valid until the next part) or, with ``fresh`` (autograd records the call and may keep the
+    part for the backward pass), a new tensor."""
+    bs = pool.shape[1]
+    flat = pool.reshape(pool.shape[0], pool[0].numel())  # (num_blocks, page): a view
+    per = max(1, PART_BYTES // max(1, flat.shape[1] * pool.element_size()))  # pages per part
+    first, last = start // bs, -(-stop // bs)
+    for lo in range(first, last, per):
+        hi = min(lo + per, last)
+        if fresh:
+            part = flat.index_select(0, pages[lo:hi])
+        else:
+            part = torch.index_select(flat, 0, pages[lo:hi],
+                                      out=_buffer((hi - lo, flat.shape[1]), pool))
+        yield part.view(((hi - lo) * bs,) + pool.shape[2:])[:min(stop, hi * bs) - lo * bs]
+
+
+def _buffer(shape: tuple[int, int], like: torch.Tensor) -> torch.Tensor:
+    """This thread's buffer on ``like``'s device as a tensor of ``shape`` and ``like``'s dtype
+    (uninitialised), grown when too small and reused otherwise: no allocation (and no fresh
+    memory to fault in) per part."""
+    size = shape[0] * shape[1] * like.element_size()
+    buffers = _local.__dict__.setdefault("buffers", {})
+    raw = buffers.get(like.device)
+    if raw is None or raw.numel() < size:
+        raw = buffers[like.device] = torch.empty(size, dtype=torch.uint8, device=like.device)
+    return raw[:size].view(like.dtype).view(shape)
+
+
 def _chunk_result(
-    scores: torch.Tensor, values: list[torch.Tensor], compute: torch.dtype
+    scores: torch.Tensor, values: Iterator[torch.Tensor], compute: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk's partial result from its scores ``(kv_heads, rows, keys)`` (``-inf`` where
-    not allowed) and its values, runs ``(keys, kv_heads, v_dim)`` of the pool: the output
-    ``(kv_heads, rows, v_dim)`` and the lse ``(kv_heads, rows)``; a row without a key gives 0
-    and ``-inf``."""
+    not allowed) and its values, consecutive parts ``(keys, kv_heads, v_dim)`` (read once, in
+    order): the output ``(kv_heads, rows, v_dim)`` and the lse ``(kv_heads, rows)``; a row
+    without a key gives 0 and ``-inf``."""
     row_max = scores.detach().amax(dim=-1, keepdim=True)  # a shift: constant for autograd
     shift = torch.where(row_max == NEG_INF, 0.0, row_max)  # no -inf - -inf
     weights = torch.exp(scores - shift)
     row_sum = weights.sum(dim=-1, keepdim=True)
     acc, at = 0, 0
-    for run in values:  # (kv_heads, rows, keys) @ (kv_heads, keys, v_dim), in place
-        acc = acc + torch.bmm(weights[..., at:at + run.shape[0]],
-                              run.to(compute).transpose(0, 1))
-        at += run.shape[0]
+    for part in values:  # (kv_heads, rows, keys) @ (kv_heads, keys, v_dim)
+        acc = acc + torch.bmm(weights[..., at:at + part.shape[0]],
+                              part.to(compute).transpose(0, 1))
+        at += part.shape[0]
     empty = row_sum == 0.0  # no key in the chunk
     safe = torch.where(empty, 1.0, row_sum)
     return acc / safe, torch.where(empty, NEG_INF, shift + torch.log(safe))[..., 0]
