@@ -6,9 +6,14 @@ Expected values are computed in float64 from the exported weights with
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
+import attention_rules
 from conformance import reference
 
 D_MODEL, HEADS, SEQ = 16, 4, 7
@@ -153,3 +158,180 @@ def test_jax_decode_step_compiles_once():
     assert len(traces) == 1, "one compilation for every step of the same chunk size"
     np.testing.assert_allclose(np.concatenate(outputs, 1), mha_reference(weights, x, 2),
                                rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------- KVCache.empty and kv_cache.decode_step itself
+# (found by mutation testing, docs/mutation.md: the module tests above decode batched inputs of
+# one dtype without sinks, so an argument name, a default dtype, an axis counted from the front
+# or a dropped ``sinks`` went unnoticed)
+
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def _dtype_name(array) -> str:
+    return str(array.dtype).removeprefix("torch.")
+
+
+def _kv_cache_file(backend):
+    return __import__(f"{backend.module.__name__}.kv_cache", fromlist=["kv_cache"])
+
+
+def test_cache_empty_names_the_bad_argument(backend):
+    good = {"batch_shape": (1,), "kv_heads": 2, "max_len": 3, "head_dim": 4}
+    bad = [({"kv_heads": 0}, ValueError, r"kv_heads must be an int >= 1; got kv_heads=0"),
+           ({"max_len": -1}, ValueError, r"max_len must be an int >= 0; got max_len=-1"),
+           ({"head_dim": 2.5}, ValueError, r"head_dim must be an int >= 0; got head_dim=2\.5"),
+           ({"v_dim": -1}, ValueError, r"v_dim must be an int >= 0; got v_dim=-1"),
+           ({"dtype": "int32"}, TypeError, r"dtype must be float16, bfloat16, float32 or")]
+    if backend.name != "torch":  # torch_attn hands a device to torch, which names it
+        bad.append(({"device": "tpu:9"}, ValueError, r".*; got device='tpu:9'$"))
+    for change, error, words in bad:
+        with pytest.raises(error, match=r"^KVCache\.empty: " + words):
+            backend.module.KVCache.empty(**{**good, **change})
+
+
+def test_cache_empty_dtypes_and_shapes(backend):
+    cache = backend.module.KVCache.empty((2, 3), 2, 5, 4)
+    assert tuple(cache.key_buffer.shape) == tuple(cache.value_buffer.shape) == (2, 3, 2, 5, 4)
+    assert _dtype_name(cache.key_buffer) == _dtype_name(cache.value_buffer) == "float32"
+    framework = {"numpy": "numpy", "torch": "torch", "jax": "jax.numpy"}[backend.name]
+    float16 = __import__(framework, fromlist=["float16"]).float16
+    for dtype, name in (("bfloat16", "bfloat16"), ("float16", "float16"), (float16, "float16")):
+        cache = backend.module.KVCache.empty((), 1, 2, 3, v_dim=5, dtype=dtype)
+        assert _dtype_name(cache.key_buffer) == _dtype_name(cache.value_buffer) == name
+        assert tuple(cache.value_buffer.shape) == (1, 2, 5)
+
+
+def test_numpy_cache_names_bfloat16_before_ml_dtypes_is_imported():
+    """``dtype="bfloat16"`` in a process where nothing imported ml_dtypes yet (NumPy knows the
+    name only after that import)."""
+    code = ("import sys, numpy_attn; assert 'ml_dtypes' not in sys.modules; "
+            "print(numpy_attn.KVCache.empty((1,), 1, 2, 3, dtype='bfloat16').key_buffer.dtype)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert (run.returncode, run.stdout.strip()) == (0, "bfloat16"), run.stderr[-2000:]
+
+
+# numpy and torch: jax_attn's eager decode_step compiles each of its operations for these
+# shapes (about 10 s for the two tests); its jitted step is tested above and in
+# test_decoding_state.py
+EAGER = pytest.mark.parametrize("backend", ["numpy", "torch"], indirect=True)
+
+
+@EAGER
+def test_decode_step_unbatched_split_and_sinks(backend, monkeypatch):
+    """Unbatched ``(heads, n, head_dim)`` inputs (heads, kv_heads, n, head_dim and v_dim all
+    different): a new cache holds ``n`` positions when ``max_len`` is None, in the keys' dtype;
+    then decoding token by token with sinks over a cache of 7, split-KV (chunks of 2) once it
+    holds 6 keys (``rules.split_chunk``), float32 steps into a float64 cache, equals the
+    float64 reference."""
+    for name, value in (("chunk", 2), ("min_kv_len", 6), ("max_q_len", 2), ("steps", 2)):
+        monkeypatch.setitem(attention_rules.SPLIT_KV, name, value)
+    file = _kv_cache_file(backend)
+    split_calls = []
+    split = file.split_kv_attention
+    monkeypatch.setattr(file, "split_kv_attention",
+                        lambda *a, **k: split_calls.append(1) or split(*a, **k))
+    rng = np.random.default_rng(5)
+    heads, kv_heads, n, head_dim, v_dim, steps = 4, 2, 3, 5, 6, 4
+    query = rng.standard_normal((heads, n + steps, head_dim)).astype(np.float32)
+    key = rng.standard_normal((kv_heads, n + steps, head_dim)).astype(np.float32)
+    value = rng.standard_normal((kv_heads, n + steps, v_dim)).astype(np.float32)
+    sinks = np.array([0.5, -1.0, 2.0, 0.0], np.float32)
+
+    def part(start, stop, dtype=np.float32):
+        return [backend.asarray(a[:, start:stop].astype(dtype)) for a in (query, key, value)]
+
+    out, cache = file.decode_step(*part(0, n, np.float16), None, None)
+    assert cache.max_len == n and int(cache.length) == n
+    assert _dtype_name(out) == _dtype_name(cache.key_buffer) == "float16"
+    out, cache = file.decode_step(*part(0, n), None, n + steps)
+    assert cache.max_len == n + steps and _dtype_name(out) == "float32"
+    expected = reference.attention(query[:, :n], key[:, :n], value[:, :n], is_causal=True)
+    np.testing.assert_allclose(backend.to_numpy(out), expected.output, **TOL)
+    assert not split_calls, "3 query rows: more than max_q_len, one piece"
+    # float32 steps into a float64 cache: cast to the cache's dtype (torch: with grad mode on,
+    # this step's keys are cast on their own)
+    cache = backend.module.KVCache.empty((), kv_heads, n + steps, head_dim, v_dim,
+                                         dtype="float64")
+    out, cache = file.decode_step(*part(0, n), cache, None)
+    for t in range(n, n + steps):
+        out, cache = file.decode_step(*part(t, t + 1), cache, None, sinks=backend.asarray(sinks))
+        assert int(cache.length) == t + 1 and _dtype_name(out) == "float64"
+        expected = reference.attention(query[:, t:t + 1], key[:, :t + 1], value[:, :t + 1],
+                                       sinks=sinks)
+        np.testing.assert_allclose(backend.to_numpy(out), expected.output, rtol=1e-12,
+                                   atol=1e-12)
+    assert split_calls, "one query row over 6 keys or more runs split-KV"
+    # and into a narrower float16 cache: float16 out (torch: a float32 key concatenated with
+    # the float16 cache would promote it to float32)
+    cache = backend.module.KVCache.empty((), kv_heads, n, head_dim, v_dim, dtype="float16")
+    out, cache = file.decode_step(*part(0, n), cache, None)
+    assert _dtype_name(out) == "float16"
+    expected = reference.attention(query[:, :n], key[:, :n], value[:, :n], is_causal=True)
+    np.testing.assert_allclose(backend.to_numpy(out).astype(np.float64), expected.output,
+                               rtol=1e-2, atol=1e-2)
+
+
+@EAGER
+def test_decode_step_over_a_paged_cache_with_sinks(backend):
+    """Two sequences (one kv head: the batch axis is not the heads axis) decoded through a
+    float64 ``PagedKVCache`` from float32 inputs (cast to the cache's dtype) with sinks equal
+    the float64 reference; torch: with and without grad mode, which attend the new keys two
+    ways."""
+    rng = np.random.default_rng(6)
+    heads, kv_heads, head_dim, steps = 4, 1, 3, 3
+    query = rng.standard_normal((2, heads, 2 + steps, head_dim)).astype(np.float32)
+    key = rng.standard_normal((2, kv_heads, 2 + steps, head_dim)).astype(np.float32)
+    value = rng.standard_normal((2, kv_heads, 2 + steps, head_dim)).astype(np.float32)
+    sinks = np.array([0.5, -1.0, 2.0, 0.0], np.float32)
+    modes = [contextlib.nullcontext]
+    if backend.name == "torch":
+        import torch
+
+        modes.append(torch.no_grad)
+    file = _kv_cache_file(backend)
+    for mode in modes:
+        cache = backend.module.PagedKVCache(8, 2, kv_heads, head_dim, dtype="float64")
+        with mode():
+            for start, stop in ((0, 2), (2, 3), (3, 4), (4, 5)):
+                out, cache = file.decode_step(
+                    *(backend.asarray(a[:, :, start:stop]) for a in (query, key, value)),
+                    cache, None, sinks=backend.asarray(sinks))
+                assert _dtype_name(out) == "float64"
+                expected = reference.attention(
+                    query[:, :, start:stop], key[:, :, :stop], value[:, :, :stop],
+                    is_causal=True, causal_alignment="bottom_right", sinks=sinks)
+                np.testing.assert_allclose(backend.to_numpy(out), expected.output, rtol=1e-12,
+                                           atol=1e-12)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_torch_training_decode_step_gradients_reach_this_steps_keys(paged):
+    """torch, grad mode on: the gradients of a decoding step's output with respect to its own
+    query, key and value (float32 inputs into a float64 cache) equal the float64 reference's
+    VJP over every cached position (``reference.attention_vjp``; the cached positions are
+    constants, so only this step's rows of ``dK``/``dV`` are compared), for a contiguous and
+    a paged cache."""
+    torch = pytest.importorskip("torch", reason="pip install torch==2.13.0")
+    import torch_attn
+    from torch_attn import kv_cache
+
+    rng = np.random.default_rng(8)
+    heads, kv_heads, head_dim, n = 4, 2, 3, 2
+    query, key, value, grad = (rng.standard_normal((2, h, 5, head_dim)).astype(np.float32)
+                               for h in (heads, kv_heads, kv_heads, heads))
+    cache = (torch_attn.PagedKVCache(8, 2, kv_heads, head_dim, dtype="float64") if paged
+             else torch_attn.KVCache.empty((2,), kv_heads, 5, head_dim, dtype="float64"))
+    with torch.no_grad():
+        first = (torch.from_numpy(a[:, :, :3]) for a in (query, key, value))
+        _, cache = kv_cache.decode_step(*first, cache, None)
+    leaves = [torch.from_numpy(a[:, :, 3:]).requires_grad_() for a in (query, key, value)]
+    out, cache = kv_cache.decode_step(*leaves, cache, None)
+    got = torch.autograd.grad(out, leaves, torch.from_numpy(grad[:, :, 3:]).double())
+    expected = reference.attention_vjp(query[:, :, 3:], key, value, grad[:, :, 3:],
+                                       is_causal=True, causal_alignment="bottom_right")
+    for name, g in zip(("query", "key", "value"), got, strict=True):
+        e = getattr(expected, name)
+        np.testing.assert_allclose(g.numpy(), e if name == "query" else e[:, :, -n:],
+                                   rtol=1e-5, atol=1e-6, err_msg=name)
