@@ -228,7 +228,7 @@ def summary_parts(result: RunResult) -> dict[str, str]:
     peer_cells = [c for c in result.cells if not c.spec_backend]
     checked = [c for c in spec_cells if c.status not in NOT_CHECKED]
     parts = {"cells": f"{sum(c.status == 'ok' for c in checked)}/{len(checked)} backend cells "
-                      f"pass"}
+                      f"pass" if spec_cells or not peer_cells else "no backend column (peers only)"}
     if len(checked) < len(spec_cells):
         parts["not_checked"] = (f"{len(spec_cells) - len(checked)} not checked (unsupported or "
                                 f"not provided)")

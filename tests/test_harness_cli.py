@@ -150,3 +150,15 @@ def test_golden_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture) -> Non
     with pytest.raises(golden.GoldenError, match="checksum"):
         golden.verify(tmp_path)
     assert main(["check", str(tmp_path), "--backend", "numpy"]) == 2
+
+
+def test_a_peers_only_run_says_so_instead_of_counting_no_backend_cells() -> None:
+    """``--backend torch.sdpa`` alone: the summary names the run as peers only (the peers
+    never decide the verdict), not "0/0 backend cells pass"."""
+    pytest.importorskip("torch", reason="needs torch: pip install -r requirements-test.txt")
+    from conformance import report, runner
+
+    result = runner.run(["torch.sdpa"], ["self"], ["float32"], hypothesis=0, progress=False)
+    line = report.summary(result)
+    assert "0/0 backend cells" not in line, line
+    assert "no backend column (peers only" in line and "peers: 1 ok" in line, line
