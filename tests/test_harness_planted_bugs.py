@@ -9,11 +9,9 @@ runnable reproducer.
 
 from __future__ import annotations
 
-import types
-
 import numpy as np
 import pytest
-from harness_helpers import NEEDS_HYPOTHESIS, _expected
+from harness_helpers import NEEDS_HYPOTHESIS, check_planted_bug, fake_numpy
 
 import numpy_attn
 from conformance import (
@@ -22,21 +20,10 @@ from conformance import (
     expected,
     properties,
     runner,
-    spec,
 )
 from conformance.__main__ import main
 
 # ------------------------------------------------------------------------------ planted bugs
-
-
-def _fake(name: str, **overrides: object) -> backends.Backend:
-    module = types.ModuleType(name)
-    for fn in spec.FUNCTIONS + spec.MODULES:
-        if hasattr(numpy_attn, fn):
-            setattr(module, fn, getattr(numpy_attn, fn))
-    for key, value in overrides.items():
-        setattr(module, key, value)
-    return backends.from_module(module, name=name)
 
 
 def _wrap(transform):  # noqa: ANN001, ANN202 - test helper
@@ -255,15 +242,7 @@ PLANTED = {
 
 @pytest.mark.parametrize("bug", PLANTED)
 def test_planted_bug_is_caught_and_named(bug: str) -> None:
-    overrides, must_fail, must_pass, words = PLANTED[bug]
-    fake = _fake(f"fake_{bug}", **overrides)
-    for dtype in ("float64", "float32"):
-        cells = {c: runner.run_cell(fake, _expected(c, dtype)) for c in must_fail | must_pass}
-        failed = {c for c, cell in cells.items() if cell.status != "ok"}
-        assert failed == must_fail, f"{bug} {dtype}: failed {sorted(failed)}"
-        for c in must_fail:
-            assert words in cells[c].detail, f"{bug} {dtype} {c}: {cells[c].detail}"
-            assert f"--case {c} --dtype {dtype} --backend fake_{bug}" in cells[c].rerun
+    check_planted_bug(bug, *PLANTED[bug])
 
 
 def test_report_names_failing_cases_and_exit_code(capsys: pytest.CaptureFixture) -> None:
@@ -302,7 +281,7 @@ def test_properties_apply_the_harness_rule() -> None:
 
 def test_properties_shrink_a_planted_bug_to_runnable_code(capsys: pytest.CaptureFixture) -> None:
     pytest.importorskip("hypothesis", reason=NEEDS_HYPOTHESIS)
-    fake = backends.register(_fake("fake_mask_polarity_prop", **_wrap(_flip_mask)))
+    fake = backends.register(fake_numpy("fake_mask_polarity_prop", **_wrap(_flip_mask)))
     try:  # registered, so the reproducer's backends.load finds it
         result = properties.run([fake], 60)
         assert not result.passed
