@@ -251,3 +251,49 @@ def test_merge_replays_take_unbatched_inputs_with_sinks() -> None:
         output = (shares[..., None] * outs).sum(0) / (shares.sum(0) + sink)[..., None]
     exp = expected.expected_for(data, "merge", "float64", gradients=False)
     assert diagnose.merge_mistakes(exp, "merge_output", output) == diagnose.MERGE_MISTAKES[0][0]
+
+
+# ------------------------------------------------- the packed-batch hypotheses (built at import)
+
+
+def test_packed_hypothesis_builders_drop_names_and_shift_the_chunk_rule() -> None:
+    """``diagnose_packed``'s builders run at import (``PACKED_HYPOTHESES``), where no test can
+    reach a mutant: called here directly, against tables written out from the rule."""
+    from conformance import diagnose_packed as dp
+
+    q, k = np.zeros((1, 5, 2)), np.zeros((1, 7, 2))  # 3-D: the sequence axis is -2, not 2
+    a, o = {"query": q, "key": k, "alibi_slopes": np.ones(1)}, {"chunk_size": 3, "scale": 0.5}
+    assert dp._without("q_segment_ids", "kv_segment_ids")(a, o) is None
+    arrays, options = dp._without("alibi_slopes", "scale")(a, o)
+    assert set(arrays) == {"query", "key"} and options == {"chunk_size": 3}
+    assert dp._without("chunk_size")(a, o)[1] == {"scale": 0.5}
+    assert dp._chunk_shifted(1)(a, {"scale": 0.5}) is None  # no chunks
+    assert dp._chunk_shifted(1)(a, {**o, "mask_mod": object()}) is None
+    for alignment, offset in (("top_left", 0), ("bottom_right", 2)):
+        for shift in (1, -1):
+            arrays, options = dp._chunk_shifted(shift)(a, {**o, "causal_alignment": alignment})
+            want = np.array([[(i + offset + shift) // 3 == (j + shift) // 3 for j in range(7)]
+                             for i in range(5)])
+            assert arrays["mod_table"].shape == (1, 1, 5, 7)
+            assert np.array_equal(arrays["mod_table"][0, 0], want), (alignment, shift)
+            assert arrays["alibi_slopes"] is a["alibi_slopes"]
+            assert options == {"scale": 0.5, "causal_alignment": alignment,
+                               "mask_mod": {"name": "table"}}
+    longer_q = {"query": np.zeros((1, 1, 4, 2)), "key": np.zeros((1, 1, 2, 2))}
+    table = dp._chunk_shifted(1)(longer_q, {"chunk_size": 2, "causal_alignment": "bottom_right"}
+                                 )[0]["mod_table"][0, 0]  # p = i - 2 + 1: rows 0 and 1 see none
+    want = np.array([[(i - 1) // 2 == (j + 1) // 2 and i - 1 >= 1 for j in range(2)]
+                     for i in range(4)])
+    assert np.array_equal(table, want)
+
+
+def test_shifted_offsets_move_the_inner_offsets_and_stay_valid() -> None:
+    from conformance.diagnose_packed import shifted_offsets
+
+    cu = np.array([0, 3, 3, 7, 10], np.int32)
+    up, down = shifted_offsets(cu, 1), shifted_offsets(cu, -1)
+    assert up.tolist() == [0, 4, 4, 8, 10] and down.tolist() == [0, 2, 2, 6, 10]
+    assert up.dtype == down.dtype == np.int32 and cu.tolist() == [0, 3, 3, 7, 10]
+    assert shifted_offsets(np.array([0, 9, 10]), 1).tolist() == [0, 10, 10]  # clipped to total
+    assert shifted_offsets(np.array([0, 0, 5]), -1).tolist() == [0, 0, 5]  # and to 0
+    assert shifted_offsets(np.array([0, 4, 3, 8]), -1).tolist() == [0, 3, 3, 8]  # non-decreasing
