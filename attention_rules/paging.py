@@ -32,7 +32,7 @@ from .checks import (
 #: Split-KV decoding (``spec.SPLIT_KV``): a step with at most ``max_q_len`` query rows over at
 #: least ``min_kv_len`` cached keys cuts the keys into chunks of ``chunk`` keys; the paged cache
 #: always attends in chunks of whole pages, ``max(1, chunk // block_size)`` pages each, which
-#: jax_attn gathers in ``steps`` steps of the online softmax (every chunk at once). Below
+#: jax_attn attends in ``steps`` steps of the online softmax each, a chunk after the other. Below
 #: ``min_kv_len`` a step is well under a millisecond and one piece is faster (the tasks and the
 #: merge cost more than they share: ``benchmarks/RESULTS.md``, decoding at scale).
 SPLIT_KV = {"chunk": 4096, "min_kv_len": 8192, "max_q_len": 16, "steps": 8}
@@ -144,20 +144,6 @@ def paged_arguments(
 def pages_needed(length: int, block_size: int) -> int:
     """Pages that hold ``length`` positions: ``ceil(length / block_size)``."""
     return math.ceil(length / block_size)
-
-
-def page_runs(row: list[int], start: int, stop: int, block_size: int) -> list[tuple]:
-    """Positions ``start..stop`` of a sequence whose pages are ``row`` as runs of consecutive
-    pages of the pool: ``(first page, pages, lo, hi)``, the run's positions ``lo..hi`` counted
-    from row 0 of its first page (a run is one strided view of the pool, no copy)."""
-    runs: list[list[int]] = []
-    for i in range(start // block_size, -(-stop // block_size)):
-        if runs and row[i] == runs[-1][0] + runs[-1][1]:
-            runs[-1][1] += 1
-        else:
-            runs.append([row[i], 1, i * block_size])
-    return [(page, count, max(start - first, 0), min(stop - first, count * block_size))
-            for page, count, first in runs]
 
 
 def check_block_table(

@@ -119,11 +119,12 @@ def _runs(tokens: int) -> dict:
         if split else (lambda: jax.block_until_ready(whole(jq, jk, jv)))
     runs["jax", "unsplit"] = lambda: jax.block_until_ready(whole(jq, jk, jv))
     paged = jax.jit(jax_attn.paged_attention)
+    jlens = jnp.asarray(lens)  # on the device once, as the contiguous row's length
     for name, arrays in pools.items():
         kp, vp, table = map(jnp.asarray, arrays)
         runs["jax", f"paged ({name})"] = functools.partial(
-            lambda kp, vp, table: jax.block_until_ready(paged(jq, kp, vp, table,
-                                                              jnp.asarray(lens))), kp, vp, table)
+            lambda kp, vp, table: jax.block_until_ready(paged(jq, kp, vp, table, jlens)),
+            kp, vp, table)
     # torch_attn, and torch's own SDPA
     tq, tk, tv = (torch.from_numpy(x) for x in (query, k, v))
     with torch.no_grad():

@@ -12,21 +12,19 @@ block_size, kv_heads, head_dim)`` (flash-attn's and vLLM's layout), with the boo
 ``attention_rules.paging``; jax: the pages are immutable arrays, so ``append`` and ``free``
 return a new cache, and the bookkeeping is Python, outside jit. ``paged_attention`` is the
 kernel, jit-able with a traced table and lengths: every sequence's keys in chunks of whole pages
-(``rules.page_chunk``), a ``lax.scan`` over the chunks whose step gathers one chunk's pages of
-every sequence (``jnp.take``, about ``SPLIT_KV["chunk"]`` positions: a few MiB, still in the
-cache when the step's products read them) and computes the chunk's partial result; the partial
-results are merged by their log-sum-exp. XLA on the CPU copies any slice it gives a product,
-so the gather is the copy a product would make anyway, if it gathers whole pages in the pool's
-layout: a gather that also moves the kv heads to the front runs as an element-by-element loop
-at half the speed, and a product whose batch axis (the kv heads) is not the leading one gets a
-transposing copy first. With at most ``FLAT_KV_HEADS`` kv heads the products therefore read the
-gathered pages as they lie, as one matrix ``(positions · kv_heads, head_dim)``, against the
-query rows of every kv head, and keep each head's own block (kv_heads times the arithmetic of a
-decoding step, which is small beside reading the pages); with more, the gather moves the heads
-to the front and the products are per head (``benchmarks/RESULTS.md``, decoding at scale). A
+(``rules.page_chunk``) merged by their log-sum-exp, a ``lax.scan`` over the chunks whose step is
+a ``lax.scan`` of the online softmax over the chunk's pages in ``SPLIT_KV["steps"]`` steps
+(``_step``). XLA on the CPU gives a product an array of its own, never a slice of the pool, so a
+step copies its pages first (``jnp.take`` of whole pages in the pool's layout, one page at a
+time: ``TAKE_POSITIONS``) and its products read each copy right after, while it is in the cache;
+the copies are what a paged step costs more than a contiguous one. Up to ``FLAT_KV_HEADS`` kv
+heads the products read the copies as they lie, one matrix ``(positions · kv_heads,
+head_dim)`` against the query rows of every kv head, each head's own block kept (moving the kv
+heads to the front costs a transposing copy); with more, per head. Why, and the figures:
+``docs/paged_decoding.md`` and ``benchmarks/RESULTS.md`` (decoding at scale). A
 concrete table is checked (``rules.check_block_table``); a traced one cannot raise, so a used
 entry outside the pool makes that sequence's output (and lse) NaN, never a finite wrong number.
-Differentiable by autodiff through the gather.
+Differentiable by autodiff through the copies and the scans.
 """
 
 from __future__ import annotations
@@ -43,11 +41,17 @@ import attention_rules as rules
 from ._core import NEG_INF, _array, _check_device, _describe, _place, _softcap
 from ._extras import _merge_attention
 
-#: ``paged_attention`` reads the gathered pages in the pool's layout, every kv head's query rows
-#: against every kv head's keys, up to this many kv heads (jax_attn's choice: the cross-head
-#: products cost kv_heads times the arithmetic, yet less than moving the heads; one token over
-#: 16,384 positions, CPU: 2.4 against 2.9 ms with 2 kv heads, 14.7 against 29.4 ms with 8).
+#: ``paged_attention`` reads the copied pages in the pool's layout, every kv head's query rows
+#: against every kv head's keys, up to this many kv heads (jax_attn's choice: kv_heads times the
+#: arithmetic, yet less than moving the heads; one token over 32,768 positions, 2 kv heads, CPU
+#: time on a loaded 2-core machine: 1.2–1.4× the contiguous step, per head 1.5–1.8×).
 FLAT_KV_HEADS = 8
+
+#: ``paged_attention`` copies a step's pages one page at a time when a page holds this many
+#: positions or more, else the step's pages at once (jax_attn's choice: one page of one sequence
+#: is a ``dynamic_slice`` in XLA, on one thread; several pages a gather split over the threads,
+#: 1.5× slower per step with pages of 256 positions on the loaded 2-core machine).
+TAKE_POSITIONS = 256
 
 
 def _dtype(dtype: Any) -> jnp.dtype:
@@ -211,10 +215,14 @@ def paged_attention(
     per = rules.page_chunk(args.block_size)  # pages per chunk
     chunks = tuple(rules.kv_chunks(max(1, args.max_blocks) * args.block_size,
                                    per * args.block_size))
+    per = min(per, max(1, args.max_blocks))
+    most = max(1, per // rules.SPLIT_KV["steps"])  # pages per step: a divisor of per
+    step = max(d for d in range(1, most + 1) if per % d == 0)
+    take = 1 if args.block_size >= TAKE_POSITIONS else step  # pages per copy
     outputs, lses = _paged(query, _array(key_pages), _array(value_pages),
                            _array(block_table).astype(jnp.int32),
                            _array(seq_lens).astype(jnp.int32), args=args, chunks=chunks,
-                           per=min(per, max(1, args.max_blocks)))
+                           per=per, step=step, take=take)
     output, lse = _merge_chunks(outputs, lses, _array(sinks))
     output = output.astype(query.dtype)
     return (output, lse) if return_lse else output
@@ -292,24 +300,17 @@ def _split_partials(
             jnp.moveaxis(lse, 2, 0).reshape((-1,) + shape))
 
 
-@functools.partial(jax.jit, static_argnames=("args", "chunks", "per"))
+@functools.partial(jax.jit, static_argnames=("args", "chunks", "per", "step", "take"))
 def _paged(
-    query: jax.Array,
-    key_pages: jax.Array,
-    value_pages: jax.Array,
-    table: jax.Array,
-    lens: jax.Array,
-    *,
-    args: rules.PagedArguments,
-    chunks: tuple[tuple[int, int], ...],
-    per: int,
+    query: jax.Array, key_pages: jax.Array, value_pages: jax.Array, table: jax.Array,
+    lens: jax.Array, *, args: rules.PagedArguments, chunks: tuple[tuple[int, int], ...],
+    per: int, step: int, take: int,
 ) -> tuple[jax.Array, jax.Array]:
     """The partial results of ``paged_attention`` (table and lengths may be traced), one
-    compiled program per shape and plan: outputs ``(chunks, batch, heads, q_len, v_dim)`` and
-    lses ``(chunks, batch, heads, q_len)`` in the compute dtype, for ``_merge_chunks``. A
-    ``lax.scan`` over ``chunks`` of the table's positions (``per`` pages each; a sequence's
-    stops at its length): each step gathers the chunk's pages of every sequence and computes
-    their partial results (``_chunk_partial``)."""
+    program per shape and plan: outputs ``(chunks, batch, heads, q_len, v_dim)`` and lses
+    ``(chunks, batch, heads, q_len)`` in the compute dtype: a ``lax.scan`` over ``chunks``
+    (``per`` pages each; a sequence's stops at its length), each a ``lax.scan`` of the online
+    softmax over its pages, ``step`` pages a step, copied ``take`` at a time (``_step``)."""
     compute = jnp.dtype(args.compute)
     batch, bs, count = args.batch, args.block_size, len(chunks)
     table = jnp.pad(table, ((0, 0), (0, max(0, count * per - args.max_blocks))))
@@ -321,91 +322,105 @@ def _paged(
     # (the gather clips it, the NaN goes into the scores), never another page's numbers
     bad = (used & ((table < 0) | (table >= args.num_blocks))).any(axis=(1, 2))  # (batch,)
     pages = jnp.where(used, table, 0)  # unread slots read page 0, masked
+    pages = pages.reshape(batch, count, per // step, step).transpose(1, 2, 0, 3)  # scans' order
     stops = jnp.minimum(jnp.asarray([stop for _, stop in chunks])[:, None], lens)  # (ch, b)
     group = args.heads // args.kv_heads * args.q_len  # a kv head's query rows
     rows = query.reshape(batch, args.kv_heads, group, query.shape[-1]).astype(compute) * args.scale
     limits = lens[:, None] - args.q_len + 1 + jnp.arange(rows.shape[-2]) % max(args.q_len, 1)
     poison = jnp.where(bad, jnp.nan, 0.0).astype(compute)[:, None, None, None]
+    pools = tuple(pool.reshape(pool.shape[0], -1 if pool.size else 0)  # (num_blocks, page)
+                  for pool in (key_pages, value_pages))
+    width = step * bs  # a step's positions
 
-    def step(carry: None, chunk: tuple) -> tuple[None, tuple[jax.Array, jax.Array]]:
-        start, stop, page = chunk  # (), (batch,), (batch, per)
-        positions = start + jnp.arange(per * bs)  # (keys,)
-        allowed = ((positions < stop[:, None])[:, None, :]  # (batch, rows, keys)
-                   & (positions[None, None, :] < limits[:, :, None]))
-        return None, _chunk_partial(rows, key_pages, value_pages, page, allowed, poison,
-                                    args.softcap)
+    def chunk_step(carry: None, chunk: tuple) -> tuple[None, tuple[jax.Array, jax.Array]]:
+        start, stop, page = chunk  # (), (batch,), (steps, batch, step)
 
-    _, (output, lse) = jax.lax.scan(step, None, (first, stops, jnp.moveaxis(pages, 1, 0)))
+        def online(stats: tuple, part: tuple) -> tuple[tuple, None]:
+            index, part_pages = part  # (), (batch, step)
+            positions = start + index * width + jnp.arange(width)  # (keys,)
+            allowed = ((positions < stop[:, None])[:, None, :]  # (batch, rows, keys)
+                       & (positions[None, None, :] < limits[:, :, None]))
+            return _step(stats, rows, pools, part_pages, allowed, poison, args, take), None
+
+        zeros = jnp.zeros(rows.shape[:-1] + (1,), compute)  # (batch, kv_heads, rows, 1)
+        stats = (zeros + NEG_INF, zeros, jnp.zeros(rows.shape[:-1] + (args.v_dim,), compute))
+        (row_max, row_sum, acc), _ = jax.lax.scan(online, stats, (jnp.arange(per // step), page))
+        empty = row_sum == 0.0  # a chunk without a key
+        safe = jnp.where(empty, 1.0, row_sum)
+        return None, (acc / safe, jnp.where(empty, NEG_INF, row_max + jnp.log(safe))[..., 0])
+
+    _, (output, lse) = jax.lax.scan(chunk_step, None, (first, stops, pages))
     shape = (count, batch, args.heads, args.q_len)  # (chunks, batch, kv_heads, rows, ...)
     return output.reshape(shape + (args.v_dim,)), lse.reshape(shape)
 
 
-def _chunk_partial(
-    rows: jax.Array,
-    key_pages: jax.Array,
-    value_pages: jax.Array,
-    page: jax.Array,
-    allowed: jax.Array,
-    poison: jax.Array,
-    softcap: float | None,
-) -> tuple[jax.Array, jax.Array]:
-    """One chunk of every sequence: ``rows (batch, kv_heads, rows, head_dim)`` (scaled) against
-    the pages ``page (batch, per)`` of the pools, the keys ``allowed (batch, rows, per ·
-    block_size)``, ``poison (batch, 1, 1, 1)`` (NaN or 0) added to the scores. Returns the
-    output ``(batch, kv_heads, rows, v_dim)`` and the lse ``(batch, kv_heads, rows)``, in
-    ``rows``' dtype; a row without a key gives 0 and -inf."""
+def _step(
+    stats: tuple[jax.Array, jax.Array, jax.Array], rows: jax.Array,
+    pools: tuple[jax.Array, jax.Array], page: jax.Array, allowed: jax.Array,
+    poison: jax.Array, args: rules.PagedArguments, take: int,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One step of the online softmax over a few pages of every sequence: ``rows (batch,
+    kv_heads, rows, head_dim)`` (scaled) against the pages ``page (batch, step)`` of ``pools``
+    (keys and values, ``(num_blocks, page)`` each), copied ``take`` pages at a time, the keys
+    ``allowed (batch, rows, step · block_size)``, ``poison (batch, 1, 1, 1)`` (NaN or 0) added
+    to the scores. Updates ``stats`` = ``(row max, row sum, weighted sum)``, ``(batch,
+    kv_heads, rows, 1 | 1 | v_dim)`` in ``rows``' dtype (``_online_step``'s rule)."""
     batch, kv_heads, group, head_dim = rows.shape
-    compute, v_dim = rows.dtype, value_pages.shape[-1]
-    width = page.shape[1] * key_pages.shape[1]  # the chunk's positions
+    flat = kv_heads <= FLAT_KV_HEADS
+    width = take * args.block_size  # a take's positions
 
-    def gather(pool: jax.Array) -> jax.Array:  # whole pages, in the pool's layout
-        dim = pool.shape[-1]
-        pool = pool.reshape(pool.shape[0], -1 if pool.size else 0)  # (num_blocks, page)
+    def taken(pool: jax.Array, index: jax.Array) -> jax.Array:  # (batch, keys, kv_heads, dim)
         # jax: mode="clip" (an entry outside the pool poisons its sequence instead)
-        taken = jnp.take(pool, page, axis=0, mode="clip").astype(compute)
-        return taken.reshape(batch, width, kv_heads, dim)  # (batch, keys, kv_heads, dim)
+        x = jnp.take(pool, page[:, index * take:(index + 1) * take], axis=0, mode="clip")
+        return x.reshape(batch, width, kv_heads, -1).astype(rows.dtype)
 
-    keys, values = gather(key_pages), gather(value_pages)
-    if kv_heads <= FLAT_KV_HEADS:  # every head's rows against every head's keys, then each
-        # head's block: the products read the gathered pages as they lie (no copy)
-        every = jnp.einsum("bkd,bxd->bkx", keys.reshape(batch, width * kv_heads, head_dim),
-                           rows.reshape(batch, kv_heads * group, head_dim))
-        every = every.reshape(batch, width, kv_heads, kv_heads, group)
-        scores = jnp.stack([every[:, :, h, h] for h in range(kv_heads)], axis=1)
-        scores = jnp.swapaxes(scores, -1, -2)  # (batch, kv_heads, rows, keys)
-    else:  # the heads to the front, then per-head products
-        scores = jnp.einsum("bhkd,bhrd->bhrk", jnp.swapaxes(keys, 1, 2), rows)
-    scores = _softcap(scores, softcap) + poison
+    takes = range(page.shape[1] // take)
+    values = [taken(pools[1], i) for i in takes]
+    parts = []
+    for i in takes:
+        keys = taken(pools[0], i)
+        if flat:  # every head's rows against every head's keys, then each head's block: the
+            # products read the copied pages as they lie (no transposing copy)
+            every = jnp.einsum("bkd,bxd->bkx", keys.reshape(batch, width * kv_heads, head_dim),
+                               rows.reshape(batch, kv_heads * group, head_dim))
+            every = every.reshape(batch, width, kv_heads, kv_heads, group)
+            part = jnp.stack([every[:, :, h, h] for h in range(kv_heads)], axis=1)
+            parts.append(jnp.swapaxes(part, -1, -2))  # (batch, kv_heads, rows, keys)
+        else:  # the heads to the front, then per-head products
+            parts.append(jnp.einsum("bhkd,bhrd->bhrk", jnp.swapaxes(keys, 1, 2), rows))
+    scores = _softcap(jnp.concatenate(parts, axis=-1), args.softcap) + poison
     scores = jnp.where(allowed[:, None], scores, NEG_INF)
-    step_max = jax.lax.stop_gradient(scores.max(axis=-1, keepdims=True))
-    shift = jnp.where(step_max == NEG_INF, 0.0, step_max)  # no -inf - -inf
-    weights = jnp.exp(scores - shift)
-    row_sum = weights.sum(axis=-1, keepdims=True)
-    if kv_heads <= FLAT_KV_HEADS:
-        every = jnp.einsum("bxk,bkv->bxv", weights.reshape(batch, kv_heads * group, width),
-                           values.reshape(batch, width, kv_heads * v_dim))
-        every = every.reshape(batch, kv_heads, group, kv_heads, v_dim)
-        acc = jnp.stack([every[:, h, :, h] for h in range(kv_heads)], axis=1)
-    else:
-        acc = jnp.einsum("bhrk,bhkv->bhrv", weights, jnp.swapaxes(values, 1, 2))
-    empty = row_sum == 0.0  # a chunk without a key
-    safe = jnp.where(empty, 1.0, row_sum)
-    return acc / safe, jnp.where(empty, NEG_INF, shift + jnp.log(safe))[..., 0]
+
+    def weighted(weights: jax.Array) -> jax.Array:  # (batch, kv_heads, rows, v_dim)
+        acc = 0.0
+        for i in takes:
+            part = weights[..., i * width:(i + 1) * width]
+            if flat:
+                every = jnp.einsum("bxk,bkv->bxv", part.reshape(batch, kv_heads * group, width),
+                                   values[i].reshape(batch, width, -1))
+                every = every.reshape(batch, kv_heads, group, kv_heads, args.v_dim)
+                acc = acc + jnp.stack([every[:, h, :, h] for h in range(kv_heads)], axis=1)
+            else:
+                acc = acc + jnp.einsum("bhrk,bhkv->bhrv", part, jnp.swapaxes(values[i], 1, 2))
+        return acc
+
+    return _online_step(stats, scores, weighted)
 
 
 def _online_step(
-    stats: tuple | None, scores: jax.Array, values: jax.Array, spec: str
+    stats: tuple | None, scores: jax.Array, values: Any, spec: str | None = None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One step of the online softmax over more keys of the same rows: ``scores (..., rows,
     keys)`` (``-inf`` where not allowed) and ``values`` (``spec``: the einsum of the weights
-    and the values) update ``(row max, row sum, weighted sum)`` ``(..., rows, 1)``, ``(...,
-    rows, 1)``, ``(..., rows, v_dim)``. The maxima are constants for autodiff (a shift)."""
+    and the values; or a function of the weights that returns their weighted sum) update
+    ``(row max, row sum, weighted sum)`` ``(..., rows, 1)``, ``(..., rows, 1)``, ``(..., rows,
+    v_dim)``. The maxima are constants for autodiff (a shift)."""
     step_max = jax.lax.stop_gradient(scores.max(axis=-1, keepdims=True))
     row_max = step_max if stats is None else jnp.maximum(stats[0], step_max)
     shift = jnp.where(row_max == NEG_INF, 0.0, row_max)  # no -inf - -inf
     weights = jnp.exp(scores - shift)
     row_sum = weights.sum(axis=-1, keepdims=True)
-    acc = jnp.einsum(spec, weights, values)
+    acc = values(weights) if callable(values) else jnp.einsum(spec, weights, values)
     if stats is not None:
         rescale = jnp.exp(jnp.where(stats[0] == NEG_INF, NEG_INF, stats[0] - shift))
         row_sum = stats[1] * rescale + row_sum
