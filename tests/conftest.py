@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import importlib.util
 import sys
 
+import background_column
 import numpy as np
 import pytest
 
@@ -127,3 +129,18 @@ def _release_memory_after_a_test():
     """After a test: release once the process grew by more than ``RELEASE_GROWTH_MIB``."""
     yield
     _release_if_grown(RELEASE_GROWTH_MIB)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Start the JAX column of the collected grid cells in a subprocess (``background_column``)
+    before the first test; not in a pytest-xdist worker (each would start its own)."""
+    if hasattr(config, "workerinput") or importlib.util.find_spec("jax") is None:
+        return
+    pairs = {(item.callspec.params["case"], item.callspec.params["dtype"]) for item in items
+             if getattr(item, "originalname", "") == "test_backend_conforms"
+             and item.callspec.params.get("backend") == "jax"}
+    background_column.GRID.start(pairs)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    background_column.GRID.stop()
