@@ -18,8 +18,9 @@ How Flax's arguments map onto the spec (``conformance/spec/functions.py``):
   back on the way out. Key/value may have fewer heads than the query (grouped-query);
 * ``mask``: broadcastable to ``(batch..., heads, q_len, kv_len)``, nonzero = may attend (Flax's
   own masks are float 0/1 or boolean; the spec's are boolean, True = may attend);
-* ``bias`` → ``bias``; ``is_causal`` → ``is_causal`` with ``causal_alignment="top_left"``, as
-  Flax aligns it;
+* ``bias`` → ``bias``, in its own dtype (added in the compute dtype, as Flax adds it: a
+  float32 bias on float16 inputs is not rounded to float16); ``is_causal`` → ``is_causal``
+  with ``causal_alignment="top_left"``, as Flax aligns it;
 * dropout (``dropout_rate > 0`` and not ``deterministic``): the keep-mask is drawn from
   ``dropout_rng`` exactly as Flax draws it (``jax.random.bernoulli`` with keep probability
   ``1 - dropout_rate``, shape ``(1, 1, q_len, kv_len)`` with ``broadcast_dropout``, else the
@@ -102,7 +103,7 @@ def attention_fn(
     if mask is not None:
         mask = jnp.asarray(mask) != 0  # Flax: nonzero = may attend
     if bias is not None:
-        bias = jnp.asarray(bias, q.dtype)
+        bias = jnp.asarray(bias)  # its own dtype: added in the compute dtype, as Flax adds it
     dropout_p, keep = 0.0, None
     if dropout_rate > 0.0 and not deterministic:
         if dropout_rng is None:

@@ -22,8 +22,9 @@ How transformers' arguments map onto the spec (``conformance/spec/functions.py``
   attend, as the spec) holds padding, the causal rule at the cache's positions and the sliding
   window or the chunks of Llama 4's chunked layers (``tests/test_integration_llama4.py``); a
   float (additive) 4-D mask given by the caller becomes ``mask`` (entries above the
-  dtype's most negative value) plus ``bias`` (its other entries); a 2-D ``(batch, kv_len)``
-  padding mask becomes ``(batch, 1, 1, kv_len)``;
+  dtype's most negative value) plus ``bias`` (its other entries, added in the compute dtype as
+  transformers' ``eager`` adds them: a float32 mask on float16 inputs is not rounded to
+  float16 first); a 2-D ``(batch, kv_len)`` padding mask becomes ``(batch, 1, 1, kv_len)``;
 * no mask, or a 2-D padding mask (which holds no causal rule; the queries are the last
   ``q_len`` of the keys): the module's causal flag as ``is_causal`` with
   ``causal_alignment="bottom_right"`` (decoding with a cache), and ``sliding_window`` as
@@ -113,8 +114,6 @@ def attention_forward(
     position_bias = kwargs.get("position_bias")
     if position_bias is not None:
         bias = position_bias if bias is None else bias + position_bias
-    if bias is not None:
-        bias = bias.to(query.dtype)  # a float mask may come in another float dtype
     is_causal, window = False, None
     if attention_mask is None or attention_mask.ndim == 2:  # the structure a 4-D mask holds
         is_causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
