@@ -116,11 +116,22 @@ def _release_if_grown(limit_mib: float) -> None:
         release_memory()
 
 
+def end_peer_workers() -> None:
+    """End the peers' worker processes a test module started (the Keras workers, one per Keras
+    backend, about 0.5 GB each, and the background peer worker): a later module that needs them
+    starts new ones, in the background, instead of the run holding them all to its end."""
+    for name in ("conformance.peers.keras_ops", "conformance.peers.background"):
+        module = sys.modules.get(name)
+        if module is not None:
+            module.close_workers()
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_memory_after_a_module():
-    """At the end of a test module: release what it grew by more than
-    ``RELEASE_MODULE_GROWTH_MIB`` (its programs are not needed again)."""
+    """At the end of a test module: end the peers' workers and release what it grew by more
+    than ``RELEASE_MODULE_GROWTH_MIB`` (its programs are not needed again)."""
     yield
+    end_peer_workers()
     _release_if_grown(RELEASE_MODULE_GROWTH_MIB)
 
 

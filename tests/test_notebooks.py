@@ -65,8 +65,12 @@ def execute(name: str, parameters: str | None = None) -> None:
         cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
         cell.source = parameters
     km = KernelManager(kernel_name="here", kernel_spec_manager=ThisInterpreter())
-    NotebookClient(nb, km=km, timeout=CELL_TIMEOUT_S,
-                   resources={"metadata": {"path": str(LEARN)}}).execute()
+    try:
+        NotebookClient(nb, km=km, timeout=CELL_TIMEOUT_S,
+                       resources={"metadata": {"path": str(LEARN)}}).execute()
+    finally:  # nbclient leaves a kernel it was given running (0.1-0.7 GB each)
+        if km.has_kernel:
+            km.shutdown_kernel(now=True)
 
 
 @pytest.mark.parametrize("backend", ["numpy", "jax", "torch"])
