@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_mutation_kills_vjp import _arrays
 
 import attention_rules as rules
 import numpy_attn
@@ -41,15 +42,6 @@ class _Calls(list):
     def __init__(self) -> None:
         super().__init__()
         self.forward: list[str] = []
-
-
-def _arrays(q_shape, k_shape, v_dim, seed=0, dtype=np.float64):
-    gen = np.random.default_rng(seed)
-    q = gen.standard_normal(q_shape)
-    k = gen.standard_normal(k_shape)
-    v = gen.standard_normal(k_shape[:-1] + (v_dim,))
-    grad_out = gen.standard_normal(q_shape[:-1] + (v_dim,))
-    return tuple(x.astype(dtype) for x in (q, k, v, grad_out))
 
 
 
