@@ -1,8 +1,9 @@
 """The conformance harness run on every backend, and the inputs and expected values it uses.
 
 * Every installed backend × every case × every dtype goes through ``runner.run_cell``, the code
-  the CLI uses; every peer differs only where ``spec.KNOWN_DIFFERENCES`` says so, and those
-  entries are well formed.
+  the CLI uses (the JAX column through the CLI itself, in a subprocess alongside the suite:
+  ``background_column``); every peer differs only where ``spec.KNOWN_DIFFERENCES`` says so,
+  and those entries are well formed.
 * The seed example reproduces the article; every backend adapter hands its backend exactly the
   seeded inputs, bit for bit.
 * The non-finite cases follow the spec's IEEE rule in the float64 reference and the naive
