@@ -202,14 +202,20 @@ def test_cache_empty_dtypes_and_shapes(backend):
         assert tuple(cache.value_buffer.shape) == (1, 2, 5)
 
 
-def test_numpy_cache_names_bfloat16_before_ml_dtypes_is_imported():
-    """``dtype="bfloat16"`` in a process where nothing imported ml_dtypes yet (NumPy knows the
-    name only after that import)."""
+def assert_bfloat16_before_ml_dtypes(expression: str) -> None:
+    """``expression`` (numpy_attn imported, ml_dtypes not yet: NumPy knows the name
+    "bfloat16" only after that import) prints ``bfloat16`` in a fresh interpreter."""
     code = ("import sys, numpy_attn; assert 'ml_dtypes' not in sys.modules; "
-            "print(numpy_attn.KVCache.empty((1,), 1, 2, 3, dtype='bfloat16').key_buffer.dtype)")
+            f"print({expression})")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert (run.returncode, run.stdout.strip()) == (0, "bfloat16"), run.stderr[-2000:]
+
+
+def test_numpy_cache_names_bfloat16_before_ml_dtypes_is_imported():
+    """``dtype="bfloat16"`` in a process where nothing imported ml_dtypes yet."""
+    assert_bfloat16_before_ml_dtypes(
+        "numpy_attn.KVCache.empty((1,), 1, 2, 3, dtype='bfloat16').key_buffer.dtype")
 
 
 # numpy and torch: jax_attn's eager decode_step compiles each of its operations for these

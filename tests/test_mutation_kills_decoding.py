@@ -9,14 +9,13 @@ never from the module under test against itself. Tiny shapes, NumPy only but whe
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 import warnings
 from typing import Any
 
 import numpy as np
 import pytest
+from test_kv_cache import assert_bfloat16_before_ml_dtypes
 
 import numpy_attn
 from attention_rules import context_parallel as cp
@@ -65,13 +64,9 @@ def test_the_smallest_paged_cache_and_its_dtypes():
 
 
 def test_paged_cache_names_bfloat16_before_ml_dtypes_is_imported():
-    """``dtype="bfloat16"`` in a process where nothing imported ml_dtypes yet (NumPy knows the
-    name only after that import)."""
-    code = ("import sys, numpy_attn; assert 'ml_dtypes' not in sys.modules; "
-            "print(numpy_attn.PagedKVCache(1, 1, 1, 2, dtype='bfloat16').key_pages.dtype)")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
-    assert (run.returncode, run.stdout.strip()) == (0, "bfloat16"), run.stderr[-2000:]
+    """``dtype="bfloat16"`` in a process where nothing imported ml_dtypes yet."""
+    assert_bfloat16_before_ml_dtypes(
+        "numpy_attn.PagedKVCache(1, 1, 1, 2, dtype='bfloat16').key_pages.dtype")
 
 
 def test_paged_cache_errors_name_the_method():
