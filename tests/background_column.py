@@ -5,8 +5,9 @@ NumPy and torch cells take milliseconds each; a JAX cell traces and lowers a pro
 step of its case (about a quarter of a second on 2 cores, single-threaded Python), and the
 whole JAX column is about a fifth of the suite's time, while the suite's own process keeps one
 core busy and leaves the other mostly idle. So when the collected tests include JAX grid
-cells, ``GRID.start`` (called by ``conftest.pytest_collection_modifyitems``, before the first test)
-runs the harness's own command line for exactly those cases and dtypes in a subprocess::
+cells, ``GRID.run``, a job of the suite's background lane (``background_lane``, planned by
+``conftest.pytest_collection_modifyitems``), runs the harness's own command line for exactly
+those cases and dtypes in a subprocess::
 
     python -m conformance run --backend jax --no-peers --no-errors --hypothesis 0 \
         --case C ... --dtype D ... --json FILE
@@ -24,11 +25,14 @@ import json
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
 #: Seconds the JAX column may take (about 60 s on 2 quiet cores).
 TIMEOUT = 900
+#: Its name in the background lane (``background_lane``).
+JOB = "the grid's JAX column"
 
 class Column:
     """One subprocess computing JAX cells (``GRID``: the one the grid's items read)."""
@@ -36,6 +40,22 @@ class Column:
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
         self.cells: dict[tuple[str, str], dict[str, Any]] | str | None = None
+        self.planned = False
+        self.started = threading.Event()
+
+    def plan(self) -> None:
+        """The background lane will ``run`` this column: ``cell`` waits for it to start."""
+        self.planned = True
+
+    def run(self, pairs: set[tuple[str, str]]) -> int | None:
+        """``start``, then wait for the subprocess (the background lane's job: the next job
+        starts after it); its exit status, or None when it passed ``TIMEOUT`` (then killed)."""
+        self.start(pairs)
+        try:
+            return self.proc.wait(timeout=TIMEOUT) if self.proc is not None else None
+        except subprocess.TimeoutExpired:
+            self.stop()
+            return None
 
     def start(self, pairs: set[tuple[str, str]]) -> None:
         """Compute the JAX cells of ``pairs`` (case, dtype) in a subprocess, started now."""
@@ -52,11 +72,14 @@ class Column:
         root = Path(__file__).resolve().parent.parent
         with open(self.stderr, "w") as err:
             self.proc = subprocess.Popen(args, cwd=root, stdout=subprocess.DEVNULL, stderr=err)
+        self.started.set()
 
     def cell(self, case: str, dtype: str, timeout: float = TIMEOUT) -> dict[str, Any] | None:
         """The report's JAX cell of ``case`` in ``dtype``, waiting for the subprocess (at
         most ``timeout`` seconds); None when ``start`` was not asked for it. Raises
         ``AssertionError`` naming what went wrong when the subprocess gives no report."""
+        if self.planned and not self.started.wait(timeout):
+            raise AssertionError(f"the JAX column did not start within {timeout} s")
         if self.proc is None:
             return None
         if self.cells is None:

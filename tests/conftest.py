@@ -23,11 +23,14 @@ where the harness turned that on).
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import importlib.util
 import sys
+from collections.abc import Callable
 
 import background_column
+import background_lane
 import numpy as np
 import pytest
 
@@ -143,15 +146,30 @@ def _release_memory_after_a_test():
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Start the JAX column of the collected grid cells in a subprocess (``background_column``)
-    before the first test; not in a pytest-xdist worker (each would start its own)."""
-    if hasattr(config, "workerinput") or importlib.util.find_spec("jax") is None:
+    """Plan the background lane (``background_lane``): the jobs of the collected tests marked
+    ``background``, and the grid's JAX column (``background_column``) when JAX grid cells are
+    collected, in the order of the first test that needs each; not in a pytest-xdist worker
+    (each would run its own)."""
+    if hasattr(config, "workerinput"):
         return
+    jobs: dict[str, Callable[[], object]] = {}
     pairs = {(item.callspec.params["case"], item.callspec.params["dtype"]) for item in items
              if getattr(item, "originalname", "") == "test_backend_conforms"
              and item.callspec.params.get("backend") == "jax"}
-    background_column.GRID.start(pairs)
+    if importlib.util.find_spec("jax") is None:
+        pairs = set()
+    for item in items:
+        for mark in item.iter_markers("background"):
+            name = mark.args[0]
+            jobs.setdefault(name, item.module.BACKGROUND[name])
+        if pairs and getattr(item, "originalname", "") == "test_backend_conforms":
+            jobs.setdefault(background_column.JOB, functools.partial(background_column.GRID.run,
+                                                                     pairs))
+    if pairs:
+        background_column.GRID.plan()
+    background_lane.LANE.start(list(jobs.items()))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    background_lane.LANE.stop()
     background_column.GRID.stop()

@@ -2,8 +2,9 @@
 reference (through ``conformance.context_parallel``), the layout, the schedule, the bytes sent,
 the bad calls, and the ring's memory per device. NumPy runs here; JAX in one subprocess with 4
 host devices; torch in one subprocess spawning 4 gloo ranks (worlds of 2 and 4), each with a
-deadline; the memory check compiles JAX programs in one more subprocess while 4 more gloo ranks
-run the torch ring."""
+deadline; the memory check compiles JAX programs in one more subprocess, then runs the torch
+ring on 4 more gloo ranks. The subprocesses are the background lane's jobs
+(``tests/background_lane.py``): they run on the other core while the suite goes on."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import inspect
 
 import numpy as np
 import pytest
+from background_lane import LANE
 
 from attention_rules import context_parallel as cp
 from conformance import context_parallel as ccp
@@ -122,14 +124,9 @@ def test_schedule_drawing_shows_the_balanced_zig_zag_ring():
 CASES = {"jax": ("causal_zigzag_gqa_lengths@4", "cross_bottom_right_window@2")}
 
 
-@pytest.fixture(scope="module")
-def results() -> dict[str, list]:
-    """One run of the installed JAX and torch: their subprocesses run side by side (NumPy runs
-    in-process, in its own test: a fraction of a second, so that a run of the NumPy test alone,
-    such as a mutant's (docs/mutation.md), starts no subprocess)."""
-    backends = [b for b in ("jax", "torch") if importlib.util.find_spec(b)]
-    rows = ccp.run_context_parallel(tuple(backends), (2, 4), cases=CASES, timeout=500)
-    return {b: [r for r in rows if r.backend == b] for b in ("jax", "torch")}
+def _rows(backend: str) -> list:
+    """The rows of ``backend``'s subprocess (JAX: 4 host devices; torch: 4 gloo ranks)."""
+    return ccp.run_context_parallel((backend,), (2, 4), cases=CASES, timeout=500)
 
 
 def _compared(rows: list) -> set:
@@ -149,18 +146,20 @@ def _needs(package: str) -> None:
         pytest.skip(f"needs {package}: pip install -r requirements-test.txt")
 
 
-def test_torch_gloo_ranks_match_the_reference_and_fail_together(results):
+@pytest.mark.background("context parallel: torch")
+def test_torch_gloo_ranks_match_the_reference_and_fail_together():
     _needs("torch")
-    rows = results["torch"]
+    rows = LANE.result("context parallel: torch", BACKGROUND["context parallel: torch"])
     assert not _failures(rows), _failures(rows)
     assert len(_compared(rows)) == 2 * len(cp.STRATEGIES) * len(ccp.CASES) * len(ccp.STEPS)
     bad = {r.case for r in rows if r.step == "bad call"}
     assert bad == set(ccp.BAD_CALLS) | {"mismatched_shards", "rank_never_joins"}
 
 
-def test_jax_mesh_matches_the_reference(results):
+@pytest.mark.background("context parallel: jax")
+def test_jax_mesh_matches_the_reference():
     _needs("jax")
-    rows = results["jax"]
+    rows = LANE.result("context parallel: jax", BACKGROUND["context parallel: jax"])
     assert not _failures(rows), _failures(rows)
     assert len(_compared(rows)) == 2 * len(cp.STRATEGIES) * len(ccp.STEPS)
     assert {r.case for r in rows if r.step == "bad call"} == set(ccp.BAD_CALLS) | {
@@ -184,38 +183,37 @@ def _memory_benchmark():
     return importlib.import_module("benchmarks.context_parallel_memory")
 
 
+def _memory_ratios() -> dict[str, float]:
+    """Per framework and length, the ring's per-device peak over one device's (below)."""
+    bench, ratios = _memory_benchmark(), {}
+    if importlib.util.find_spec("jax") is not None:
+        one, ring, one_long, ring_long = bench.jax_memory(
+            (4096, 1, "blockwise"), (4096, 4, "ring"), (16384, 1, "blockwise"),
+            (16384, 4, "ring"))
+        ratios["jax 4096"] = ring["total"] / one["total"]
+        ratios["jax 16384"] = ring_long["total"] / one_long["total"]
+    if importlib.util.find_spec("torch") is not None:
+        ring = bench.torch_memory(4096, 4, timeout=400)
+        ratios["torch 4096"] = ring["total"] / bench.torch_memory(4096, 1)["total"]
+    return ratios
+
+
+#: The background lane's jobs (``background_lane``): the subprocesses run on the other core,
+#: one at a time, while the suite goes on.
+BACKGROUND = {"context parallel: torch": lambda: _rows("torch"),
+              "context parallel: jax": lambda: _rows("jax"),
+              "context parallel: memory": _memory_ratios}
+
+
+@pytest.mark.background("context parallel: memory")
 def test_ring_per_device_memory_is_at_most_035_of_one_device():
     """The ring at 4 devices, forward + backward, 8 heads of 64, causal, zig-zag: each device's
     peak within 0.35 of single-device ``blockwise_attention``'s. JAX: the compiled programs'
     memory analysis (arguments, outputs, temporaries; compiled, never run) at 4,096 and 16,384
-    tokens; torch: the live-tensor peak of rank 0 of 4 gloo ranks at 4,096 tokens (the inputs
-    plus every storage the call allocates), run at the same time in a thread. Before issue 26:
-    JAX 0.51 and 0.69, torch 0.48."""
-    import threading
-
-    bench, failures, ratios = _memory_benchmark(), [], {}
-
-    def jax_ratios() -> None:
-        try:
-            one, ring, one_long, ring_long = bench.jax_memory(
-                (4096, 1, "blockwise"), (4096, 4, "ring"), (16384, 1, "blockwise"),
-                (16384, 4, "ring"))
-            ratios["jax 4096"] = ring["total"] / one["total"]
-            ratios["jax 16384"] = ring_long["total"] / one_long["total"]
-        except Exception as error:  # noqa: BLE001 - reported by the main thread
-            failures.append(error)
-
-    worker = None
-    if importlib.util.find_spec("jax") is not None:
-        worker = threading.Thread(target=jax_ratios)
-        worker.start()
-    if importlib.util.find_spec("torch") is not None:
-        ring = bench.torch_memory(4096, 4, timeout=400)
-        ratios["torch 4096"] = ring["total"] / bench.torch_memory(4096, 1)["total"]
-    if worker is not None:
-        worker.join(timeout=600)
-        assert not worker.is_alive(), "JAX's memory analysis: no result after 600 s"
-    assert not failures, failures
+    tokens, in a subprocess; torch: the live-tensor peak of rank 0 of 4 gloo ranks at 4,096
+    tokens (the inputs plus every storage the call allocates). Before issue 26: JAX 0.51 and
+    0.69, torch 0.48."""
+    ratios = LANE.result("context parallel: memory", _memory_ratios)
     if not ratios:
         pytest.skip("needs jax or torch: pip install -r requirements-test.txt")
     assert all(r <= 0.35 for r in ratios.values()), ratios

@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from background_lane import LANE
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = {"backend_differences": ROOT / "docs" / "backend_differences.md",
@@ -90,12 +91,8 @@ def _frameworks_missing() -> list[str]:
     return [m for m in NEEDS if importlib.util.find_spec(m) is None]
 
 
-@pytest.fixture(scope="module")
-def doc_runs() -> dict[str, list[tuple[str, str | None, dict]]]:
-    missing = _frameworks_missing()
-    if missing:
-        pytest.skip(f"the documentation's snippets need {', '.join(missing)} "
-                    f"(pip install -r requirements-test.txt)")
+def _doc_runs() -> dict[str, list[tuple[str, str | None, dict]]]:
+    """Per document, every python block with its documented output and what it printed."""
     runs = {}
     for name, path in DOCS.items():
         found = blocks(path)
@@ -104,6 +101,21 @@ def doc_runs() -> dict[str, list[tuple[str, str | None, dict]]]:
     return runs
 
 
+#: The background lane's job (``background_lane``): the snippets' interpreter runs on the
+#: other core while the suite goes on.
+BACKGROUND = {"documentation snippets": _doc_runs}
+
+
+@pytest.fixture(scope="module")
+def doc_runs() -> dict[str, list[tuple[str, str | None, dict]]]:
+    missing = _frameworks_missing()
+    if missing:
+        pytest.skip(f"the documentation's snippets need {', '.join(missing)} "
+                    f"(pip install -r requirements-test.txt)")
+    return LANE.result("documentation snippets", _doc_runs)
+
+
+@pytest.mark.background("documentation snippets")
 @pytest.mark.parametrize("doc", sorted(DOCS))
 def test_every_snippet_runs_and_prints_its_documented_output(doc, doc_runs):
     runs = doc_runs[doc]

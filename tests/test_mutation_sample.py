@@ -3,14 +3,15 @@ KV cache, run by mutmut and killed (docs/mutation.md).
 
 The whole mutation run takes too long for CI (docs/mutation.md gives its command and figures);
 this runs mutmut itself (the pinned version of requirements-test.txt) on a few named mutants,
-in a copy of the packages under ``tmp_path`` whose ``[tool.mutmut]`` selects only the fast tests
+in a copy of the packages in a temporary folder whose ``[tool.mutmut]`` selects only the fast tests
 of ``tests/test_compare.py``, ``tests/test_diagnose.py`` and the NumPy tests of
 ``tests/test_kv_cache.py``, the tests written against those mutants. Each named mutant must
 end ``killed``: a test that stops killing one fails here. A test file of its own (not a step
 of ``.ci/run``): ``python -m pytest`` runs it like any other, and it is skipped where mutmut
 is not installed. 10 to 20 s on 2 cores (copy, mutant
 generation for three files, one run of the three test files to map tests to functions, a clean
-run, one forced failure, then the mutants two at a time), under a 240 s limit.
+run, one forced failure, then the mutants two at a time), under a 240 s limit, as a job of the
+suite's background lane (``background_lane``: on the other core).
 """
 
 from __future__ import annotations
@@ -20,16 +21,18 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+from background_lane import LANE
 
 pytest.importorskip("mutmut", reason="pip install -r requirements-test.txt")
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("numpy_attn", "jax_attn", "torch_attn", "conformance", "attention_rules")
-TESTS = ("conftest.py", "background_column.py", "test_compare.py", "test_diagnose.py",
-         "test_kv_cache.py")
+TESTS = ("conftest.py", "background_column.py", "background_lane.py", "test_compare.py",
+         "test_diagnose.py", "test_kv_cache.py")
 
 #: mutant name -> the mistake it plants (mutmut numbers the mutants of a function in order: a
 #: change to one of these functions may renumber them; then pick the sample again from
@@ -63,7 +66,13 @@ use_git_change_detection = false
 """
 
 
-def test_the_sampled_mutants_are_killed(tmp_path: Path) -> None:
+@pytest.mark.background("mutation sample")
+def test_the_sampled_mutants_are_killed() -> None:
+    LANE.result("mutation sample", BACKGROUND["mutation sample"])
+
+
+def _sample(tmp_path: Path) -> None:
+    """The test's work (above) in the folder ``tmp_path``: mutmut's run and its verdicts."""
     from mutmut.stats import status_by_exit_code
 
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
@@ -87,3 +96,8 @@ def test_the_sampled_mutants_are_killed(tmp_path: Path) -> None:
         status.update({name: status_by_exit_code[code] for name, code in codes.items()})
     assert {name: status.get(name, "missing") for name in SAMPLE} == dict.fromkeys(
         SAMPLE, "killed")
+
+
+#: The background lane's job (``background_lane``): mutmut's run, on the other core while the
+#: suite goes on.
+BACKGROUND = {"mutation sample": lambda: _sample(Path(tempfile.mkdtemp(prefix="mutants-")))}

@@ -5,10 +5,12 @@ overflow, token shuffling, the fused multi-head module, the ten sharp bits), so 
 the test. ``article_walkthrough.ipynb`` runs once per installed backend, its ``parameters``
 cell replaced as papermill would; ``sharp_bits.ipynb`` needs jax and torch. The kernel is this
 interpreter (``sys.executable -m ipykernel_launcher``), whatever kernelspecs are installed.
+Each run is a job of the suite's background lane (``background_lane``: the other core).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -16,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from background_lane import LANE
 
 LEARN = Path(__file__).resolve().parent.parent / "learn"
 NOTEBOOKS = ("article_walkthrough.ipynb", "sharp_bits.ipynb")
@@ -73,19 +76,37 @@ def execute(name: str, parameters: str | None = None) -> None:
             km.shutdown_kernel(now=True)
 
 
-@pytest.mark.parametrize("backend", ["numpy", "jax", "torch"])
-def test_the_article_walkthrough_runs_in_each_backend(backend):
+def _walkthrough(backend: str) -> None:
     framework = {"numpy": "numpy", "jax": "jax", "torch": "torch"}[backend]
     if _missing(framework, "matplotlib"):
         pytest.skip(f"needs {framework} and matplotlib (pip install -r requirements-test.txt)")
     execute("article_walkthrough.ipynb", f'BACKEND = "{backend}"')
 
 
-def test_the_sharp_bits_run_and_hold():
+def _sharp_bits() -> None:
     missing = _missing("jax", "torch")
     if missing:
         pytest.skip(f"the sharp bits compare jax and torch: pip install {' '.join(missing)}")
     execute("sharp_bits.ipynb")
+
+
+#: The background lane's jobs (``background_lane``): each notebook's kernel runs on the other
+#: core while the suite goes on; a job's failure (or skip) is raised again in its test.
+BACKGROUND = {f"notebook: walkthrough in {b}": functools.partial(_walkthrough, b)
+              for b in ("numpy", "jax", "torch")} | {"notebook: sharp bits": _sharp_bits}
+
+
+@pytest.mark.parametrize("backend", [
+    pytest.param(b, marks=pytest.mark.background(f"notebook: walkthrough in {b}"))
+    for b in ("numpy", "jax", "torch")])
+def test_the_article_walkthrough_runs_in_each_backend(backend):
+    name = f"notebook: walkthrough in {backend}"
+    LANE.result(name, BACKGROUND[name])
+
+
+@pytest.mark.background("notebook: sharp bits")
+def test_the_sharp_bits_run_and_hold():
+    LANE.result("notebook: sharp bits", BACKGROUND["notebook: sharp bits"])
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)

@@ -9,40 +9,75 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import zipfile
 from pathlib import Path
 
 import pytest
+from background_lane import LANE
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ("jax", "torch", "matplotlib", "hypothesis")
 BACKENDS = ("numpy_attn", "jax_attn", "torch_attn")
 
 
+def _no_framework(module: str) -> str:
+    return f"import sys, {module}; print(','.join(m for m in {HEAVY!r} if m in sys.modules))"
+
+
+def _no_other_backend(package: str) -> str:
+    others = [p for p in BACKENDS + ("conformance",) if p != package]
+    return f"import sys, {package}; print(','.join(m for m in {others!r} if m in sys.modules))"
+
+
+RULES_ONLY = (
+    "import sys; before = set(sys.modules); import attention_rules; "
+    "new = {m.split('.')[0] for m in set(sys.modules) - before}; "
+    "std = set(sys.stdlib_module_names) | {'attention_rules'}; "
+    "print(','.join(sorted(new - std)))"
+)
+IMPORTERS = ("numpy_attn", "conformance", "conformance.backends", "conformance.reference")
+CODES = ([_no_framework(m) for m in IMPORTERS] + [RULES_ONLY]
+         + [_no_other_backend(p) for p in BACKENDS if importlib.util.find_spec(p.split("_")[0])])
+
+
+def _fresh(codes: list[str]) -> dict[str, subprocess.CompletedProcess]:
+    """``python -c code`` in a fresh interpreter for each of ``codes``, 2 at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(code: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=120)
+
+    with ThreadPoolExecutor(2) as pool:
+        return dict(zip(codes, pool.map(one, codes), strict=True))
+
+
+#: The background lane's job (``background_lane``): the fresh interpreters of the import
+#: checks, on the other core while the suite goes on.
+BACKGROUND = {"fresh interpreters": lambda: _fresh(CODES),
+              "the wheel": lambda: _wheel(Path(tempfile.mkdtemp(prefix="wheel-")))}
+
+
 def _run(code: str) -> str:
-    """``python -c code`` in a fresh interpreter; its stdout (a failure fails the test)."""
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    """``python -c code`` in a fresh interpreter (the lane's, or now when ``code`` is not in
+    its job); its stdout (a failure fails the test)."""
+    done = LANE.result("fresh interpreters", BACKGROUND["fresh interpreters"])
+    result = done[code] if code in done else _fresh([code])[code]
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
 
 
-@pytest.mark.parametrize(
-    "module", ["numpy_attn", "conformance", "conformance.backends", "conformance.reference"]
-)
+@pytest.mark.background("fresh interpreters")
+@pytest.mark.parametrize("module", IMPORTERS)
 def test_import_pulls_in_no_framework(module):
-    code = f"import sys, {module}; print(','.join(m for m in {HEAVY!r} if m in sys.modules))"
-    loaded = _run(code)
+    loaded = _run(_no_framework(module))
     assert loaded == "", f"import {module} imported {loaded}"
 
 
+@pytest.mark.background("fresh interpreters")
 def test_the_rules_import_the_standard_library_only():
-    code = (
-        "import sys; before = set(sys.modules); import attention_rules; "
-        "new = {m.split('.')[0] for m in set(sys.modules) - before}; "
-        "std = set(sys.stdlib_module_names) | {'attention_rules'}; "
-        "print(','.join(sorted(new - std)))"
-    )
-    assert _run(code) == "", "attention_rules imported a module outside the standard library"
+    assert _run(RULES_ONLY) == "", "attention_rules imported a module outside the standard library"
     for path in sorted((ROOT / "attention_rules").glob("*.py")):  # and says so in its source
         for line in path.read_text(encoding="utf-8").splitlines():
             if line.startswith(("import ", "from ")) and not line.startswith("from ."):
@@ -50,16 +85,14 @@ def test_the_rules_import_the_standard_library_only():
                 assert top in sys.stdlib_module_names, f"{path.name}: {line}"
 
 
+@pytest.mark.background("fresh interpreters")
 @pytest.mark.parametrize("package", BACKENDS)
 def test_backends_import_no_other_backend(package):
     if package == "jax_attn":
         pytest.importorskip("jax")
     if package == "torch_attn":
         pytest.importorskip("torch")
-    others = [p for p in BACKENDS + ("conformance",) if p != package]
-    loaded = _run(
-        f"import sys, {package}; print(','.join(m for m in {others!r} if m in sys.modules))"
-    )
+    loaded = _run(_no_other_backend(package))
     assert loaded == "", f"{package} imported {loaded}"
 
 
@@ -84,13 +117,20 @@ def _check(command: list[str], **kwargs) -> str:
     return result.stdout
 
 
-def test_the_wheel_installs_and_runs_the_harness_outside_the_repository(tmp_path):
+@pytest.mark.background("the wheel")
+def test_the_wheel_installs_and_runs_the_harness_outside_the_repository():
     """The wheel, built from a copy of the sources, holds every package and subpackage,
     ``py.typed`` and the LICENSE; installed (no dependencies) into a fresh venv without system
     site packages, it runs ``python -m conformance`` from outside the repository. NumPy and
     ml_dtypes reach the venv through a ``.pth`` naming their directories: a plain directory in a
     ``.pth`` is added to ``sys.path`` without running the ``.pth`` files in it, so the editable
-    install of this project (a ``.pth`` with a finder, in the main environment) stays off."""
+    install of this project (a ``.pth`` with a finder, in the main environment) stays off.
+    Built and run by the background lane's job (``background_lane``)."""
+    LANE.result("the wheel", BACKGROUND["the wheel"])
+
+
+def _wheel(tmp_path: Path) -> None:
+    """The wheel test's work (above), in the folder ``tmp_path``."""
     src = tmp_path / "src"
     src.mkdir()
     for name in ("pyproject.toml", "README.md", "LICENSE"):

@@ -4,7 +4,8 @@ Runs of ``python -m pytest --pyargs conformance.suite`` in a subprocess (each wi
 limit) on the examples: a correct module passes and a wrong one fails with the harness's
 diagnosis and a reproducer, both under ``-n 2`` (pytest-xdist); ``-k`` selects exactly the
 items it names and ``--junitxml`` lists them; no module, or a module that supports nothing
-selected, is never a pass. Each run selects one or two cases × dtypes to stay short. The
+selected, is never a pass. Each run selects one or two cases × dtypes to stay short, and is a
+job of the suite's background lane (``background_lane``: it runs on the other core). The
 expected items and outcomes come from the harness's own run of the same module
 (``runner.run_cell``, ``runner.run_errors``), computed here in process: the plugin must agree
 with the report. In process, a ``Suite`` on module objects: the plugin contract (declared
@@ -20,6 +21,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import types
 import xml.etree.ElementTree as ET
 from contextlib import redirect_stdout
@@ -28,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from background_lane import LANE
 from harness_helpers import NEEDS_HYPOTHESIS, _expected
 
 from conformance import backends, errors, runner
@@ -70,12 +73,47 @@ def module_backend(path: str) -> backends.Backend:
 # ------------------------------------------------------------------------------ subprocess
 
 
+def _junit_run() -> tuple[subprocess.CompletedProcess, Path]:
+    xml = Path(tempfile.mkdtemp(prefix="plugin-junit-")) / "report.xml"
+    return run_suite("--attention-backend", "examples.sdpa_only", "--attention-case", "gqa",
+                     "-k", "float32 and not weights and not grad", f"--junitxml={xml}"), xml
+
+
+def _nothing_checked_runs() -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    folder = Path(tempfile.mkdtemp(prefix="plugin-nothing-"))
+    no_module = run_suite("--attention-case", "seed_example", cwd=folder)
+    (folder / "nothing_supported.py").write_text(
+        'UNSUPPORTED = {"float64", "float32", "bfloat16", "float16", "errors"}\n\n\n'
+        "def scaled_dot_product_attention(query, key, value, **options):\n"
+        "    raise NotImplementedError\n")
+    env = {**os.environ, "ATTENTION_BACKEND": "nothing_supported"}
+    return no_module, run_suite("--attention-case", "seed_example", cwd=folder, env=env)
+
+
+#: The background lane's jobs (``background_lane``): each pytest run in its subprocess, on the
+#: other core while the suite goes on.
+BACKGROUND = {
+    "pytest plugin: a correct module": lambda: run_suite(
+        "--attention-backend", "examples.sdpa_only", "--attention-case", "seed_example",
+        "--attention-hypothesis", "20", "-n", "2"),
+    "pytest plugin: a wrong module": lambda: run_suite(
+        "--attention-backend", "examples.wrong_attention", "--attention-case", "padding",
+        "--attention-dtype", "float32", "-k", "test_cell", "-n", "2", "-rf"),
+    "pytest plugin: -k and --junitxml": _junit_run,
+    "pytest plugin: nothing checked": _nothing_checked_runs,
+}
+
+
+def _job(name: str) -> Any:
+    return LANE.result(name, BACKGROUND[name])
+
+
 @needs_xdist
+@pytest.mark.background("pytest plugin: a correct module")
 def test_a_correct_module_passes_under_xdist() -> None:
     """examples.sdpa_only on seed_example, every dtype, ``-n 2``: exit 0, every step, bad
     input and property check the harness checks passes, the rest is skipped, none fails."""
-    result = run_suite("--attention-backend", "examples.sdpa_only", "--attention-case",
-                       "seed_example", "--attention-hypothesis", "20", "-n", "2")
+    result = _job("pytest plugin: a correct module")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     backend = module_backend("examples.sdpa_only")
     cells = [runner.run_cell(backend, _expected("seed_example", d)) for d in backends.DTYPES]
@@ -89,13 +127,12 @@ def test_a_correct_module_passes_under_xdist() -> None:
 
 
 @needs_xdist
+@pytest.mark.background("pytest plugin: a wrong module")
 def test_a_wrong_module_fails_with_the_diagnosis_under_xdist() -> None:
     """examples.wrong_attention on padding in float32, ``-n 2``: exactly the steps the harness
     fails fail, each saying "mask polarity flipped" with the smallest failing case as a script
     and the harness's rerun command; the other items pass."""
-    result = run_suite("--attention-backend", "examples.wrong_attention", "--attention-case",
-                       "padding", "--attention-dtype", "float32", "-k", "test_cell", "-n", "2",
-                       "-rf")
+    result = _job("pytest plugin: a wrong module")
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     cell = runner.run_cell(module_backend("examples.wrong_attention"),
                            _expected("padding", "float32"))
@@ -115,12 +152,11 @@ def test_a_wrong_module_fails_with_the_diagnosis_under_xdist() -> None:
                      "padding --dtype float32 --backend examples.wrong_attention") == len(failing)
 
 
-def test_k_selects_and_junitxml_lists_exactly_the_selected_items(tmp_path: Path) -> None:
+@pytest.mark.background("pytest plugin: -k and --junitxml")
+def test_k_selects_and_junitxml_lists_exactly_the_selected_items() -> None:
     """``-k`` on the ids (case-dtype-step) and ``--junitxml``: the XML's test cases are exactly
     the selected items, named as the ids say, all passing for a correct module."""
-    xml = tmp_path / "report.xml"
-    result = run_suite("--attention-backend", "examples.sdpa_only", "--attention-case", "gqa",
-                       "-k", "float32 and not weights and not grad", f"--junitxml={xml}")
+    result, xml = _job("pytest plugin: -k and --junitxml")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     chosen = {f"test_cell[gqa-float32-{s.name}]" for s in steps_for(_expected("gqa", "float32"))
               if "weights" not in s.name and "grad" not in s.name}
@@ -135,19 +171,15 @@ def test_k_selects_and_junitxml_lists_exactly_the_selected_items(tmp_path: Path)
                        for n in chosen}
 
 
-def test_no_module_or_nothing_checked_is_never_a_pass(tmp_path: Path) -> None:
+@pytest.mark.background("pytest plugin: nothing checked")
+def test_no_module_or_nothing_checked_is_never_a_pass() -> None:
     """No module named: one line, exit code 4, nothing run. A module that declares every dtype
     unsupported (and the bad inputs): every item skipped, said so, exit code 5."""
-    result = run_suite("--attention-case", "seed_example", cwd=tmp_path)
+    result, nothing = _job("pytest plugin: nothing checked")
     assert result.returncode == 4
     assert "ERROR: no module to check: give --attention-backend MODULE or set " \
            "ATTENTION_BACKEND=MODULE" in result.stderr
-    (tmp_path / "nothing_supported.py").write_text(
-        'UNSUPPORTED = {"float64", "float32", "bfloat16", "float16", "errors"}\n\n\n'
-        "def scaled_dot_product_attention(query, key, value, **options):\n"
-        "    raise NotImplementedError\n")
-    env = {**os.environ, "ATTENTION_BACKEND": "nothing_supported"}
-    result = run_suite("--attention-case", "seed_example", cwd=tmp_path, env=env)
+    result = nothing
     assert result.returncode == 5, result.stdout[-2000:]
     total = sum(len(steps_for(_expected("seed_example", d))) for d in backends.DTYPES)
     assert counts(result.stdout) == {"skipped": total + len(errors.ERROR_CASES) + 1}
