@@ -39,7 +39,8 @@ class _Job:
         self.done = threading.Event()
         self.value: Any = None
         self.error: BaseException | None = None
-        self.seconds = 0.0
+        self.seconds = 0.0  # the job's own time
+        self.waited = 0.0  # how long its tests waited for it
 
 
 class Lane:
@@ -78,11 +79,19 @@ class Lane:
         job = self.jobs.get(name)
         if job is None:
             return run()
-        if not job.done.wait(timeout):
+        began = time.monotonic()
+        finished = job.done.wait(timeout)
+        job.waited += time.monotonic() - began
+        if not finished:
             raise AssertionError(f"background job {name!r}: no result after {timeout:.0f} s")
         if job.error is not None:
             raise job.error
         return job.value
+
+    def summary(self) -> str:
+        """One line per job: its time and how long its tests waited for it."""
+        return "\n".join(f"{job.seconds:6.1f} s, waited {job.waited:5.1f} s: {job.name}"
+                         for job in self.jobs.values() if job.done.is_set())
 
     def stop(self) -> None:
         """Skip the jobs not begun yet (the session ends; a running job ends by its own

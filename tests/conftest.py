@@ -170,6 +170,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     background_lane.LANE.start(list(jobs.items()))
 
 
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The background lane's jobs: each one's time and how long its tests waited for it."""
+    summary = background_lane.LANE.summary()
+    if summary:
+        terminalreporter.write_sep("-", "background lane")
+        terminalreporter.write_line(summary)
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     background_lane.LANE.stop()
     background_column.GRID.stop()
