@@ -15,15 +15,20 @@ leaves both cores to them; afterwards, the other core idles again. So those part
   each, so that a job is usually done when its test comes;
 * the test calls ``LANE.result(name, BACKGROUND[name])``: the job's value (or its exception,
   raised again), waiting at most ``TIMEOUT`` seconds; a job that was not planned (the test runs
-  alone, or in a pytest-xdist worker) is computed then, in the test, as before.
+  alone, or in a pytest-xdist worker) is computed then, in the test, as before;
+* ``conftest`` moves the test modules that read jobs to the end of the run (their other tests
+  are quick), so the suite's process works through everything else while the lane computes.
 
-One job at a time keeps the run's memory at the suite's process plus the largest job, instead
-of several jobs' worth at once. Every job bounds its own subprocesses (their timeouts), so a
-hung job ends; the lane's wait is bounded too, and its message names the job.
+Memory: one job at a time, and a job starts only while the suite's process and its children
+(the peers' workers, say) hold at most ``GATE_MIB`` together, or when a test already waits for
+it: the run's peak stays near the suite's own plus the largest job (about 1.3 GB: 4 gloo ranks)
+instead of the sum of everything at once. Every job bounds its own subprocesses (their
+timeouts), so a hung job ends; the lane's wait is bounded too, and its message names the job.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +36,38 @@ from typing import Any
 
 #: Seconds a test waits for its job (the jobs of a run take about 3 minutes together on 2 cores).
 TIMEOUT = 900.0
+#: A job starts while this process and its children hold at most this many MiB (or a test
+#: waits for it, or it has waited ``GATE_WAIT`` seconds).
+GATE_MIB = 1250
+GATE_WAIT = 120.0
+
+
+def tree_mib(root: int | None = None) -> float | None:
+    """Resident MiB of process ``root`` (default: this one) and all its descendants (Linux
+    ``/proc``), or None where unknown."""
+    root = os.getpid() if root is None else root
+    try:
+        children: dict[int, list[int]] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        parent = int(f.read().rsplit(")", 1)[1].split()[1])
+                except (OSError, ValueError, IndexError):
+                    continue
+                children.setdefault(parent, []).append(int(entry))
+        total, todo = 0, [root]
+        while todo:
+            pid = todo.pop()
+            todo += children.get(pid, [])
+            try:
+                with open(f"/proc/{pid}/statm") as f:
+                    total += int(f.read().split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+        return total * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return None
 
 
 class _Job:
@@ -41,6 +78,8 @@ class _Job:
         self.error: BaseException | None = None
         self.seconds = 0.0  # the job's own time
         self.waited = 0.0  # how long its tests waited for it
+        self.gated = 0.0  # how long it waited for memory before it started
+        self.wanted = threading.Event()  # a test waits for it
 
 
 class Lane:
@@ -61,6 +100,14 @@ class Lane:
 
     def _work(self) -> None:
         for job in self.jobs.values():
+            began = time.monotonic()
+            while not (self._stopping.is_set() or job.wanted.is_set()
+                       or time.monotonic() - began > GATE_WAIT):
+                mib = tree_mib()
+                if mib is None or mib <= GATE_MIB:
+                    break
+                job.wanted.wait(0.5)
+            job.gated = time.monotonic() - began
             if not self._stopping.is_set():
                 began = time.monotonic()
                 try:
@@ -79,6 +126,7 @@ class Lane:
         job = self.jobs.get(name)
         if job is None:
             return run()
+        job.wanted.set()
         began = time.monotonic()
         finished = job.done.wait(timeout)
         job.waited += time.monotonic() - began
@@ -89,8 +137,9 @@ class Lane:
         return job.value
 
     def summary(self) -> str:
-        """One line per job: its time and how long its tests waited for it."""
-        return "\n".join(f"{job.seconds:6.1f} s, waited {job.waited:5.1f} s: {job.name}"
+        """One line per job: its time, its wait for memory, and its tests' wait for it."""
+        return "\n".join(f"{job.seconds:6.1f} s (after {job.gated:5.1f} s for memory), "
+                         f"its tests waited {job.waited:5.1f} s: {job.name}"
                          for job in self.jobs.values() if job.done.is_set())
 
     def stop(self) -> None:

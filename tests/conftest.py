@@ -148,8 +148,9 @@ def _release_memory_after_a_test():
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Plan the background lane (``background_lane``): the jobs of the collected tests marked
     ``background``, and the grid's JAX column (``background_column``) when JAX grid cells are
-    collected, in the order of the first test that needs each; not in a pytest-xdist worker
-    (each would run its own)."""
+    collected, in the order of the first test that needs each, after moving the modules of the
+    tests marked ``background`` to the end of the run; not in a pytest-xdist worker (each would
+    run its own)."""
     if hasattr(config, "workerinput"):
         return
     jobs: dict[str, Callable[[], object]] = {}
@@ -158,6 +159,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
              and item.callspec.params.get("backend") == "jax"}
     if importlib.util.find_spec("jax") is None:
         pairs = set()
+    readers = {item.module for item in items if item.get_closest_marker("background")}
+    items[:] = ([item for item in items if item.module not in readers]
+                + [item for item in items if item.module in readers])
     for item in items:
         for mark in item.iter_markers("background"):
             name = mark.args[0]
