@@ -11,8 +11,8 @@ leaves both cores to them; afterwards, the other core idles again. So those part
   that returns what the test checks), and each test that reads one is marked
   ``@pytest.mark.background("name")``;
 * after collection (``conftest.pytest_collection_modifyitems``) the lane runs the jobs of the
-  collected tests in one thread, one after another, in the order of the first test that needs
-  each, so that a job is usually done when its test comes;
+  collected tests in one thread, one after another, the largest first (the marker's ``mib``:
+  about how much memory the job's processes hold), while the suite's process is smallest;
 * the test calls ``LANE.result(name, BACKGROUND[name])``: the job's value (or its exception,
   raised again), waiting at most ``TIMEOUT`` seconds; a job that was not planned (the test runs
   alone, or in a pytest-xdist worker) is computed then, in the test, as before;
@@ -20,10 +20,11 @@ leaves both cores to them; afterwards, the other core idles again. So those part
   are quick), so the suite's process works through everything else while the lane computes.
 
 Memory: one job at a time, and a job starts only while the suite's process and its children
-(the peers' workers, say) hold at most ``GATE_MIB`` together, or when a test already waits for
-it: the run's peak stays near the suite's own plus the largest job (about 1.3 GB: 4 gloo ranks)
-instead of the sum of everything at once. Every job bounds its own subprocesses (their
-timeouts), so a hung job ends; the lane's wait is bounded too, and its message names the job.
+(the peers' workers, say) together with the job's ``mib`` stay within ``BUDGET_MIB``, or when a
+test already waits for it: the run's peak stays near the suite's own plus one job (the largest,
+4 gloo ranks, about 1.3 GB) instead of the sum of everything at once. Every job bounds its own
+subprocesses (their timeouts), so a hung job ends; the lane's wait is bounded too, and its
+message names the job.
 """
 
 from __future__ import annotations
@@ -36,10 +37,12 @@ from typing import Any
 
 #: Seconds a test waits for its job (the jobs of a run take about 3 minutes together on 2 cores).
 TIMEOUT = 900.0
-#: A job starts while this process and its children hold at most this many MiB (or a test
-#: waits for it, or it has waited ``GATE_WAIT`` seconds).
-GATE_MIB = 1250
+#: A job starts while this process and its children hold at most this many MiB less the job's
+#: own ``mib`` (or a test waits for it, or it has waited ``GATE_WAIT`` seconds).
+BUDGET_MIB = 2300
 GATE_WAIT = 120.0
+#: The ``mib`` of a job whose marker gives none.
+DEFAULT_MIB = 700
 
 
 def tree_mib(root: int | None = None) -> float | None:
@@ -71,8 +74,8 @@ def tree_mib(root: int | None = None) -> float | None:
 
 
 class _Job:
-    def __init__(self, name: str, run: Callable[[], Any]) -> None:
-        self.name, self.run = name, run
+    def __init__(self, name: str, run: Callable[[], Any], mib: float) -> None:
+        self.name, self.run, self.mib = name, run, mib
         self.done = threading.Event()
         self.value: Any = None
         self.error: BaseException | None = None
@@ -90,11 +93,12 @@ class Lane:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self, jobs: list[tuple[str, Callable[[], Any]]]) -> None:
-        """Run ``jobs`` (name, function) in this order, in one thread started now."""
+    def start(self, jobs: list[tuple[str, Callable[[], Any], float]]) -> None:
+        """Run ``jobs`` (name, function, MiB), the largest first, in one thread started now."""
         if self._thread is not None or not jobs:
             return
-        self.jobs = {name: _Job(name, run) for name, run in jobs}
+        jobs = sorted(jobs, key=lambda job: -job[2])
+        self.jobs = {name: _Job(name, run, mib) for name, run, mib in jobs}
         self._thread = threading.Thread(target=self._work, name="background lane", daemon=True)
         self._thread.start()
 
@@ -104,7 +108,7 @@ class Lane:
             while not (self._stopping.is_set() or job.wanted.is_set()
                        or time.monotonic() - began > GATE_WAIT):
                 mib = tree_mib()
-                if mib is None or mib <= GATE_MIB:
+                if mib is None or mib + job.mib <= BUDGET_MIB:
                     break
                 job.wanted.wait(0.5)
             job.gated = time.monotonic() - began

@@ -148,30 +148,34 @@ def _release_memory_after_a_test():
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Plan the background lane (``background_lane``): the jobs of the collected tests marked
     ``background``, and the grid's JAX column (``background_column``) when JAX grid cells are
-    collected, in the order of the first test that needs each, after moving the modules of the
-    tests marked ``background`` to the end of the run; not in a pytest-xdist worker (each would
-    run its own)."""
+    collected, after moving the modules of the tests that read them to the end of the run; not
+    in a pytest-xdist worker (each would run its own)."""
     if hasattr(config, "workerinput"):
         return
-    jobs: dict[str, Callable[[], object]] = {}
+    jobs: dict[str, tuple[str, Callable[[], object], float]] = {}
     pairs = {(item.callspec.params["case"], item.callspec.params["dtype"]) for item in items
              if getattr(item, "originalname", "") == "test_backend_conforms"
              and item.callspec.params.get("backend") == "jax"}
     if importlib.util.find_spec("jax") is None:
         pairs = set()
-    readers = {item.module for item in items if item.get_closest_marker("background")}
-    items[:] = ([item for item in items if item.module not in readers]
-                + [item for item in items if item.module in readers])
+    def reads(item: pytest.Item) -> bool:
+        return item.get_closest_marker("background") is not None or (
+            bool(pairs) and getattr(item, "originalname", "") == "test_backend_conforms")
+
+    readers = {getattr(item, "module", None) for item in items if reads(item)}
+    items[:] = ([item for item in items if getattr(item, "module", None) not in readers]
+                + [item for item in items if getattr(item, "module", None) in readers])
     for item in items:
         for mark in item.iter_markers("background"):
             name = mark.args[0]
-            jobs.setdefault(name, item.module.BACKGROUND[name])
+            jobs.setdefault(name, (name, item.module.BACKGROUND[name],
+                                   mark.kwargs.get("mib", background_lane.DEFAULT_MIB)))
         if pairs and getattr(item, "originalname", "") == "test_backend_conforms":
-            jobs.setdefault(background_column.JOB, functools.partial(background_column.GRID.run,
-                                                                     pairs))
+            run = functools.partial(background_column.GRID.run, pairs)
+            jobs.setdefault(background_column.JOB, (background_column.JOB, run, 700))
     if pairs:
         background_column.GRID.plan()
-    background_lane.LANE.start(list(jobs.items()))
+    background_lane.LANE.start(list(jobs.values()))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

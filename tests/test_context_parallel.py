@@ -146,7 +146,7 @@ def _needs(package: str) -> None:
         pytest.skip(f"needs {package}: pip install -r requirements-test.txt")
 
 
-@pytest.mark.background("context parallel: torch")
+@pytest.mark.background("context parallel: torch", mib=1300)
 def test_torch_gloo_ranks_match_the_reference_and_fail_together():
     _needs("torch")
     rows = LANE.result("context parallel: torch", BACKGROUND["context parallel: torch"])
@@ -156,7 +156,7 @@ def test_torch_gloo_ranks_match_the_reference_and_fail_together():
     assert bad == set(ccp.BAD_CALLS) | {"mismatched_shards", "rank_never_joins"}
 
 
-@pytest.mark.background("context parallel: jax")
+@pytest.mark.background("context parallel: jax", mib=450)
 def test_jax_mesh_matches_the_reference():
     _needs("jax")
     rows = LANE.result("context parallel: jax", BACKGROUND["context parallel: jax"])
@@ -205,7 +205,7 @@ BACKGROUND = {"context parallel: torch": lambda: _rows("torch"),
               "context parallel: memory": _memory_ratios}
 
 
-@pytest.mark.background("context parallel: memory")
+@pytest.mark.background("context parallel: memory", mib=1200)
 def test_ring_per_device_memory_is_at_most_035_of_one_device():
     """The ring at 4 devices, forward + backward, 8 heads of 64, causal, zig-zag: each device's
     peak within 0.35 of single-device ``blockwise_attention``'s. JAX: the compiled programs'

@@ -115,7 +115,7 @@ def doc_runs() -> dict[str, list[tuple[str, str | None, dict]]]:
     return LANE.result("documentation snippets", _doc_runs)
 
 
-@pytest.mark.background("documentation snippets")
+@pytest.mark.background("documentation snippets", mib=1150)
 @pytest.mark.parametrize("doc", sorted(DOCS))
 def test_every_snippet_runs_and_prints_its_documented_output(doc, doc_runs):
     runs = doc_runs[doc]

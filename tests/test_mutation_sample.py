@@ -66,7 +66,7 @@ use_git_change_detection = false
 """
 
 
-@pytest.mark.background("mutation sample")
+@pytest.mark.background("mutation sample", mib=500)
 def test_the_sampled_mutants_are_killed() -> None:
     LANE.result("mutation sample", BACKGROUND["mutation sample"])
 

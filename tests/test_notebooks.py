@@ -97,14 +97,14 @@ BACKGROUND = {f"notebook: walkthrough in {b}": functools.partial(_walkthrough, b
 
 
 @pytest.mark.parametrize("backend", [
-    pytest.param(b, marks=pytest.mark.background(f"notebook: walkthrough in {b}"))
+    pytest.param(b, marks=pytest.mark.background(f"notebook: walkthrough in {b}", mib=650))
     for b in ("numpy", "jax", "torch")])
 def test_the_article_walkthrough_runs_in_each_backend(backend):
     name = f"notebook: walkthrough in {backend}"
     LANE.result(name, BACKGROUND[name])
 
 
-@pytest.mark.background("notebook: sharp bits")
+@pytest.mark.background("notebook: sharp bits", mib=650)
 def test_the_sharp_bits_run_and_hold():
     LANE.result("notebook: sharp bits", BACKGROUND["notebook: sharp bits"])
 

@@ -109,7 +109,7 @@ def _job(name: str) -> Any:
 
 
 @needs_xdist
-@pytest.mark.background("pytest plugin: a correct module")
+@pytest.mark.background("pytest plugin: a correct module", mib=600)
 def test_a_correct_module_passes_under_xdist() -> None:
     """examples.sdpa_only on seed_example, every dtype, ``-n 2``: exit 0, every step, bad
     input and property check the harness checks passes, the rest is skipped, none fails."""
@@ -127,7 +127,7 @@ def test_a_correct_module_passes_under_xdist() -> None:
 
 
 @needs_xdist
-@pytest.mark.background("pytest plugin: a wrong module")
+@pytest.mark.background("pytest plugin: a wrong module", mib=600)
 def test_a_wrong_module_fails_with_the_diagnosis_under_xdist() -> None:
     """examples.wrong_attention on padding in float32, ``-n 2``: exactly the steps the harness
     fails fail, each saying "mask polarity flipped" with the smallest failing case as a script
@@ -152,7 +152,7 @@ def test_a_wrong_module_fails_with_the_diagnosis_under_xdist() -> None:
                      "padding --dtype float32 --backend examples.wrong_attention") == len(failing)
 
 
-@pytest.mark.background("pytest plugin: -k and --junitxml")
+@pytest.mark.background("pytest plugin: -k and --junitxml", mib=300)
 def test_k_selects_and_junitxml_lists_exactly_the_selected_items() -> None:
     """``-k`` on the ids (case-dtype-step) and ``--junitxml``: the XML's test cases are exactly
     the selected items, named as the ids say, all passing for a correct module."""
@@ -171,7 +171,7 @@ def test_k_selects_and_junitxml_lists_exactly_the_selected_items() -> None:
                        for n in chosen}
 
 
-@pytest.mark.background("pytest plugin: nothing checked")
+@pytest.mark.background("pytest plugin: nothing checked", mib=300)
 def test_no_module_or_nothing_checked_is_never_a_pass() -> None:
     """No module named: one line, exit code 4, nothing run. A module that declares every dtype
     unsupported (and the bad inputs): every item skipped, said so, exit code 5."""
