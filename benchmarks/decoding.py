@@ -7,7 +7,8 @@ One decoding step's attention (the append is not timed): batch 1, 8 query heads 
 
 * ``contiguous``: the step over a ``KVCache``'s keys as ``decode`` runs it now: split-KV
   (``spec.SPLIT_DECODING``; jax_attn: jitted, over the buffer with its length traced) from
-  ``SPLIT_KV["min_kv_len"]`` keys, else the ``unsplit`` row;
+  ``SPLIT_KV["min_kv_len"]`` keys, else the ``unsplit`` row (torch_attn: its split-KV kernel
+  with one chunk, what its ``decode`` runs for a few query rows);
 * ``unsplit``: the same step as one ``scaled_dot_product_attention`` (before split-KV);
 * ``one chunk`` (numpy_attn): ``split_kv_attention`` with a single chunk: one task, one core;
 * ``paged (in order)`` / ``paged (scattered)``: ``paged_attention`` over a pool of 256-position
@@ -128,10 +129,9 @@ def _runs(tokens: int) -> dict:
     # torch_attn, and torch's own SDPA
     tq, tk, tv = (torch.from_numpy(x) for x in (query, k, v))
     with torch.no_grad():
+        # torch_attn's decode runs its own kernel for few query rows, split or in one piece
         runs["torch", "contiguous"] = functools.partial(
-            torch_paged.split_kv_attention, tq, tk, tv, chunk) if split else functools.partial(
-            torch_attn.scaled_dot_product_attention, tq, tk, tv, is_causal=True,
-            causal_alignment="bottom_right")
+            torch_paged.split_kv_attention, tq, tk, tv, chunk)
         runs["torch", "unsplit"] = functools.partial(
             torch_attn.scaled_dot_product_attention, tq, tk, tv, is_causal=True,
             causal_alignment="bottom_right")

@@ -5,7 +5,12 @@ Buffers are preallocated to ``max_len`` positions and filled left to right by ``
 the cache itself (jax_attn returns a new cache: write ``cache = cache.append(k, v)``).
 The buffers hold values, never autograd history: ``append`` stores detached copies.
 A modules' decoding step over a long cache runs split-KV (``paged.split_kv_attention``), and
-one over a ``PagedKVCache`` runs ``paged_attention`` (``spec.SPLIT_DECODING``).
+one over a ``PagedKVCache`` runs ``paged_attention`` (``spec.SPLIT_DECODING``). torch: a step
+of at most ``SPLIT_KV["max_q_len"]`` query rows over a shorter cache runs the same kernel in
+one piece: for one query row torch's SDPA (which reads each kv head's keys once per query head)
+and ``scaled_dot_product_attention`` (its checks cost more than the kernel at this size) are
+slower than a kv head's query rows as the rows of one matrix product
+(``benchmarks/RESULTS.md``, decoding at scale).
 """
 
 from __future__ import annotations
@@ -124,7 +129,8 @@ def decode_step(
 
     A long cache is attended in chunks merged by their log-sum-exp (``spec.SPLIT_DECODING``,
     ``rules.split_chunk``); a ``PagedKVCache`` holds sequences ``0..batch-1`` of the one batch
-    axis and is attended by ``paged_attention``.
+    axis and is attended by ``paged_attention``. torch: up to ``SPLIT_KV["max_q_len"]`` query
+    rows, ``split_kv_attention`` (in one piece over a shorter cache; the module docstring).
 
     torch: the cache stores values without history; when grad mode is on, this call's own
     keys and values are attended with theirs (the cached positions are constants)."""
@@ -141,8 +147,9 @@ def decode_step(
     if torch.is_grad_enabled():  # torch: a copy whose last n positions keep their history
         keys = torch.cat([keys[..., :start, :], key.to(keys.dtype)], dim=-2)
         values = torch.cat([values[..., :start, :], value.to(values.dtype)], dim=-2)
-    chunk = rules.split_chunk(query.shape[-2], keys.shape[-2])
-    if chunk is not None:  # few query rows over many keys: chunks merged by their lse
+    n, kv_len = query.shape[-2], keys.shape[-2]
+    if 0 < n <= rules.SPLIT_KV["max_q_len"]:  # few query rows: torch_attn's own matmuls
+        chunk = rules.split_chunk(n, kv_len) or kv_len  # many keys: chunks merged by lse
         sinks = None if sinks is None else _as_tensor(sinks)
         return split_kv_attention(query, keys, values, chunk, sinks=sinks)[0], cache
     context = scaled_dot_product_attention(
