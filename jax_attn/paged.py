@@ -207,9 +207,8 @@ def paged_attention(
         _describe(fn, "value_pages", value_pages), _describe(fn, "block_table", block_table),
         _describe(fn, "seq_lens", seq_lens), scale=scale, softcap=softcap,
         sinks=_describe(fn, "sinks", sinks))
-    if not isinstance(block_table, jax.core.Tracer) and not isinstance(seq_lens,
-                                                                        jax.core.Tracer):
-        rules.check_block_table(fn, np.asarray(block_table).tolist(),  # jax: when concrete
+    if not any(isinstance(x, jax.core.Tracer) for x in (block_table, seq_lens)):  # concrete
+        rules.check_block_table(fn, np.asarray(block_table).tolist(),
                                 np.asarray(seq_lens).tolist(), args.num_blocks, args.block_size)
     query = _array(query)
     per = rules.page_chunk(args.block_size)  # pages per chunk
@@ -224,8 +223,7 @@ def paged_attention(
                            _array(seq_lens).astype(jnp.int32), args=args, chunks=chunks,
                            per=per, step=step, take=take)
     output, lse = _merge_chunks(outputs, lses, _array(sinks))
-    output = output.astype(query.dtype)
-    return (output, lse) if return_lse else output
+    return (output.astype(query.dtype), lse) if return_lse else output.astype(query.dtype)
 
 
 def split_kv_attention(
@@ -338,9 +336,9 @@ def _paged(
         def online(stats: tuple, part: tuple) -> tuple[tuple, None]:
             index, part_pages = part  # (), (batch, step)
             positions = start + index * width + jnp.arange(width)  # (keys,)
-            allowed = ((positions < stop[:, None])[:, None, :]  # (batch, rows, keys)
-                       & (positions[None, None, :] < limits[:, :, None]))
-            return _step(stats, rows, pools, part_pages, allowed, poison, args, take), None
+            held = positions < stop[:, None]  # (batch, keys): the sequence's positions
+            allowed = held[:, None, :] & (positions[None, None, :] < limits[:, :, None])
+            return _step(stats, rows, pools, part_pages, (allowed, held), poison, args, take), None
 
         zeros = jnp.zeros(rows.shape[:-1] + (1,), compute)  # (batch, kv_heads, rows, 1)
         stats = (zeros + NEG_INF, zeros, jnp.zeros(rows.shape[:-1] + (args.v_dim,), compute))
@@ -356,23 +354,28 @@ def _paged(
 
 def _step(
     stats: tuple[jax.Array, jax.Array, jax.Array], rows: jax.Array,
-    pools: tuple[jax.Array, jax.Array], page: jax.Array, allowed: jax.Array,
+    pools: tuple[jax.Array, jax.Array], page: jax.Array, masks: tuple[jax.Array, jax.Array],
     poison: jax.Array, args: rules.PagedArguments, take: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One step of the online softmax over a few pages of every sequence: ``rows (batch,
     kv_heads, rows, head_dim)`` (scaled) against the pages ``page (batch, step)`` of ``pools``
-    (keys and values, ``(num_blocks, page)`` each), copied ``take`` pages at a time, the keys
-    ``allowed (batch, rows, step · block_size)``, ``poison (batch, 1, 1, 1)`` (NaN or 0) added
-    to the scores. Updates ``stats`` = ``(row max, row sum, weighted sum)``, ``(batch,
-    kv_heads, rows, 1 | 1 | v_dim)`` in ``rows``' dtype (``_online_step``'s rule)."""
+    (keys and values, ``(num_blocks, page)`` each), copied ``take`` pages at a time; ``masks``:
+    the keys ``allowed (batch, rows, step · block_size)``, and the positions ``held (batch, step ·
+    block_size)`` by the sequence: the others (the rest of a last page, page 0 for an unused
+    slot) read as 0, so a NaN there reaches neither the output nor the gradients
+    (``spec.PAGED_CACHE``: never read); ``poison (batch, 1, 1, 1)`` (NaN or 0) added to the
+    scores. Updates ``stats`` = ``(row max, row sum, weighted sum)``, ``(batch, kv_heads, rows,
+    1 | 1 | v_dim)`` in ``rows``' dtype (``_online_step``'s rule)."""
     batch, kv_heads, group, head_dim = rows.shape
+    allowed, held = masks
     flat = kv_heads <= FLAT_KV_HEADS
     width = take * args.block_size  # a take's positions
 
     def taken(pool: jax.Array, index: jax.Array) -> jax.Array:  # (batch, keys, kv_heads, dim)
         # jax: mode="clip" (an entry outside the pool poisons its sequence instead)
         x = jnp.take(pool, page[:, index * take:(index + 1) * take], axis=0, mode="clip")
-        return x.reshape(batch, width, kv_heads, -1).astype(rows.dtype)
+        x = x.reshape(batch, width, kv_heads, -1).astype(rows.dtype)  # not held: 0
+        return jnp.where(held[:, index * width:(index + 1) * width, None, None], x, 0.0)
 
     takes = range(page.shape[1] // take)
     values = [taken(pools[1], i) for i in takes]
@@ -407,9 +410,8 @@ def _step(
     return _online_step(stats, scores, weighted)
 
 
-def _online_step(
-    stats: tuple | None, scores: jax.Array, values: Any, spec: str | None = None
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _online_step(stats: tuple | None, scores: jax.Array, values: Any,
+                 spec: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One step of the online softmax over more keys of the same rows: ``scores (..., rows,
     keys)`` (``-inf`` where not allowed) and ``values`` (``spec``: the einsum of the weights
     and the values; or a function of the weights that returns their weighted sum) update
@@ -428,9 +430,8 @@ def _online_step(
     return row_max, row_sum, acc
 
 
-def _softmax_output(
-    scores: jax.Array, values: jax.Array, spec: str
-) -> tuple[jax.Array, jax.Array]:
+def _softmax_output(scores: jax.Array, values: jax.Array,
+                    spec: str) -> tuple[jax.Array, jax.Array]:
     """One chunk's partial result: ``scores (..., rows, keys)`` (``-inf`` where not allowed)
     and ``values`` (``spec`` as in ``_online_step``) give the output ``(..., rows, v_dim)`` and
     the lse ``(..., rows)``; a row without a key gives 0 and ``-inf``."""
@@ -440,9 +441,8 @@ def _softmax_output(
     return acc / safe, jnp.where(empty, NEG_INF, row_max + jnp.log(safe))[..., 0]
 
 
-def _merge_chunks(
-    outputs: jax.Array, lses: jax.Array, sinks: jax.Array | None
-) -> tuple[jax.Array, jax.Array]:
+def _merge_chunks(outputs: jax.Array, lses: jax.Array,
+                  sinks: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """Merge partial results ``(chunks, ..., heads, n, v_dim)`` with their lses ``(chunks,
     ..., heads, n)`` in chunk order (``merge_attention``'s rule; ``sinks (heads,)`` join once):
     ``(output (..., heads, n, v_dim), lse (..., heads, n))``."""
