@@ -26,6 +26,7 @@ import ctypes
 import functools
 import gc
 import importlib.util
+import os
 import sys
 from collections.abc import Callable
 
@@ -37,6 +38,24 @@ import pytest
 from conformance import backends
 
 BACKEND_NAMES = backends.SPEC_BACKENDS
+
+
+def _persistent_jax_cache() -> None:
+    """JAX's persistent compilation cache for the whole run, set before any test imports JAX
+    (through the environment, which JAX reads at import and subprocesses inherit): the folder
+    the harness uses (``backends.jax_prepare``; ``ATTENTION_JAX_CACHE=off`` turns it off).
+    Programs compiled by an earlier run are read back instead of compiled (a JAX-heavy module
+    such as test_performance_paths.py: 97 s cold, 19 s warm)."""
+    cache = os.environ.get("ATTENTION_JAX_CACHE", os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
+        "attention-three-ways", "jax"))
+    if cache != "off" and "jax" not in sys.modules:
+        os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", cache)
+        os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+        os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+_persistent_jax_cache()
 
 
 @pytest.fixture(params=BACKEND_NAMES)
