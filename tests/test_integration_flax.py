@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from background_lane import LANE
 
 jax = pytest.importorskip("jax", reason="needs jax: pip install jax")
 pytest.importorskip("flax", reason="needs flax: pip install -e .[flax]")
@@ -260,6 +261,18 @@ def test_sown_weights():
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
 
 
+def _flax_not_imported() -> subprocess.CompletedProcess:
+    """``import jax_attn`` in a fresh interpreter: is flax in ``sys.modules`` then?"""
+    code = "import sys, jax_attn; print('flax' in sys.modules)"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+
+
+#: The background lane's job (``background_lane``): the fresh interpreter, on the other core.
+BACKGROUND = {"fresh interpreter: jax_attn without flax": _flax_not_imported}
+
+
+@pytest.mark.background("fresh interpreter: jax_attn without flax", mib=400)
 def test_one_call_and_declared_signature():
     model = nnx.clone(_seeded_model())
     assert fx.use_jax_attn(model) == LAYERS
@@ -272,9 +285,7 @@ def test_one_call_and_declared_signature():
     declared = spec.BACKEND_INTEGRATIONS["jax_attn"]["flax"]
     assert sorted(fx.__all__) == sorted(declared)
     assert all(getattr(fx, name).__doc__ for name in declared)
-    code = "import sys, jax_attn; print('flax' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            cwd=ROOT, timeout=120)
+    result = LANE.result("fresh interpreter: jax_attn without flax", _flax_not_imported)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from background_lane import LANE
 
 torch = pytest.importorskip("torch", reason="needs torch: pip install torch==2.13.0")
 transformers = pytest.importorskip(
@@ -397,15 +398,26 @@ def test_attention_sinks_arrive_as_s_aux():
         hf.attention_forward(module, q, k, v, None, s_aux=torch.zeros(2, dtype=torch.float64))
 
 
+def _transformers_not_imported() -> subprocess.CompletedProcess:
+    """``import torch_attn`` in a fresh interpreter: is transformers in ``sys.modules`` then?"""
+    code = "import sys, torch_attn; print('transformers' in sys.modules)"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+
+
+#: The background lane's job (``background_lane``): the fresh interpreter, on the other core.
+BACKGROUND = {"fresh interpreter: torch_attn without transformers": _transformers_not_imported}
+
+
+@pytest.mark.background("fresh interpreter: torch_attn without transformers", mib=400)
 def test_declared_in_the_spec_and_not_imported_by_the_backend():
     declared = spec.BACKEND_INTEGRATIONS["torch_attn"]["transformers"]
     assert sorted(hf.__all__) == sorted(declared)
     for name in declared:
         obj = getattr(hf, name)
         assert not callable(obj) or (obj.__doc__ and "(" in obj.__doc__), name
-    code = "import sys, torch_attn; print('transformers' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            cwd=ROOT, timeout=120)
+    result = LANE.result("fresh interpreter: torch_attn without transformers",
+                         _transformers_not_imported)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
 
