@@ -83,6 +83,7 @@ class _Job:
         self.waited = 0.0  # how long its tests waited for it
         self.gated = 0.0  # how long it waited for memory before it started
         self.wanted = threading.Event()  # a test waits for it
+        self.started = False
 
 
 class Lane:
@@ -113,6 +114,7 @@ class Lane:
                 job.wanted.wait(0.5)
             job.gated = time.monotonic() - began
             if not self._stopping.is_set():
+                job.started = True
                 began = time.monotonic()
                 try:
                     job.value = job.run()
@@ -139,6 +141,18 @@ class Lane:
         if job.error is not None:
             raise job.error
         return job.value
+
+    def make_room(self, mib: float, timeout: float = 60.0) -> None:
+        """Before the suite's process starts children of its own that hold about ``mib`` MiB
+        (a browser, say): wait, at most ``timeout`` seconds, while a job runs and the process
+        tree plus ``mib`` would pass ``BUDGET_MIB``."""
+        began = time.monotonic()
+        while time.monotonic() - began < timeout and any(
+                job.started and not job.done.is_set() for job in self.jobs.values()):
+            total = tree_mib()
+            if total is None or total + mib <= BUDGET_MIB:
+                return
+            time.sleep(0.25)
 
     def summary(self) -> str:
         """One line per job: its time, its wait for memory, and its tests' wait for it."""

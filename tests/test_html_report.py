@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from background_lane import LANE
 
 from conformance import backends, runner, spec
 from conformance.__main__ import main
@@ -80,6 +81,7 @@ def browser():  # noqa: ANN201
                  "installs it)")
     from playwright.sync_api import sync_playwright
 
+    LANE.make_room(700)  # Chromium's processes: not on top of a large background job
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=executable)
         try:
