@@ -27,6 +27,7 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -164,16 +165,19 @@ class Worker:
         ``result``)."""
         return self.result(self.submit(arrays, options))
 
-    def close(self) -> None:
-        """End the process (closing stdin ends it; kill if it does not, or at once when
-        requests are left unanswered: an interrupted run does not need them)."""
+    def close(self, wait: bool = True) -> None:
+        """End the process (closing stdin ends it; kill if it has not within a second, as its
+        interpreter's shutdown takes 2 s and saves nothing, or at once when requests are left
+        unanswered: an interrupted run does not need them). ``wait`` False: ask it to end and
+        return (``close_workers`` then waits for every worker at once)."""
         self._requests.put(None)
         if self.proc.poll() is None and self._received < self._sent:
             self.proc.kill()
         if self.proc.poll() is None:
             try:
                 self.proc.stdin.close()
-                self.proc.wait(timeout=10)
+                if wait:
+                    self.proc.wait(timeout=1)
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
@@ -196,10 +200,19 @@ def worker(backend: str) -> Worker:
 
 @atexit.register
 def close_workers() -> None:
-    """End every worker (also at interpreter exit)."""
-    for found in list(_WORKERS.values()):
-        found.close()
+    """End every worker (also at interpreter exit): all are asked first, then waited for, so
+    they shut down side by side."""
+    workers = list(_WORKERS.values())
     _WORKERS.clear()
+    for found in workers:
+        found.close(wait=False)
+    deadline = time.monotonic() + 1.0
+    for found in workers:
+        try:
+            found.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            found.proc.kill()
+            found.proc.wait()
 
 
 def keras_submit(backend: str, exp: Expected) -> Callable[[], dict[str, np.ndarray]]:
