@@ -30,6 +30,8 @@ message names the job.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -71,6 +73,15 @@ def tree_mib(root: int | None = None) -> float | None:
         return total * os.sysconf("SC_PAGE_SIZE") / 2**20
     except OSError:
         return None
+
+
+def imported_with(package: str, other: str, cwd: str | os.PathLike | None = None
+                  ) -> subprocess.CompletedProcess:
+    """A job's usual body: ``import package`` in a fresh interpreter, which prints whether
+    ``other`` is then in ``sys.modules`` (``True``/``False``)."""
+    code = f"import sys, {package}; print({other!r} in sys.modules)"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=cwd,
+                          timeout=120)
 
 
 class _Job:

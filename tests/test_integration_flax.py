@@ -22,12 +22,11 @@ import functools
 import importlib.util
 import inspect
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from background_lane import LANE
+from background_lane import LANE, imported_with
 
 jax = pytest.importorskip("jax", reason="needs jax: pip install jax")
 pytest.importorskip("flax", reason="needs flax: pip install -e .[flax]")
@@ -262,10 +261,7 @@ def test_sown_weights():
 
 
 def _flax_not_imported() -> subprocess.CompletedProcess:
-    """``import jax_attn`` in a fresh interpreter: is flax in ``sys.modules`` then?"""
-    code = "import sys, jax_attn; print('flax' in sys.modules)"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                          timeout=120)
+    return imported_with("jax_attn", "flax", cwd=ROOT)
 
 
 #: The background lane's job (``background_lane``): the fresh interpreter, on the other core.

@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import importlib.util
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from background_lane import LANE
+from background_lane import LANE, imported_with
 
 torch = pytest.importorskip("torch", reason="needs torch: pip install torch==2.13.0")
 transformers = pytest.importorskip(
@@ -399,10 +398,7 @@ def test_attention_sinks_arrive_as_s_aux():
 
 
 def _transformers_not_imported() -> subprocess.CompletedProcess:
-    """``import torch_attn`` in a fresh interpreter: is transformers in ``sys.modules`` then?"""
-    code = "import sys, torch_attn; print('transformers' in sys.modules)"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
-                          timeout=120)
+    return imported_with("torch_attn", "transformers", cwd=ROOT)
 
 
 #: The background lane's job (``background_lane``): the fresh interpreter, on the other core.
