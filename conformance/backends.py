@@ -164,6 +164,20 @@ def _numpy_backend() -> Backend:
 # ---------------------------------------------------------------------------- jax
 
 
+def jax_cache_env() -> dict[str, str]:
+    """The harness's persistent JAX compilation cache as the environment variables JAX reads
+    at import (for a subprocess, or a process that sets them before importing JAX): the folder
+    ``ATTENTION_JAX_CACHE`` names (default ``~/.cache/attention-three-ways/jax``), every
+    program cached; empty when ``ATTENTION_JAX_CACHE=off``."""
+    cache = os.environ.get("ATTENTION_JAX_CACHE", os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
+        "attention-three-ways", "jax"))
+    if cache == "off":
+        return {}
+    return {"JAX_COMPILATION_CACHE_DIR": cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
 def jax_prepare() -> None:
     """Configure JAX for the harness: float64 enabled, persistent compilation cache."""
     import jax
@@ -173,11 +187,9 @@ def jax_prepare() -> None:
     # The harness runs every backend eagerly on many small shapes: most of JAX's time is
     # compiling them. A persistent compilation cache makes every run after the first fast.
     # ATTENTION_JAX_CACHE=off turns it off; a path puts it elsewhere.
-    cache = os.environ.get("ATTENTION_JAX_CACHE", os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
-        "attention-three-ways", "jax"))
-    if cache != "off" and jax.config.jax_compilation_cache_dir is None:
-        jax.config.update("jax_compilation_cache_dir", cache)
+    cache = jax_cache_env()
+    if cache and jax.config.jax_compilation_cache_dir is None:
+        jax.config.update("jax_compilation_cache_dir", cache["JAX_COMPILATION_CACHE_DIR"])
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 

@@ -22,7 +22,7 @@ leaves both cores to them; afterwards, the other core idles again. So those part
 Memory: one job at a time, and a job starts only while the suite's process and its children
 (the peers' workers, say) together with the job's ``mib`` stay within ``BUDGET_MIB``, or when a
 test already waits for it: the run's peak stays near the suite's own plus one job (the largest,
-4 gloo ranks, about 1.3 GB) instead of the sum of everything at once. Every job bounds its own
+4 gloo ranks, about 1.5 GB) instead of the sum of everything at once. Every job bounds its own
 subprocesses (their timeouts), so a hung job ends; the lane's wait is bounded too, and its
 message names the job.
 """

@@ -42,17 +42,13 @@ BACKEND_NAMES = backends.SPEC_BACKENDS
 
 def _persistent_jax_cache() -> None:
     """JAX's persistent compilation cache for the whole run, set before any test imports JAX
-    (through the environment, which JAX reads at import and subprocesses inherit): the folder
-    the harness uses (``backends.jax_prepare``; ``ATTENTION_JAX_CACHE=off`` turns it off).
+    (through the environment, which JAX reads at import and subprocesses inherit): the
+    harness's (``backends.jax_cache_env``; ``ATTENTION_JAX_CACHE=off`` turns it off).
     Programs compiled by an earlier run are read back instead of compiled (a JAX-heavy module
     such as test_performance_paths.py: 97 s cold, 19 s warm)."""
-    cache = os.environ.get("ATTENTION_JAX_CACHE", os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
-        "attention-three-ways", "jax"))
-    if cache != "off" and "jax" not in sys.modules:
-        os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", cache)
-        os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-        os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    if "jax" not in sys.modules:
+        for name, value in backends.jax_cache_env().items():
+            os.environ.setdefault(name, value)
 
 
 _persistent_jax_cache()
@@ -177,6 +173,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
              and item.callspec.params.get("backend") == "jax"}
     if importlib.util.find_spec("jax") is None:
         pairs = set()
+
     def reads(item: pytest.Item) -> bool:
         return item.get_closest_marker("background") is not None or (
             bool(pairs) and getattr(item, "originalname", "") == "test_backend_conforms")
@@ -191,7 +188,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                                    mark.kwargs.get("mib", background_lane.DEFAULT_MIB)))
         if pairs and getattr(item, "originalname", "") == "test_backend_conforms":
             run = functools.partial(background_column.GRID.run, pairs)
-            jobs.setdefault(background_column.JOB, (background_column.JOB, run, 700))
+            jobs.setdefault(background_column.JOB,
+                            (background_column.JOB, run, background_lane.DEFAULT_MIB))
     if pairs:
         background_column.GRID.plan()
     background_lane.LANE.start(list(jobs.values()))

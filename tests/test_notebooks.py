@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -27,15 +26,11 @@ NEEDS = ("nbclient", "nbformat", "ipykernel")
 
 
 def _jax_cache() -> dict[str, str]:
-    """The harness's persistent JAX compilation cache (``conformance.backends.jax_prepare``),
+    """The harness's persistent JAX compilation cache (``conformance.backends.jax_cache_env``),
     as JAX's environment variables: a second run compiles nothing."""
-    cache = os.environ.get("ATTENTION_JAX_CACHE", os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")),
-        "attention-three-ways", "jax"))
-    if cache == "off":
-        return {}
-    return {"JAX_COMPILATION_CACHE_DIR": cache, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+    from conformance import backends
+
+    return backends.jax_cache_env()
 
 
 KERNEL_ENV = {"MPLBACKEND": "Agg", **_jax_cache()}
