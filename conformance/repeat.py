@@ -164,6 +164,17 @@ def first_difference(expected: list[np.ndarray], got: list[np.ndarray]) -> str:
     return ""
 
 
+def _fix_torch_thread_count() -> None:
+    """torch's promise holds for a fixed ``torch.get_num_threads()``, set before the threads
+    start (``spec.CONCURRENCY``): set it to the calling thread's count when torch is loaded.
+    torch's count is per thread, and a new thread does not always start from the calling
+    thread's: after the first autograd backward of a process, new threads were measured at 1
+    while the main thread read 2, and their products gave other bits."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(torch.get_num_threads())
+
+
 def _check_backend(backend: backends_mod.Backend, cases: tuple[RepeatCase, ...], threads: int,
                    rounds: int) -> list[RepeatResult]:
     promised = spec.REPEATABLE.get(backend.module_name, ())
@@ -198,6 +209,7 @@ def _check_backend(backend: backends_mod.Backend, cases: tuple[RepeatCase, ...],
             with lock:
                 errors.append(f"thread {thread}: {type(exc).__name__}: {exc}")
 
+    _fix_torch_thread_count()
     start = time.perf_counter()
     workers = [threading.Thread(target=work, args=(t,), daemon=True) for t in range(threads)]
     for worker in workers:

@@ -28,10 +28,12 @@ import gc
 import importlib.util
 import os
 import sys
+import time
 from collections.abc import Callable
 
 import background_column
 import background_lane
+import background_modules
 import numpy as np
 import pytest
 
@@ -40,18 +42,25 @@ from conformance import backends
 BACKEND_NAMES = backends.SPEC_BACKENDS
 
 
-def _persistent_jax_cache() -> None:
-    """JAX's persistent compilation cache for the whole run, set before any test imports JAX
-    (through the environment, which JAX reads at import and subprocesses inherit): the
-    harness's (``backends.jax_cache_env``; ``ATTENTION_JAX_CACHE=off`` turns it off).
-    Programs compiled by an earlier run are read back instead of compiled (a JAX-heavy module
-    such as test_performance_paths.py: 97 s cold, 19 s warm)."""
+def _jax_environment() -> None:
+    """JAX's settings for the whole run, set before any test imports JAX (through the
+    environment, which JAX reads at import and subprocesses inherit):
+
+    * the harness's persistent compilation cache (``backends.jax_cache_env``;
+      ``ATTENTION_JAX_CACHE=off`` turns it off): programs compiled by an earlier run are read
+      back instead of compiled (a JAX-heavy module such as test_performance_paths.py: 97 s
+      cold, 19 s warm);
+    * no Python traceback in the source locations of the programs it lowers
+      (``JAX_TRACEBACK_IN_LOCATIONS_LIMIT=0``): the suite lowers about 7,000 small programs,
+      and lowering is JAX's largest cost in it (80 s of the suite's process; 15 % less
+      without the locations, which only error messages and HLO dumps read)."""
     if "jax" not in sys.modules:
+        os.environ.setdefault("JAX_TRACEBACK_IN_LOCATIONS_LIMIT", "0")
         for name, value in backends.jax_cache_env().items():
             os.environ.setdefault(name, value)
 
 
-_persistent_jax_cache()
+_jax_environment()
 
 
 @pytest.fixture(params=BACKEND_NAMES)
@@ -104,6 +113,11 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
 #: releases memory again, and after which the end of a test module does.
 RELEASE_GROWTH_MIB = 768
 RELEASE_MODULE_GROWTH_MIB = 256
+#: Resident MiB above which a test's teardown also releases memory when the process tree
+#: (the lane's jobs, the peers' workers) is over ``background_lane.BUDGET_MIB``: the process
+#: holds about 900 MiB after a release (every framework imported). A release costs about a
+#: second and the programs it drops are lowered again when needed, so it is not done blindly.
+RELEASE_ABOVE_MIB = 1000
 _FLOOR: dict[str, float] = {}  # resident MiB after the last release
 
 
@@ -128,10 +142,26 @@ def release_memory() -> None:
 
 def _release_if_grown(limit_mib: float) -> None:
     """``release_memory`` when resident memory grew by more than ``limit_mib`` since the last
-    release (reading ``/proc``: microseconds)."""
+    release, or passed ``RELEASE_ABOVE_MIB`` while the whole process tree holds more than the
+    lane's budget (and it grew by more than 128 MiB: a release that frees nothing is not
+    repeated after every test). Reading ``/proc``: microseconds."""
     rss = backends.resident_mib()
-    if rss is not None and rss - _FLOOR.setdefault("mib", rss) > limit_mib:
+    if rss is None:
+        return
+    grown = rss - _FLOOR.setdefault("mib", rss)
+    if grown > limit_mib or rss > RELEASE_ABOVE_MIB and grown > 128 and _tree_over_budget():
         release_memory()
+
+
+def _tree_over_budget() -> bool:
+    """Whether this process and its children (the lane's jobs among them) hold more than the
+    lane's ``BUDGET_MIB``; read at most once a second (``/proc`` of every process: ms)."""
+    now = time.monotonic()
+    if now - _FLOOR.get("checked", -1.0) < 1.0:
+        return False
+    _FLOOR["checked"] = now
+    tree = background_lane.tree_mib()
+    return tree is not None and tree > background_lane.BUDGET_MIB
 
 
 def end_peer_workers() -> None:
@@ -160,13 +190,19 @@ def _release_memory_after_a_test():
     _release_if_grown(RELEASE_GROWTH_MIB)
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Plan the background lane (``background_lane``): the jobs of the collected tests marked
-    ``background``, and the grid's JAX column (``background_column``) when JAX grid cells are
-    collected, after moving the modules of the tests that read them to the end of the run; not
-    in a pytest-xdist worker (each would run its own)."""
-    if hasattr(config, "workerinput"):
+    """Plan the background lane (``background_lane``) for the selected tests (after ``-k`` and
+    ``-m``): the jobs of the tests marked ``background``, the grid's JAX column
+    (``background_column``) when JAX grid cells are collected, and the second pytest process
+    of the JAX test modules (``background_modules``), after moving the modules of the tests
+    that read jobs to the end of the run, and the second process's stand-ins after them; not
+    in a pytest-xdist worker (each would run its own) nor in the second process itself."""
+    if hasattr(config, "workerinput") or os.environ.get(background_modules.ENV):
         return
+    items[:] = background_modules.plan(items)
+    stand_ins = [item for item in items if isinstance(item, background_modules.Stand_in)]
+    items[:] = [item for item in items if not isinstance(item, background_modules.Stand_in)]
     jobs: dict[str, tuple[str, Callable[[], object], float]] = {}
     pairs = {(item.callspec.params["case"], item.callspec.params["dtype"]) for item in items
              if getattr(item, "originalname", "") == "test_backend_conforms"
@@ -192,6 +228,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                             (background_column.JOB, run, background_lane.DEFAULT_MIB))
     if pairs:
         background_column.GRID.plan()
+    if stand_ins:
+        jobs[background_modules.JOB] = (background_modules.JOB, background_modules.SECOND.run,
+                                        background_modules.MIB)
+    items += stand_ins
     background_lane.LANE.start(list(jobs.values()))
 
 

@@ -31,8 +31,8 @@ pytest.importorskip("mutmut", reason="pip install -r requirements-test.txt")
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("numpy_attn", "jax_attn", "torch_attn", "conformance", "attention_rules")
-TESTS = ("conftest.py", "background_column.py", "background_lane.py", "test_compare.py",
-         "test_diagnose.py", "test_kv_cache.py")
+TESTS = ("conftest.py", "background_column.py", "background_lane.py", "background_modules.py",
+         "test_compare.py", "test_diagnose.py", "test_kv_cache.py")
 
 #: mutant name -> the mistake it plants (mutmut numbers the mutants of a function in order: a
 #: change to one of these functions may renumber them; then pick the sample again from
