@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from paged_helpers import check_paged_cache_errors, far_apart_rows, paged_inputs
 from test_kv_cache import assert_bfloat16_before_ml_dtypes
 
 import numpy_attn
@@ -69,18 +70,9 @@ def test_paged_cache_names_bfloat16_before_ml_dtypes_is_imported():
         "numpy_attn.PagedKVCache(1, 1, 1, 2, dtype='bfloat16').key_pages.dtype")
 
 
-def test_paged_cache_errors_name_the_method():
-    cache = numpy_attn.PagedKVCache(2, 2, 1, 2)
-    with pytest.raises(ValueError, match=r"^PagedKVCache\.append: keys and values must be "
-                                         r"\(batch, kv_heads, n, head_dim \| v_dim\) = \(0, 1, n"):
-        cache.append(np.float32(0), np.float32(0))  # no batch axis: no sequence
-    with pytest.raises(ValueError, match=r"^PagedKVCache\.append: keys and values must be"):
-        cache.append(np.zeros((1, 1, 1, 3)), np.zeros((1, 1, 1, 2)))
-    with pytest.raises(ValueError, match=r"^PagedKVCache\.append: seqs must be sequence ids"):
-        cache.append(np.zeros((1, 1, 1, 2)), np.zeros((1, 1, 1, 2)), [-1])
-    with pytest.raises(ValueError, match=r"^PagedKVCache\.tables: seqs must be sequence ids"):
-        cache.tables([-1])
-    assert cache.num_free_blocks == 2  # nothing changed
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_paged_cache_errors_name_the_method(backend):
+    check_paged_cache_errors(backend)
 
 
 def _sequences(cache: numpy_attn.PagedKVCache, lengths: list[int], seed: int) -> list:
@@ -168,7 +160,7 @@ def test_both_kernels_compute_in_the_compute_dtype(dtype, lse_dtype, tol):
                                    causal_alignment="bottom_right")
     np.testing.assert_allclose(output, expected.output, rtol=tol, atol=tol)
     np.testing.assert_allclose(lse, expected.lse, rtol=tol, atol=tol)
-    args = _paged_inputs(dtype)
+    args = paged_inputs(dtype)
     keys, values = args.pop("keys"), args.pop("values")
     output, lse = numpy_attn.paged_attention(**args, return_lse=True)
     assert (output.dtype, lse.dtype) == (dtype, lse_dtype)
@@ -178,31 +170,26 @@ def test_both_kernels_compute_in_the_compute_dtype(dtype, lse_dtype, tol):
     np.testing.assert_allclose(lse[0], expected.lse, rtol=tol, atol=tol)
 
 
-def _paged_inputs(dtype=np.float32) -> dict:
-    """One sequence of 3 positions on page 1 of a pool of 2 pages of 4 positions; 2 query
-    heads over 1 kv head; its float64 keys and values too."""
-    rng = np.random.default_rng(9)
-    keys, values = rng.standard_normal((1, 3, 2)), rng.standard_normal((1, 3, 3))
-    key_pages, value_pages = np.zeros((2, 4, 1, 2), dtype), np.zeros((2, 4, 1, 3), dtype)
-    key_pages[1, :3], value_pages[1, :3] = keys.swapaxes(0, 1), values.swapaxes(0, 1)
-    return {"query": rng.standard_normal((1, 2, 1, 2)).astype(dtype), "key_pages": key_pages,
-            "value_pages": value_pages, "block_table": np.array([[1, 0]], np.int32),
-            "seq_lens": np.array([3], np.int32), "keys": keys, "values": values}
-
-
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
 @pytest.mark.parametrize("name", ["query", "key_pages", "value_pages", "block_table",
                                   "seq_lens", "sinks"])
-def test_paged_attention_names_an_argument_given_as_a_list(name):
-    args = _paged_inputs()
+def test_paged_attention_names_an_argument_given_as_a_list(backend, name):
+    """The same one-line TypeError from numpy_attn and torch_attn."""
+    args = paged_inputs()
     del args["keys"], args["values"]
+    attend = numpy_attn.paged_attention
+    if backend == "torch":
+        torch = pytest.importorskip("torch", reason="pip install torch")
+        args = {n: torch.from_numpy(a) for n, a in args.items()}
+        attend = pytest.importorskip("torch_attn").paged_attention
     args[name] = [0.0, 0.0] if name == "sinks" else args[name].tolist()
     with pytest.raises(TypeError, match=rf"^paged_attention: {name} must be an array "
                                         rf".*got type\({name}\)=list$"):
-        numpy_attn.paged_attention(**args)
+        attend(**args)
 
 
 def test_paged_attention_checks_its_dtypes_sinks_and_table_by_name():
-    args = _paged_inputs()
+    args = paged_inputs()
     del args["keys"], args["values"]
     with pytest.raises(TypeError, match=r"^paged_attention: inputs must share one dtype"):
         numpy_attn.paged_attention(**{**args, "query": args["query"].astype(np.float16)})
@@ -215,7 +202,7 @@ def test_paged_attention_checks_its_dtypes_sinks_and_table_by_name():
 def test_paged_attention_over_sequences_without_keys():
     """Every ``seq_lens`` 0: no chunk at all; rows give 0 and lse -inf, or the sink's logit
     (the reference over no key)."""
-    args = _paged_inputs()
+    args = paged_inputs()
     del args["keys"], args["values"]
     args["seq_lens"] = np.array([0], np.int32)
     sinks = np.array([0.5, -1.0], np.float32)
@@ -228,15 +215,9 @@ def test_paged_attention_over_sequences_without_keys():
 
 
 def test_each_row_is_shifted_by_its_own_largest_score():
-    """Two query heads of one kv head whose largest scores are hundreds apart: each row
-    subtracts its own largest score (one largest score for the whole chunk would underflow the
+    """Each row subtracts its own largest score (one for the whole chunk would underflow the
     small row's exponentials, below ``exp(-104)``, to 0 in float32), on both kernels."""
-    rng = np.random.default_rng(11)
-    query = rng.standard_normal((2, 1, 4)) * np.array([[[200.0]], [[0.1]]])
-    key, value = rng.standard_normal((1, 6, 4)) * 4.0, rng.standard_normal((1, 6, 2))
-    expected = reference.attention(query, key, value, is_causal=True,
-                                   causal_alignment="bottom_right")
-    assert np.ptp((query[:, 0] @ key[0].T).max(-1)) / 2 > 200  # scale 1/2: rows far apart
+    query, key, value, expected = far_apart_rows()
     f32 = [x.astype(np.float32) for x in (query, key, value)]
     output, lse = paged.split_kv_attention(*f32, 4)
     np.testing.assert_allclose(output, expected.output, rtol=1e-4, atol=1e-5)

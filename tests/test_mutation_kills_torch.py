@@ -14,6 +14,8 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="pip install torch==2.13.0")
 
+from paged_helpers import far_apart_rows, paged_inputs  # noqa: E402
+
 import torch_attn  # noqa: E402
 from conformance import reference  # noqa: E402
 from torch_attn import _fast, paged  # noqa: E402
@@ -88,26 +90,14 @@ def test_the_smallest_paged_cache_its_dtypes_and_tables():
 
 
 def _paged_inputs(dtype: torch.dtype = torch.float32) -> dict:
-    """One sequence of 3 positions on page 1 of a pool of 2 pages of 4 positions; 2 query
-    heads over 1 kv head; its float64 keys and values too."""
-    rng = np.random.default_rng(9)
-    keys, values = rng.standard_normal((1, 3, 2)), rng.standard_normal((1, 3, 3))
-    key_pages, value_pages = np.zeros((2, 4, 1, 2)), np.zeros((2, 4, 1, 3))
-    key_pages[1, :3], value_pages[1, :3] = keys.swapaxes(0, 1), values.swapaxes(0, 1)
-    return {"query": _t(rng.standard_normal((1, 2, 1, 2)), dtype),
-            "key_pages": _t(key_pages, dtype), "value_pages": _t(value_pages, dtype),
-            "block_table": torch.tensor([[1, 0]], dtype=torch.int32),
-            "seq_lens": torch.tensor([3], dtype=torch.int32), "keys": keys, "values": values}
-
-
-def test_paged_attention_names_an_argument_given_as_a_list():
-    for name in ("query", "key_pages", "value_pages", "block_table", "seq_lens", "sinks"):
-        args = _paged_inputs()
-        del args["keys"], args["values"]
-        args[name] = [0.0, 0.0] if name == "sinks" else args[name].tolist()
-        with pytest.raises(TypeError, match=rf"^paged_attention: {name} must be an array "
-                                            rf".*got type\({name}\)=list$"):
-            torch_attn.paged_attention(**args)
+    """``paged_helpers.paged_inputs`` (one sequence of 3 positions on page 1
+    of a pool of 2 pages of 4 positions; 2 query heads over 1 kv head) as torch tensors in
+    ``dtype``, with its float64 keys and values. (``test_mutation_kills_decoding``'s tests of
+    the arguments given as lists and of the cache's errors cover torch_attn too.)"""
+    args = paged_inputs(np.float64)
+    out = {name: torch.from_numpy(args[name]) for name in ("block_table", "seq_lens")}
+    out.update({name: _t(args[name], dtype) for name in ("query", "key_pages", "value_pages")})
+    return {**out, "keys": args["keys"], "values": args["values"]}
 
 
 @pytest.mark.parametrize(("dtype", "lse_dtype", "tol"), [
@@ -149,12 +139,7 @@ def test_each_row_is_shifted_by_its_own_largest_score():
     """Two query heads of one kv head whose largest scores are hundreds apart: each row
     subtracts its own largest score, on both kernels, outside autograd and inside it (one
     shift for the chunk would underflow the small row's exponentials to 0 in float32)."""
-    rng = np.random.default_rng(11)
-    query = rng.standard_normal((2, 1, 4)) * np.array([[[200.0]], [[0.1]]])
-    key, value = rng.standard_normal((1, 6, 4)) * 4.0, rng.standard_normal((1, 6, 2))
-    expected = reference.attention(query, key, value, is_causal=True,
-                                   causal_alignment="bottom_right")
-    assert np.ptp((query[:, 0] @ key[0].T).max(-1)) / 2 > 200  # scale 1/2: rows far apart
+    query, key, value, expected = far_apart_rows()
     f32 = [_t(x) for x in (query, key, value)]
     cache = torch_attn.PagedKVCache(2, 4, 1, 4, 2)
     cache.append(f32[1][None], f32[2][None])
@@ -306,25 +291,6 @@ def test_one_sdpa_call_with_rows_without_a_key_on_other_devices(monkeypatch):
         for x, grad in zip(inputs, (want.query, want.key, want.value), strict=True):
             np.testing.assert_allclose(x.grad.numpy(), grad, rtol=1e-4, atol=1e-5)
     assert calls and not any(calls)
-
-
-def test_paged_cache_errors_name_the_method():
-    cache = torch_attn.PagedKVCache(2, 2, 1, 2)
-    with pytest.raises(ValueError, match=r"^PagedKVCache\.append: keys and values must be "
-                                         r"\(batch, kv_heads, n, head_dim \| v_dim\) = \(0, 1, n"):
-        cache.append(torch.tensor(0.0), torch.tensor(0.0))  # no batch axis: no sequence
-    with pytest.raises(ValueError, match=r"^PagedKVCache\.append: seqs must be sequence ids"):
-        cache.append(torch.zeros(1, 1, 1, 2), torch.zeros(1, 1, 1, 2), [-1])
-    with pytest.raises(ValueError, match=r"^PagedKVCache\.append: the pool is full"):
-        cache.append(torch.zeros(1, 1, 9, 2), torch.zeros(1, 1, 9, 2))
-    with pytest.raises(ValueError, match=r"^PagedKVCache\.tables: seqs must be sequence ids"):
-        cache.tables([-1])
-    args = _paged_inputs()
-    del args["keys"], args["values"]
-    with pytest.raises(ValueError, match=r"^paged_attention: sinks"):
-        torch_attn.paged_attention(**args, sinks=torch.zeros(3))
-    with pytest.raises(TypeError, match=r"^paged_attention: inputs must share one dtype"):
-        torch_attn.paged_attention(**{**args, "query": args["query"].half()})
 
 
 def test_attend_defaults_to_the_first_batch_sequences_and_differentiates_rows():
