@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def offloadable(item: pytest.Item) -> bool:
     """Whether ``item`` belongs to a module that runs in the second process."""
-    return isinstance(item, pytest.Function) and "jax" in Path(str(item.fspath)).name
+    return isinstance(item, pytest.Function) and "jax" in item.path.name
 
 
 class Outcomes:
@@ -89,25 +89,23 @@ class Second:
     def run(self) -> dict[str, dict[str, str]]:
         """Run the planned tests in a second pytest process; their outcomes by node id.
         Raises ``AssertionError`` with the end of its output when it gives none."""
-        folder = Path(tempfile.mkdtemp(prefix="second-pytest-"))
-        outcomes, log = folder / "outcomes.json", folder / "output.txt"
         here = str(Path(__file__).resolve().parent)
         path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-        env = {**os.environ, ENV: str(outcomes), "PYTHONPATH": path}
         args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                 "-p", "background_modules", *self.nodeids]
-        with open(log, "w") as out:
+        with tempfile.TemporaryDirectory(prefix="second-pytest-") as folder:
+            outcomes = Path(folder, "outcomes.json")
+            env = {**os.environ, ENV: str(outcomes), "PYTHONPATH": path}
             try:
-                code: int | str = subprocess.run(args, cwd=self.root, env=env, stdout=out,
-                                                 stderr=subprocess.STDOUT,
-                                                 timeout=TIMEOUT).returncode
-            except subprocess.TimeoutExpired:
-                code = f"killed after {TIMEOUT} s"
-        if not outcomes.exists():
-            tail = log.read_text(errors="replace")[-2000:]
-            raise AssertionError(f"the second pytest process (exit {code}) reported nothing:\n"
-                                 f"{tail}")
-        return json.loads(outcomes.read_text())
+                done = subprocess.run(args, cwd=self.root, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT)
+                code, output = str(done.returncode), done.stdout
+            except subprocess.TimeoutExpired as expired:
+                code, output = f"killed after {TIMEOUT} s", str(expired.stdout or "")
+            if not outcomes.exists():
+                raise AssertionError(f"the second pytest process (exit {code}) reported "
+                                     f"nothing:\n{output[-2000:]}")
+            return json.loads(outcomes.read_text())
 
 
 #: The suite's second process (``conftest`` plans it, the stand-ins read it).
@@ -143,13 +141,13 @@ class Stand_in(pytest.Item):  # noqa: N801 - reads as what it is
         return self.path, None, self.name
 
 
-def plan(items: list[pytest.Item]) -> list[pytest.Item]:
-    """``items`` with the offloadable ones replaced by stand-ins at the end, and their node ids
-    planned for ``SECOND`` (nothing changes when every item, or none, is offloadable, or under
-    mutmut)."""
+def plan(items: list[pytest.Item]) -> tuple[list[pytest.Item], list[Stand_in]]:
+    """``items`` split into those that stay and stand-ins for the offloadable ones, whose node
+    ids are planned for ``SECOND``; no stand-ins when every item, or none, is offloadable, or
+    under mutmut (every test must run where its mutant is active and traced)."""
     away = [item for item in items if offloadable(item)]
     if not away or len(away) == len(items) or "MUTANT_UNDER_TEST" in os.environ:
-        return items  # under mutmut every test runs where its mutant is active and traced
+        return items, []
     SECOND.nodeids = [item.nodeid for item in away]
-    stand_ins = [Stand_in.from_parent(item.parent, name=item.name) for item in away]
-    return [item for item in items if not offloadable(item)] + stand_ins
+    return ([item for item in items if not offloadable(item)],
+            [Stand_in.from_parent(item.parent, name=item.name) for item in away])

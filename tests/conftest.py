@@ -122,6 +122,7 @@ RELEASE_MODULE_GROWTH_MIB = 256
 #: second and the programs it drops are lowered again when needed, so it is not done blindly.
 RELEASE_ABOVE_MIB = 1000
 _FLOOR: dict[str, float] = {}  # resident MiB after the last release
+_TREE_CHECKED = [-1.0]  # when _tree_over_budget last read the process tree
 
 
 def release_memory() -> None:
@@ -160,9 +161,9 @@ def _tree_over_budget() -> bool:
     """Whether this process and its children (the lane's jobs among them) hold more than the
     lane's ``BUDGET_MIB``; read at most once a second (``/proc`` of every process: ms)."""
     now = time.monotonic()
-    if now - _FLOOR.get("checked", -1.0) < 1.0:
+    if now - _TREE_CHECKED[0] < 1.0:
         return False
-    _FLOOR["checked"] = now
+    _TREE_CHECKED[0] = now
     tree = background_lane.tree_mib()
     return tree is not None and tree > background_lane.BUDGET_MIB
 
@@ -203,9 +204,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     in a pytest-xdist worker (each would run its own) nor in the second process itself."""
     if hasattr(config, "workerinput") or os.environ.get(background_modules.ENV):
         return
-    items[:] = background_modules.plan(items)
-    stand_ins = [item for item in items if isinstance(item, background_modules.Stand_in)]
-    items[:] = [item for item in items if not isinstance(item, background_modules.Stand_in)]
+    items[:], stand_ins = background_modules.plan(items)
     jobs: dict[str, tuple[str, Callable[[], object], float]] = {}
     pairs = {(item.callspec.params["case"], item.callspec.params["dtype"]) for item in items
              if getattr(item, "originalname", "") == "test_backend_conforms"
@@ -217,9 +216,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return item.get_closest_marker("background") is not None or (
             bool(pairs) and getattr(item, "originalname", "") == "test_backend_conforms")
 
-    readers = {getattr(item, "module", None) for item in items if reads(item)}
-    items[:] = ([item for item in items if getattr(item, "module", None) not in readers]
-                + [item for item in items if getattr(item, "module", None) in readers])
+    readers = {item.module for item in items if reads(item)}
+    items[:] = ([item for item in items if item.module not in readers]
+                + [item for item in items if item.module in readers])
     for item in items:
         for mark in item.iter_markers("background"):
             name = mark.args[0]

@@ -67,3 +67,26 @@ def test_a_stand_in_skips_with_the_reason_and_passes_a_pass(monkeypatch) -> None
     with pytest.raises(pytest.skip.Exception, match="no GPU"):
         background_modules.Stand_in.runtest(types.SimpleNamespace(nodeid="a::skipped"))
     assert background_modules.Stand_in.runtest(types.SimpleNamespace(nodeid="a::passed")) is None
+
+
+def test_plan_puts_stand_ins_for_the_jax_modules_only_in_a_mixed_run(request, monkeypatch):
+    """A run with JAX-module tests and others: the others stay in order, each JAX test gets a
+    stand-in of the same node id, planned for the second process. Only JAX tests, none, or
+    mutmut's run (``MUTANT_UNDER_TEST``): nothing moves."""
+    monkeypatch.setattr(background_modules, "SECOND", background_modules.Second())
+    monkeypatch.delenv("MUTANT_UNDER_TEST", raising=False)
+    jax_module = pytest.Module.from_parent(request.session,
+                                           path=request.config.rootpath / "tests/test_jax_x.py")
+    here = [pytest.Function.from_parent(request.node.parent, name=f"test_{n}",
+                                        callobj=lambda: None) for n in "ab"]
+    away = [pytest.Function.from_parent(jax_module, name="test_c", callobj=lambda: None)]
+    assert [background_modules.offloadable(i) for i in here + away] == [False, False, True]
+    kept, stand_ins = background_modules.plan([here[0], *away, here[1]])
+    assert kept == here
+    assert [s.nodeid for s in stand_ins] == ["tests/test_jax_x.py::test_c"]
+    assert isinstance(stand_ins[0], background_modules.Stand_in)
+    assert background_modules.SECOND.nodeids == ["tests/test_jax_x.py::test_c"]
+    for alone in (here, away):
+        assert background_modules.plan(alone) == (alone, [])
+    monkeypatch.setenv("MUTANT_UNDER_TEST", "")
+    assert background_modules.plan([*here, *away]) == ([*here, *away], [])
