@@ -349,3 +349,45 @@ def test_tiles_with_a_mask_and_a_bias_of_lower_rank(small_blocks):
     grads = reference.attention_vjp(q, k, v, g, **options)
     for x, grad in zip(inputs, (grads.query, grads.key, grads.value, grads.sinks), strict=True):
         np.testing.assert_allclose(x.grad.numpy(), grad, rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------
+# torch_attn/kv_cache.py: which kernel a decoding step takes
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [16, 17])
+def test_a_decoding_step_over_a_cache_with_sinks_either_side_of_max_q_len(monkeypatch, rows):
+    """Five cached positions, then a step of ``rows`` query rows with sinks: up to
+    ``SPLIT_KV["max_q_len"]`` (16) rows torch_attn's split kernel runs (the module docstring),
+    beyond it ``scaled_dot_product_attention``; both causal bottom-right with the sinks, as
+    the float64 reference."""
+    from torch_attn import kv_cache
+
+    rng = np.random.default_rng(17)
+    q = rng.standard_normal((1, 4, rows, 8))
+    k, v = rng.standard_normal((1, 2, 5 + rows, 8)), rng.standard_normal((1, 2, 5 + rows, 3))
+    sinks = np.array([0.5, -1.0, 2.0, 0.0])
+    calls = []
+    split = kv_cache.split_kv_attention
+    monkeypatch.setattr(kv_cache, "split_kv_attention",
+                        lambda *a, **o: calls.append(a[0].shape[-2]) or split(*a, **o))
+    _, cache = kv_cache.decode_step(_t(q[..., :5, :]), _t(k[..., :5, :]), _t(v[..., :5, :]),
+                                    None, 5 + rows)
+    calls.clear()
+    with torch.no_grad():
+        out, _ = kv_cache.decode_step(_t(q), _t(k[..., 5:, :]), _t(v[..., 5:, :]), cache, None,
+                                      sinks=_t(sinks))
+    assert calls == ([rows] if rows <= 16 else [])
+    expected = reference.attention(q, k, v, is_causal=True, causal_alignment="bottom_right",
+                                   sinks=sinks)
+    np.testing.assert_allclose(out.numpy(), expected.output, rtol=1e-5, atol=1e-5)
+
+
+def test_a_decoding_step_of_no_query_rows_gives_an_empty_output():
+    """Zero query rows (the split kernel cannot take them): an empty output, no error."""
+    from torch_attn import kv_cache
+
+    out, cache = kv_cache.decode_step(torch.zeros(1, 4, 0, 8), torch.ones(1, 2, 3, 8),
+                                      torch.ones(1, 2, 3, 3), None, 3)
+    assert out.shape == (1, 4, 0, 3) and cache.length == 3
