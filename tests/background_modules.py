@@ -62,9 +62,9 @@ class Outcomes:
         if report.failed:
             row["outcome"] = "failed"
             row["text"] += f"[{report.when}] {report.longreprtext}\n"
-        elif report.skipped and row["outcome"] == "passed":
-            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(
-                report.longrepr)
+        elif report.skipped and row["outcome"] == "passed":  # an expected failure: a skip
+            reason = (f"xfail: {report.wasxfail}" if hasattr(report, "wasxfail")
+                      else report.longrepr[2])
             row["outcome"], row["text"] = "skipped", reason
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
@@ -75,7 +75,7 @@ def pytest_configure(config: pytest.Config) -> None:
     """As a plugin (``-p background_modules``, the second process): record every outcome
     in the file ``ENV`` names."""
     if os.environ.get(ENV):
-        config.pluginmanager.register(Outcomes(os.environ[ENV]), "second-process-outcomes")
+        config.pluginmanager.register(Outcomes(os.environ[ENV]))
 
 
 class Second:
@@ -100,8 +100,9 @@ class Second:
                 done = subprocess.run(args, cwd=self.root, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT)
                 code, output = str(done.returncode), done.stdout
-            except subprocess.TimeoutExpired as expired:
-                code, output = f"killed after {TIMEOUT} s", str(expired.stdout or "")
+            except subprocess.TimeoutExpired as expired:  # its output is bytes, if any
+                code = f"killed after {TIMEOUT} s"
+                output = (expired.stdout or b"").decode(errors="replace")
             if not outcomes.exists():
                 raise AssertionError(f"the second pytest process (exit {code}) reported "
                                      f"nothing:\n{output[-2000:]}")
@@ -122,7 +123,7 @@ class Stand_in(pytest.Item):  # noqa: N801 - reads as what it is
     def runtest(self) -> None:
         from background_lane import LANE
 
-        row: Any = LANE.result(JOB, SECOND.run, timeout=TIMEOUT + 60).get(self.nodeid)
+        row: Any = LANE.result(JOB, SECOND.run).get(self.nodeid)  # the lane's wait > TIMEOUT
         if row is None:
             raise RemoteFailure(f"the second pytest process gave no outcome for {self.nodeid}")
         if row["outcome"] == "skipped":
@@ -141,12 +142,17 @@ class Stand_in(pytest.Item):  # noqa: N801 - reads as what it is
         return self.path, None, self.name
 
 
+def under_mutmut() -> bool:
+    """Whether mutmut runs this process's tests (it sets ``MUTANT_UNDER_TEST``)."""
+    return "MUTANT_UNDER_TEST" in os.environ
+
+
 def plan(items: list[pytest.Item]) -> tuple[list[pytest.Item], list[Stand_in]]:
     """``items`` split into those that stay and stand-ins for the offloadable ones, whose node
     ids are planned for ``SECOND``; no stand-ins when every item, or none, is offloadable, or
     under mutmut (every test must run where its mutant is active and traced)."""
     away = [item for item in items if offloadable(item)]
-    if not away or len(away) == len(items) or "MUTANT_UNDER_TEST" in os.environ:
+    if not away or len(away) == len(items) or under_mutmut():
         return items, []
     SECOND.nodeids = [item.nodeid for item in away]
     return ([item for item in items if not offloadable(item)],
