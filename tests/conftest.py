@@ -216,9 +216,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return item.get_closest_marker("background") is not None or (
             bool(pairs) and getattr(item, "originalname", "") == "test_backend_conforms")
 
-    readers = {item.module for item in items if reads(item)}
-    items[:] = ([item for item in items if item.module not in readers]
-                + [item for item in items if item.module in readers])
+    def module(item: pytest.Item) -> object:  # the plugin's cell items have none
+        return getattr(item, "module", None)
+
+    readers = {module(item) for item in items if reads(item)}
+    items[:] = ([item for item in items if module(item) not in readers]
+                + [item for item in items if module(item) in readers])
     for item in items:
         for mark in item.iter_markers("background"):
             name = mark.args[0]
