@@ -36,7 +36,7 @@ def _compiled() -> Callable[..., Any]:
 def flax_nnx(exp: Expected) -> dict[str, np.ndarray]:
     """The ``flax.nnx`` peer: the case's output from ``flax.nnx.dot_product_attention``."""
     backends.jax_prepare()
-    import jax.numpy as jnp
+    import jax
     from flax import nnx
 
     peer = "flax.nnx.dot_product_attention"
@@ -46,12 +46,12 @@ def flax_nnx(exp: Expected) -> dict[str, np.ndarray]:
     x = four_d(exp, peer)
     need(x.value.shape[-1] == x.query.shape[-1],
          f"{peer} needs value's head_dim == query's (it checks value's shape against key's)")
-    q, k, v = (jnp.asarray(btnh(t)) for t in (x.query, x.key, x.value))
+    q, k, v = (jax.device_put(btnh(t)) for t in (x.query, x.key, x.value))
     kwargs: dict[str, Any] = {"is_causal": bool(o.get("is_causal"))}
     if x.mask is not None:
-        kwargs["mask"] = jnp.asarray(x.mask)
+        kwargs["mask"] = jax.device_put(x.mask)
     if x.bias is not None:
-        kwargs["bias"] = jnp.asarray(x.bias)
+        kwargs["bias"] = jax.device_put(x.bias)
     try:
         out = _compiled()(q, k, v, **kwargs)
     except ValueError:  # jitted float16 on CPU: "precision 'F16_F16_F32' is not supported"

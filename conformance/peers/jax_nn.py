@@ -55,10 +55,9 @@ def _call(q: np.ndarray, k: np.ndarray, v: np.ndarray, kwargs: dict[str, Any]
     q_len, dim), lse (..., heads, q_len))``, in the spec's layout."""
     backends.jax_prepare()
     import jax
-    import jax.numpy as jnp
 
     def btnh(x: np.ndarray) -> Any:  # (..., N, T, H) → (..., T, N, H)
-        return jnp.asarray(np.swapaxes(x, -2, -3))
+        return jax.device_put(np.swapaxes(x, -2, -3))  # no compiled copy (backends.py)
 
     kwargs = {**kwargs, "return_residual": True}  # the row log-sum-exp: (..., q_len, heads)
     try:
