@@ -16,13 +16,16 @@ leaves both cores to them; afterwards, the other core idles again. So those part
 * the test calls ``LANE.result(name, BACKGROUND[name])``: the job's value (or its exception,
   raised again), waiting at most ``TIMEOUT`` seconds; a job that was not planned (the test runs
   alone, or in a pytest-xdist worker) is computed then, in the test, as before;
+* a test that would wait does work instead: it runs its job itself when the lane is busy with
+  another, or else the lane's next job not begun (each job runs exactly once, in whichever
+  thread claims it first), so at the end of a run both cores work until the jobs are done;
 * ``conftest`` moves the test modules that read jobs to the end of the run (their other tests
   are quick), so the suite's process works through everything else while the lane computes.
 
-Memory: one job at a time, and a job starts only while the suite's process and its children
-(the peers' workers, say) together with the job's ``mib`` stay within ``BUDGET_MIB``, or when a
-test already waits for it: the run's peak stays near the suite's own plus one job (the largest,
-4 gloo ranks, about 1.5 GB) instead of the sum of everything at once. Every job bounds its own
+Memory: a job starts only while the suite's process and its children (the peers' workers, the
+other thread's job) together with the job's ``mib`` stay within ``BUDGET_MIB``, or (in the
+lane's thread) when a test already waits for it: the run's peak stays near the suite's own plus
+one or two jobs that fit, instead of the sum of everything at once. Every job bounds its own
 subprocesses (their timeouts), so a hung job ends; the lane's wait is bounded too, and its
 message names the job.
 """
@@ -94,7 +97,8 @@ class _Job:
         self.waited = 0.0  # how long its tests waited for it
         self.gated = 0.0  # how long it waited for memory before it started
         self.wanted = threading.Event()  # a test waits for it
-        self.started = False
+        self.started = False  # claimed by the lane's thread or a waiting test (``_claim``)
+        self.ran_in = ""  # "lane" or "test"
 
 
 class Lane:
@@ -104,6 +108,7 @@ class Lane:
         self.jobs: dict[str, _Job] = {}
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
 
     def start(self, jobs: list[tuple[str, Callable[[], Any], float]]) -> None:
         """Run ``jobs`` (name, function, MiB), the largest first, in one thread started now."""
@@ -117,24 +122,50 @@ class Lane:
     def _work(self) -> None:
         for job in self.jobs.values():
             began = time.monotonic()
-            while not (self._stopping.is_set() or job.wanted.is_set()
+            while not (self._stopping.is_set() or job.wanted.is_set() or job.started
                        or time.monotonic() - began > GATE_WAIT):
                 mib = tree_mib()
                 if mib is None or mib + job.mib <= BUDGET_MIB:
                     break
                 job.wanted.wait(0.5)
             job.gated = time.monotonic() - began
-            if not self._stopping.is_set():
-                job.started = True
-                began = time.monotonic()
-                try:
-                    job.value = job.run()
-                except BaseException as error:  # noqa: BLE001 - raised again in the test
-                    job.error = error
-                job.seconds = time.monotonic() - began
-            else:
-                job.error = RuntimeError(f"background job {job.name!r}: the session ended")
-            job.done.set()
+            if self._stopping.is_set():
+                if self._claim(job):
+                    job.error = RuntimeError(f"background job {job.name!r}: the session ended")
+                    job.done.set()
+            elif self._claim(job):
+                self._run(job, "lane")
+
+    def _claim(self, job: _Job) -> bool:
+        """Mark ``job`` started; False when it already was (by the other thread)."""
+        with self._lock:
+            if job.started:
+                return False
+            job.started = True
+            return True
+
+    def _help(self, wanted: _Job) -> bool:
+        """Run ``wanted`` here if it is not begun, or else the lane's first job not begun,
+        whichever first fits in the memory budget; False when none was run."""
+        for job in [wanted, *self.jobs.values()]:
+            if not job.started:
+                mib = tree_mib()
+                if (mib is None or mib + job.mib <= BUDGET_MIB) and self._claim(job):
+                    self._run(job, "test")
+                    return True
+        return False
+
+    @staticmethod
+    def _run(job: _Job, where: str) -> None:
+        began = time.monotonic()
+        try:
+            job.value = job.run()
+        except BaseException as error:  # noqa: BLE001 - raised again in the test
+            job.error = error
+        job.seconds, job.ran_in = time.monotonic() - began, where
+        job.done.set()
+        if where == "test" and isinstance(job.error, (KeyboardInterrupt, SystemExit)):
+            raise job.error
 
     def result(self, name: str, run: Callable[[], Any], timeout: float = TIMEOUT) -> Any:
         """The value of job ``name``, waiting for it at most ``timeout`` seconds; ``run()``
@@ -145,7 +176,13 @@ class Lane:
             return run()
         job.wanted.set()
         began = time.monotonic()
-        finished = job.done.wait(timeout)
+        # Waiting, this thread would leave a core idle (the end of a run): it runs the job
+        # itself while the lane is busy with another, or else the lane's next job not begun,
+        # whichever the memory budget allows, and waits only when there is none.
+        while not job.done.is_set() and time.monotonic() - began < timeout:
+            if not self._help(job):
+                job.done.wait(0.25)
+        finished = job.done.wait(max(0.0, timeout - (time.monotonic() - began)))
         job.waited += time.monotonic() - began
         if not finished:
             raise AssertionError(f"background job {name!r}: no result after {timeout:.0f} s")
@@ -168,7 +205,8 @@ class Lane:
     def summary(self) -> str:
         """One line per job: its time, its wait for memory, and its tests' wait for it."""
         return "\n".join(f"{job.seconds:6.1f} s (after {job.gated:5.1f} s for memory), "
-                         f"its tests waited {job.waited:5.1f} s: {job.name}"
+                         f"its tests waited {job.waited:5.1f} s, in the {job.ran_in or '-':4}: "
+                         f"{job.name}"
                          for job in self.jobs.values() if job.done.is_set())
 
     def stop(self) -> None:
