@@ -220,6 +220,28 @@ def test_large_scores_take_the_shifted_softmax(small_blocks, monkeypatch, dtype)
                                  np.dtype(dtype).name, **options)
 
 
+def test_scores_beyond_the_bound_but_within_float64s_range_stay_finite_in_float32(
+        small_blocks, monkeypatch):
+    """A head whose scores reach 100 (beyond ``EXP_BOUND``: ``exp`` of them overflows float32,
+    as does ``exp2`` of them in units of log2) takes the shifted softmax: every output finite
+    and the float64 reference's, in float32 (the bound is compared in the scores' units)."""
+    q, k, v, _ = _inputs(SHAPES["gqa_q_longer"], dtype=np.float32)
+    direction = np.ones(8, np.float32) / np.sqrt(8.0)
+    q[0, 0] = direction * 10.0 * 8.0 ** 0.25  # head 0's scores: 10 · 10 · (q·k / √8) = 100
+    k[0, 0] = direction * 10.0 * 8.0 ** 0.25
+    q[0, 0, ::3] *= 0.9  # not all equal: every third query row's scores 90
+    ran = []
+    real = _blocked.blocked_attention
+    monkeypatch.setattr(_blocked, "blocked_attention",
+                        lambda *a, **kw: ran.append(1) or real(*a, **kw))
+    fast = numpy_attn.scaled_dot_product_attention(q, k, v, return_lse=True)
+    assert ran == [1]  # the blocked forward pass
+    assert np.isfinite(fast[0]).all() and np.isfinite(fast[1]).all()
+    assert_matches_reference(fast[0], {"query": q, "key": k, "value": v}, "float32")
+    lse = np.log(np.exp(np.float64(100.0)) * 37)  # row 1: 37 keys, every score 100
+    assert fast[1][0, 0, 1] == pytest.approx(lse, rel=1e-6)
+
+
 def test_default_blocks_at_the_real_threshold(monkeypatch):
     """The shipped rule and blocks, unpatched: 2 query heads sharing 1 kv head, 1024 tokens,
     take the blocked path (at least ``min_scores`` entries); the forward pass runs blocks of
