@@ -102,6 +102,7 @@ def blocked_attention(
         query = np.multiply(query, unit, dtype=query.dtype)
     softcap = None if args.softcap is None else args.softcap * unit  # unit · softcap(s)
     unshifted = None if shifts else _bounded_heads(query, key, groups, softcap, EXP_BOUND * unit)
+    ones = np.ones(kv_len, query.dtype)  # row sums as products: 0.6 of ``sum(axis=-1)``'s time
     statuses = None  # (..., heads | 1, q blocks, key blocks of BLOCK_KV)
     if mods is not None and mods.masks:
         statuses = _mods_statuses(mods, q_len, kv_len, block_q, BLOCK_KV, lo, hi, True)
@@ -156,7 +157,7 @@ def blocked_attention(
             np.copyto(scores[:, p0 - k0 : p1 - k0], NEG_INF, where=~allowed)
         if unshifted is not None and unshifted[index]:  # |scores| <= EXP_BOUND: no row max
             weights = exp(scores, out=scores)  # in place; 0 where masked
-            row_sum = weights.sum(axis=-1, keepdims=True)  # (rows, 1)
+            row_sum = np.matmul(weights, ones[: k1 - k0])[:, None]  # (rows, 1): BLAS's sum
             if need_lse:  # 0: nothing was shifted; -inf: a fully masked row
                 row_max = np.where(row_sum[:, 0] == 0.0, NEG_INF, 0.0).astype(output.dtype)
             row_sum[row_sum == 0.0] = 1.0  # 0 / 1 = 0 for fully masked rows
