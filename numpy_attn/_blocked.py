@@ -12,8 +12,9 @@ scores are all within ``±EXP_BOUND`` (``|q·k| <= |q| |k|``, from the row norms
 by the row max, which changes nothing but rounding: ``exp`` can neither overflow nor underflow
 there. Without a bias, ALiBi or ``score_mod`` the query is also scaled by ``LOG2E`` and every
 ``exp`` is an ``exp2`` (the same weights: ``exp(s) = exp2(s · log2 e)``; NumPy's float32 ``exp2``
-takes half ``exp``'s time), the soft cap scaled alike and the lse taken back to natural units.
-Each block's row log-sum-exp ``max + log(sum)`` is kept when asked (``return_lse``: no
+takes half ``exp``'s time) and the soft cap scaled alike; a head whose scores may pass the bound
+takes its blocks' scores back to natural units for the shifted softmax. Each block's row
+log-sum-exp ``max + log(sum)`` is kept when asked (``return_lse``: no
 extra pass) or when ``sinks`` are given, which join each block's rows at its end (``output ·
 exp(lse - logaddexp(lse, sink))``). The result equals the explicit steps' within float32
 rounding (``tests/test_performance_paths.py``), NaN and infinities included: a masked position's
@@ -162,13 +163,15 @@ def blocked_attention(
                 row_max = np.where(row_sum[:, 0] == 0.0, NEG_INF, 0.0).astype(output.dtype)
             row_sum[row_sum == 0.0] = 1.0  # 0 / 1 = 0 for fully masked rows
         else:
+            if unit != 1.0:  # large scores (rare): back in natural units for the shared step
+                scores *= 1.0 / unit
             if need_lse:  # the softmax below shifts the scores by their row max
                 row_max = scores.max(axis=-1, initial=NEG_INF)  # (rows,)
-            weights, row_sum = _unnormalised_softmax(scores, exp)  # in place; (rows, 1)
+            weights, row_sum = _unnormalised_softmax(scores)  # in place; (rows, 1)
         np.matmul(weights, value[kv_index][k0:k1], out=out)  # normalised after @ value
         out /= row_sum
         if need_lse:  # log-sum-exp over the keys: -inf on a fully masked row (log 1 - inf)
-            finish(index, i0, i1, out, np.log(row_sum[:, 0]) + row_max / unit)
+            finish(index, i0, i1, out, np.log(row_sum[:, 0]) + row_max)
 
     # a lane's scratch: the scores of one block
     _threads.run_lanes(tasks, block, lambda: np.empty(block_q * kv_len, dtype=query.dtype))

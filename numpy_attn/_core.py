@@ -112,15 +112,13 @@ def _softmax(scores: np.ndarray) -> np.ndarray:
     return weights
 
 
-def _unnormalised_softmax(scores: np.ndarray, exp: Any = np.exp
-                          ) -> tuple[np.ndarray, np.ndarray]:
+def _unnormalised_softmax(scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``exp(scores - row max)`` (in place) and its row sums ``(..., q_len, 1)``; a row that is
-    all ``-inf`` gives 0 and a row sum of 1, so dividing by it gives 0, never NaN. ``exp``:
-    ``np.exp``, or ``np.exp2`` for scores in units of log2 (``_blocked.py``)."""
+    all ``-inf`` gives 0 and a row sum of 1, so dividing by it gives 0, never NaN."""
     row_max = scores.max(axis=-1, keepdims=True, initial=NEG_INF)  # (..., q_len, 1)
     row_max[row_max == NEG_INF] = 0.0  # fully masked row: exp(-inf - 0) = 0, no NaN
     scores -= row_max
-    exp(scores, out=scores)
+    np.exp(scores, out=scores)
     row_sum = scores.sum(axis=-1, keepdims=True)  # (..., q_len, 1)
     row_sum[row_sum == 0.0] = 1.0  # 0 / 1 = 0 for fully masked rows
     return scores, row_sum
