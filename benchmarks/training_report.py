@@ -164,7 +164,9 @@ def section(command: str, info: dict, load: tuple, rates: dict, rounds: int, bod
             png: str) -> str:
     libs = ", ".join(f"{k} {info[k]}" for k in ("python", "numpy", "jax", "torch"))
     blas = "; ".join(f"{b['internal_api']} {b['version']} ({b['num_threads']} threads, "
-                     f"{b.get('threading_layer')})" for b in info["threadpools"])
+                     f"{b.get('threading_layer')}, {b.get('architecture')} kernels)"
+                     for b in info["threadpools"])
+    overrides = {k: v for k, v in info.get("env", {}).items() if k.startswith("OPENBLAS")}
     return "\n".join([
         START,
         f"## Training: forward and forward + backward ({info['date'][:10]})", "",
@@ -179,7 +181,9 @@ def section(command: str, info: dict, load: tuple, rates: dict, rounds: int, bod
         f"{load[0][0]:.2f} before, {load[1][0]:.2f} after.",
         f"- Libraries: {libs}; threadpoolctl {info['threadpoolctl']}; BLAS: {blas}; "
         f"torch threads {info['torch_num_threads']}; XLA_FLAGS "
-        f"{'`' + info['XLA_FLAGS'] + '`' if info['XLA_FLAGS'] else 'empty'}.",
+        f"{'`' + info['XLA_FLAGS'] + '`' if info['XLA_FLAGS'] else 'empty'}; OpenBLAS "
+        + (", ".join(f"`{k}={v}`" for k, v in overrides.items()) if overrides
+           else "choosing its own kernels (no `OPENBLAS_*` override)") + ".",
         "- SGEMM rate (float32 " + f"{SGEMM_N}×{SGEMM_N} products, median): "
         + ", ".join(f"{name} {r:.0f} GFLOP/s" for name, r in rates.items()) + ".",
         "", body, f"![forward + backward]({png})", "", END, "",
