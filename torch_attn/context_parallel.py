@@ -216,10 +216,10 @@ def _call_text(call: tuple) -> str:
     for name, x in zip(names, call, strict=True):
         if isinstance(x, torch.Tensor) and name != "kv_lengths":
             words.append(f"{name}.shape={tuple(x.shape)} {_dtype_name(x)}")
-        elif isinstance(x, torch.Tensor):
+        elif name == "kv_lengths" and hasattr(x, "tolist"):  # a tensor or array: its values
             words.append(f"{name}={x.tolist()}")
-        elif hasattr(x, "shape"):
-            words.append(f"{name}.shape={tuple(x.shape)}")
+        elif hasattr(x, "shape"):  # a NumPy array: its dtype as a tensor's is named
+            words.append(f"{name}.shape={tuple(x.shape)} {getattr(x, 'dtype', '')}")
         else:
             words.append(f"{name}={x!r}")
     return ", ".join(words)

@@ -129,13 +129,7 @@ def _torch_rank(rank: int, world_max: int, port: int, world_sizes: tuple[int, ..
                 arrays, options = bad_inputs(name, world)
                 local = {n: torch.tensor(shard(a, world, rank)) for n, a in arrays.items()}
                 results.append(_torch_bad_call(tcp, local, group, options, world, name, rank))
-            # one rank's shard is shorter than the others'
-            arrays, options = bad_inputs("good", world)
-            local = {n: torch.tensor(shard(a, world, rank)) for n, a in arrays.items()}
-            if rank == world - 1:
-                local = {n: t[..., :-1, :] for n, t in local.items()}
-            results.append(_torch_bad_call(tcp, local, group, options, world,
-                                           "mismatched_shards", rank))
+            results.append(_torch_mismatches(tcp, group, world, rank))
         missing = _torch_missing_rank(tcp, rank)  # every rank creates the group
         if missing is not None:
             results.append(missing)
@@ -155,6 +149,26 @@ def _torch_bad_call(tcp: Any, local: dict, group: Any, options: dict, world: int
     except Exception as exc:  # noqa: BLE001 - the type is what is checked
         error = exc
     return bad_call_result("torch", world, name, error, rank)
+
+
+def _torch_mismatches(tcp: Any, group: Any, world: int, rank: int) -> CPResult:
+    """The last rank's call differs from the others': all its shards shorter, its query alone
+    shorter, another ``scale``, other ``kv_lengths`` values (a NumPy array). Each must raise
+    ValueError on every rank; the row is the first variant that does not (else the last)."""
+    import torch
+
+    arrays, options = bad_inputs("good", world)
+    local = {n: torch.tensor(shard(a, world, rank)) for n, a in arrays.items()}
+    last, kv_len = rank == world - 1, arrays["key"].shape[-2]
+    variants = (({n: t[..., :-1, :] for n, t in local.items()} if last else local, options),
+                ({**local, "query": local["query"][..., :-1, :]} if last else local, options),
+                (local, {**options, "scale": 0.5 if last else None}),
+                (local, {**options, "kv_lengths": np.array([kv_len - last])}))
+    for call, kwargs in variants:
+        result = _torch_bad_call(tcp, call, group, kwargs, world, "mismatched_shards", rank)
+        if not result.passed:
+            break
+    return result
 
 
 def _torch_missing_rank(tcp: Any, rank: int) -> CPResult | None:
