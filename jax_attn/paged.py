@@ -23,8 +23,9 @@ head_dim)`` against the query rows of every kv head, each head's own block kept 
 heads to the front costs a transposing copy); with more, per head. Why, and the figures:
 ``docs/paged_decoding.md`` and ``benchmarks/RESULTS.md`` (decoding at scale). A
 concrete table is checked (``rules.check_block_table``); a traced one cannot raise, so a used
-entry outside the pool makes that sequence's output (and lse) NaN, never a finite wrong number.
-Differentiable by autodiff through the copies and the scans.
+entry outside the pool makes that sequence's output (and lse) NaN, never a finite wrong number,
+and reads no other sequence's page (nor sends it a gradient). Differentiable by autodiff
+through the copies and the scans.
 """
 
 from __future__ import annotations
@@ -317,7 +318,7 @@ def _paged(
     position = (first[:, None] // bs + jnp.arange(per)) * bs  # (chunks, per): each page's first
     used = position[None] < lens[:, None, None]  # (batch, chunks, per): the pages read
     # jax: a traced table cannot raise; a used entry outside the pool makes its sequence NaN
-    # (the gather clips it, the NaN goes into the scores), never another page's numbers
+    # (the NaN goes into the scores), never another page's numbers nor their gradients
     bad = (used & ((table < 0) | (table >= args.num_blocks))).any(axis=(1, 2))  # (batch,)
     pages = jnp.where(used, table, 0)  # unread slots read page 0, masked
     pages = pages.reshape(batch, count, per // step, step).transpose(1, 2, 0, 3)  # scans' order
@@ -372,8 +373,9 @@ def _step(
     width = take * args.block_size  # a take's positions
 
     def taken(pool: jax.Array, index: jax.Array) -> jax.Array:  # (batch, keys, kv_heads, dim)
-        # jax: mode="clip" (an entry outside the pool poisons its sequence instead)
-        x = jnp.take(pool, page[:, index * take:(index + 1) * take], axis=0, mode="clip")
+        # jax: an entry outside the pool poisons its sequence (``poison``); "fill", not "clip",
+        # so no other sequence's page is read for it, nor gets its gradient (as fast: measured)
+        x = jnp.take(pool, page[:, index * take:(index + 1) * take], axis=0, mode="fill")
         x = x.reshape(batch, width, kv_heads, -1).astype(rows.dtype)  # not held: 0
         return jnp.where(held[:, index * width:(index + 1) * width, None, None], x, 0.0)
 

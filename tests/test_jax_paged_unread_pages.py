@@ -89,3 +89,34 @@ def test_nan_and_inf_outside_the_sequences_never_reach_the_gradients(monkeypatch
                                strict=True):
         assert np.isfinite(got).all(), name
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_a_traced_entry_outside_the_pool_poisons_only_its_own_sequence(monkeypatch):
+    """Sequence 0's second page is ``NUM_BLOCKS + 3`` (outside the pool; under ``jit`` nothing
+    can raise): its output is NaN, sequence 1's is its reference, and the gradient of a loss
+    over sequence 1 alone is finite on every page sequence 1 holds (sequence 0's NaN reaches
+    neither the last page, where a clipping gather would read, nor any other page of sequence 1)."""
+    pytest.importorskip("jax")
+    import jax
+
+    import jax_attn
+
+    _small_chunks(monkeypatch, 2)
+    args, expected = _case(1, fill=False)
+    table = args[3].copy()
+    table[0, 1] = NUM_BLOCKS + 3
+    table[1, 2] = NUM_BLOCKS - 1  # sequence 1's last page: where "clip" would read
+    key_pages, value_pages = args[1].copy(), args[2].copy()
+    key_pages[NUM_BLOCKS - 1], value_pages[NUM_BLOCKS - 1] = args[1][7], args[2][7]
+    args = [args[0], key_pages, value_pages, table, args[4]]
+    output = np.asarray(jax.jit(jax_attn.paged_attention)(*args))
+    assert np.isnan(output[0]).all()
+    np.testing.assert_allclose(output[1], expected[1], rtol=1e-5, atol=1e-5)
+
+    def loss(key_pages, value_pages, table):  # sequence 1 only
+        return jax_attn.paged_attention(args[0], key_pages, value_pages, table, args[4])[1].sum()
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(key_pages, value_pages, table)
+    for name, grad in zip(("key_pages", "value_pages"), grads, strict=True):
+        held = np.asarray(grad)[[9, 1, NUM_BLOCKS - 1]]  # sequence 1's pages
+        assert np.isfinite(held).all(), name

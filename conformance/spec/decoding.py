@@ -224,7 +224,8 @@ def paged_attention(
     outside ``[0, num_blocks)``, a page used twice (by another sequence, or twice by one),
     ``seq_lens[b]`` outside ``[0, max_blocks · block_size]``; under ``jax.jit``, where the
     table is traced and nothing can raise, an out-of-range used entry gives NaN in that
-    sequence's output (never a finite wrong number).
+    sequence's output (never a finite wrong number) and reads no other sequence's page, nor
+    sends one a gradient.
 
     Args:
       query: ``(batch, heads, q_len, head_dim)``; ``heads`` a multiple of ``kv_heads``.
