@@ -21,11 +21,10 @@ the copies are what a paged step costs more than a contiguous one. Up to ``FLAT_
 heads the products read the copies as they lie, one matrix ``(positions · kv_heads,
 head_dim)`` against the query rows of every kv head, each head's own block kept (moving the kv
 heads to the front costs a transposing copy); with more, per head. Why, and the figures:
-``docs/paged_decoding.md`` and ``benchmarks/RESULTS.md`` (decoding at scale). A
-concrete table is checked (``rules.check_block_table``); a traced one cannot raise, so a used
-entry outside the pool makes that sequence's output (and lse) NaN, never a finite wrong number,
-and reads no other sequence's page (nor sends it a gradient). Differentiable by autodiff
-through the copies and the scans.
+``docs/paged_decoding.md`` and ``benchmarks/RESULTS.md`` (decoding at scale). A concrete table
+is checked (``rules.check_block_table``); a traced one cannot raise, so a used entry outside the
+pool makes that sequence's output (and lse) NaN, never a finite wrong number, and reads no other
+sequence's page (nor sends it a gradient). Differentiable by autodiff (copies and scans).
 """
 
 from __future__ import annotations
@@ -373,8 +372,7 @@ def _step(
     width = take * args.block_size  # a take's positions
 
     def taken(pool: jax.Array, index: jax.Array) -> jax.Array:  # (batch, keys, kv_heads, dim)
-        # jax: an entry outside the pool poisons its sequence (``poison``); "fill", not "clip",
-        # so no other sequence's page is read for it, nor gets its gradient (as fast: measured)
+        # jax: "fill", not "clip": an entry outside the pool reads (and differentiates) no page
         x = jnp.take(pool, page[:, index * take:(index + 1) * take], axis=0, mode="fill")
         x = x.reshape(batch, width, kv_heads, -1).astype(rows.dtype)  # not held: 0
         return jnp.where(held[:, index * width:(index + 1) * width, None, None], x, 0.0)
