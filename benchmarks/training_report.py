@@ -164,7 +164,8 @@ def section(command: str, info: dict, load: tuple, rates: dict, rounds: int, bod
             png: str) -> str:
     libs = ", ".join(f"{k} {info[k]}" for k in ("python", "numpy", "jax", "torch"))
     blas = "; ".join(f"{b['internal_api']} {b['version']} ({b['num_threads']} threads, "
-                     f"{b.get('threading_layer')}, {b.get('architecture')} kernels)"
+                     f"{b.get('threading_layer')}"
+                     + (f", {b['architecture']} kernels)" if b.get("architecture") else ")")
                      for b in info["threadpools"])
     overrides = {k: v for k, v in info.get("env", {}).items() if k.startswith("OPENBLAS")}
     return "\n".join([
