@@ -65,3 +65,18 @@ def check_paged_cache_errors(backend: str) -> None:
         module.paged_attention(**args, sinks=array(np.zeros(3, np.float32)))
     with pytest.raises(TypeError, match=r"^paged_attention: inputs must share one dtype"):
         module.paged_attention(**{**args, "query": array(raw["query"].astype(np.float16))})
+
+
+def constructor_errors(device: tuple[str, str]) -> list[tuple[dict, type, str]]:
+    """``PagedKVCache``'s bad constructor arguments, each with its exception and message
+    (after ``"PagedKVCache: "``); ``device``: the backend's bad device and its message."""
+    return [
+        ({"num_blocks": 0}, ValueError, "num_blocks must be an int >= 1; got num_blocks=0"),
+        ({"block_size": 0}, ValueError, "block_size must be an int >= 1; got block_size=0"),
+        ({"kv_heads": 0}, ValueError, "kv_heads must be an int >= 1; got kv_heads=0"),
+        ({"head_dim": -1}, ValueError, "head_dim must be an int >= 0; got head_dim=-1"),
+        ({"v_dim": -1}, ValueError, "v_dim must be an int >= 0; got v_dim=-1"),
+        ({"device": device[0]}, ValueError, device[1]),
+        ({"dtype": "int32"}, TypeError,
+         "dtype must be float16, bfloat16, float32 or float64; got dtype.dtype=int32"),
+    ]

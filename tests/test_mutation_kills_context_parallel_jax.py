@@ -59,21 +59,8 @@ def test_vjp_on_one_device_with_lengths_and_options_gives_the_reference():
     soft-cap and a scale, zig-zag layout (two chunks on the one device), the default strategy
     and axis name, jitted once together with the forward call: output and gradients equal the
     float64 reference's (float32 inputs, 1e-5), in float32."""
-    arrays = _inputs(11)
     options = {"is_causal": True, "softcap": 5.0, "scale": 0.6}
-    call = {"mesh": _mesh(), "kv_lengths": np.asarray(LENGTHS), "load_balance": True, **options}
-
-    @jax.jit
-    def both(q, k, v, g):
-        return (jcp.context_parallel_attention(q, k, v, **call),
-                *jcp.context_parallel_attention_vjp(q, k, v, g, **call))
-
-    got = both(*(a.astype(np.float32) for a in arrays))
-    for name, x, want in zip(("output", "grad_query", "grad_key", "grad_value"), got,
-                             _expected(arrays, **options), strict=True):
-        assert x.dtype == np.float32, name
-        np.testing.assert_allclose(np.asarray(x, np.float64), want, rtol=0, atol=1e-5,
-                                   err_msg=name)
+    _check_forward_and_vjp(_inputs(11), options, np.float32, 1e-5, load_balance=True)
 
 
 def test_all_gather_in_float16_keeps_the_dtype_of_each_input():
@@ -83,20 +70,26 @@ def test_all_gather_in_float16_keeps_the_dtype_of_each_input():
     default would give too) and equal the float64 reference's for the float16 inputs
     within float16 rounding (1e-2)."""
     arrays = [a.astype(np.float16).astype(np.float64) for a in _inputs(12)]
-    options = {"window": (3, 1)}
-    call = {"mesh": _mesh(), "strategy": "all_gather", "kv_lengths": np.asarray(LENGTHS),
-            **options}
+    _check_forward_and_vjp(arrays, {"window": (3, 1)}, np.float16, 1e-2, strategy="all_gather")
+
+
+def _check_forward_and_vjp(arrays: list, options: dict, dtype: type, atol: float,
+                           **extra: object) -> None:
+    """Forward and vjp on the one-device mesh with ``LENGTHS``, ``options`` and ``extra``,
+    jitted together, on ``arrays`` cast to ``dtype``: each result in ``dtype`` and within
+    ``atol`` of the float64 reference's for ``arrays``."""
+    call = {"mesh": _mesh(), "kv_lengths": np.asarray(LENGTHS), **extra, **options}
 
     @jax.jit
     def both(q, k, v, g):
         return (jcp.context_parallel_attention(q, k, v, **call),
                 *jcp.context_parallel_attention_vjp(q, k, v, g, **call))
 
-    got = both(*(a.astype(np.float16) for a in arrays))
+    got = both(*(a.astype(dtype) for a in arrays))
     for name, x, want in zip(("output", "grad_query", "grad_key", "grad_value"), got,
                              _expected(arrays, **options), strict=True):
-        assert x.dtype == np.float16, name
-        np.testing.assert_allclose(np.asarray(x, np.float64), want, rtol=0, atol=1e-2,
+        assert x.dtype == dtype, name
+        np.testing.assert_allclose(np.asarray(x, np.float64), want, rtol=0, atol=atol,
                                    err_msg=name)
 
 

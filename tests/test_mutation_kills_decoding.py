@@ -15,7 +15,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from paged_helpers import check_paged_cache_errors, far_apart_rows, paged_inputs
+from paged_helpers import (
+    check_paged_cache_errors,
+    constructor_errors,
+    far_apart_rows,
+    paged_inputs,
+)
 from test_kv_cache import assert_bfloat16_before_ml_dtypes
 
 import numpy_attn
@@ -29,16 +34,8 @@ from numpy_attn import paged
 # ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("kwargs", "error", "message"), [
-    ({"num_blocks": 0}, ValueError, "num_blocks must be an int >= 1; got num_blocks=0"),
-    ({"block_size": 0}, ValueError, "block_size must be an int >= 1; got block_size=0"),
-    ({"kv_heads": 0}, ValueError, "kv_heads must be an int >= 1; got kv_heads=0"),
-    ({"head_dim": -1}, ValueError, "head_dim must be an int >= 0; got head_dim=-1"),
-    ({"v_dim": -1}, ValueError, "v_dim must be an int >= 0; got v_dim=-1"),
-    ({"device": "gpu"}, ValueError, "numpy_attn creates arrays on the CPU only; got device='gpu'"),
-    ({"dtype": "int32"}, TypeError,
-     "dtype must be float16, bfloat16, float32 or float64; got dtype.dtype=int32"),
-])
+@pytest.mark.parametrize(("kwargs", "error", "message"), constructor_errors(
+    ("gpu", "numpy_attn creates arrays on the CPU only; got device='gpu'")))
 def test_paged_cache_constructor_names_each_bad_argument(kwargs, error, message):
     given = {"num_blocks": 1, "block_size": 1, "kv_heads": 1, "head_dim": 2, **kwargs}
     with pytest.raises(error) as raised:
