@@ -196,8 +196,8 @@ def jax_prepare() -> None:
 
 def _jax_asarray(x: np.ndarray) -> Any:
     # device_put, not jnp.asarray: outside a trace jnp.asarray of a NumPy array runs a compiled
-    # identity program (``lax.stage``), one per shape and dtype (270 in the JAX column, 15 ms
-    # each); device_put copies (0.07 ms) and gives the same dtype, shape and weak type.
+    # identity program (``lax.stage``), one per shape and dtype (224 fewer programs in the JAX
+    # column); device_put copies, with the same dtype, shape and weak type.
     import jax
 
     return jax.device_put(x)
