@@ -2,8 +2,9 @@
 
 The forward half of ``tests/test_mutation_kills_vjp.py`` (mutmut 3.8.1 on ``numpy_attn/_fast.py``
 and ``_blocked.py``): the lse's dtype, when the blocks may skip the shift by the row max, sinks
-on query blocks without keys, chunks that cut a key block inside a block's key range. Expected
-values: the float64 ``conformance.reference``; tiny shapes, NumPy only.
+on query blocks without keys, chunks that cut a key block inside a block's key range, the
+scores in units of log2 and the bound (limit, soft cap, norms) that lets a head skip the shift
+(issue 28). Expected values: the float64 ``conformance.reference``; tiny shapes, NumPy only.
 """
 
 from __future__ import annotations
@@ -159,3 +160,59 @@ def test_blocked_forward_chunks_cut_a_key_block_inside_the_range(blocked):
     assert blocked.forward == ["blocked"]
     want = reference.attention(q, k, v, chunk_size=12).output
     np.testing.assert_allclose(output, want, rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------
+# Scores in units of log2 (exp2) and the bound that lets a head skip the shift (issue 28)
+# ------------------------------------------------------------------------------------------
+
+
+def _rows_of_norm(gen, shape, norm):
+    """Random rows, each of Euclidean norm ``norm`` (so the largest row norm is ``norm``)."""
+    x = gen.standard_normal(shape)
+    return x / np.linalg.norm(x, axis=-1, keepdims=True) * norm
+
+
+BOUND_CASES = {  # (query norm, key norm, softcap, whether the head must take the shift)
+    "bound_50": (10.0, 5.0, None, False),  # 50 <= 64, though 50 · log2 e = 72 > 64
+    "bound_70": (10.0, 7.0, None, True),  # 70 > 64
+    "softcap_30_norms_200": (20.0, 10.0, 30.0, False),  # the soft cap bounds the scores
+    "softcap_64_at_the_bound": (20.0, 10.0, 64.0, False),  # bound == limit: still bounded
+    "small_query_norm": (0.01, 1000.0, None, False),  # 10: the product, not the key norm alone
+    "small_key_norm": (1000.0, 0.01, None, False),  # 10: the product, not the query norm alone
+}
+
+
+@pytest.mark.parametrize("case", sorted(BOUND_CASES))
+def test_blocked_forward_skips_the_shift_exactly_where_the_bound_allows(blocked, monkeypatch,
+                                                                       case):
+    """float64, 2-D (8 queries, 8 keys: one block), ``scale=1``, no bias nor mods: the scores
+    are in units of log2 (the bound passed to ``_bounded_heads`` is ``EXP_BOUND · log2 e``, the
+    soft cap scaled alike), and the shifted softmax (``_unnormalised_softmax``) runs only for a
+    head whose bound ``min(max |q| · max |k|, softcap)`` exceeds ``EXP_BOUND`` (the module
+    docstring's fast path). Output and lse against the float64 reference either way."""
+    q_norm, k_norm, softcap, shifted = BOUND_CASES[case]
+    gen = np.random.default_rng(17)
+    q, k = _rows_of_norm(gen, (8, 4), q_norm), _rows_of_norm(gen, (8, 4), k_norm)
+    v = gen.standard_normal((8, 3))
+    softmax_calls, limits = [], []
+    real_softmax, real_bound = _blocked._unnormalised_softmax, _blocked._bounded_heads
+
+    def softmax(scores):
+        softmax_calls.append(scores.shape)
+        return real_softmax(scores)
+
+    def bound(query, key, groups, cap, limit=_blocked.EXP_BOUND):
+        limits.append(limit)
+        return real_bound(query, key, groups, cap, limit)
+
+    monkeypatch.setattr(_blocked, "_unnormalised_softmax", softmax)
+    monkeypatch.setattr(_blocked, "_bounded_heads", bound)
+    options = {"scale": 1.0, "softcap": softcap}
+    output, lse = numpy_attn.scaled_dot_product_attention(q, k, v, return_lse=True, **options)
+    assert blocked.forward == ["blocked"]
+    assert limits == [_blocked.EXP_BOUND * _blocked.LOG2E]
+    assert len(softmax_calls) == (1 if shifted else 0)
+    want = reference.attention(q, k, v, **options)
+    np.testing.assert_allclose(output, want.output, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(lse, want.lse, rtol=1e-10, atol=1e-10)
