@@ -153,8 +153,9 @@ def _torch_bad_call(tcp: Any, local: dict, group: Any, options: dict, world: int
 
 def _torch_mismatches(tcp: Any, group: Any, world: int, rank: int) -> CPResult:
     """The last rank's call differs from the others': all its shards shorter, its query alone
-    shorter, another ``scale``, other ``kv_lengths`` values (a NumPy array). Each must raise
-    ValueError on every rank; the row is the first variant that does not (else the last)."""
+    shorter, another ``scale``, other ``kv_lengths`` values (a NumPy array). Each must raise, on
+    every rank, the ValueError that says the ranks' calls differ (not another check's); the row
+    is the first variant that does not (else the last)."""
     import torch
 
     arrays, options = bad_inputs("good", world)
@@ -166,6 +167,8 @@ def _torch_mismatches(tcp: Any, group: Any, world: int, rank: int) -> CPResult:
                 (local, {**options, "kv_lengths": np.array([kv_len - last])}))
     for call, kwargs in variants:
         result = _torch_bad_call(tcp, call, group, kwargs, world, "mismatched_shards", rank)
+        if result.passed and "must pass shards of the same" not in result.note:
+            result.passed, result.note = False, result.note + " (not the mismatch's error)"
         if not result.passed:
             break
     return result
