@@ -25,10 +25,11 @@ FAST_PATHS = {
     "jax_attn": {
         # jax.nn.dot_product_attention(implementation="cudnn"): GPU, half dtypes only
         "cudnn": {"platforms": ("gpu", "cuda"), "dtypes": ("float16", "bfloat16")},
-        # lax.map over blocks of block_q queries, in at most `segments` static key ranges
+        # lax.map over blocks of block_q queries (up to 4x as many while a block's scores stay
+        # within block_scores entries), in at most `segments` static key ranges
         "blocked": {
-            "platforms": ("cpu",), "block_q": 128, "block_kv": 64, "segments": 4,
-            "min_scores": 1 << 20, "min_q_len": 256,
+            "platforms": ("cpu",), "block_q": 128, "block_kv": 128, "block_scores": 1 << 19,
+            "segments": 4, "min_scores": 1 << 20, "min_q_len": 256,
         },
     },
     "torch_attn": {

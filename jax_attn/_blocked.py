@@ -11,17 +11,18 @@ static segments, each against only the keys it can see (fully masked work is ski
 causal rule alone is cut into unmasked rectangles and a triangle halved again and again
 (``_causal_forward``), which computes about half of the products. When the mask and the bias
 are the same for every batch and head, one (batch, kv head) item runs at a time under an
-outer ``lax.map`` (its blocks are small enough to stay in cache). Each step is ``_core.py``'s
-own step (``_scores``, ``_in_band``, ``_unnormalised_softmax``, ``_output``). The block sizes
-``(BLOCK_Q, BLOCK_KV, SEGMENTS, MOD_SEGMENTS)`` are ``_fast.py``'s constants, passed at each
-call (``blocks``).
+outer ``lax.map``, its blocks grown to up to 4x ``BLOCK_Q`` rows while their scores stay
+within ``BLOCK_SCORES`` entries (``_extras._grown``). Each step is ``_core.py``'s own step
+(``_scores``, ``_in_band``, ``_unnormalised_softmax``, ``_output``). The block sizes
+``(BLOCK_Q, BLOCK_KV, SEGMENTS, MOD_SEGMENTS, BLOCK_SCORES)`` are ``_fast.py``'s constants,
+passed at each call (``blocks``).
 
 Chunks, ALiBi, segment ids, ``score_mod`` and ``mask_mod`` (``spec.MASKS_AND_MODS``) take the
-blocked path with every head at once: each block adds ALiBi and ``score_mod`` (with its global
-indices) and masks by the chunk rule, the ids and ``mask_mod``; the rules that mask cut the
-queries into at most ``MOD_SEGMENTS`` static segments, each against only the keys their tiles
-leave (``_extras._mods_segments``, decided at trace time from the tiles' statuses), so their
-empty tiles are not computed.
+blocked path item by item too (each item with its own slopes, ids and head indices): each
+block adds ALiBi and ``score_mod`` (with its global indices) and masks by the chunk rule, the
+ids and ``mask_mod``; the rules that mask cut the queries into at most ``MOD_SEGMENTS``
+static segments, each against only the keys their tiles leave (``_extras._mods_segments``,
+decided at trace time from the tiles' statuses), so their empty tiles are not computed.
 """
 
 from __future__ import annotations
@@ -65,22 +66,27 @@ def blocked_forward(
     with_lse: bool,
     mods: _core._Mods | None = None,
     *,
-    blocks: tuple[int, int, int, int],
+    blocks: tuple[int, int, int, int, int],
 ) -> tuple[jax.Array, jax.Array | None]:
-    """``_forward_heads`` for one (batch, kv head) item at a time under ``lax.map`` (its
-    blocks then stay in cache) when the causal rule or a window cuts the work into pieces; for
-    all heads at once without them (each ``lax.map`` step then spreads over the cores: 1.4x
-    faster at 2,048 tokens, 8 heads), when there is one item, or when the mask or bias varies
-    along the batch or head axes (``_items``). With ``mods`` the items count as banded; each
-    takes its own slopes, ids and indices (``_extras._mods_item``), and the static segments are
-    made once, over every item, before the ``lax.map``. ``blocks``: ``(BLOCK_Q, BLOCK_KV,
-    SEGMENTS, MOD_SEGMENTS)``, ``_fast.py``'s."""
-    BLOCK_Q, BLOCK_KV, SEGMENTS, MOD_SEGMENTS = blocks  # _fast.py's, read at each call
+    """``_forward_heads`` for one (batch, kv head) item at a time under ``lax.map``, with its
+    blocks grown to 2x or 4x ``BLOCK_Q`` rows while their scores stay within ``BLOCK_SCORES``
+    entries (``_extras._grown``: products large enough for XLA's threads, scores that stay in
+    cache); for all heads at once, in blocks of ``BLOCK_Q`` rows, when there is one item or
+    when the mask or bias varies along the batch or head axes (``_items``). Each item takes its
+    own slopes, ids and indices of ``mods`` (``_extras._mods_item``), and the static segments
+    are made once, over every item, before the ``lax.map``. ``blocks``: ``(BLOCK_Q, BLOCK_KV,
+    SEGMENTS, MOD_SEGMENTS, BLOCK_SCORES)``, ``_fast.py``'s.
+
+    Measured on 2 cores (AVX2, 8 heads of 2,048 and 4,096 tokens, ``benchmarks/RESULTS.md``):
+    the items in grown blocks take 0.55–0.75x the time of every head at once in blocks of 128
+    rows, whose scores (8 MiB at 2,048 keys) leave the cache."""
     q_len, kv_len = query.shape[-2], key.shape[-2]
+    items = _items(query, key, mask, bias)
+    heads = query.shape[-3] // key.shape[-3] if items > 1 else math.prod(query.shape[:-2])
+    blocks = _extras._grown(blocks, heads, kv_len)
+    BLOCK_Q, BLOCK_KV, SEGMENTS, MOD_SEGMENTS, _ = blocks
     lo, hi = rules.band(q_len, kv_len, args.is_causal, args.causal_alignment, args.window)
     masks = mods is not None and mods.masks
-    banded = lo > -math.inf or hi < math.inf or masks
-    items = _items(query, key, mask, bias) if banded else 1
     pieces = _extras._mods_segments(mods, q_len, kv_len, lo, hi, True, BLOCK_Q, BLOCK_KV,
                                   MOD_SEGMENTS) if masks else None
     if items == 1:
@@ -113,7 +119,7 @@ def _forward_heads(
     mods: _core._Mods | None = None,
     pieces: list | None = None,
     *,
-    blocks: tuple[int, int, int, int],
+    blocks: tuple[int, int, int, int, int],
 ) -> tuple[jax.Array, jax.Array | None]:
     """The output in the compute dtype, ``BLOCK_Q`` queries at a time under ``lax.map`` (XLA
     keeps a block's scores in cache and spreads each op over the cores), normalising after
@@ -122,7 +128,7 @@ def _forward_heads(
     window the queries are cut into at most ``SEGMENTS`` static segments, each against only the
     keys it can see; with ``mods`` that mask, into the segments of ``_extras._mods_segments``
     (``pieces``, when the caller made them already)."""
-    BLOCK_Q, BLOCK_KV, SEGMENTS, MOD_SEGMENTS = blocks  # _fast.py's, read at each call
+    BLOCK_Q, BLOCK_KV, SEGMENTS, MOD_SEGMENTS, _ = blocks  # _fast.py's, read at each call
     q_len, kv_len = query.shape[-2], key.shape[-2]
     compute = rules.compute_dtype(query.dtype.name)
     lo, hi = rules.band(q_len, kv_len, args.is_causal, args.causal_alignment, args.window)
@@ -195,7 +201,7 @@ def _forward_heads(
 
 def _causal_forward(
     query: jax.Array, key: jax.Array, value: jax.Array, args: rules.Arguments,
-    blocks: tuple[int, int, int, int],
+    blocks: tuple[int, int, int, int, int],
 ) -> tuple[jax.Array, jax.Array]:
     """The causal rule alone (no mask, bias or window): output and row log-sum-exp of
     ``_forward_heads``, computing about half of the ``(q_len, kv_len)`` products.

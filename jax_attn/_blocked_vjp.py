@@ -56,7 +56,7 @@ def _causal_vjp(
     args: rules.Arguments,
     delta: jax.Array,
     lse: jax.Array,
-    blocks: tuple[int, int, int, int],
+    blocks: tuple[int, int, int, int, int],
 ) -> tuple[jax.Array, jax.Array, jax.Array, None]:
     """The causal rule alone (no mask, bias or window): ``_vjp_heads`` over the pieces of
     ``_causal_forward`` (rectangles without a mask, a triangle halved again and again, causal
@@ -118,7 +118,7 @@ def blocked_attention_vjp(
     grad_lse: jax.Array | None = None,
     mods: _core._Mods | None = None,
     *,
-    blocks: tuple[int, int, int, int],
+    blocks: tuple[int, int, int, int, int],
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """The gradients of the blocked path from its saved output and row log-sum-exp
     (FlashAttention-2's backward pass; numpy_attn's ``backward.py`` derives it for the whole
@@ -141,20 +141,23 @@ def blocked_attention_vjp(
       or None. Only ``delta = rowsum(dO ⊙ O) - dlse`` reaches the blocks (``_vjp_heads``).
 
     Like the forward pass, one (batch, kv head) item at a time under ``lax.scan`` (which adds up
-    the items' bias gradients), or all heads at once (``_items``); ``mods``' ``score_mod`` the
-    blocks differentiate by ``jax.vjp``. ``blocks``: ``(BLOCK_Q, BLOCK_KV, SEGMENTS,
-    MOD_SEGMENTS)``, ``_fast.py``'s.
+    the items' bias gradients), or all heads at once (``_items``), with ``BLOCK_Q`` grown as
+    the forward pass grows it (``_extras._grown``: the causal triangle's leaves, the rows of
+    the mods' tiles); ``mods``' ``score_mod`` the blocks differentiate by ``jax.vjp``.
+    ``blocks``: ``(BLOCK_Q, BLOCK_KV, SEGMENTS, MOD_SEGMENTS, BLOCK_SCORES)``, ``_fast.py``'s.
 
     Returns:
       ``(grad_query, grad_key, grad_value, grad_bias)`` shaped like and in the dtypes of query,
       key, value and bias (``grad_bias`` None without a bias).
     """
-    BLOCK_Q, BLOCK_KV, SEGMENTS, MOD_SEGMENTS = blocks  # _fast.py's, read at each call
+    items = _items(query, key, mask, bias)
+    heads = query.shape[-3] // key.shape[-3] if items > 1 else math.prod(query.shape[:-2])
+    blocks = _extras._grown(blocks, heads, key.shape[-2])
+    BLOCK_Q, BLOCK_KV, SEGMENTS, MOD_SEGMENTS, _ = blocks
     compute = rules.compute_dtype(query.dtype.name)
     delta = (grad_output.astype(compute) * output).sum(axis=-1, keepdims=True)  # (..., q, 1)
     if grad_lse is not None:  # dlse / dS = P: dS = P ⊙ (dP - delta + dlse)
         delta = delta - grad_lse.astype(compute)
-    items = _items(query, key, mask, bias)
     pieces = None  # with mods: the static segments of keys, made once for every item
     if mods is not None and mods.masks:
         q_len, kv_len = query.shape[-2], key.shape[-2]
@@ -199,11 +202,11 @@ def _vjp_heads(
     mods: _core._Mods | None = None,
     pieces: list | None = None,
     *,
-    blocks: tuple[int, int, int, int],
+    blocks: tuple[int, int, int, int, int],
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """``blocked_attention_vjp`` for all heads at once; ``delta (..., heads, q_len, 1)`` is
     ``rowsum(dO ⊙ O) - dlse``; ``pieces``: the segments of keys for ``mods``, if made."""
-    BLOCK_Q, BLOCK_KV, SEGMENTS, MOD_SEGMENTS = blocks  # _fast.py's, read at each call
+    BLOCK_Q, BLOCK_KV, SEGMENTS, MOD_SEGMENTS, _ = blocks  # _fast.py's, read at each call
     q_len, kv_len, v_dim = query.shape[-2], key.shape[-2], value.shape[-1]
     compute = rules.compute_dtype(query.dtype.name)
     lo, hi = rules.band(q_len, kv_len, args.is_causal, args.causal_alignment, args.window)
@@ -226,8 +229,12 @@ def _vjp_heads(
     def block(carry, k_blk, v_blk, j0, r0, seg):
         """One block of keys ``(..., kv_heads, n, head_dim)`` from (traced) ``j0`` against the
         segment's query rows ``seg`` (from ``r0``; sliced once per segment): adds to the
-        carried ``dQ`` and returns ``dK``, ``dV`` and the bias gradient of the block."""
-        q_seg, d_out_seg, lse_seg, dot_seg, mask_seg, bias_seg = seg  # (..., heads, rows, ·)
+        carried ``dQ`` and returns ``dKᵀ``, ``dVᵀ`` ``(..., kv_heads, ·, n)`` and the bias
+        gradient of the block. Transposed because the segment's ``Qᵀ`` and ``dOᵀ`` are made
+        once: ``Qᵀ dS`` is a plain product, while ``dSᵀ Q`` (a transposed left operand)
+        took 1.9x as long in XLA:CPU (a step of 128 keys × 2,048 rows: 1.73 ms against
+        2.26; ``benchmarks/RESULTS.md``)."""
+        q_seg, d_out_seg, lse_seg, dot_seg, mask_seg, bias_seg, q_t, d_out_t = seg
         n, rows = k_blk.shape[-2], q_seg.shape[-2]
         capped = _core._scores(q_seg, k_blk, 1.0, args.softcap)  # (..., heads, rows, n)
 
@@ -250,7 +257,7 @@ def _vjp_heads(
         else:
             scores = masked(capped)
         p = jnp.exp(scores - lse_seg)  # the weights, recomputed; 0 where masked
-        grad_v = _sum_groups(_matmul_t(p, d_out_seg), groups)  # dV = Pᵀ dO: (..., n, v_dim)
+        grad_v = _sum_groups(_matmul(d_out_t, p), groups)  # dVᵀ = dOᵀ P: (..., v_dim, n)
         grad_p = _core._scores(d_out_seg, v_blk, 1.0, None)  # dP = dO Vᵀ
         grad_s = p * (grad_p - dot_seg)  # dS: (..., heads, rows, n)
         if through_mod is not None:  # d score_mod / d score, by autodiff of the block
@@ -261,7 +268,7 @@ def _vjp_heads(
         if args.softcap is not None:  # tanh' = 1 - (capped / softcap)²
             grad_s = grad_s * (1.0 - jnp.square(capped * (1.0 / args.softcap)))
         grad_q = carry + _core._output(grad_s, k_blk)  # dS K (scaled at the end)
-        grad_k = _sum_groups(_matmul_t(grad_s, q_seg), groups)  # dSᵀ Q · scale
+        grad_k = _sum_groups(_matmul(q_t, grad_s), groups)  # dKᵀ = Qᵀ dS (· scale in Q)
         return grad_q, (grad_k, grad_v, grad_bias_blk)
 
     if mods is not None and mods.masks:
@@ -284,6 +291,7 @@ def _vjp_heads(
         seg = (q_scaled[..., r0:r1, :], d_out[..., r0:r1, :], lse[..., r0:r1, :],
                row_dot[..., r0:r1, :], _rows(mask, r0, r1 - r0),
                None if bias is None else _rows(full_bias, r0, r1 - r0))
+        seg += tuple(jnp.swapaxes(x, -1, -2) for x in seg[:2])  # Qᵀ, dOᵀ: once per segment
         step = partial(block, r0=r0, seg=seg)
         full = (c1 - c0) // BLOCK_KV * BLOCK_KV  # keys in whole blocks; the rest is one block
         carry = jnp.zeros(query.shape[:-2] + (r1 - r0, query.shape[-1]), compute)
@@ -294,11 +302,11 @@ def _vjp_heads(
                   c0 + BLOCK_KV * jnp.arange(full // BLOCK_KV, dtype=jnp.int32))
             carry, (grad_k, grad_v, grad_b) = jax.lax.scan(
                 lambda carry, xs, step=step: step(carry, *xs), carry, xs)
-            pieces.append((_unblock(grad_k), _unblock(grad_v), grad_b, c0, c0 + full))
+            pieces.append((_unblock(_t(grad_k)), _unblock(_t(grad_v)), grad_b, c0, c0 + full))
         if c0 + full < c1:
             carry, (grad_k, grad_v, grad_b) = step(
                 carry, k[..., c0 + full : c1, :], v[..., c0 + full : c1, :], c0 + full)
-            pieces.append((grad_k, grad_v, None if grad_b is None else grad_b[None],
+            pieces.append((_t(grad_k), _t(grad_v), None if grad_b is None else grad_b[None],
                            c0 + full, c1))
         grad_q = grad_q.at[..., r0:r1, :].add(carry)
         for grad_k, grad_v, grad_b, b0, b1 in pieces:
@@ -321,7 +329,12 @@ def _vjp_heads(
     return grad_q, grad_k, grad_v, grad_bias.reshape(bias.shape).astype(bias.dtype)
 
 
-def _matmul_t(a: jax.Array, b: jax.Array) -> jax.Array:
-    """``aᵀ b`` over the last two axes: ``(..., rows, n)ᵀ @ (..., rows, d)`` → ``(..., n, d)``
-    (XLA folds the transpose into the product)."""
-    return jnp.matmul(jnp.swapaxes(a, -1, -2), b, precision=_core.HIGHEST)
+def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a @ b`` over the last two axes at full precision: ``(..., d, rows) @ (..., rows, n)``
+    → ``(..., d, n)``."""
+    return jnp.matmul(a, b, precision=_core.HIGHEST)
+
+
+def _t(x: jax.Array) -> jax.Array:
+    """The last two axes swapped."""
+    return jnp.swapaxes(x, -1, -2)

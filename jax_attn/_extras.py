@@ -327,6 +327,21 @@ def _items(query: jax.Array, key: jax.Array, mask: jax.Array | None,
     return math.prod(key.shape[:-2])
 
 
+def _grown(blocks: tuple[int, int, int, int, int], heads: int, kv_len: int
+           ) -> tuple[int, int, int, int, int]:
+    """``blocks`` with ``BLOCK_Q`` doubled, at most twice, while a block's scores (``heads`` ×
+    rows × ``kv_len`` entries, ``heads`` the leading axes of one block) stay within
+    ``BLOCK_SCORES`` (``blocks[4]``). One head of 2,048 keys takes 256 rows, of 4,096 keys
+    128: larger products for XLA's threads, scores that stay in the cache
+    (``benchmarks/RESULTS.md``)."""
+    rows = blocks[0]
+    for _ in range(2):
+        if heads * 2 * rows * kv_len > blocks[4]:
+            break
+        rows *= 2
+    return (rows,) + tuple(blocks[1:])
+
+
 def _to_items(x: jax.Array, items: int) -> jax.Array:
     """``(..., kv_heads · groups, T, d)`` → ``(items, groups, T, d)``: one item per (batch,
     kv head), with its query heads (``_core._group_heads``' order)."""

@@ -58,6 +58,7 @@ BLOCKED_PLATFORMS = _BLOCKED["platforms"]
 BLOCK_Q = _BLOCKED["block_q"]  # query rows per lax.map step: the block's scores stay in cache
 SEGMENTS = _BLOCKED["segments"]  # causal rule / window: static key ranges (more: slower compile)
 BLOCK_KV = _BLOCKED["block_kv"]  # keys per lax.scan step of the VJP, against all their queries
+BLOCK_SCORES = _BLOCKED["block_scores"]  # a forward block grows to 2x, 4x BLOCK_Q rows within it
 MIN_SCORES = _BLOCKED["min_scores"]  # below this many score entries the steps are as fast
 MIN_Q_LEN = _BLOCKED["min_q_len"]  # at least BLOCK_Q: a lax.map of whole blocks
 # With chunks, segment ids or mask_mod: at most this many static segments (each a lax.map of
@@ -319,7 +320,8 @@ def _causal_mask_mod(mods: _core._Mods, args: rules.Arguments, q_len: int, kv_le
     return True
 
 
-def _blocks() -> tuple[int, int, int, int]:
-    """``(BLOCK_Q, BLOCK_KV, SEGMENTS, MOD_SEGMENTS)`` as they are now (read at each call, so a
-    test that shrinks them shrinks the blocks of ``_blocked.py`` and ``_blocked_vjp.py``)."""
-    return BLOCK_Q, BLOCK_KV, SEGMENTS, MOD_SEGMENTS
+def _blocks() -> tuple[int, int, int, int, int]:
+    """``(BLOCK_Q, BLOCK_KV, SEGMENTS, MOD_SEGMENTS, BLOCK_SCORES)`` as they are now (read at
+    each call, so a test that shrinks them shrinks the blocks of ``_blocked.py`` and
+    ``_blocked_vjp.py``)."""
+    return BLOCK_Q, BLOCK_KV, SEGMENTS, MOD_SEGMENTS, BLOCK_SCORES

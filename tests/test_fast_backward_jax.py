@@ -45,8 +45,10 @@ CASES = {
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    """jax_attn with blocks of BLOCK rows, its blocked path taken by these small inputs."""
+    """jax_attn with blocks of BLOCK rows (none grown), its blocked path taken by these small
+    inputs."""
     monkeypatch.setattr(_fast, "BLOCK_Q", BLOCK)
+    monkeypatch.setattr(_fast, "BLOCK_SCORES", 0)
     monkeypatch.setattr(_fast, "BLOCK_KV", BLOCK_KV)
     monkeypatch.setattr(_fast, "MIN_SCORES", 0)
     monkeypatch.setattr(_fast, "MIN_Q_LEN", BLOCK)
@@ -125,6 +127,34 @@ def test_blocked_vjp_equals_explicit_and_reference(small_blocks, case_name):
             continue
         _check(name, got, plain, f"{case_name}: blocked vs explicit autodiff")
         _check(name, got, want, f"{case_name}: blocked vs float64 reference")
+
+
+@pytest.mark.parametrize("case_name", ["causal_gqa", "causal_bottom_right_softcap",
+                                       "window_bias_per_key"])
+def test_grown_blocks_equal_the_reference(small_blocks, monkeypatch, case_name):
+    """Blocks grown from BLOCK rows (``_extras._grown``): one item's scores, 2 heads × rows ×
+    30 keys, may reach 2,000 entries, so blocks of 8 rows grow to 32 (37 rows: one block and
+    a rest of 5); the forward pass and the VJP still equal the float64 reference."""
+    from jax_attn import _extras
+    monkeypatch.setattr(_fast, "BLOCK_SCORES", 2000)
+    grown = []
+    real = _extras._grown
+    monkeypatch.setattr(_extras, "_grown", lambda *a: grown.append(real(*a)[0]) or real(*a))
+    arrays, options = _inputs(CASES[case_name])
+    fast = _vjp(arrays, options, explicit=False)
+    assert small_blocks and grown and set(grown) == {4 * BLOCK}, grown
+    ref = reference.attention_vjp(*arrays, **options)
+    for name, got, want in zip(("grad_query", "grad_key", "grad_value", "grad_bias"), fast,
+                               (ref.query, ref.key, ref.value, ref.bias), strict=True):
+        if want is None:
+            assert got is None
+            continue
+        _check(name, got, want, f"{case_name}, grown blocks: blocked vs float64 reference")
+    static = {n: v for n, v in options.items() if n not in ("mask", "bias")}
+    out = jax.jit(lambda q, k, v, bias: jax_attn.scaled_dot_product_attention(
+        q, k, v, bias=bias, **static))(*arrays[:3], options.get("bias"))
+    want = reference.attention(*arrays[:3], **options).output
+    _check("output", np.asarray(out), want, f"{case_name}, grown blocks: output")
 
 
 def test_rows_and_keys_nobody_sees_get_exact_zero_gradients(small_blocks):

@@ -167,8 +167,8 @@ def test_jax_fast_path_and_blockwise_skip_what_the_rules_mask(monkeypatch):
     jax = pytest.importorskip("jax", reason="pip install jax")
     import jax_attn as ja
     from jax_attn import _extras, _fast, blockwise
-    for name, value in (("BLOCK_Q", 8), ("BLOCK_KV", 8), ("MIN_SCORES", 0), ("MIN_Q_LEN", 8),
-                        ("BLOCKED_PLATFORMS", (jax.default_backend(),))):
+    for name, value in (("BLOCK_Q", 8), ("BLOCK_KV", 8), ("BLOCK_SCORES", 0), ("MIN_SCORES", 0),
+                        ("MIN_Q_LEN", 8), ("BLOCKED_PLATFORMS", (jax.default_backend(),))):
         monkeypatch.setattr(_fast, name, value)
     backend = backends.get("jax")
     options, want, mask = _fast_case(backend)
@@ -365,8 +365,8 @@ def test_jax_exactly_causal_mask_mod_takes_the_causal_path(monkeypatch):
     jax = pytest.importorskip("jax", reason="pip install jax")
     import jax_attn as ja
     from jax_attn import _fast, masks
-    for name, value in (("BLOCK_Q", 8), ("BLOCK_KV", 8), ("MIN_SCORES", 0), ("MIN_Q_LEN", 8),
-                        ("BLOCKED_PLATFORMS", (jax.default_backend(),))):
+    for name, value in (("BLOCK_Q", 8), ("BLOCK_KV", 8), ("BLOCK_SCORES", 0), ("MIN_SCORES", 0),
+                        ("MIN_Q_LEN", 8), ("BLOCKED_PLATFORMS", (jax.default_backend(),))):
         monkeypatch.setattr(_fast, name, value)
     backend = backends.get("jax")
     _ = backend.module  # float64 on, as for every jax test of the harness

@@ -52,8 +52,8 @@ class _Ramp:
 @pytest.fixture
 def small_blocks(monkeypatch, x64_on):
     """The blocked path on these inputs: blocks of 4 queries and 4 keys; the calls recorded."""
-    for name, value in (("BLOCK_Q", 4), ("BLOCK_KV", 4), ("MIN_SCORES", 0), ("MIN_Q_LEN", 4),
-                        ("BLOCKED_PLATFORMS", (jax.default_backend(),))):
+    for name, value in (("BLOCK_Q", 4), ("BLOCK_KV", 4), ("BLOCK_SCORES", 0), ("MIN_SCORES", 0),
+                        ("MIN_Q_LEN", 4), ("BLOCKED_PLATFORMS", (jax.default_backend(),))):
         monkeypatch.setattr(_fast, name, value)
     calls = []
     real = _fast._blocked_attention_lse

@@ -150,7 +150,7 @@ def test_gradients_equal_finite_differences(backend, with_lse):
 SMALL_BLOCKS = {  # every backend's fast path taken by the small shapes, blocks of 2-3 rows
     "numpy": {"MIN_SCORES": 0, "MIN_Q_LEN": 1, "BLOCK_Q": 2, "BLOCK_KV": 3,
               "BLOCK_Q_BACKWARD": 2},
-    "jax": {"MIN_SCORES": 0, "MIN_Q_LEN": 2, "BLOCK_Q": 2, "BLOCK_KV": 3},
+    "jax": {"MIN_SCORES": 0, "MIN_Q_LEN": 2, "BLOCK_Q": 2, "BLOCK_KV": 3, "BLOCK_SCORES": 0},
     "torch": {"MIN_SCORES": 0, "MIN_Q_LEN": 1, "BLOCK_Q": 2, "BLOCK_KV": 3},
 }
 BLOCKED = {"numpy": ("_blocked", "blocked_attention"), "jax": ("_fast", "_blocked_attention_lse"),
