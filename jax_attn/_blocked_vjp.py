@@ -6,7 +6,9 @@ The forward pass (``_blocked.py``) saves the output and the row log-sum-exp, and
 ``blocked_attention_vjp`` walks ``BLOCK_KV`` keys at a time under ``lax.scan`` against the
 query rows that can see them, recomputing the weights from the log-sum-exp (FlashAttention-2's
 backward; with the causal rule or a window, ``SEGMENTS`` static segments of keys skip the
-masked rows; the causal rule alone takes the forward pass's pieces, ``_causal_vjp``). No
+masked rows). The causal rule alone takes those segments too, not the forward pass's halved
+triangle: on 2 cores (AVX2, 8 heads) the triangle's smaller products made forward + backward
+1.16x slower at 2,048 and 4,096 tokens (``benchmarks/RESULTS.md``). No
 array is ``(q_len, kv_len)`` (``tests/test_fast_backward_jax.py``: float64 gradients against
 JAX's autodiff of the explicit steps and the NumPy reference): ``jax.grad`` of
 ``scaled_dot_product_attention`` and ``scaled_dot_product_attention_vjp`` reach it through
@@ -32,77 +34,16 @@ from ._core import NEG_INF, _sum_groups, _sum_to_shape
 from ._extras import (
     _blocks,
     _cols,
-    _halves,
     _items,
-    _pad_rows,
     _rows,
     _squeeze,
     _to_items,
-    _triangle,
     _unblock,
-    _unhalves,
 )
 
 # ------------------------------------------------------------------------------------------
 # The blocked backward pass
 # ------------------------------------------------------------------------------------------
-
-
-def _causal_vjp(
-    query: jax.Array,
-    key: jax.Array,
-    value: jax.Array,
-    grad_output: jax.Array,
-    args: rules.Arguments,
-    delta: jax.Array,
-    lse: jax.Array,
-    blocks: tuple[int, int, int, int, int],
-) -> tuple[jax.Array, jax.Array, jax.Array, None]:
-    """The causal rule alone (no mask, bias or window): ``_vjp_heads`` over the pieces of
-    ``_causal_forward`` (rectangles without a mask, a triangle halved again and again, causal
-    leaves), each with the rows' own ``delta`` and log-sum-exp, the gradients added up."""
-    q_len, kv_len = query.shape[-2], key.shape[-2]
-    i0, c0, n, depth, side = _triangle(q_len, kv_len, args, blocks[0])
-    plain = args._replace(is_causal=False, window=None)
-    q, k, v = (_core._to_compute(x) for x in (query, key, value))  # sums in compute dtype
-    d_out = grad_output.astype(q.dtype)
-    grad_q, grad_k, grad_v = jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v)
-    for r0, k0, k1 in ((i0, 0, c0), (i0 + n, c0, kv_len)):  # rectangles: rows r0.. × keys k0:k1
-        if k1 > k0 and r0 < q_len:
-            gq, gk, gv, _ = _vjp_heads(q[..., r0:, :], k[..., k0:k1, :], v[..., k0:k1, :],
-                                       d_out[..., r0:, :], None, None, plain,
-                                       delta[..., r0:, :], lse[..., r0:, :], blocks=blocks)
-            grad_q = grad_q.at[..., r0:, :].add(gq)
-            grad_k = grad_k.at[..., k0:k1, :].add(gk)
-            grad_v = grad_v.at[..., k0:k1, :].add(gv)
-    # rows padded to side: dO = 0 and lse = +inf, so they add 0
-    rows = [_pad_rows(x[..., i0 : i0 + n, :], side) for x in (q, d_out, delta)]
-    lse_tri = jnp.pad(lse[..., i0 : i0 + n, :], [(0, 0)] * (lse.ndim - 2) + [(0, side - n), (0, 0)],
-                      constant_values=jnp.inf)
-    rows.append(lse_tri)
-    cols = [_pad_rows(x[..., c0 : c0 + n, :], side) for x in (k, v)]
-    tri_q = jnp.zeros(rows[0].shape, q.dtype)
-    tri_k, tri_v = jnp.zeros(cols[0].shape, q.dtype), jnp.zeros(cols[1].shape, q.dtype)
-    for level in range(depth + 1):
-        parts = 2**level
-        if level < depth:  # rows of each lower half against keys of its upper half
-            size, lower, piece_args = side // (2 * parts), True, plain
-        else:  # the diagonal leaves, causal
-            size, lower, piece_args = side // parts, None, args._replace(
-                causal_alignment="top_left", window=None)
-        q_l, d_l, o_l, lse_l = (_halves(x, parts, size, lower) for x in rows)
-        k_l, v_l = (_halves(x, parts, size, None if lower is None else False) for x in cols)
-        gq, gk, gv, _ = _vjp_heads(q_l, k_l, v_l, d_l, None, None, piece_args, o_l, lse_l,
-                                   blocks=blocks)
-        halves = level < depth
-        tri_q = tri_q + _unhalves(gq, halves, 0.0)
-        tri_k = tri_k + _unhalves(gk, halves, 0.0, lower=False)
-        tri_v = tri_v + _unhalves(gv, halves, 0.0, lower=False)
-    grad_q = grad_q.at[..., i0 : i0 + n, :].add(tri_q[..., :n, :])
-    grad_k = grad_k.at[..., c0 : c0 + n, :].add(tri_k[..., :n, :])
-    grad_v = grad_v.at[..., c0 : c0 + n, :].add(tri_v[..., :n, :])
-    return (grad_q.astype(query.dtype), grad_k.astype(key.dtype), grad_v.astype(value.dtype),
-            None)
 
 
 def blocked_attention_vjp(
@@ -142,8 +83,8 @@ def blocked_attention_vjp(
 
     Like the forward pass, one (batch, kv head) item at a time under ``lax.scan`` (which adds up
     the items' bias gradients), or all heads at once (``_items``), with ``BLOCK_Q`` grown as
-    the forward pass grows it (``_extras._grown``: the causal triangle's leaves, the rows of
-    the mods' tiles); ``mods``' ``score_mod`` the blocks differentiate by ``jax.vjp``.
+    the forward pass grows it (``_extras._grown``: the rows of the mods' tiles, the same tiles
+    as the forward pass's); ``mods``' ``score_mod`` the blocks differentiate by ``jax.vjp``.
     ``blocks``: ``(BLOCK_Q, BLOCK_KV, SEGMENTS, MOD_SEGMENTS, BLOCK_SCORES)``, ``_fast.py``'s.
 
     Returns:
@@ -211,9 +152,6 @@ def _vjp_heads(
     compute = rules.compute_dtype(query.dtype.name)
     lo, hi = rules.band(q_len, kv_len, args.is_causal, args.causal_alignment, args.window)
     banded = lo > -math.inf or hi < math.inf
-    if args.window is None and mask is None and bias is None and mods is None and banded:
-        if min(q_len - max(0, -int(hi)), kv_len - max(0, int(hi))) >= 2 * BLOCK_Q:
-            return _causal_vjp(query, key, value, grad_output, args, delta, lse, blocks)
     groups = _core._groups(query.shape, key.shape)
     rank = query.ndim  # of the scores too
     q_scaled = _core._to_compute(query) * args.scale  # (..., heads, q_len, head_dim)

@@ -280,7 +280,7 @@ def _in_band_np(q_start: int, rows: int, kv_start: int, keys: int, lo: float, hi
 
 def _triangle(q_len: int, kv_len: int, args: rules.Arguments, block_q: int
               ) -> tuple[int, int, int, int, int]:
-    """The pieces of the causal rule (``_causal_forward``, ``_causal_vjp``): the diagonal
+    """The pieces of the causal rule (``_blocked._causal_forward``): the diagonal
     triangle's first row ``i0``, first key ``c0`` and side ``n``, how many times it is halved
     (``depth``: leaves of at most ``block_q`` rows) and its side padded to ``leaf · 2^depth``."""
     offset = int(rules.band(q_len, kv_len, True, args.causal_alignment, None)[1])
