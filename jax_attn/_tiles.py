@@ -170,7 +170,12 @@ def backward_tiles(
     lse = jnp.concatenate(  # padded rows: +inf, so their weights are 0
         [lse, jnp.full(lse.shape[:-2] + (q_pad - cfg.q_len, 1), jnp.inf, lse.dtype)], axis=-2)
     grad_bias = None if bias is None else jnp.zeros(padded_bias.shape, q.dtype)
-    carry = (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), grad_bias)
+    # jax only: dK and dV carried transposed, (..., kv_heads, ·, kv_pad), against Qᵀ and dOᵀ
+    # made once: Qᵀ dS is a plain product, dSᵀ Q (a transposed left operand) took 1.9x as
+    # long in XLA:CPU (_blocked_vjp.py measures it)
+    q_t, d_out_t = jnp.swapaxes(q, -1, -2), jnp.swapaxes(d_out, -1, -2)
+    carry = (jnp.zeros_like(q), jnp.swapaxes(jnp.zeros_like(k), -1, -2),
+             jnp.swapaxes(jnp.zeros_like(v), -1, -2), grad_bias)
 
     def tile(carry: tuple, starts: jax.Array) -> tuple[tuple, None]:
         grad_q, grad_k, grad_v, grad_bias = carry
@@ -187,10 +192,10 @@ def backward_tiles(
         else:
             scores = _mask_tile(capped, padded_bias, kv_lengths, q_start, kv_start, cfg, mods)
         p = jnp.exp(scores - _slice(lse, q_start, cfg.block_q, -2))  # P, recomputed
-        # dV = Pᵀ dO
-        grad_v = _add_at(grad_v, _sum_groups(
-            jnp.matmul(jnp.swapaxes(p, -1, -2), d_out_tile, precision=HIGHEST), groups),
-            kv_start, -2)
+        # dV = Pᵀ dO, as dVᵀ = dOᵀ P
+        grad_v = _add_at(grad_v, _sum_groups(jnp.matmul(
+            _slice(d_out_t, q_start, cfg.block_q, -1), p, precision=HIGHEST), groups),
+            kv_start, -1)
         # dP = dO Vᵀ
         grad_p = _matmul_grouped(d_out_tile, jnp.swapaxes(v_tile, -1, -2), groups)
         # dS = P ⊙ (dP - rowsum(dO ⊙ O))
@@ -202,16 +207,17 @@ def backward_tiles(
         if cfg.softcap is not None:  # tanh': 1 - (S1 / c)²
             grad_s = grad_s * (1.0 - jnp.square(capped * (1.0 / cfg.softcap)))
         grad_s = grad_s * cfg.scale
-        # dQ = dS K · scale, dK = dSᵀ Q · scale
+        # dQ = dS K · scale, dK = dSᵀ Q · scale, as dKᵀ = Qᵀ dS
         grad_q = _add_at(grad_q, _matmul_grouped(grad_s, k_tile, groups), q_start, -2)
         grad_k = _add_at(grad_k, _sum_groups(jnp.matmul(
-            jnp.swapaxes(grad_s, -1, -2), _slice(q, q_start, cfg.block_q, -2),
-            precision=HIGHEST), groups), kv_start, -2)
+            _slice(q_t, q_start, cfg.block_q, -1), grad_s, precision=HIGHEST), groups),
+            kv_start, -1)
         return (grad_q, grad_k, grad_v, grad_bias), None
 
     if cfg.starts:
         carry, _ = jax.lax.scan(tile, carry, jnp.asarray(cfg.starts, dtype=jnp.int32))
     grad_q, grad_k, grad_v, grad_bias = carry
+    grad_k, grad_v = jnp.swapaxes(grad_k, -1, -2), jnp.swapaxes(grad_v, -1, -2)
     if grad_bias is not None:  # drop the padding of the bias
         grad_bias = grad_bias[..., : bias.shape[-2], : bias.shape[-1]]
     return (grad_q[..., : cfg.q_len, :], grad_k[..., : cfg.kv_len, :],
