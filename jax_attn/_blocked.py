@@ -68,22 +68,24 @@ def blocked_forward(
     *,
     blocks: tuple[int, int, int, int, int],
 ) -> tuple[jax.Array, jax.Array | None]:
-    """``_forward_heads`` for one (batch, kv head) item at a time under ``lax.map``, with its
-    blocks grown to 2x or 4x ``BLOCK_Q`` rows while their scores stay within ``BLOCK_SCORES``
-    entries (``_extras._grown``: products large enough for XLA's threads, scores that stay in
-    cache); for all heads at once, in blocks of ``BLOCK_Q`` rows, when there is one item or
-    when the mask or bias varies along the batch or head axes (``_items``). Each item takes its
-    own slopes, ids and indices of ``mods`` (``_extras._mods_item``), and the static segments
-    are made once, over every item, before the ``lax.map``. ``blocks``: ``(BLOCK_Q, BLOCK_KV,
-    SEGMENTS, MOD_SEGMENTS, BLOCK_SCORES)``, ``_fast.py``'s.
+    """``_forward_heads`` for one (batch, kv head) item at a time under ``lax.map``; for all
+    heads at once when there is one item or when the mask or bias varies along the batch or
+    head axes (``_items``). Without a window (whose ``SEGMENTS`` are cut along the blocks) the
+    blocks grow to 2x or 4x ``BLOCK_Q`` rows while their scores, the heads of one block ×
+    rows × keys, stay within ``BLOCK_SCORES`` entries (``_extras._grown``: products large
+    enough for XLA's threads, scores that stay in cache). Each item takes its own slopes, ids
+    and indices of ``mods`` (``_extras._mods_item``), and the static segments are made once,
+    over every item, before the ``lax.map``. ``blocks``: ``(BLOCK_Q, BLOCK_KV, SEGMENTS,
+    MOD_SEGMENTS, BLOCK_SCORES)``, ``_fast.py``'s.
 
-    Measured on 2 cores (AVX2, 8 heads of 2,048 and 4,096 tokens, ``benchmarks/RESULTS.md``):
-    the items in grown blocks take 0.55–0.75x the time of every head at once in blocks of 128
-    rows, whose scores (8 MiB at 2,048 keys) leave the cache."""
+    Measured on 2 cores (AVX2, 8 heads of 2,048 tokens, ``benchmarks/RESULTS.md``): the items
+    in grown blocks take 0.67–0.82x the time of every head at once in blocks of 128 rows,
+    whose scores (8 MiB at 2,048 keys) leave the cache."""
     q_len, kv_len = query.shape[-2], key.shape[-2]
     items = _items(query, key, mask, bias)
     heads = query.shape[-3] // key.shape[-3] if items > 1 else math.prod(query.shape[:-2])
-    blocks = _extras._grown(blocks, heads, kv_len)
+    if args.window is None:  # a window's segments follow the blocks: they keep BLOCK_Q rows
+        blocks = _extras._grown(blocks, heads, kv_len)
     BLOCK_Q, BLOCK_KV, SEGMENTS, MOD_SEGMENTS, _ = blocks
     lo, hi = rules.band(q_len, kv_len, args.is_causal, args.causal_alignment, args.window)
     masks = mods is not None and mods.masks

@@ -93,7 +93,8 @@ def blocked_attention_vjp(
     """
     items = _items(query, key, mask, bias)
     heads = query.shape[-3] // key.shape[-3] if items > 1 else math.prod(query.shape[:-2])
-    blocks = _extras._grown(blocks, heads, key.shape[-2])
+    if args.window is None:  # as the forward pass
+        blocks = _extras._grown(blocks, heads, key.shape[-2])
     BLOCK_Q, BLOCK_KV, SEGMENTS, MOD_SEGMENTS, _ = blocks
     compute = rules.compute_dtype(query.dtype.name)
     delta = (grad_output.astype(compute) * output).sum(axis=-1, keepdims=True)  # (..., q, 1)

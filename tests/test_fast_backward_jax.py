@@ -129,8 +129,14 @@ def test_blocked_vjp_equals_explicit_and_reference(small_blocks, case_name):
         _check(name, got, want, f"{case_name}: blocked vs float64 reference")
 
 
-@pytest.mark.parametrize("case_name", ["causal_gqa", "causal_bottom_right_softcap",
-                                       "window_bias_per_key"])
+GROWN_CASES = {  # no window: blocks may grow
+    "causal_gqa": CASES["causal_gqa"],
+    "causal_bottom_right_softcap": CASES["causal_bottom_right_softcap"],
+    "full_bias_per_key_softcap": {"bias": "per_key", "softcap": 2.0},
+}
+
+
+@pytest.mark.parametrize("case_name", sorted(GROWN_CASES))
 def test_grown_blocks_equal_the_reference(small_blocks, monkeypatch, case_name):
     """Blocks grown from BLOCK rows (``_extras._grown``): one item's scores, 2 heads × rows ×
     30 keys, may reach 2,000 entries, so blocks of 8 rows grow to 32 (37 rows: one block and
@@ -140,7 +146,7 @@ def test_grown_blocks_equal_the_reference(small_blocks, monkeypatch, case_name):
     grown = []
     real = _extras._grown
     monkeypatch.setattr(_extras, "_grown", lambda *a: grown.append(real(*a)[0]) or real(*a))
-    arrays, options = _inputs(CASES[case_name])
+    arrays, options = _inputs(GROWN_CASES[case_name])
     fast = _vjp(arrays, options, explicit=False)
     assert small_blocks and grown and set(grown) == {4 * BLOCK}, grown
     ref = reference.attention_vjp(*arrays, **options)
@@ -155,6 +161,19 @@ def test_grown_blocks_equal_the_reference(small_blocks, monkeypatch, case_name):
         q, k, v, bias=bias, **static))(*arrays[:3], options.get("bias"))
     want = reference.attention(*arrays[:3], **options).output
     _check("output", np.asarray(out), want, f"{case_name}, grown blocks: output")
+
+
+def test_a_window_keeps_blocks_of_block_q_rows(small_blocks, monkeypatch):
+    """A window's segments follow the blocks: with the budget that grows the cases above,
+    the windowed call's blocks stay at BLOCK rows (``_extras._grown`` is not asked)."""
+    from jax_attn import _extras
+    monkeypatch.setattr(_fast, "BLOCK_SCORES", 2000)
+    grown = []
+    real = _extras._grown
+    monkeypatch.setattr(_extras, "_grown", lambda *a: grown.append(real(*a)[0]) or real(*a))
+    arrays, options = _inputs(CASES["window_bias_per_key"])
+    _vjp(arrays, options, explicit=False)
+    assert small_blocks and grown == []
 
 
 def test_rows_and_keys_nobody_sees_get_exact_zero_gradients(small_blocks):

@@ -92,7 +92,7 @@ def test_blocked_path_on_each_side_of_the_documented_thresholds(name):
 
 def test_jax_blocks_and_segments_are_the_documented_sizes():
     """The unpatched blocked path, traced at ``spec.FAST_PATHS``' sizes (no compile): the
-    forward ``lax.map`` runs ``q_len / block_q`` blocks, the VJP's ``lax.scan``
+    forward ``lax.map`` runs ``q_len / rows`` blocks (``block_q`` grown), the VJP's ``lax.scan``
     ``kv_len / block_kv`` steps, and a window cuts the queries into ``segments`` pieces."""
     jax = pytest.importorskip("jax", reason="pip install jax")
     import jax_attn
@@ -122,9 +122,15 @@ def test_jax_blocks_and_segments_are_the_documented_sizes():
         vjp = scan_lengths(jax_attn.scaled_dot_product_attention_vjp, s, s, s, s)
         window = scan_lengths(lambda q, k, v: jax_attn.scaled_dot_product_attention(
             q, k, v, window=(64, 0)), s, s, s)
-    assert forward == [n // numbers["block_q"]]
-    assert vjp == [n // numbers["block_q"], n // numbers["block_kv"]]
-    assert len(window) == numbers["segments"] and sum(window) == n // numbers["block_q"]
+    # without a window, a forward block of one head grows to 2x, then 4x block_q rows while
+    # rows × n scores stay within block_scores (FAST_PATH_RULES)
+    block = numbers["block_q"]
+    rows = max(r for r in (block, 2 * block, 4 * block)
+               if r == block or r * n <= numbers["block_scores"])
+    assert rows == 4 * block  # n = 1024 keys: 512 rows, 2 MiB of float32 scores
+    assert forward == [n // rows]
+    assert vjp == [n // rows, n // numbers["block_kv"]]
+    assert len(window) == numbers["segments"] and sum(window) == n // block  # not grown
 
 
 def test_numpy_large_default_blocks_match_reference():

@@ -72,8 +72,9 @@ BLOCKED_COMPUTATION = (
 #: What each number of FAST_PATHS (imported above from attention_rules, the one place the
 #: backends read them) means: FAST_PATHS[backend][path][key].
 FAST_PATH_RULES = {
-    "block_q": "queries per block of a blocked path (jax_attn: at least; a block takes twice, "
-    "then four times as many while its scores stay within block_scores entries)",
+    "block_q": "queries per block of a blocked path (jax_attn: at least; without a window a "
+    "block takes twice, then four times as many while its scores stay within block_scores "
+    "entries)",
     "block_scores": "jax_attn: the score entries (heads of a block) × rows × keys a forward "
     "block may grow to (2 MiB of float32: bigger blocks keep XLA's products busy, smaller "
     "ones stay in cache)",
