@@ -23,8 +23,10 @@ Its backward pass walks ``BLOCK_KV`` keys at a time against all ``T`` rows; a st
   operand (what it ran before: XLA:CPU then copies the operand).
 
 Each step is jitted alone and called 20 times back to back (both of XLA's threads, as in the
-call), interleaved round after round with the whole calls, median. "predicted" is a block's or
-a step's time × the number of them; "measured" the jitted call itself (forward: the output;
+call), interleaved round after round with the whole calls, median; each such call also pays
+the dispatch of a jitted call, printed as "a jitted call that does almost nothing" (inside
+the compiled path a block is a loop step instead). "predicted" is a block's or a step's time
+× the number of them; "measured" the jitted call itself (forward: the output;
 backward: forward + backward minus forward). The floor is the products at the rate XLA's own
 ``2048 × 2048`` float32 product reaches here (2 products forward, 5 in the backward: the
 scores are recomputed).
@@ -98,6 +100,7 @@ def _steps(T: int) -> tuple[dict, dict, dict, dict]:
         "P v": timed(mm, p, v),
         "divide": timed(lambda o, t, m: (o / t, m + jnp.log(t)), o, total, m),
         "block": timed(block, q_blk, k, v),
+        "a jitted call that does almost nothing": timed(lambda x: x + 1.0, total),
     }
 
     qs, d_out, k_blk, v_blk = arr(T, HEAD_DIM), arr(T, HEAD_DIM), arr(n, HEAD_DIM), arr(n,
@@ -133,7 +136,7 @@ def _steps(T: int) -> tuple[dict, dict, dict, dict]:
     fwd = jax.jit(jax_attn.scaled_dot_product_attention).lower(jq, jk, jv).compile()
     fwd_bwd = jax.jit(lambda q, k, v, g: jax_attn.scaled_dot_product_attention_vjp(
         q, k, v, g)[:3]).lower(jq, jk, jv, jg).compile()
-    tq, tk, tv, tg = (torch.from_numpy(np.asarray(x)) for x in (jq, jk, jv, jg))
+    tq, tk, tv, tg = (torch.from_numpy(np.array(x)) for x in (jq, jk, jv, jg))
     gq, gk, gv = (x.clone().requires_grad_(True) for x in (tq, tk, tv))
 
     def sdpa_fwd_bwd() -> None:
@@ -172,13 +175,16 @@ def report(T: int, rounds: int) -> None:
     print(f"Forward: one block of {rows} rows × {T} keys, {items} items × {blocks} blocks\n")
     print("| step | µs | share of the block's steps | GFLOP/s |")
     print("|---|---:|---:|---:|")
-    parts = [k for k in forward if k != "block"]
+    empty = "a jitted call that does almost nothing"
+    parts = [k for k in forward if k not in ("block", empty)]
     total = sum(us[("f", k)] for k in parts)
     for k in parts:
         flop = 2 * rows * T * HEAD_DIM if k in ("q kᵀ", "P v") else None
         speed = f"{flop / us[('f', k)] / 1e3:.0f}" if flop else ""
         print(f"| `{k}` | {us[('f', k)]:.0f} | {us[('f', k)] / total:.0%} | {speed} |")
     print(f"| the block, jitted whole | {us[('f', 'block')]:.0f} | | |")
+    print(f"| {empty} (x + 1 on {rows} numbers: the cost of a call) | {us[('f', empty)]:.0f} "
+          "| | |")
     predicted = us[("f", "block")] * items * blocks / 1e3
     print(f"\n- call, predicted (block × {items * blocks}): {predicted:.1f} ms; measured: "
           f"{ms['jax_attn forward']:.1f} ms; torch SDPA {ms['torch SDPA forward']:.1f} ms "
