@@ -10,9 +10,10 @@ explicit steps' own helpers (``_softcap``, ``_in_band``, ``_unnormalised_softmax
 bias are sliced per block from broadcast views, never materialised. Without a bias, a head whose
 scores are all within ``±EXP_BOUND`` (``|q·k| <= |q| |k|``, from the row norms) skips the shift
 by the row max, which changes nothing but rounding: ``exp`` can neither overflow nor underflow
-there. Without a bias, ALiBi or ``score_mod`` the query is also scaled by ``LOG2E`` and every
-``exp`` is an ``exp2`` (the same weights: ``exp(s) = exp2(s · log2 e)``; NumPy's float32 ``exp2``
-takes half ``exp``'s time) and the soft cap scaled alike; a head whose scores may pass the bound
+there. Without a bias, ALiBi or ``score_mod``, where NumPy vectorises float32 ``exp2`` (its
+AVX-512 loops: half ``exp``'s time; ``USE_EXP2``), the query is also scaled by ``LOG2E`` and
+every ``exp`` is an ``exp2`` (the same weights: ``exp(s) = exp2(s · log2 e)``) and the soft cap
+scaled alike; a head whose scores may pass the bound
 takes its blocks' scores back to natural units for the shifted softmax. Each block's row
 log-sum-exp ``max + log(sum)`` is kept when asked (``return_lse``: no
 extra pass) or when ``sinks`` are given, which join each block's rows at its end (``output ·
@@ -53,10 +54,28 @@ from ._extras import _entry, _mods_statuses, _outside_band
 # Scores within ±EXP_BOUND need no shift by their row max: exp(64) · kv_len cannot overflow and
 # exp(-64) is a normal float32, far below the rounding of a row whose largest weight is ≥ e^-64.
 EXP_BOUND = 64.0
-# exp(s) = exp2(s · log2 e): NumPy's float32 exp2 takes about half exp's time (51 against 94 µs
-# for a 128 × 2048 block, one thread), so without a bias, ALiBi or score_mod the query is scaled
-# by LOG2E too and the scores are in units of log2 (FlashAttention's trick).
+# exp(s) = exp2(s · log2 e): where NumPy vectorises float32 exp2 (its AVX-512 loops) it takes
+# about half exp's time (51 against 94 µs for a 128 × 2048 block, one thread), so without a
+# bias, ALiBi or score_mod the query is scaled by LOG2E too and the scores are in units of log2
+# (FlashAttention's trick). Elsewhere exp2 loops over the C library's exp2f: 1.8-3.3x exp's
+# time on an AVX2 CPU (746-1319 against 398-405 µs), and the scores stay in natural units.
 LOG2E = 1.4426950408889634
+
+
+def _exp2_is_vectorised() -> bool:
+    """Whether this NumPy runs float32 ``exp2`` in its AVX-512 loops on this CPU (its CPU
+    dispatch's features; False when NumPy does not say)."""
+    try:
+        from numpy._core._multiarray_umath import __cpu_features__ as features
+    except ImportError:  # NumPy 1.x
+        try:
+            from numpy.core._multiarray_umath import __cpu_features__ as features
+        except ImportError:
+            return False
+    return bool(features.get("AVX512_SKX") or features.get("X86_V4"))
+
+
+USE_EXP2 = _exp2_is_vectorised()  # decided once per process: the same bits every call
 
 
 # ------------------------------------------------------------------------------------------
@@ -97,8 +116,9 @@ def blocked_attention(
     strips: dict = {}  # the masks of the strips, by their geometry (most blocks share one)
     shifts = bias is not None or (mods is not None and (mods.alibi is not None
                                                          or mods.score_mod is not None))
-    # Scores in units of log2 (exp2) unless something is added to them in natural units.
-    unit, exp = (1.0, np.exp) if shifts else (LOG2E, np.exp2)
+    # Scores in units of log2 (exp2) where exp2 is fast, unless something is added to them in
+    # natural units.
+    unit, exp = (1.0, np.exp) if shifts or not USE_EXP2 else (LOG2E, np.exp2)
     if unit != 1.0:
         query = np.multiply(query, unit, dtype=query.dtype)
     softcap = None if args.softcap is None else args.softcap * unit  # unit · softcap(s)

@@ -220,8 +220,9 @@ def test_large_scores_take_the_shifted_softmax(small_blocks, monkeypatch, dtype)
                                  np.dtype(dtype).name, **options)
 
 
+@pytest.mark.parametrize("use_exp2", [True, False], ids=["exp2", "exp"])
 def test_scores_beyond_the_bound_but_within_float64s_range_stay_finite_in_float32(
-        small_blocks, monkeypatch):
+        small_blocks, monkeypatch, use_exp2):
     """A head whose scores reach 100 (beyond ``EXP_BOUND``: ``exp`` of them overflows float32,
     as does ``exp2`` of them in units of log2) takes the shifted softmax: every output finite
     and the float64 reference's, in float32 (the bound is compared in the scores' units)."""
@@ -230,6 +231,7 @@ def test_scores_beyond_the_bound_but_within_float64s_range_stay_finite_in_float3
     q[0, 0] = direction * 10.0 * 8.0 ** 0.25  # head 0's scores: 10 · 10 · (q·k / √8) = 100
     k[0, 0] = direction * 10.0 * 8.0 ** 0.25
     q[0, 0, ::3] *= 0.9  # not all equal: every third query row's scores 90
+    monkeypatch.setattr(_blocked, "USE_EXP2", use_exp2)  # either unit, whatever this CPU has
     ran = []
     real = _blocked.blocked_attention
     monkeypatch.setattr(_blocked, "blocked_attention",

@@ -183,14 +183,17 @@ BOUND_CASES = {  # (query norm, key norm, softcap, whether the head must take th
 }
 
 
+@pytest.mark.parametrize("use_exp2", [True, False], ids=["exp2", "exp"])
 @pytest.mark.parametrize("case", sorted(BOUND_CASES))
 def test_blocked_forward_skips_the_shift_exactly_where_the_bound_allows(blocked, monkeypatch,
-                                                                       case):
-    """float64, 2-D (8 queries, 8 keys: one block), ``scale=1``, no bias nor mods: the scores
-    are in units of log2 (the bound passed to ``_bounded_heads`` is ``EXP_BOUND · log2 e``, the
-    soft cap scaled alike), and the shifted softmax (``_unnormalised_softmax``) runs only for a
-    head whose bound ``min(max |q| · max |k|, softcap)`` exceeds ``EXP_BOUND`` (the module
-    docstring's fast path). Output and lse against the float64 reference either way."""
+                                                                       case, use_exp2):
+    """float64, 2-D (8 queries, 8 keys: one block), ``scale=1``, no bias nor mods: with
+    ``exp2`` (``USE_EXP2``, as on a CPU where NumPy vectorises it) the scores are in units of
+    log2 (the bound passed to ``_bounded_heads`` is ``EXP_BOUND · log2 e``, the soft cap scaled
+    alike), with ``exp`` in natural units; the shifted softmax (``_unnormalised_softmax``) runs
+    only for a head whose bound ``min(max |q| · max |k|, softcap)`` exceeds ``EXP_BOUND`` (the
+    module docstring's fast path). Output and lse against the float64 reference either way."""
+    monkeypatch.setattr(_blocked, "USE_EXP2", use_exp2)
     q_norm, k_norm, softcap, shifted = BOUND_CASES[case]
     gen = np.random.default_rng(17)
     q, k = _rows_of_norm(gen, (8, 4), q_norm), _rows_of_norm(gen, (8, 4), k_norm)
@@ -211,7 +214,7 @@ def test_blocked_forward_skips_the_shift_exactly_where_the_bound_allows(blocked,
     options = {"scale": 1.0, "softcap": softcap}
     output, lse = numpy_attn.scaled_dot_product_attention(q, k, v, return_lse=True, **options)
     assert blocked.forward == ["blocked"]
-    assert limits == [_blocked.EXP_BOUND * _blocked.LOG2E]
+    assert limits == [_blocked.EXP_BOUND * (_blocked.LOG2E if use_exp2 else 1.0)]
     assert len(softmax_calls) == (1 if shifted else 0)
     want = reference.attention(q, k, v, **options)
     np.testing.assert_allclose(output, want.output, rtol=1e-10, atol=1e-10)
