@@ -235,3 +235,14 @@ def test_public_vjp_takes_the_blocked_backward_pass(small_blocks):
     for name, got, want in zip(("grad_query", "grad_key", "grad_value"), grads[:3],
                                (ref.query, ref.key, ref.value), strict=True):
         _check(name, np.asarray(got), want, "scaled_dot_product_attention_vjp vs float64 reference")
+
+
+def test_grown_doubles_at_most_twice_within_the_budget():
+    """``_extras._grown`` as FAST_PATH_RULES states it: BLOCK_Q rows doubled, at most twice,
+    while heads × rows × keys stays within BLOCK_SCORES (the budget itself allowed)."""
+    from jax_attn import _extras
+    heads, keys = 2, 30
+    for budget, rows in ((0, 8), (heads * 16 * keys - 1, 8), (heads * 16 * keys, 16),
+                         (heads * 32 * keys - 1, 16), (heads * 32 * keys, 32), (1 << 30, 32)):
+        grown = _extras._grown((8, 4, 4, 16, budget), heads, keys)
+        assert grown == (rows, 4, 4, 16, budget), (budget, grown)

@@ -219,3 +219,14 @@ def test_blocked_forward_skips_the_shift_exactly_where_the_bound_allows(blocked,
     want = reference.attention(q, k, v, **options)
     np.testing.assert_allclose(output, want.output, rtol=1e-10, atol=1e-10)
     np.testing.assert_allclose(lse, want.lse, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("features, vectorised", [
+    ({"AVX512_SKX": True, "X86_V4": True}, True), ({"X86_V4": True}, True),
+    ({"AVX512_SKX": True}, True), ({"AVX2": True, "X86_V3": True}, False), ({}, False)])
+def test_exp2_only_where_numpy_dispatches_its_avx512_loops(monkeypatch, features, vectorised):
+    """``_blocked._exp2_is_vectorised`` reads NumPy's CPU dispatch: exp2 (units of log2) only
+    with AVX-512 (NumPy's vectorised float32 exp2); exp otherwise (``USE_EXP2``)."""
+    from numpy._core import _multiarray_umath
+    monkeypatch.setattr(_multiarray_umath, "__cpu_features__", features)
+    assert _blocked._exp2_is_vectorised() is vectorised
