@@ -40,7 +40,6 @@ from ._extras import (
     _blocks,
     _cols,
     _halves,
-    _items,
     _merge_partials,
     _pad_rows,
     _rows,
@@ -82,10 +81,7 @@ def blocked_forward(
     in grown blocks take 0.67–0.82x the time of every head at once in blocks of 128 rows,
     whose scores (8 MiB at 2,048 keys) leave the cache."""
     q_len, kv_len = query.shape[-2], key.shape[-2]
-    items = _items(query, key, mask, bias)
-    heads = query.shape[-3] // key.shape[-3] if items > 1 else math.prod(query.shape[:-2])
-    if args.window is None:  # a window's segments follow the blocks: they keep BLOCK_Q rows
-        blocks = _extras._grown(blocks, heads, kv_len)
+    items, blocks = _extras._item_blocks(query, key, mask, bias, args, blocks)
     BLOCK_Q, BLOCK_KV, SEGMENTS, MOD_SEGMENTS, _ = blocks
     lo, hi = rules.band(q_len, kv_len, args.is_causal, args.causal_alignment, args.window)
     masks = mods is not None and mods.masks

@@ -34,7 +34,6 @@ from ._core import NEG_INF, _sum_groups, _sum_to_shape
 from ._extras import (
     _blocks,
     _cols,
-    _items,
     _rows,
     _squeeze,
     _to_items,
@@ -91,10 +90,7 @@ def blocked_attention_vjp(
       ``(grad_query, grad_key, grad_value, grad_bias)`` shaped like and in the dtypes of query,
       key, value and bias (``grad_bias`` None without a bias).
     """
-    items = _items(query, key, mask, bias)
-    heads = query.shape[-3] // key.shape[-3] if items > 1 else math.prod(query.shape[:-2])
-    if args.window is None:  # as the forward pass
-        blocks = _extras._grown(blocks, heads, key.shape[-2])
+    items, blocks = _extras._item_blocks(query, key, mask, bias, args, blocks)
     BLOCK_Q, BLOCK_KV, SEGMENTS, MOD_SEGMENTS, _ = blocks
     compute = rules.compute_dtype(query.dtype.name)
     delta = (grad_output.astype(compute) * output).sum(axis=-1, keepdims=True)  # (..., q, 1)
@@ -230,7 +226,7 @@ def _vjp_heads(
         seg = (q_scaled[..., r0:r1, :], d_out[..., r0:r1, :], lse[..., r0:r1, :],
                row_dot[..., r0:r1, :], _rows(mask, r0, r1 - r0),
                None if bias is None else _rows(full_bias, r0, r1 - r0))
-        seg += tuple(jnp.swapaxes(x, -1, -2) for x in seg[:2])  # Qᵀ, dOᵀ: once per segment
+        seg += tuple(_t(x) for x in seg[:2])  # Qᵀ, dOᵀ: once per segment
         step = partial(block, r0=r0, seg=seg)
         full = (c1 - c0) // BLOCK_KV * BLOCK_KV  # keys in whole blocks; the rest is one block
         carry = jnp.zeros(query.shape[:-2] + (r1 - r0, query.shape[-1]), compute)

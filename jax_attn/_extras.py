@@ -342,6 +342,21 @@ def _grown(blocks: tuple[int, int, int, int, int], heads: int, kv_len: int
     return (rows,) + tuple(blocks[1:])
 
 
+def _item_blocks(query: jax.Array, key: jax.Array, mask: jax.Array | None,
+                 bias: jax.Array | None, args: rules.Arguments,
+                 blocks: tuple[int, int, int, int, int]
+                 ) -> tuple[int, tuple[int, int, int, int, int]]:
+    """The blocked path's items (``_items``) and its ``blocks``, ``BLOCK_Q`` grown for the heads
+    of one block (an item's query heads, or every leading axis when there is one item) — the
+    same for the forward pass and the VJP, so the mods' tiles agree. A window keeps
+    ``BLOCK_Q`` rows: its segments are cut along the blocks."""
+    items = _items(query, key, mask, bias)
+    if args.window is not None:
+        return items, blocks
+    heads = query.shape[-3] // key.shape[-3] if items > 1 else math.prod(query.shape[:-2])
+    return items, _grown(blocks, heads, key.shape[-2])
+
+
 def _to_items(x: jax.Array, items: int) -> jax.Array:
     """``(..., kv_heads · groups, T, d)`` → ``(items, groups, T, d)``: one item per (batch,
     kv head), with its query heads (``_core._group_heads``' order)."""
