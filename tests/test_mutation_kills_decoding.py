@@ -119,6 +119,28 @@ def test_pages_are_copied_one_page_a_part_when_part_bytes_is_one(monkeypatch):
     np.testing.assert_allclose(output[0], expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("part_bytes", [1, 40, 1 << 20])
+def test_a_contiguous_chunk_read_in_parts_equals_the_reference(monkeypatch, part_bytes):
+    """``split_kv_attention`` reads each chunk's keys and values in parts of ``PART_BYTES``
+    (``_parts``): one position a part, five positions (40 bytes: 1 kv head × 2 dims × 4
+    bytes), a whole chunk. Chunks of 7 over 17 positions with 3 query rows (the last chunk
+    partly masked): every part is read once, in order, and the result is the reference's."""
+    rng = np.random.default_rng(11)
+    query = rng.standard_normal((2, 2, 3, 2)).astype(np.float32)
+    key = rng.standard_normal((2, 1, 17, 2)).astype(np.float32)
+    value = rng.standard_normal((2, 1, 17, 3)).astype(np.float32)
+    monkeypatch.setattr(paged, "PART_BYTES", part_bytes)
+    output, lse = paged.split_kv_attention(query, key, value, 7)
+    for b in range(2):
+        expected = reference.attention(query[b].astype(np.float64), key[b], value[b],
+                                       is_causal=True, causal_alignment="bottom_right")
+        np.testing.assert_allclose(output[b], expected.output, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(lse[b], expected.lse, rtol=1e-5, atol=1e-6)
+    widths = [part.shape[1] for part in paged._parts(key[0], 3, 17)]
+    assert sum(widths) == 14 and all(w == widths[0] for w in widths[:-1])
+    assert widths[0] == {1: 1, 40: 5, 1 << 20: 14}[part_bytes]
+
+
 def test_the_threads_page_buffer_is_reused_not_reallocated():
     """``_buffer`` in a new thread (its own buffer, none yet): a request no larger than the
     buffer (the same size included, in another dtype) returns a view of the same memory; a
