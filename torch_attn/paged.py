@@ -228,7 +228,9 @@ def split_kv_attention(
     values = value.reshape(-1, kv_len, v_dim).to(compute)
     chunks = rules.kv_chunks(kv_len, chunk)
     width = min(chunk, kv_len)
-    scores = torch.bmm(rows, keys.transpose(1, 2))  # (pairs, rows, kv_len): one product
+    # torch: keys @ rowsᵀ, a long matrix by a few columns, then the scores' transposing copy:
+    # rows @ keysᵀ took 1.9x as long (one thread, 32k keys)
+    scores = torch.bmm(keys, rows.transpose(1, 2)).transpose(1, 2).contiguous()
     if len(chunks) * width > kv_len:  # the shorter last chunk, padded
         scores = torch.nn.functional.pad(scores, (0, len(chunks) * width - kv_len),
                                          value=NEG_INF)
