@@ -21,7 +21,8 @@ from harness_helpers import _expected
 
 from conformance import peers, runner
 from conformance.expected import Expected
-from conformance.peers import background
+from conformance.peers import background, keras_ops
+from conformance.peers.keras_worker import NICE
 from conformance.results import Cell, Column
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
@@ -107,3 +108,75 @@ def test_a_worker_that_hangs_is_killed_after_the_timeout(monkeypatch) -> None:
         assert worker.proc.wait(timeout=10) == -signal.SIGKILL
     finally:
         worker.close()
+
+
+def test_the_harness_takes_the_workers_cells_after_its_own_in_the_runs_order(
+        monkeypatch) -> None:
+    """With a spec backend beside the peers, the concurrent run computes every cell of its own
+    process first (the backend's, and the peers it judges itself) and takes the workers' cells
+    after them, never waiting for a worker mid-run; the cells keep the run's order (that of an
+    in-process run)."""
+    numpy_col = Column("numpy", "backend", backend=runner.backends_mod.get("numpy"))
+    columns = [numpy_col, *_columns(("torch.sdpa", "keras[numpy]"))]
+    exps = [_expected(case, "float32") for case in ("self", "padding")]
+    here = runner.run_columns(columns, exps)
+    events: list[str] = []
+    own, take = runner.run_cell, background.Ahead.cell
+
+    def run_cell(*args: object, **kwargs: object) -> Cell:
+        events.append("own")
+        return own(*args, **kwargs)
+
+    def cell(self: background.Ahead, peer: peers.Peer, exp: Expected) -> Cell:
+        events.append("remote" if self.remote(peer, exp) else "own")
+        return take(self, peer, exp)
+
+    monkeypatch.setattr(runner, "run_cell", run_cell)
+    monkeypatch.setattr(background.Ahead, "cell", cell)
+    ahead = runner.run_columns(columns, exps, concurrent=True)
+    assert [(c.case, c.column, c.status) for c in ahead.cells] == [
+        (c.case, c.column, c.status) for c in here.cells]
+    assert [(c.case, c.column) for c in ahead.cells] == [
+        (e.case, col.name) for e in exps for col in columns]  # case by case, column by column
+    assert events == ["own"] * 2 + ["remote"] * 4  # numpy ×2, then torch.sdpa and keras ×2
+
+
+def test_ahead_names_the_cells_computed_elsewhere() -> None:
+    """``Ahead.remote``: the background worker's peers and the queued keras requests, not a
+    peer judged in this process, nor a case the worker was not given."""
+    columns = _columns(("torch.sdpa", "keras[numpy]", "jax.nn"))
+    exps = [_expected("self", "float32")]
+    by_name = {c.name: c.peer for c in columns}
+    with background.Ahead(columns, exps, runner.run_peer_cell) as ahead:
+        assert ahead.remote(by_name["torch.sdpa"], exps[0])
+        if "keras[numpy]" in by_name:
+            assert ahead.remote(by_name["keras[numpy]"], exps[0])
+        if "jax.nn" in by_name:
+            assert not ahead.remote(by_name["jax.nn"], exps[0])
+        assert not ahead.remote(by_name["torch.sdpa"], _expected("cross", "float32"))
+        for peer in by_name.values():  # taken, so the workers have nothing left queued
+            ahead.cell(peer, exps[0])
+
+
+def test_the_workers_run_at_a_lower_cpu_priority() -> None:
+    """The background worker and a keras worker lower their priority by
+    ``keras_worker.NICE`` (the harness's own process is the run's longest: it goes first on a
+    busy machine)."""
+    assert NICE > 0
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    exp = _expected("self", "float32")
+    worker = background.PeerWorker(["torch.sdpa"])
+    try:
+        worker.submit(0, exp)
+        assert worker.cell(0, exp, "torch.sdpa").status == "ok"  # it is serving
+        assert os.getpriority(os.PRIO_PROCESS, worker.proc.pid) == min(19, ours + NICE)
+    finally:
+        worker.close()
+    if importlib.util.find_spec("keras") is None:
+        return
+    keras = keras_ops.Worker("numpy")
+    try:
+        keras._started()  # its ready message: it has set its priority
+        assert os.getpriority(os.PRIO_PROCESS, keras.proc.pid) == min(19, ours + NICE)
+    finally:
+        keras.close()

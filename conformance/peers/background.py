@@ -219,6 +219,14 @@ class Ahead:
                                       exp)
         return self.run_peer_cell(peer, exp)
 
+    def remote(self, peer: Peer, exp: Expected) -> bool:
+        """True when the cell of ``peer`` on ``exp`` is computed in another process (the
+        background worker or a keras worker): ``cell`` may have to wait for it."""
+        if self.worker is not None and peer.name in self.worker.names and \
+                (exp.case, exp.dtype) in self.index:
+            return True
+        return (peer.name, exp.case, exp.dtype) in self.pending
+
     def close(self) -> None:
         """End the background worker; keras workers with requests left (an interrupted run)
         too, since what they would still compute is not needed."""

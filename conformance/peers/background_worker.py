@@ -20,6 +20,7 @@ from multiprocessing.connection import Connection
 
 from ..expected import Expected
 from ..results import Cell, error_text
+from .keras_worker import lower_priority
 
 
 def cell_of(peer_name: str, exp: Expected) -> Cell:
@@ -38,6 +39,7 @@ def cell_of(peer_name: str, exp: Expected) -> Cell:
 def serve(fd: int) -> None:
     """The worker's main loop on the connected socket ``fd`` (module docstring)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    lower_priority()
     conn = Connection(fd)
     try:
         names: tuple[str, ...] = pickle.loads(conn.recv_bytes())

@@ -21,6 +21,18 @@ from typing import Any, BinaryIO
 import numpy as np
 
 _LENGTH = struct.Struct("<Q")
+#: How much less CPU priority the harness's helper processes take than the harness (``nice``):
+#: the harness's own process is the run's longest, so on a busy machine it goes first, and the
+#: helpers, which finish earlier, take what is left (docs/checking.md, "Processes of a run").
+NICE = 5
+
+
+def lower_priority() -> None:
+    """Lower this process's CPU priority by ``NICE`` (where the system allows; else as is)."""
+    try:
+        os.nice(NICE)
+    except (AttributeError, OSError):  # no os.nice (Windows), or not permitted
+        pass
 
 
 def _bfloat16() -> Any:
@@ -117,6 +129,7 @@ def _jax_cache() -> None:
 
 def main(backend: str) -> None:
     """Serve requests on stdin until it closes."""
+    lower_priority()
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # the framework's prints: to stderr
     os.environ["KERAS_BACKEND"] = backend
