@@ -13,6 +13,7 @@ leaves out is reported as unsupported or not provided, never as failed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import importlib.util
 import time
@@ -189,15 +190,19 @@ def run_columns(columns: list[Column], expectations: Iterable[Expected], *,
     column's framework is imported, and ``gc.freeze()`` moves those millions of long-lived
     objects out of the collector's sight, so the collection in each later ``release`` scans
     only what the cases made (milliseconds instead of ~0.4 s per case with all peers loaded).
-    ``concurrent`` (the command line's run): the peer columns are computed ahead in other
-    processes (``peers.background.Ahead``), the same cells, while this one runs the rest; this
-    process takes their cells after its own (it never waits for a worker mid-run, e.g. for one
-    still importing its frameworks at the first case), in the run's order."""
+    ``concurrent`` (the command line's run): other processes compute the peer columns ahead
+    (``peers.background.Ahead``); this one takes their cells after its own, in the run's order."""
     result = RunResult(columns, [], {}, [])
     expectations = list(expectations) if concurrent else expectations
-    cells: list[Cell | None] = []
-    later: list[tuple[int, Column, Expected]] = []  # cells another process computes
     with background.Ahead(columns, expectations if concurrent else [], run_peer_cell) as ahead:
+        def cell(col: Column, exp: Expected) -> Cell:  # a peer's through ``ahead``
+            if progress:
+                progress.tick(f"{col.name:<24} {exp.case} {exp.dtype}")
+            out = ahead.cell(col.peer, exp) if col.kind == "peer" else run_cell(
+                col.backend, exp, column=col.name)
+            out.rerun = rerun(exp.case, exp.dtype, col.name)
+            return out
+
         for exp in expectations:
             if result.rows and result.rows[-1][0] != exp.case:
                 release(columns)  # programs compiled for the previous case
@@ -207,31 +212,10 @@ def run_columns(columns: list[Column], expectations: Iterable[Expected], *,
             result.rows.append((exp.case, exp.dtype))
             result.expectations[(exp.case, exp.dtype)] = exp
             for col in columns:
-                if col.kind == "peer" and ahead.remote(col.peer, exp):
-                    later.append((len(cells), col, exp))
-                    cells.append(None)
-                    continue
-                if progress:
-                    progress.tick(f"{col.name:<24} {exp.case} {exp.dtype}")
-                cells.append(_cell(col, exp, ahead, rerun))
+                ahead.add(col, exp, functools.partial(cell, col, exp))
         release(columns)
-        for at, col, exp in later:
-            if progress:
-                progress.tick(f"{col.name:<24} {exp.case} {exp.dtype}")
-            cells[at] = _cell(col, exp, ahead, rerun)
-    result.cells.extend(c for c in cells if c is not None)
+        result.cells = ahead.ordered(cell)
     return result
-
-
-def _cell(col: Column, exp: Expected, ahead: background.Ahead,
-          rerun: Callable[[str, str, str], str]) -> Cell:
-    """``col``'s cell on ``exp`` (a peer's through ``ahead``), with its rerun command."""
-    if col.kind == "peer":
-        cell = ahead.cell(col.peer, exp)
-    else:
-        cell = run_cell(col.backend, exp, column=col.name)
-    cell.rerun = rerun(exp.case, exp.dtype, col.name)
-    return cell
 
 
 def resolve_backends(names: list[str] | None, timeout: float = DEFAULT_TIMEOUT_S

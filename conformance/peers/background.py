@@ -197,6 +197,7 @@ class Ahead:
         peers = [c.peer for c in columns if c.kind == "peer" and c.peer is not None]
         names = [p.name for p in peers if p.name in BACKGROUND]
         self.run_peer_cell = run_peer_cell
+        self._order: list[tuple[Column, Expected, Cell | None]] = []  # ``add``'s cells
         self.index = {(e.case, e.dtype): i for i, e in enumerate(expectations)}
         self.worker = PeerWorker(names) if names and expectations else None
         self.pending: dict[tuple[str, str, str], Callable[[], dict[str, np.ndarray]]] = {}
@@ -218,6 +219,16 @@ class Ahead:
             return self.run_peer_cell(dataclasses.replace(peer, compute=lambda _: waiting()),
                                       exp)
         return self.run_peer_cell(peer, exp)
+
+    def add(self, column: Column, exp: Expected, compute: Callable[[], Cell]) -> None:
+        """The run's next cell: ``compute()`` now, or, when another process computes it
+        (``remote``), taken by ``ordered`` after this process's own."""
+        remote = column.kind == "peer" and self.remote(column.peer, exp)
+        self._order.append((column, exp, None if remote else compute()))
+
+    def ordered(self, take: Callable[[Column, Expected], Cell]) -> list[Cell]:
+        """Every cell ``add`` was given, in its order, the others' taken with ``take``."""
+        return [take(column, exp) if cell is None else cell for column, exp, cell in self._order]
 
     def remote(self, peer: Peer, exp: Expected) -> bool:
         """True when the cell of ``peer`` on ``exp`` is computed in another process (the
