@@ -211,8 +211,8 @@ class Ahead:
     def cell(self, peer: Peer, exp: Expected) -> Cell:
         """The cell of ``peer`` on ``exp``: from the background worker, or judged here on the
         output its worker computed ahead, or (anything else) ``run_peer_cell``'s, here."""
-        index = self.index.get((exp.case, exp.dtype))
-        if self.worker is not None and peer.name in self.worker.names and index is not None:
+        index = self._worker_index(peer, exp)
+        if index is not None:
             return self.worker.cell(index, exp, peer.name)
         waiting = self.pending.pop((peer.name, exp.case, exp.dtype), None)
         if waiting is not None:
@@ -233,10 +233,15 @@ class Ahead:
     def remote(self, peer: Peer, exp: Expected) -> bool:
         """True when the cell of ``peer`` on ``exp`` is computed in another process (the
         background worker or a keras worker): ``cell`` may have to wait for it."""
-        if self.worker is not None and peer.name in self.worker.names and \
-                (exp.case, exp.dtype) in self.index:
-            return True
-        return (peer.name, exp.case, exp.dtype) in self.pending
+        return self._worker_index(peer, exp) is not None or \
+            (peer.name, exp.case, exp.dtype) in self.pending
+
+    def _worker_index(self, peer: Peer, exp: Expected) -> int | None:
+        """The index the background worker computes ``peer``'s cell on ``exp`` under, or None
+        (not one of its peers, or a case it was not given)."""
+        if self.worker is None or peer.name not in self.worker.names:
+            return None
+        return self.index.get((exp.case, exp.dtype))
 
     def close(self) -> None:
         """End the background worker; keras workers with requests left (an interrupted run)
