@@ -282,7 +282,7 @@ def _page_parts(
 def _parts(x: np.ndarray, start: int, stop: int) -> Iterator[np.ndarray]:
     """Positions ``start..stop`` of ``x (kv_heads, kv_len, dim)`` as consecutive views
     ``(kv_heads, part, dim)`` of about ``PART_BYTES`` each, the parts of ``_page_parts``.
-    numpy: OpenBLAS multiplies a few score rows by 32k values 2.5-3x faster in parts of 2,048
+    numpy: OpenBLAS multiplies a few score rows by 32k values 2.3-3.5x faster in parts of 2,048
     rows (each part's packed copy stays in the L2 cache) than in one product."""
     per = max(1, PART_BYTES // max(1, x.shape[0] * x.shape[-1] * x.itemsize))
     for lo in range(start, stop, per):
@@ -334,7 +334,7 @@ def _attend_chunk(
     without a key gives 0 and -inf."""
     # numpy: the scores as keys @ rowsᵀ, (part, head_dim) @ (head_dim, rows) per kv head: a
     # BLAS product with a few columns streams the keys once; rows @ keysᵀ, a few rows by a long
-    # transposed matrix, took 2.6-3.8x as long (OpenBLAS, one thread, 32k keys)
+    # transposed matrix, took 3.8x as long (OpenBLAS, one thread, 32k keys)
     scores_t = np.empty(rows.shape[:-2] + (width, rows.shape[-2]), rows.dtype)
     rows_t, at = rows.swapaxes(-1, -2), 0
     for k in keys:  # one product per part
