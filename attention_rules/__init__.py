@@ -14,6 +14,8 @@ type with the same message for the same bad input, and plans the same tiles:
   (partial results over disjoint key sets, merged by their row log-sum-exp);
 * ``mods``: the checks of chunked attention, ALiBi, segment ids, ``score_mod`` and
   ``mask_mod``, and the tiles the chunk rule keeps (``chunk_status``);
+* ``ready_mods``: ``MaskMod``, ``ScoreMod`` and the ready-made mods (``causal_mod``,
+  ``alibi_mod``…), written once; each backend's ``masks`` module passes its array functions;
 * ``paging``: split-KV decoding's chunks (``SPLIT_KV``) and the rules of the paged KV cache
   (``paged_arguments``, ``check_block_table``, a full pool);
 * ``tiles``: the causal/window band and the tile plans of the blockwise and blocked paths;
