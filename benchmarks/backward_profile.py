@@ -2,7 +2,7 @@
 
     python benchmarks/backward_profile.py [--lengths 2048 4096] [--rounds 41]
 
-Shapes: batch 1, 8 heads, head_dim 64, float32, full attention. ``numpy_attn/_blocked_vjp.py``
+Shapes: batch 1, 8 heads, head_dim 64, float32, full attention. ``numpy_attn/_fast/backward.py``
 walks, per lane, ``BLOCK_KV`` keys against ``BLOCK_Q_BACKWARD`` query rows at a time, in the
 transposed layout ``(keys, rows)``; a tile is
 

@@ -3,12 +3,12 @@
     python benchmarks/forward_profile.py [--lengths 2048 4096] [--rounds 41]
 
 Shapes: batch 1, 8 heads, head_dim 64, float32, full attention (no mask: every block takes the
-unshifted softmax of ``numpy_attn/_blocked.py``). The blocked forward pass cuts each head's
+unshifted softmax of ``numpy_attn/_fast/forward.py``). The blocked forward pass cuts each head's
 queries into blocks of ``BLOCK_Q`` rows; a block is five steps on ``(BLOCK_Q, T)`` scores:
 
 * ``q kᵀ``: the scores, a ``(BLOCK_Q, 64) @ (64, T)`` product;
 * ``exp2``: the weights, in place (the query carries ``scale · log2 e``), where NumPy
-  vectorises float32 ``exp2`` (``_blocked.USE_EXP2``: its AVX-512 loops); elsewhere ``exp``
+  vectorises float32 ``exp2`` (``_fast.forward.USE_EXP2``: its AVX-512 loops); elsewhere ``exp``
   in natural units; the other one is timed beside it;
 * ``row sums``: ``weights @ ones`` (BLAS); ``sum(axis=-1)`` beside it;
 * ``P v``: the unnormalised output, ``(BLOCK_Q, T) @ (T, 64)``;
@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from timing import interleaved  # noqa: E402
 
 import numpy_attn  # noqa: E402
-from numpy_attn import _blocked, _fast, _threads  # noqa: E402
+from numpy_attn import _fast, _threads  # noqa: E402
 
 HEADS, HEAD_DIM = 8, 64
 
@@ -66,7 +66,7 @@ def block_steps(T: int, rounds: int) -> dict[str, float]:
 
     rng = np.random.default_rng(0)
     rows = _fast.BLOCK_Q
-    q = (rng.standard_normal((rows, HEAD_DIM)) * HEAD_DIM ** -0.5 * _blocked.LOG2E
+    q = (rng.standard_normal((rows, HEAD_DIM)) * HEAD_DIM ** -0.5 * _fast.forward.LOG2E
          ).astype(np.float32)
     k, v = (rng.standard_normal((T, HEAD_DIM)).astype(np.float32) for _ in range(2))
     scores = np.empty((rows, T), np.float32)
@@ -75,8 +75,8 @@ def block_steps(T: int, rounds: int) -> dict[str, float]:
     out, ones = np.empty((rows, HEAD_DIM), np.float32), np.ones(T, np.float32)
     sums = weights @ ones
     work = np.empty_like(scores)
-    # the exponential the blocks run on this CPU (``_blocked.USE_EXP2``), and the other one
-    used, other = ("exp2", "exp") if _blocked.USE_EXP2 else ("exp", "exp2")
+    # the exponential the blocks run on this CPU (``_fast.forward.USE_EXP2``), and the other one
+    used, other = ("exp2", "exp") if _fast.forward.USE_EXP2 else ("exp", "exp2")
     with threadpool_limits(1, user_api="blas"):
         return _median_us({
             "q kᵀ": lambda: np.matmul(q, k.T, out=work),

@@ -4,7 +4,7 @@ backward step, each jitted alone, next to the whole call and torch's SDPA.
     python benchmarks/jax_profile.py [--lengths 2048 4096] [--rounds 15]
 
 Shapes: batch 1, 8 heads, head_dim 64, float32, full attention. The blocked path
-(``jax_attn/_blocked.py``, ``_blocked_vjp.py``) runs one (batch, kv head) item at a time; its
+(``jax_attn/_fast/forward.py``, ``backward.py``) runs one (batch, kv head) item at a time; its
 forward pass cuts the item's queries into blocks of ``rows`` (``BLOCK_Q`` grown within
 ``BLOCK_SCORES``: 256 at 2,048 keys, 128 at 4,096), a block being
 
@@ -58,12 +58,13 @@ def _steps(T: int) -> tuple[dict, dict, dict, dict]:
     import torch
 
     import jax_attn
-    from jax_attn import _extras, _fast
+    from jax_attn import _fast
+    from jax_attn._fast import slicing
 
     mm = partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
     tr = partial(jnp.swapaxes, axis1=-1, axis2=-2)
     gen = np.random.default_rng(0)
-    rows = _extras._grown(_fast._blocks(), 1, T)[0]
+    rows = slicing._grown(_fast._blocks(), 1, T)[0]
     n = _fast.BLOCK_KV
 
     def arr(*shape: int) -> jax.Array:

@@ -4,7 +4,7 @@
 
 Batch 1, 8 heads, head_dim 64, float32, ``.backward()`` through
 ``torch_attn.scaled_dot_product_attention``. Per feature, the route ``_fast.use_fast_path``
-takes for large inputs (``"blocked"``: ``blockwise.BlockwiseFunction``) against the route it
+takes for large inputs (``"blocked"``: ``_tiles.BlockwiseFunction``) against the route it
 would take without the tiles (``MIN_SCORES`` patched out of reach): the explicit steps for a
 soft-cap, SDPA with the band as a boolean mask for a window or bottom-right causal. Each
 (feature, route) runs in a fresh subprocess: the best of ``--rounds`` calls, and the peak RSS

@@ -14,16 +14,15 @@ Subcommands (``run`` is the default)::
     python -m conformance context-parallel [...]  # context parallelism, world sizes 2 and 4
     python -m conformance repeat [...]          # same inputs, same bits (spec.REPEATABLE)
 
-``--backend`` takes ``numpy``, ``jax``, ``torch``, a peer (``torch.sdpa``,
-``torch.MHA``, ``jax.nn``) or the dotted path of your own module
-(``mypkg.attention``, see ``plugins``: its report is ``verdict``'s focused one, ``--verbose``
-for every cell). Exit code 0 only when something was checked and every spec/user backend
-passes, 1 when one fails, 2 when nothing was checked (every cell n/a, unsupported or not
-provided: a PASS on nothing is no PASS) and for a mistake in the command
-(``usage.UsageError``: an unknown case, backend or golden directory, a
-named backend or an option's package that is not installed — printed as one line with the
-install command, before any work — or a checked module whose import fails, printed with its
-traceback). Anything else is a bug and shows its traceback.
+``--backend`` takes ``numpy``, ``jax``, ``torch``, a peer (``torch.sdpa``, ``torch.MHA``,
+``jax.nn``) or the dotted path of your own module (``mypkg.attention``, see ``running.plugins``: its
+report is the focused one of ``reporting.terminal``, ``--verbose`` for every cell). Exit code 0 only
+when something was checked and every spec/user backend passes, 1 when one fails, 2 when nothing was
+checked (every cell n/a, unsupported or not provided: a PASS on nothing is no PASS) and for a
+mistake in the command (``usage.UsageError``: an unknown case, backend or golden directory, a named
+backend or an option's package that is not installed — printed as one line with the install command,
+before any work — or a checked module whose import fails, printed with its traceback). Anything else
+is a bug and shows its traceback.
 
 The report's lines fit ``--width N`` columns (100 by default, never wider than the terminal it
 prints to: ``textwidth.resolve_width``); ``--help`` lists the subcommands, then ``run``'s
@@ -43,10 +42,10 @@ import re
 import sys
 from collections.abc import Callable
 
-from .backends import DTYPES
-from .plugins import PluginImportError
-from .results import RunResult
-from .textwidth import resolve_width
+from .cases.dtypes import DTYPES
+from .comparing.results import RunResult
+from .reporting.textwidth import resolve_width
+from .running.plugins import PluginImportError
 from .usage import UsageError, at_least
 
 
@@ -79,7 +78,7 @@ def _add_run(p: argparse.ArgumentParser) -> None:
 
 
 def _add_width(p: argparse.ArgumentParser) -> None:
-    from .textwidth import DEFAULT_WIDTH, MIN_WIDTH
+    from .reporting.textwidth import DEFAULT_WIDTH, MIN_WIDTH
 
     p.add_argument("--width", type=at_least(MIN_WIDTH), metavar="N", default=None,
                    help=f"report lines at most N characters (default {DEFAULT_WIDTH}; never "
@@ -87,7 +86,7 @@ def _add_width(p: argparse.ArgumentParser) -> None:
 
 
 def _add_timeout(p: argparse.ArgumentParser) -> None:
-    from .isolation import DEFAULT_TIMEOUT_S, seconds_argument
+    from .running.module_worker import DEFAULT_TIMEOUT_S, seconds_argument
 
     p.add_argument("--timeout", type=seconds_argument, metavar="S", default=DEFAULT_TIMEOUT_S,
                    help=f"seconds one call of a checked module may take before its cell is a "
@@ -102,7 +101,9 @@ def require(module: str, install: str, what: str) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from . import cases, report, runner, verdict
+    from .cases import catalogue as cases
+    from .reporting import json_report, markdown, plots, sections, terminal
+    from .running import room, runner
 
     if args.list:
         for case in cases.CASES:
@@ -113,27 +114,27 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.hypothesis:
         require("hypothesis", "pip install hypothesis", "--hypothesis")
     if args.html:
-        from . import html
+        from .reporting import html
 
         html.check_path(args.html)
     result = runner.run(args.backend, args.case, args.dtype, peers=args.peers,
                         check_errors=not args.no_errors, hypothesis=args.hypothesis,
-                        timeout=args.timeout, freeze=True, concurrent=True)
+                        timeout=args.timeout, room=room.Ahead)
     if not result.columns:
-        print(report.missing_section(result, resolve_width(args.width, sys.stderr)),
+        print(sections.missing_section(result, resolve_width(args.width, sys.stderr)),
               file=sys.stderr)
         print("error: no backend to run", file=sys.stderr)
         return 2
     if args.json:
-        report.write_json(result, args.json)
+        json_report.write_json(result, args.json)
     if args.markdown:
-        report.write_markdown(result, args.markdown)
+        markdown.write_markdown(result, args.markdown)
     if args.html:
         print(f"html: {html.write(result, args.html)}", file=sys.stderr)
     if args.plot:
-        written = report.write_plots(result, args.plot)
+        written = plots.write_plots(result, args.plot)
         print(f"plots: {len(written)} PNG files in {args.plot}", file=sys.stderr)
-    print(verdict.text(result, args.verbose, resolve_width(args.width)))
+    print(terminal.text(result, args.verbose, resolve_width(args.width)))
     return exit_code(result)
 
 
@@ -178,19 +179,20 @@ def _add_check(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    from . import golden, report, verdict
+    from . import golden
+    from .reporting import json_report, markdown, terminal
 
     if args.html:
-        from . import html
+        from .reporting import html
 
         html.check_path(args.html)
     result = golden.check(args.directory, args.backend, args.case, args.dtype,
                           timeout=args.timeout)
-    print(verdict.text(result, args.verbose, resolve_width(args.width)))
+    print(terminal.text(result, args.verbose, resolve_width(args.width)))
     if args.json:
-        report.write_json(result, args.json)
+        json_report.write_json(result, args.json)
     if args.markdown:
-        report.write_markdown(result, args.markdown)
+        markdown.write_markdown(result, args.markdown)
     if args.html:
         print(f"html: {html.write(result, args.html)}", file=sys.stderr)
     return exit_code(result)
@@ -244,7 +246,7 @@ def _cmd_context_parallel(argv: list[str]) -> int:
 
 
 def _cmd_repeat(argv: list[str]) -> int:
-    from . import repeat
+    from .running import repeat
 
     return int(repeat.main(argv) or 0)
 

@@ -23,9 +23,9 @@ packed row no prediction crosses from one sequence into the next.
 
 What is checked (``run()``; ``tests/test_packed_training.py``): the loss and every parameter's
 gradient of the packed step against the padded float64 step, under the spec's tolerance rule
-``|x - ref| <= atol + rtol·|ref| + k·e`` (``conformance.compare.bound``; float64: ``e = 0``;
-float32: ``e`` the padded float32 step's own error). A planted bug, offsets off by one (the
-boundary between the second and third sequences moved one token), must fail it.
+``|x - ref| <= atol + rtol·|ref| + k·e`` (``conformance.comparing.compare.bound``; float64:
+``e = 0``; float32: ``e`` the padded float32 step's own error). A planted bug, offsets off by one
+(the boundary between the second and third sequences moved one token), must fail it.
 
 Run: ``python examples/packed_training.py [--no-jax]``.
 """
@@ -44,7 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch_attn  # noqa: E402
-from conformance import compare  # noqa: E402
+from conformance.comparing import compare  # noqa: E402
 
 LENGTHS = (7, 3, 12, 1, 9)
 VOCAB, DIM, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, LAYERS = 40, 32, 4, 2, 8, 64, 2

@@ -6,7 +6,8 @@ pairs of chunks), with the scores, bias and masks of one tile. Queries and keys 
 zero-padded to a multiple of the block sizes (padded keys are masked; padded queries are
 dropped), so every tile has a static shape.
 
-Imports run one way: ``_core < _extras < _tiles < blockwise < ...`` (see ``_core.py``).
+Imports run one way: ``_arrays < _masking < _steps < _tiles < _fast`` (see ``_arrays.py``);
+``blockwise.py`` and ``context_blocks.py`` sit above.
 """
 
 from __future__ import annotations
@@ -17,21 +18,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from ._core import (
-    HIGHEST,
-    NEG_INF,
-    _groups,
-    _in_band,
-    _matmul_grouped,
-    _Mods,
-    _mods_allowed,
-    _mods_scores,
-    _softcap,
-    _sum_groups,
-    _sum_to_shape,
-    _to_compute,
-)
-from ._extras import _mods
+from ._arrays import _groups, _to_compute
+from ._masking import _in_band, _Mods, _mods, _mods_allowed, _mods_scores
+from ._steps import HIGHEST, NEG_INF, _matmul_grouped, _softcap, _sum_groups, _sum_to_shape
 
 # ------------------------------------------------------------------------------------------
 # Forward and backward, unchecked: one scan each over the static list of tiles
@@ -172,7 +161,7 @@ def backward_tiles(
     grad_bias = None if bias is None else jnp.zeros(padded_bias.shape, q.dtype)
     # jax only: dK and dV carried transposed, (..., kv_heads, ·, kv_pad), against Qᵀ and dOᵀ
     # made once: Qᵀ dS is a plain product, dSᵀ Q (a transposed left operand) took 1.9x as
-    # long in XLA:CPU (_blocked_vjp.py measures it)
+    # long in XLA:CPU (_fast/backward.py measures it)
     q_t, d_out_t = jnp.swapaxes(q, -1, -2), jnp.swapaxes(d_out, -1, -2)
     carry = (jnp.zeros_like(q), jnp.swapaxes(jnp.zeros_like(k), -1, -2),
              jnp.swapaxes(jnp.zeros_like(v), -1, -2), grad_bias)

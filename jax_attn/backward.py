@@ -5,7 +5,7 @@ differentiates the forward pipeline (``functional.pipeline``) itself, so the con
 compares two independent gradient computations (three with torch_attn's autograd). The
 forward's safe softmax keeps gradients of masked positions and fully masked rows at exactly 0.
 Large inputs on the CPU take the blocked fast path, whose ``jax.custom_vjp`` is a blocked
-backward pass written out (``_blocked_vjp.blocked_attention_vjp``), as numpy_attn's.
+backward pass written out (``_fast.backward.blocked_attention_vjp``), as numpy_attn's.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import numpy as np
 
 import attention_rules as rules
 
-from ._core import _array, _describe
-from ._extras import _describe_parts, _describe_segments, _mods, _segments
+from ._arrays import _array, _describe, _describe_parts
+from ._masking import _describe_segments, _mods, _segments
 from .functional import merge_attention, pipeline
 
 

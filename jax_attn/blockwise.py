@@ -38,14 +38,9 @@ import numpy as np
 
 import attention_rules as rules
 
-from ._core import (
-    NEG_INF,
-    _array,
-    _describe,
-    _describe_lengths,
-    _Mods,
-)
-from ._extras import _describe_segments, _mods, _mods_statuses, _segments, _with_sinks
+from ._arrays import _array, _describe, _describe_lengths
+from ._masking import _describe_segments, _Mods, _mods, _mods_statuses, _segments
+from ._steps import NEG_INF, _with_sinks
 from ._tiles import TileConfig, backward_tiles, forward_tiles
 
 DEFAULT_BLOCK_Q = 512
@@ -199,7 +194,7 @@ def _attend(cfg: TileConfig, query: jax.Array, key: jax.Array, value: jax.Array,
             bias: jax.Array | None, kv_lengths: jax.Array | None,
             sinks: jax.Array | None, mod_arrays: tuple | None = None
             ) -> tuple[jax.Array, jax.Array]:
-    """The tiles (``_blockwise``), then the sinks joined once (``_extras._with_sinks``): the
+    """The tiles (``_blockwise``), then the sinks joined once (``_steps._with_sinks``): the
     output in the input dtype and the lse ``(..., heads, q_len, 1)`` in the compute dtype."""
     output, lse = _blockwise(cfg, query, key, value, bias, kv_lengths, mod_arrays)
     output, lse = _with_sinks(output, lse, sinks)

@@ -5,7 +5,7 @@ them is made of (numpy_attn's and torch_attn's ``context_blocks.py`` are the sam
 
 * ``attend_pair``: one query chunk against one key chunk, ``blockwise.py``'s tiles, giving the
   partial output and its log-sum-exp ``lse``; ``attend`` merges the pairs of a step into the
-  partial result (``_core._merge_partials``) and ``attend_backward`` adds their gradients;
+  partial result (``_steps._merge_partials``) and ``attend_backward`` adds their gradients;
 * the messages, ``lax`` collectives over the mesh axis: ``ring_shift`` (``ppermute``),
   ``all_gather``, ``reduce_scatter`` (``psum_scatter``), ``all_to_all``.
 
@@ -28,8 +28,8 @@ import numpy as np
 import attention_rules as rules
 from attention_rules import context_parallel as cp
 
-from ._core import _to_compute
-from ._extras import _merge_partials
+from ._arrays import _to_compute
+from ._steps import _merge_partials
 from .blockwise import (
     DEFAULT_BLOCK_KV,
     DEFAULT_BLOCK_Q,

@@ -44,7 +44,7 @@ import attention_rules as rules
 from attention_rules import context_parallel as cp
 
 from . import context_blocks as blocks
-from ._core import _array, _describe, _describe_lengths, _to_compute
+from ._arrays import _array, _describe, _describe_lengths, _to_compute
 
 # ------------------------------------------------------------------------------------------
 # Public functions

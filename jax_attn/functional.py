@@ -5,7 +5,7 @@ dropout → weighted sum of values. Every step is a public function, so every in
 printed and compared; ``scaled_dot_product_attention`` validates its inputs once
 (``attention_rules``) and runs them all. The file reads top to bottom: the public steps (each
 checks its arguments in one call, ``_checked_...`` at the end, then shows its math), then
-``pipeline``; the unchecked steps live in ``_core.py``, shared with the tiles and fast paths.
+``pipeline``; the unchecked steps live in ``_steps.py``, shared with the tiles and fast paths.
 
 Every function works under ``jax.jit``, ``jax.vmap`` and ``jax.grad``/``jax.vjp``. Validation
 runs at trace time on static shapes and dtypes, so the same bad input raises the same exception,
@@ -27,7 +27,7 @@ are tighter than TF32 or bf16-pass matmuls, which GPUs and TPUs use by default f
 on CPU HIGHEST costs nothing (XLA:CPU always computes full float32).
 
 Fast paths: cuDNN's flash attention on a GPU for half inputs, and the same steps blocked over
-queries on the CPU for large inputs (``_fast.py``: ``use_fast_path`` says when,
+queries on the CPU for large inputs (``_fast/``: ``use_fast_path`` says when,
 ``fast_attention`` how). The blocked path is a ``jax.custom_vjp`` with its own blocked backward
 pass, so ``jax.grad`` and ``scaled_dot_product_attention_vjp`` of large inputs take it too.
 """
@@ -42,28 +42,17 @@ import jax.numpy as jnp
 import attention_rules as rules
 
 from . import _fast
-from ._core import (
+from ._arrays import _array, _check_scores, _describe, _describe_parts, _to_compute
+from ._masking import _allowed, _describe_segments, _in_band, _Mods, _mods, _segments
+from ._steps import (
     NEG_INF,
-    _allowed,
-    _array,
-    _check_scores,
-    _describe,
     _dropout,
-    _in_band,
     _keep_mask,
     _mask_scores,
-    _Mods,
+    _merge_attention,
     _output,
     _scores,
     _softmax,
-    _to_compute,
-)
-from ._extras import (
-    _describe_parts,
-    _describe_segments,
-    _merge_attention,
-    _mods,
-    _segments,
     _softmax_lse,
 )
 
@@ -270,7 +259,7 @@ def scaled_dot_product_attention(
       ``return_weights`` the weights ``(..., heads, q_len, kv_len)`` in the input dtype and with
       ``return_lse`` the lse ``(..., heads, q_len)`` in the compute dtype (``-inf`` on a fully
       masked row without sinks). Fully masked rows give 0. On a GPU, half inputs may take the
-      cuDNN fast path (see ``_fast.py``; never with sinks or ``return_lse``).
+      cuDNN fast path (see ``_fast/``; never with sinks or ``return_lse``).
     """
     fn = "scaled_dot_product_attention"
     args = rules.attention_arguments(
@@ -338,7 +327,7 @@ def pipeline(
     mods: _Mods | None = None,
 ) -> jax.Array | tuple[jax.Array, ...]:
     """The whole pipeline on validated arrays: a fast path where ``_fast.use_fast_path``
-    selects one (it computes the same steps), else the steps of ``_core`` one by one.
+    selects one (it computes the same steps), else the steps of ``_steps`` one by one.
 
     Args:
       query: ``(..., heads, q_len, head_dim)``; key: ``(..., kv_heads, kv_len, head_dim)``;
@@ -347,7 +336,7 @@ def pipeline(
       rng: a ``jax.random`` key for dropout without a keep-mask (checked by the caller).
       args: the normalised options (``rules.attention_arguments``).
       sinks: ``(heads,)`` sink logits, or None.
-      mods: the chunk rule, ALiBi, segment ids and the mods (``_extras._mods``), or None.
+      mods: the chunk rule, ALiBi, segment ids and the mods (``_masking._mods``), or None.
 
     Returns:
       ``(..., heads, q_len, v_dim)`` in the input dtype, then with ``args.return_weights`` the

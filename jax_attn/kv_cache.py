@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 import attention_rules as rules
 
-from ._core import _check_device, _place
+from ._arrays import _check_device, _place
 from .functional import scaled_dot_product_attention
 from .paged import PagedKVCache, split_kv_attention
 

@@ -10,8 +10,20 @@ import jax.numpy as jnp
 import numpy as np
 
 import attention_rules as rules
+from attention_rules import ready_mods
+from attention_rules.ready_mods import (  # noqa: F401  (re-exported: the masks module's mods)
+    MaskMod,
+    ScoreMod,
+    and_masks,
+    causal_mod,
+    chunked_mod,
+    or_masks,
+    prefix_lm_mod,
+    sliding_window_mod,
+)
 
-from ._core import _check_device, _dtype_name, _in_band, _place
+from ._arrays import _check_device, _dtype_name, _place
+from ._masking import _in_band
 
 
 def causal_mask(q_len: int, kv_len: int, *, offset: int = 0, device: Any = None) -> jax.Array:
@@ -144,162 +156,33 @@ def combine_masks(*masks: Any) -> jax.Array | None:
 
 
 # ------------------------------------------------------------------------------------------
-# Ready-made mods (spec.READY_MADE_MODS): FlexAttention's mask_mod / score_mod callables, each
-# equal to a dedicated argument, on jax arrays (traced under jit: the mods are static arguments)
+# Ready-made mods (spec.READY_MADE_MODS), written once in attention_rules.ready_mods: the mask
+# mods are imported as they are (operators only); the ones that hold an array or call a
+# function get jax.numpy's here (traced under jit: the mods are static arguments)
 # ------------------------------------------------------------------------------------------
-
-
-class MaskMod:
-    """A ready-made ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` (``spec.MASK_MOD``).
-
-    Two made from equal arguments are equal and hash alike (arrays by identity), so under a
-    JIT a mod made again is not a new static argument. ``repr`` shows how it was made."""
-
-    def __init__(self, fn: Any, name: str, key: tuple) -> None:
-        self._fn, self._name, self._key = fn, name, key
-
-    def __call__(self, batch: Any, head: Any, q_idx: Any, kv_idx: Any) -> Any:
-        return self._fn(batch, head, q_idx, kv_idx)
-
-    def __repr__(self) -> str:
-        return self._name
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and self._key == other._key  # type: ignore[attr-defined]
-
-    def __hash__(self) -> int:
-        return hash((type(self).__name__, self._key))
-
-
-class ScoreMod(MaskMod):
-    """A ready-made ``score_mod(score, batch, head, q_idx, kv_idx) -> score`` with its
-    ``derivative(score, batch, head, q_idx, kv_idx)`` = d score_mod / d score, which numpy_attn's
-    hand-written VJPs need (``spec.SCORE_MOD``)."""
-
-    def __init__(self, fn: Any, derivative: Any, name: str, key: tuple) -> None:
-        super().__init__(fn, name, key)
-        self._derivative = derivative
-
-    def __call__(self, score: Any, batch: Any, head: Any, q_idx: Any,  # type: ignore[override]
-                 kv_idx: Any) -> Any:
-        return self._fn(score, batch, head, q_idx, kv_idx)
-
-    def derivative(self, score: Any, batch: Any, head: Any, q_idx: Any, kv_idx: Any) -> Any:
-        """``d score_mod / d score`` at ``score``, broadcastable to it."""
-        return self._derivative(score, batch, head, q_idx, kv_idx)
-
-
-def _ones(score: Any, *indices: Any) -> Any:
-    return jnp.ones_like(score)
-
-
-def causal_mod(offset: int = 0) -> MaskMod:
-    """``q_idx + offset >= kv_idx``: equals ``is_causal=True`` with ``offset`` the causal
-    alignment's (0 top-left, ``kv_len - q_len`` bottom-right)."""
-    offset = rules.check_int("causal_mod", "offset", offset, minimum=None)
-    return MaskMod(lambda b, h, q, k: q + offset >= k, f"causal_mod(offset={offset})",
-                   ("causal", offset))
-
-
-def sliding_window_mod(window: tuple, offset: int = 0) -> MaskMod:
-    """``q_idx + offset - left <= kv_idx <= q_idx + offset + right``: equals ``window``."""
-    fn = "sliding_window_mod"
-    left, right = rules.check_window(fn, window)
-    offset = rules.check_int(fn, "offset", offset, minimum=None)
-
-    def mod(b: Any, h: Any, q: Any, k: Any) -> Any:
-        distance = k - q - offset  # j - (i + offset)
-        lower = distance >= -left if left is not None else distance == distance
-        return lower & (distance <= right) if right is not None else lower
-
-    return MaskMod(mod, f"sliding_window_mod({(left, right)}, offset={offset})",
-                   ("window", left, right, offset))
-
-
-def chunked_mod(chunk_size: int, offset: int = 0) -> MaskMod:
-    """``(q_idx + offset) // chunk_size == kv_idx // chunk_size``: equals ``chunk_size``."""
-    fn = "chunked_mod"
-    chunk = rules.check_chunk_size(fn, chunk_size)
-    if chunk is None:
-        raise ValueError(f"{fn}: chunk_size must be a positive int; got chunk_size=None")
-    offset = rules.check_int(fn, "offset", offset, minimum=None)
-    return MaskMod(lambda b, h, q, k: (q + offset) // chunk == k // chunk,
-                   f"chunked_mod({chunk}, offset={offset})", ("chunked", chunk, offset))
-
-
-def prefix_lm_mod(prefix_length: int, offset: int = 0) -> MaskMod:
-    """``kv_idx < prefix_length or q_idx + offset >= kv_idx``: a prefix every query sees (the
-    prompt), causal after it."""
-    fn = "prefix_lm_mod"
-    prefix = rules.check_int(fn, "prefix_length", prefix_length)
-    offset = rules.check_int(fn, "offset", offset, minimum=None)
-    return MaskMod(lambda b, h, q, k: (k < prefix) | (q + offset >= k),
-                   f"prefix_lm_mod({prefix}, offset={offset})", ("prefix_lm", prefix, offset))
 
 
 def document_mod(segment_ids: Any) -> MaskMod:
     """Equal segment ids only: ``segment_ids`` one array ``(..., seq)`` or a pair ``((...,
     q_len), (..., kv_len))`` as ``scaled_dot_product_attention``'s; ``(seq,)`` ids serve every
     batch entry. Equals ``segment_ids=``."""
-    pair = segment_ids if isinstance(segment_ids, (list, tuple)) else (segment_ids, segment_ids)
-    q_ids, kv_ids = (jnp.asarray(x) for x in pair)
-    q_ids, kv_ids = (x.reshape(-1, x.shape[-1]) for x in (q_ids, kv_ids))  # (batch | 1, seq)
-
-    def mod(b: Any, h: Any, q: Any, k: Any) -> Any:
-        bq = b if q_ids.shape[0] > 1 else b * 0  # (seq,) ids: the same for every batch entry
-        bk = b if kv_ids.shape[0] > 1 else b * 0
-        return q_ids[bq, q] == kv_ids[bk, k]
-
-    return MaskMod(mod, "document_mod(...)", ("document", id(pair[0]), id(pair[-1])))
-
-
-def and_masks(*mask_mods: Any) -> MaskMod:
-    """The AND of ``mask_mods``."""
-    def mod(b: Any, h: Any, q: Any, k: Any) -> Any:
-        result = mask_mods[0](b, h, q, k)
-        for other in mask_mods[1:]:
-            result = result & other(b, h, q, k)
-        return result
-
-    return MaskMod(mod, f"and_masks{mask_mods}", ("and",) + mask_mods)
-
-
-def or_masks(*mask_mods: Any) -> MaskMod:
-    """The OR of ``mask_mods``."""
-    def mod(b: Any, h: Any, q: Any, k: Any) -> Any:
-        result = mask_mods[0](b, h, q, k)
-        for other in mask_mods[1:]:
-            result = result | other(b, h, q, k)
-        return result
-
-    return MaskMod(mod, f"or_masks{mask_mods}", ("or",) + mask_mods)
+    return ready_mods.document_mod(segment_ids, jnp.asarray)
 
 
 def alibi_mod(slopes: Any, offset: int = 0) -> ScoreMod:
     """``score - slopes[head] · |q_idx + offset - kv_idx|``: equals ``alibi_slopes=slopes``
     with ``offset`` the causal alignment's (derivative 1)."""
-    offset = rules.check_int("alibi_mod", "offset", offset, minimum=None)
-    slopes = jnp.asarray(slopes)
-    return ScoreMod(lambda s, b, h, q, k: s - slopes[h] * abs(q + offset - k), _ones,
-                    f"alibi_mod(..., offset={offset})", ("alibi", id(slopes), offset))
+    return ready_mods.alibi_mod(jnp.asarray(slopes), offset, jnp.ones_like)
 
 
 def softcap_mod(softcap: float) -> ScoreMod:
     """``softcap · tanh(score / softcap)``: equals ``softcap=`` when there is no bias nor ALiBi
     (the dedicated soft-cap comes before them); derivative ``1 - tanh²``."""
-    cap = rules.check_softcap("softcap_mod", softcap)
-    return ScoreMod(lambda s, b, h, q, k: cap * jnp.tanh(s / cap),
-                    lambda s, b, h, q, k: 1.0 - jnp.square(jnp.tanh(s / cap)),
-                    f"softcap_mod({cap})", ("softcap", cap))
+    return ready_mods.softcap_mod(softcap, jnp.tanh, jnp.square)
 
 
 def relative_bias_mod(table: Any, offset: int = 0) -> ScoreMod:
     """``score + table[head, clip(kv_idx - q_idx - offset, -m, m) + m]`` for a ``(heads,
     2m + 1)`` table (T5-like relative position bias, distances clipped at ``m``): equals
     ``bias=`` its tabulation (derivative 1)."""
-    offset = rules.check_int("relative_bias_mod", "offset", offset, minimum=None)
-    table = jnp.asarray(table)
-    m = (table.shape[-1] - 1) // 2
-    return ScoreMod(lambda s, b, h, q, k: s + table[h, jnp.clip(k - q - offset, -m, m) + m],
-                    _ones, f"relative_bias_mod(..., offset={offset})",
-                    ("relative", id(table), offset))
+    return ready_mods.relative_bias_mod(jnp.asarray(table), offset, jnp.clip, jnp.ones_like)

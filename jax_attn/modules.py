@@ -23,7 +23,7 @@ import numpy as np
 
 import attention_rules as rules
 
-from ._core import HIGHEST
+from ._steps import HIGHEST
 from .backward import module_weight_grads
 from .functional import scaled_dot_product_attention
 from .kv_cache import KVCache, decode_step

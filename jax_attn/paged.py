@@ -38,8 +38,8 @@ import numpy as np
 
 import attention_rules as rules
 
-from ._core import NEG_INF, _array, _check_device, _describe, _place, _softcap
-from ._extras import _merge_attention
+from ._arrays import _array, _check_device, _describe, _place
+from ._steps import NEG_INF, _merge_attention, _softcap
 
 #: ``paged_attention`` reads the copied pages in the pool's layout, every kv head's query rows
 #: against every kv head's keys, up to this many kv heads (jax_attn's choice: kv_heads times the

@@ -36,7 +36,7 @@ import numpy as np
 import attention_rules as rules
 from attention_rules import varlen as varlen_rules
 
-from ._core import _array, _describe
+from ._arrays import _array, _describe
 from .functional import pipeline
 
 _TRACED = object()  # an offsets array whose values are not known at trace time

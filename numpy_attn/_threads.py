@@ -1,6 +1,7 @@
 """The threads of numpy_attn's tiled paths: lanes of tasks on one persistent pool, with BLAS
-limited to one thread while they run (``run_lanes``; ``_fast.py`` and ``blockwise.py`` run
-their blocks on it).
+limited to one thread while they run (``run_lanes``: the tiles of ``_tiles.py``, the blocks of
+``_fast/``, the plan of ``_masking._mods_statuses``, and the chunks and groups of ``paged.py``
+and ``varlen.py`` run on it). It imports nothing of numpy_attn, so every room may use it.
 
 NumPy releases the GIL in ufuncs and in ``matmul``, so tasks on threads use every core; the pool
 runs at most one thread per BLAS thread and per core, while the BLAS library is limited to one

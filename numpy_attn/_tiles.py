@@ -9,7 +9,8 @@ pass one key block per task (its ``dK`` and ``dV`` rows are its own; each worker
 into its own copy, and the copies are added at the end), so no two threads write the same
 entry.
 
-Imports run one way: ``_core < _extras < _tiles < blockwise < ...`` (see ``_core.py``).
+Imports: ``_arrays``, ``_masking``, ``_steps`` and ``_threads``; ``blockwise.py`` and
+``context_blocks.py`` run it.
 """
 
 from __future__ import annotations
@@ -19,21 +20,9 @@ from typing import Any
 import numpy as np
 
 from . import _threads
-from ._core import (
-    NEG_INF,
-    _add_alibi,
-    _groups,
-    _in_band,
-    _matmul_grouped,
-    _Mods,
-    _mods_allowed,
-    _mods_scores,
-    _softcap,
-    _sum_groups,
-    _sum_to_shape,
-    _to_compute,
-)
-from ._extras import _mods_slope
+from ._arrays import _groups, _to_compute
+from ._masking import NEG_INF, _add_alibi, _in_band, _Mods, _mods_allowed, _mods_scores, _mods_slope
+from ._steps import _matmul_grouped, _softcap, _sum_groups, _sum_to_shape
 
 # ------------------------------------------------------------------------------------------
 # Forward and backward, unchecked (the engine of the tiles; context_parallel.py's too)
@@ -65,7 +54,7 @@ def forward_tiles(
       plan: ``rules.plan(q_len, kv_len, block_q, block_kv, lo, hi)``: the tiles to compute.
       lo, hi: the band ``lo <= j - i <= hi`` (``rules.band``).
       scale, softcap: as checked by ``rules.attention_arguments``.
-      mods: chunks, ALiBi, segment ids and the mods (``_extras._mods``), or None; a tile whose
+      mods: chunks, ALiBi, segment ids and the mods (``_masking._mods``), or None; a tile whose
         ``partial`` has bit 2 (``_prepare``) is masked by them.
 
     Returns:

@@ -43,29 +43,19 @@ import numpy as np
 import attention_rules as rules
 
 from . import _fast
-from ._core import (
-    _add_alibi,
-    _array,
-    _describe,
-    _groups,
+from ._arrays import _array, _describe, _describe_parts, _groups, _to_compute
+from ._masking import _add_alibi, _describe_segments, _mods, _mods_slope, _segments
+from ._steps import (
     _mask_scores,
     _matmul_grouped,
+    _merge_attention,
     _output,
     _scores,
+    _sinks_grad,
     _softmax,
+    _softmax_lse,
     _sum_groups,
     _sum_to_shape,
-    _to_compute,
-)
-from ._extras import (
-    _describe_parts,
-    _describe_segments,
-    _merge_attention,
-    _mods,
-    _mods_slope,
-    _segments,
-    _sinks_grad,
-    _softmax_lse,
 )
 
 

@@ -17,7 +17,7 @@ arrays: the causal rule (both alignments), the sliding window and per-sequence k
 (``kv_lengths``) are evaluated per tile, and a tile that the causal rule or the window masks
 entirely is never computed. The backward pass keeps only the log-sum-exp ``lse = m + log l``
 of each row and recomputes every tile's weights as ``exp(s - lse)``. Attention sinks join each
-row's denominator once, after the last tile (``_extras._with_sinks``), and ``return_lse`` returns
+row's denominator once, after the last tile (``_steps._with_sinks``), and ``return_lse`` returns
 that lse. The tiles themselves (``forward_tiles``, ``backward_tiles``) are ``_tiles.py``'s.
 """
 
@@ -29,21 +29,9 @@ import numpy as np
 
 import attention_rules as rules
 
-from ._core import (
-    _array,
-    _describe,
-    _describe_lengths,
-    _Mods,
-    _to_compute,
-)
-from ._extras import (
-    _describe_segments,
-    _mods,
-    _mods_statuses,
-    _segments,
-    _sinks_grad,
-    _with_sinks,
-)
+from ._arrays import _array, _describe, _describe_lengths, _to_compute
+from ._masking import _describe_segments, _Mods, _mods, _mods_statuses, _segments
+from ._steps import _sinks_grad, _with_sinks
 from ._tiles import backward_tiles, forward_tiles
 
 DEFAULT_BLOCK_Q = 512

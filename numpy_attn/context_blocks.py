@@ -6,7 +6,7 @@ same functions with their frameworks' arrays and collectives):
 
 * ``attend_pair``: one query chunk against one key chunk, ``blockwise.py``'s tiles, giving the
   partial output and its log-sum-exp ``lse``; ``attend`` merges the pairs of a step
-  (``_core._merge_partials``) and ``attend_backward`` sums their gradients;
+  (``_steps._merge_partials``) and ``attend_backward`` sums their gradients;
 * the messages, explicit: ``ring_shift``, ``all_gather``, ``reduce_scatter``, ``all_to_all``
   move blocks between the ranks' lists and record every send in ``trace`` (``note``).
 """
@@ -20,8 +20,8 @@ import numpy as np
 import attention_rules as rules
 from attention_rules import context_parallel as cp
 
-from ._core import _to_compute
-from ._extras import _merge_partials
+from ._arrays import _to_compute
+from ._steps import _merge_partials
 from .blockwise import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, backward_tiles, forward_tiles
 
 # ------------------------------------------------------------------------------------------

@@ -37,8 +37,8 @@ import attention_rules as rules
 from attention_rules import context_parallel as cp
 
 from . import context_blocks as blocks
-from ._core import _array, _describe, _describe_lengths, _to_compute
-from ._extras import _merge_partials
+from ._arrays import _array, _describe, _describe_lengths, _to_compute
+from ._steps import _merge_partials
 
 # ------------------------------------------------------------------------------------------
 # Public functions

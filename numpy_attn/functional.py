@@ -5,13 +5,13 @@ dropout → weighted sum of values. Every step is a public function, so every in
 printed and compared; ``scaled_dot_product_attention`` validates its inputs once
 (``attention_rules``) and runs them all through ``pipeline``. A public step checks its arguments
 in one call (``_checked_...``, at the end of this file), then shows its math; the unchecked steps
-live in ``_core.py`` (shared with the tiles, the fast path and ``backward.py``).
+live in ``_steps.py`` (shared with the tiles, the fast path and ``backward.py``).
 
 Precision: float16 and bfloat16 are computed in float32; float32 stays float32 (Python floats
 only, never NumPy float64 scalars, so nothing is promoted); float64 stays float64.
 
 Fast path: for large inputs ``scaled_dot_product_attention`` runs the same steps blocked over
-queries, on every core (``_fast.py``: ``use_fast_path`` says when, ``fast_attention`` how).
+queries, on every core (``_fast/``: ``use_fast_path`` says when, ``fast_attention`` how).
 """
 
 from __future__ import annotations
@@ -23,28 +23,17 @@ import numpy as np
 import attention_rules as rules
 
 from . import _fast
-from ._core import (
+from ._arrays import _array, _check_scores, _describe, _describe_parts, _to_compute
+from ._masking import _allowed, _describe_segments, _in_band, _Mods, _mods, _segments
+from ._steps import (
     NEG_INF,
-    _allowed,
-    _array,
-    _check_scores,
-    _describe,
     _dropout,
-    _in_band,
     _keep_mask,
     _mask_scores,
-    _Mods,
+    _merge_attention,
     _output,
     _scores,
     _softmax,
-    _to_compute,
-)
-from ._extras import (
-    _describe_parts,
-    _describe_segments,
-    _merge_attention,
-    _mods,
-    _segments,
     _softmax_lse,
 )
 
@@ -309,7 +298,7 @@ def pipeline(
 ) -> np.ndarray | tuple[np.ndarray, ...]:
     """The whole pipeline on validated arrays (``scaled_dot_product_attention`` after its
     checks): a fast path where ``_fast.use_fast_path`` selects one (it computes the same steps),
-    else the steps of ``_core`` one by one.
+    else the steps of ``_steps`` one by one.
 
     Args:
       query: ``(..., heads, q_len, head_dim)`` or ``(q_len, head_dim)``.
@@ -322,7 +311,7 @@ def pipeline(
       rng: ``numpy.random.Generator`` for dropout without a keep-mask, or None.
       args: the options as ``rules.attention_arguments`` normalised them.
       sinks: ``(heads,)`` sink logits, or None.
-      mods: the chunk rule, ALiBi, segment ids and the mods (``_extras._mods``), or None.
+      mods: the chunk rule, ALiBi, segment ids and the mods (``_masking._mods``), or None.
 
     Returns:
       ``(..., heads, q_len, v_dim)`` in the input dtype, then with ``args.return_weights`` the

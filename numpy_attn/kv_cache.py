@@ -15,7 +15,7 @@ import numpy as np
 
 import attention_rules as rules
 
-from ._core import _check_device
+from ._arrays import _check_device
 from .functional import scaled_dot_product_attention
 from .paged import PagedKVCache, split_kv_attention
 

@@ -19,7 +19,8 @@ from attention_rules.ready_mods import (  # noqa: F401  (re-exported: the masks 
     sliding_window_mod,
 )
 
-from ._core import _check_device, _in_band
+from ._arrays import _check_device
+from ._masking import _in_band
 
 
 def causal_mask(q_len: int, kv_len: int, *, offset: int = 0, device: Any = None) -> np.ndarray:

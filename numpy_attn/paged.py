@@ -35,8 +35,8 @@ import numpy as np
 import attention_rules as rules
 
 from . import _threads
-from ._core import NEG_INF, _array, _check_device, _describe, _softcap
-from ._extras import _merge_attention
+from ._arrays import _array, _check_device, _describe
+from ._steps import NEG_INF, _merge_attention, _softcap
 
 #: Bytes of pages copied at a time by ``paged_attention`` (at least one page): half of a common
 #: L2 cache, so a part is still there when its product reads it (numpy_attn's choice).

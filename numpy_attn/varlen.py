@@ -28,7 +28,7 @@ import attention_rules as rules
 from attention_rules import varlen as varlen_rules
 
 from . import _fast, _threads
-from ._core import _array, _describe
+from ._arrays import _array, _describe
 from .backward import scaled_dot_product_attention_vjp
 from .functional import pipeline
 

@@ -1,4 +1,4 @@
-"""Inputs of the direct tests of ``conformance.diagnose``
+"""Inputs of the direct tests of ``conformance.diagnosing.diagnose``
 (``tests/test_mutation_kills_diagnose*.py``): the expected values of small cases, and the
 float64 reference with a mistake planted."""
 
@@ -6,8 +6,10 @@ from __future__ import annotations
 
 from functools import cache
 
-from conformance import cases, diagnose, expected, reference
-from conformance.cases import CaseData
+from conformance.cases import catalogue as cases
+from conformance.cases import expected, reference
+from conformance.cases.catalogue import CaseData
+from conformance.diagnosing import diagnose
 
 
 @cache

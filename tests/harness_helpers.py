@@ -10,7 +10,10 @@ import types
 from typing import Any
 
 import numpy_attn
-from conformance import backends, cases, expected, runner, spec
+from conformance import spec
+from conformance.cases import catalogue as cases
+from conformance.cases import expected
+from conformance.running import backends, runner
 
 NEEDS_HYPOTHESIS = "needs hypothesis: pip install -e '.[test]'"
 

@@ -1,11 +1,11 @@
 """Shared inputs of the jax_attn tests (``tests/test_jax_*.py``) and their reference checks.
 
-The arrays are drawn in one fixed order from one seeded generator, so every test file sees the
-same numbers whichever files run. They are NumPy float64 arrays: a test that hands them to JAX
-as float64 runs with x64 on (``conftest.x64_on``; importing this module changes no JAX setting,
-so other tests see JAX's default, x64 off). Expected values come from ``conformance.reference``
-(float64) and the harness's tolerance rule (``conformance.compare``, ``tests/numerics.py``);
-never from jax_attn itself.
+The arrays are drawn in one fixed order from one seeded generator, so every test file sees the same
+numbers whichever files run. They are NumPy float64 arrays: a test that hands them to JAX as float64
+runs with x64 on (``conftest.x64_on``; importing this module changes no JAX setting, so other tests
+see JAX's default, x64 off). Expected values come from ``conformance.cases.reference`` (float64) and
+the harness's tolerance rule (``conformance.comparing.compare``, ``tests/numerics.py``); never from
+jax_attn itself.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 from numerics import assert_matches_reference
 
 import jax_attn as ja
-from conformance import reference
+from conformance.cases import reference
 
 HALF = ("bfloat16", "float16")
 
@@ -63,8 +63,8 @@ def _jitted(static_items):
 
 
 def _assert_matches_reference(actual, step, dtype, arrays, **options):
-    """The harness's one tolerance rule (``conformance.compare``: ``spec.TOLERANCES`` scaled by
-    a naive implementation's error in ``dtype``) against the float64 reference."""
+    """The harness's one tolerance rule (``conformance.comparing.compare``: ``spec.TOLERANCES``
+    scaled by a naive implementation's error in ``dtype``) against the float64 reference."""
     assert_matches_reference(actual, arrays, dtype, step, **options)
 
 

@@ -3,7 +3,7 @@
 
 Written from the spec's words, position by position in plain Python loops, independent of the
 backends and of ``attention_rules``: the rules become one boolean mask and one additive bias,
-which ``conformance.reference`` (float64, ``np.tril``-based causal rule, Jacobian-based VJP)
+which ``conformance.cases.reference`` (float64, ``np.tril``-based causal rule, Jacobian-based VJP)
 turns into outputs, lses and gradients. ALiBi uses flash-attention's documented formula,
 ``-slope · |i + seqlen_k - seqlen_q - j|``, for ``causal_alignment="bottom_right"`` and
 ``-slope · |i - j|`` for ``"top_left"``. A score_mod that is not additive (``score_mod_attention``)
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from conformance import reference
+from conformance.cases import reference
 
 
 def rules_as_mask_and_bias(

@@ -1,12 +1,12 @@
 """Numerical helpers shared by the tests: central differences, and the harness's one tolerance
 rule against the float64 reference for arrays a test made itself.
 
-``assert_matches_reference`` and ``assert_vjp_matches_reference`` judge a backend's result the
-way the harness judges a cell: the expected value is ``conformance.reference`` (float64 NumPy,
-on exactly the bits the backend received), the bound is ``spec.TOLERANCES[dtype]`` scaled by a
-naive implementation's error on the same inputs (``conformance.compare``), exact zeros (masked
-weights, fully masked rows) must be exactly 0 and NaN must be NaN where the spec's IEEE rule
-puts it. Fast paths are judged this way, never against the same backend's explicit path.
+``assert_matches_reference`` and ``assert_vjp_matches_reference`` judge a backend's result the way
+the harness judges a cell: the expected value is ``conformance.cases.reference`` (float64 NumPy, on
+exactly the bits the backend received), the bound is ``spec.TOLERANCES[dtype]`` scaled by a naive
+implementation's error on the same inputs (``conformance.comparing.compare``), exact zeros (masked
+weights, fully masked rows) must be exactly 0 and NaN must be NaN where the spec's IEEE rule puts
+it. Fast paths are judged this way, never against the same backend's explicit path.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from conformance import compare, expected
-from conformance.cases import CaseData
+from conformance.cases import expected
+from conformance.cases.catalogue import CaseData
+from conformance.comparing import compare
 
 GRADS = ("query", "key", "value", "bias")
 

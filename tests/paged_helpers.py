@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from conformance import reference
+from conformance.cases import reference
 
 
 def paged_inputs(dtype: Any = np.float32) -> dict:

@@ -1,20 +1,21 @@
 """Shared inputs of ``tests/test_sinks_and_lse.py`` and ``tests/test_merge_attention.py``: one
 set of small shapes, the cases, their float64 expected values and the harness's tolerance rule.
 
-Expected values come from the float64 reference (``conformance.reference``: the sink is one
+Expected values come from the float64 reference (``conformance.cases.reference``: the sink is one
 more score column, dropped after the softmax) of the dtype-cast inputs; a step passes under
-``conformance.compare``'s rule, ``|x - ref| <= atol + rtol·|ref| + k·e`` with ``e`` the naive
-implementation's error in the same dtype (``conformance.naive``, sinks included), NaN, ``±inf``
-and the exact zeros matched exactly. Never from a backend itself.
+``conformance.comparing.compare``'s rule, ``|x - ref| <= atol + rtol·|ref| + k·e`` with ``e`` the
+naive implementation's error in the same dtype (``conformance.cases.naive``, sinks included), NaN,
+``±inf`` and the exact zeros matched exactly. Never from a backend itself.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from conformance import compare, naive, reference
-from conformance.backends import numpy_dtype
-from conformance.expected import baseline_error
+from conformance.cases import naive, reference
+from conformance.cases.dtypes import numpy_dtype
+from conformance.cases.expected import baseline_error
+from conformance.comparing import compare
 
 # batch 2, 4 query heads over 2 kv heads, 5 queries, 7 keys (q_len < kv_len: the causal
 # alignments differ), head_dim 8, v_dim 3

@@ -1,11 +1,11 @@
 """blockwise_attention (online softmax in tiles) and its VJP, on every backend.
 
 Inputs are the harness's named, seeded cases (``conformance.cases``) that blockwise attention
-expresses (``expected.blockwise_applies``: masks only as structure or ``kv_lengths``, no
-dropout), plus ``all_features``, one more seeded case that combines every option at once.
-Expected values, exact zeros and unspecified positions come from ``conformance.expected``
-(the float64 ``conformance.reference`` and its VJP), judged by the harness's one tolerance rule
-(``conformance.compare``); never from the blockwise code or any backend's own plain path.
+expresses (``expected.blockwise_applies``: masks only as structure or ``kv_lengths``, no dropout),
+plus ``all_features``, one more seeded case that combines every option at once. Expected values,
+exact zeros and unspecified positions come from ``conformance.cases.expected`` (the float64
+``conformance.cases.reference`` and its VJP), judged by the harness's one tolerance rule
+(``conformance.comparing.compare``); never from the blockwise code or any backend's own plain path.
 
 In bfloat16 the gradients are also held to the spec's precision rule (computed in float32,
 rounded once to the input dtype: ``_assert_computed_in_float32``): the half dtype's tolerance
@@ -23,7 +23,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conformance import backends, cases, compare, expected, mods
+from conformance.cases import catalogue as cases
+from conformance.cases import expected, mods
+from conformance.comparing import compare
+from conformance.running import backends
 
 TILES = cases.BLOCKWISE_TILES  # block_q 2, block_kv 3: neither divides 5 or 7
 BLOCKWISE_OPTIONS = ("bias", "kv_lengths", "sinks")

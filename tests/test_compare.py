@@ -1,4 +1,4 @@
-"""``conformance.compare``, the one tolerance rule, against hand-derived numbers.
+"""``conformance.comparing.compare``, the one tolerance rule, against hand-derived numbers.
 
 Every expected ratio, bound and verdict here is worked out by hand from ``spec.TOLERANCES``
 (float32: ``atol = 1e-7``, ``rtol = 0``, ``k = 10``; float64: ``atol = rtol = 1e-12``,
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conformance.compare import compare, compare_step
+from conformance.comparing.compare import compare, compare_step
 
 
 def test_float32_bound_is_atol_plus_k_times_the_naive_error() -> None:
@@ -116,7 +116,8 @@ def test_a_dtype_note_follows_a_value_note() -> None:
 
 
 def test_compare_step_reads_values_baseline_zeros_and_unspecified_of_the_step() -> None:
-    from conformance import cases, expected
+    from conformance.cases import catalogue as cases
+    from conformance.cases import expected
 
     exp = expected.expected(cases.get("fully_masked_rows"), "float32")
     weights = exp.values["weights"].astype(np.float32)
@@ -138,7 +139,8 @@ def test_compare_step_reads_values_baseline_zeros_and_unspecified_of_the_step() 
 def test_compare_step_lets_the_unspecified_positions_of_the_step_pass() -> None:
     """``inf_key``: an infinite key leaves 20 weights unspecified (the spec's NaN rule allows any
     value there)."""
-    from conformance import cases, expected
+    from conformance.cases import catalogue as cases
+    from conformance.cases import expected
 
     exp = expected.expected(cases.get("inf_key"), "float32")
     free = np.broadcast_to(exp.unspecified["weights"], exp.values["weights"].shape)

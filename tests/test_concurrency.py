@@ -6,8 +6,8 @@
   the same call made alone; a deadline bounds the run;
 * numpy_attn's fast path gives the caller's BLAS thread count back, and its bits do not depend
   on it;
-* the harness's repeat check (``conformance.repeat``) passes for every installed backend, and
-  fails when a backend's bits change from call to call.
+* the harness's repeat check (``conformance.running.repeat``) passes for every installed
+  backend, and fails when a backend's bits change from call to call.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import types
 import numpy as np
 import pytest
 
-from conformance import backends, repeat
+from conformance.running import backends, repeat
 
 THREADS, CALLS = 4, 4
 LANES = 4

@@ -3,8 +3,7 @@ reference (through ``conformance.context_parallel``), the layout, the schedule, 
 the bad calls, and the ring's memory per device. NumPy runs here; JAX in one subprocess with 4
 host devices; torch in one subprocess spawning 4 gloo ranks (worlds of 2 and 4), each with a
 deadline; the memory check compiles JAX programs in one more subprocess, then runs the torch
-ring on 4 more gloo ranks. The subprocesses are the background lane's jobs
-(``tests/background_lane.py``): they run on the other core while the suite goes on."""
+ring on 4 more gloo ranks. The subprocess checks are marked ``slow``."""
 
 from __future__ import annotations
 
@@ -14,11 +13,12 @@ import inspect
 
 import numpy as np
 import pytest
-from background_lane import LANE
+from subprocesses import timeout
 
 from attention_rules import context_parallel as cp
 from conformance import context_parallel as ccp
-from conformance import reference, spec
+from conformance import spec
+from conformance.cases import reference
 from numpy_attn import context_blocks as nblocks
 from numpy_attn import context_parallel as ncp
 
@@ -126,7 +126,8 @@ CASES = {"jax": ("causal_zigzag_gqa_lengths@4", "cross_bottom_right_window@2")}
 
 def _rows(backend: str) -> list:
     """The rows of ``backend``'s subprocess (JAX: 4 host devices; torch: 4 gloo ranks)."""
-    return ccp.run_context_parallel((backend,), (2, 4), cases=CASES, timeout=500)
+    return ccp.run_context_parallel((backend,), (2, 4), cases=CASES,
+                                    timeout=timeout(500))
 
 
 def _compared(rows: list) -> set:
@@ -146,20 +147,20 @@ def _needs(package: str) -> None:
         pytest.skip(f"needs {package}: pip install -r requirements-test.txt")
 
 
-@pytest.mark.background("context parallel: torch", mib=1500)
+@pytest.mark.slow
 def test_torch_gloo_ranks_match_the_reference_and_fail_together():
     _needs("torch")
-    rows = LANE.result("context parallel: torch", BACKGROUND["context parallel: torch"])
+    rows = _rows("torch")
     assert not _failures(rows), _failures(rows)
     assert len(_compared(rows)) == 2 * len(cp.STRATEGIES) * len(ccp.CASES) * len(ccp.STEPS)
     bad = {r.case for r in rows if r.step == "bad call"}
     assert bad == set(ccp.BAD_CALLS) | {"mismatched_shards", "rank_never_joins"}
 
 
-@pytest.mark.background("context parallel: jax", mib=450)
+@pytest.mark.slow
 def test_jax_mesh_matches_the_reference():
     _needs("jax")
-    rows = LANE.result("context parallel: jax", BACKGROUND["context parallel: jax"])
+    rows = _rows("jax")
     assert not _failures(rows), _failures(rows)
     assert len(_compared(rows)) == 2 * len(cp.STRATEGIES) * len(ccp.STEPS)
     assert {r.case for r in rows if r.step == "bad call"} == set(ccp.BAD_CALLS) | {
@@ -189,23 +190,16 @@ def _memory_ratios() -> dict[str, float]:
     if importlib.util.find_spec("jax") is not None:
         one, ring, one_long, ring_long = bench.jax_memory(
             (4096, 1, "blockwise"), (4096, 4, "ring"), (16384, 1, "blockwise"),
-            (16384, 4, "ring"))
+            (16384, 4, "ring"), timeout=timeout(600))
         ratios["jax 4096"] = ring["total"] / one["total"]
         ratios["jax 16384"] = ring_long["total"] / one_long["total"]
     if importlib.util.find_spec("torch") is not None:
-        ring = bench.torch_memory(4096, 4, timeout=400)
+        ring = bench.torch_memory(4096, 4, timeout=timeout(400))
         ratios["torch 4096"] = ring["total"] / bench.torch_memory(4096, 1)["total"]
     return ratios
 
 
-#: The background lane's jobs (``background_lane``): the subprocesses run on the other core,
-#: one at a time, while the suite goes on.
-BACKGROUND = {"context parallel: torch": lambda: _rows("torch"),
-              "context parallel: jax": lambda: _rows("jax"),
-              "context parallel: memory": _memory_ratios}
-
-
-@pytest.mark.background("context parallel: memory", mib=1200)
+@pytest.mark.slow
 def test_ring_per_device_memory_is_at_most_035_of_one_device():
     """The ring at 4 devices, forward + backward, 8 heads of 64, causal, zig-zag: each device's
     peak within 0.35 of single-device ``blockwise_attention``'s. JAX: the compiled programs'
@@ -213,7 +207,7 @@ def test_ring_per_device_memory_is_at_most_035_of_one_device():
     tokens, in a subprocess; torch: the live-tensor peak of rank 0 of 4 gloo ranks at 4,096
     tokens (the inputs plus every storage the call allocates). Before issue 26: JAX 0.51 and
     0.69, torch 0.48."""
-    ratios = LANE.result("context parallel: memory", _memory_ratios)
+    ratios = _memory_ratios()
     if not ratios:
         pytest.skip("needs jax or torch: pip install -r requirements-test.txt")
     assert all(r <= 0.35 for r in ratios.values()), ratios

@@ -1,7 +1,8 @@
-"""``conformance.diagnose``: each diagnosis on a result built by hand to commit its mistake.
+"""``conformance.diagnosing.diagnose``: each diagnosis on a result built by hand to commit its
+mistake.
 
-The wrong results are computed here from the float64 reference (``conformance.reference``) with
-the mistake written out in NumPy, independently of the replay ``diagnose`` does; the expected
+The wrong results are computed here from the float64 reference (``conformance.cases.reference``)
+with the mistake written out in NumPy, independently of the replay ``diagnose`` does; the expected
 text is the diagnosis's own name (``short``). Small shapes, plain NumPy, milliseconds per test.
 """
 
@@ -10,8 +11,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conformance import cases, compare, diagnose, expected, reference
-from conformance.cases import CaseData
+from conformance.cases import catalogue as cases
+from conformance.cases import expected, reference
+from conformance.cases.catalogue import CaseData
+from conformance.comparing import compare
+from conformance.diagnosing import diagnose
 
 
 def test_split_and_short_take_a_joined_text_apart() -> None:
@@ -259,7 +263,7 @@ def test_merge_replays_take_unbatched_inputs_with_sinks() -> None:
 def test_packed_hypothesis_builders_drop_names_and_shift_the_chunk_rule() -> None:
     """``diagnose_packed``'s builders run at import (``PACKED_HYPOTHESES``), where no test can
     reach a mutant: called here directly, against tables written out from the rule."""
-    from conformance import diagnose_packed as dp
+    from conformance.diagnosing import diagnose_packed as dp
 
     q, k = np.zeros((1, 5, 2)), np.zeros((1, 7, 2))  # 3-D: the sequence axis is -2, not 2
     a, o = {"query": q, "key": k, "alibi_slopes": np.ones(1)}, {"chunk_size": 3, "scale": 0.5}
@@ -288,7 +292,7 @@ def test_packed_hypothesis_builders_drop_names_and_shift_the_chunk_rule() -> Non
 
 
 def test_shifted_offsets_move_the_inner_offsets_and_stay_valid() -> None:
-    from conformance.diagnose_packed import shifted_offsets
+    from conformance.diagnosing.diagnose_packed import shifted_offsets
 
     cu = np.array([0, 3, 3, 7, 10], np.int32)
     up, down = shifted_offsets(cu, 1), shifted_offsets(cu, -1)

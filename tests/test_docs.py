@@ -1,4 +1,5 @@
-"""The documentation's code runs and prints what the documentation says it prints.
+"""The documentation's code runs and prints what the documentation says it prints; the README
+is a front door (short, a backend import early, no measured figure, links that resolve).
 
 Every ```python block of ``docs/backend_differences.md`` and ``README.md`` runs, in document
 order, in one fresh Python process (so ``jax_enable_x64`` starts off, as for a reader, and the
@@ -27,7 +28,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from background_lane import LANE
+from subprocesses import timeout
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = {"backend_differences": ROOT / "docs" / "backend_differences.md",
@@ -63,7 +64,7 @@ def blocks(path: Path) -> list[tuple[str, str | None]]:
 def run_snippets(codes: list[str]) -> list[dict]:
     """Run the snippets in order in one fresh interpreter; their stdout and errors."""
     proc = subprocess.run([sys.executable, "-c", _DRIVER], input=json.dumps(codes),
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+                          capture_output=True, text=True, cwd=ROOT, timeout=timeout(300))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 
@@ -91,34 +92,22 @@ def _frameworks_missing() -> list[str]:
     return [m for m in NEEDS if importlib.util.find_spec(m) is None]
 
 
-def _doc_runs() -> dict[str, list[tuple[str, str | None, dict]]]:
-    """Per document, every python block with its documented output and what it printed."""
-    runs = {}
-    for name, path in DOCS.items():
-        found = blocks(path)
-        results = run_snippets([code for code, _ in found])
-        runs[name] = [(code, out, res) for (code, out), res in zip(found, results, strict=True)]
-    return runs
+def _doc_run(name: str) -> list[tuple[str, str | None, dict]]:
+    """Every python block of document ``name`` with its documented output and what it
+    printed (one fresh interpreter per document)."""
+    found = blocks(DOCS[name])
+    results = run_snippets([code for code, _ in found])
+    return [(code, out, res) for (code, out), res in zip(found, results, strict=True)]
 
 
-#: The background lane's job (``background_lane``): the snippets' interpreter runs on the
-#: other core while the suite goes on.
-BACKGROUND = {"documentation snippets": _doc_runs}
-
-
-@pytest.fixture(scope="module")
-def doc_runs() -> dict[str, list[tuple[str, str | None, dict]]]:
+@pytest.mark.slow
+@pytest.mark.parametrize("doc", sorted(DOCS))
+def test_every_snippet_runs_and_prints_its_documented_output(doc):
     missing = _frameworks_missing()
     if missing:
         pytest.skip(f"the documentation's snippets need {', '.join(missing)} "
                     f"(pip install -r requirements-test.txt)")
-    return LANE.result("documentation snippets", _doc_runs)
-
-
-@pytest.mark.background("documentation snippets", mib=1150)
-@pytest.mark.parametrize("doc", sorted(DOCS))
-def test_every_snippet_runs_and_prints_its_documented_output(doc, doc_runs):
-    runs = doc_runs[doc]
+    runs = _doc_run(doc)
     assert runs, f"{DOCS[doc].name} has no python blocks"
     for code, documented, result in runs:
         first = code.strip().splitlines()[0]
@@ -144,6 +133,81 @@ def test_backend_differences_covers_every_known_difference():
         assert topic in text, topic
     with_output = [out for _, out in blocks(DOCS["backend_differences"]) if out is not None]
     assert len(with_output) >= 11
+
+
+#: A measured figure: a time, a memory size, a rate, a score or a speed ratio after a number
+#: ("4 min 02 s", "0.72 GB", "12.6 MiB", "99.3 %", "1.05×"); a default ("default 60") is none.
+FIGURE = re.compile(r"\d(?:[\d,.]*\d)?\s*(?:ms|s|min|h|CPU-s|seconds|minutes|hours|[KMG]iB|[kMG]B"
+                    r"|GFLOP/s|%)(?![\w/])|\d(?:\.\d+)?\s*×(?!\s*\d)")
+#: A relative link of a markdown page: ``[text](target)``, an optional ``#anchor``.
+LINK = re.compile(r"\]\((?!https?://|mailto:)(?P<path>[^)#\s]*)(?:#(?P<anchor>[^)\s]+))?\)")
+TEST_COMMAND = "python -m pytest -n auto"
+EDIT_LOOP = 'python -m pytest -m "not slow" -n auto'
+
+
+def _anchors(page: Path) -> set[str]:
+    """The anchors of a markdown page's headings, as GitHub makes them."""
+    anchors = set()
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            anchors.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return anchors
+
+
+def test_the_readme_is_a_front_door():
+    """At most 200 lines, in the order what, install, learn, use, check, links; a backend import
+    within the first 80 lines; and no measured figure (those live in docs/checking.md,
+    docs/mutation.md and benchmarks/RESULTS.md, which it links)."""
+    text = DOCS["readme"].read_text(encoding="utf-8")
+    lines = text.splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines"
+    imports = [i for i, line in enumerate(lines, 1)
+               if re.match(r"(import|from) (numpy_attn|jax_attn|torch_attn)\b", line)]
+    assert imports and imports[0] <= 80, f"the first backend import is at line {imports[:1]}"
+    headings = [line for line in lines if line.startswith("## ")]
+    order = ["## Install", "## Learn", "## Use", "## Check", "## Links"]
+    found = [next((i for i, h in enumerate(headings) if h.startswith(o)), None) for o in order]
+    assert None not in found and found == sorted(found), headings
+    figures = [f"line {text.count(chr(10), 0, m.start()) + 1}: {m.group(0)!r}"
+               for m in FIGURE.finditer(text)]  # a figure may break across lines
+    assert not figures, "measured figures in README.md:\n" + "\n".join(figures)
+    assert not [line for line in lines if line.startswith("|")], "a table in README.md"
+    for page in ("docs/checking.md", "docs/mutation.md", "benchmarks/RESULTS.md",
+                 "CONTRIBUTING.md"):
+        assert f"]({page}" in text, f"README.md does not link {page}"
+
+
+def test_the_readme_gives_the_test_command_ci_runs():
+    """The README's test command is the full suite, exactly what .ci/run runs; the edit loop
+    and the markers are CONTRIBUTING.md's."""
+    readme = DOCS["readme"].read_text(encoding="utf-8")
+    commands = [line.strip() for line in readme.splitlines()
+                if line.strip().startswith("python -m pytest")]
+    assert commands == [TEST_COMMAND], commands
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+          if "pytest" in line and not line.lstrip().startswith("#")]
+    assert ci == [TEST_COMMAND], ci
+    contributing = (ROOT / "CONTRIBUTING.md").read_text(encoding="utf-8")
+    for needed in (TEST_COMMAND, EDIT_LOOP, "@pytest.mark.slow", "--dist loadgroup",
+                   "mutmut run", "docs/mutation.md", "ruff check .", "docs/read_the_code.md",
+                   "LADDER", "one concept", "never by line count"):
+        assert needed in contributing, needed
+
+
+@pytest.mark.parametrize("page", ["README.md", "CONTRIBUTING.md"])
+def test_every_relative_link_resolves(page):
+    """Each relative link of the page names a file or folder of the repository, and each
+    ``#anchor`` a heading of the page it points to."""
+    source = ROOT / page
+    broken = []
+    for match in LINK.finditer(source.read_text(encoding="utf-8")):
+        target = (source.parent / match["path"]).resolve() if match["path"] else source
+        if not target.exists():
+            broken.append(match.group(0))
+        elif match["anchor"] and match["anchor"] not in _anchors(target):
+            broken.append(match.group(0))
+    assert not broken, f"{page}: broken links {broken}"
 
 
 def update(path: Path) -> None:

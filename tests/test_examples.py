@@ -7,7 +7,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from background_lane import LANE
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -65,7 +64,7 @@ WRONG_ATTENTION_FAILS = {
 
 def test_wrong_attention_fails_exactly_the_cells_its_readme_names():
     """Every other cell (case × dtype) passes, so an unrelated failure breaks this test."""
-    from conformance import backends, runner
+    from conformance.running import backends, runner
 
     result = runner.run(["examples.wrong_attention"], None, None, peers=False,
                         check_errors=True, hypothesis=0)
@@ -86,22 +85,16 @@ def test_wrong_attention_fails_exactly_the_cells_its_readme_names():
 
 def _bshd_wrapper_run():  # noqa: ANN202
     """The harness on examples.bshd_wrapper: the module runs in the harness's worker process."""
-    from conformance import runner
+    from conformance.running import runner
 
     cases = ["three_d_gqa_causal", "fully_masked_rows", "softcap"]  # 3-D, 4-D, unsupported
     return runner.run(["examples.bshd_wrapper"], cases, ["float32"], peers=False,
                       check_errors=False, hypothesis=0)
 
 
-#: The background lane's job (``background_lane``): the harness's worker process imports JAX
-#: and compiles jax.nn's programs on the other core while the suite goes on.
-BACKGROUND = {"examples: bshd_wrapper": _bshd_wrapper_run}
-
-
-@pytest.mark.background("examples: bshd_wrapper", mib=700)
 def test_bshd_wrapper_checks_jax_nn_in_its_layout():
     pytest.importorskip("jax", reason="needs jax: pip install jax")
-    result = LANE.result("examples: bshd_wrapper", _bshd_wrapper_run)
+    result = _bshd_wrapper_run()
     assert result.ok
     assert {c.case: c.status for c in result.cells} == {
         "three_d_gqa_causal": "ok", "fully_masked_rows": "ok", "softcap": "unsupported"}

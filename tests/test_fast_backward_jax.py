@@ -1,11 +1,11 @@
-"""jax_attn's blocked fast path has its own backward pass (``_blocked_vjp.py``).
+"""jax_attn's blocked fast path has its own backward pass (``_fast/backward.py``).
 
 ``_fast._blocked_attention_lse`` is a ``jax.custom_vjp``: the forward pass saves the output and the
 row log-sum-exp, the backward pass walks blocks of keys against the query rows that see them
 and skips what the causal rule or the window masks. These tests shrink the blocks so that small
 inputs cross several blocks, segments and remainders, and compare the gradients (float64) with
 two independent computations: JAX's autodiff of the explicit steps (``return_weights=True``
-always takes them) and the float64 NumPy reference ``conformance.reference.attention_vjp``.
+always takes them) and the float64 NumPy reference ``conformance.cases.reference.attention_vjp``.
 One jitted VJP per case, on one set of shapes, keeps the compile count low. That the unpatched
 VJP steps through ``spec.FAST_PATHS``' ``block_kv`` keys at a time is
 ``tests/test_performance_paths.py``'s (traced, not compiled).
@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conformance import reference
+from conformance.cases import reference
 
 jax = pytest.importorskip("jax", reason="pip install jax")
 jnp = pytest.importorskip("jax.numpy")
@@ -138,14 +138,14 @@ GROWN_CASES = {  # no window: blocks may grow
 
 @pytest.mark.parametrize("case_name", sorted(GROWN_CASES))
 def test_grown_blocks_equal_the_reference(small_blocks, monkeypatch, case_name):
-    """Blocks grown from BLOCK rows (``_extras._grown``): one item's scores, 2 heads × rows ×
+    """Blocks grown from BLOCK rows (``slicing._grown``): one item's scores, 2 heads × rows ×
     30 keys, may reach 2,000 entries, so blocks of 8 rows grow to 32 (37 rows: one block and
     a rest of 5); the forward pass and the VJP still equal the float64 reference."""
-    from jax_attn import _extras
+    from jax_attn._fast import slicing
     monkeypatch.setattr(_fast, "BLOCK_SCORES", 2000)
     grown = []
-    real = _extras._grown
-    monkeypatch.setattr(_extras, "_grown", lambda *a: grown.append(real(*a)[0]) or real(*a))
+    real = slicing._grown
+    monkeypatch.setattr(slicing, "_grown", lambda *a: grown.append(real(*a)[0]) or real(*a))
     arrays, options = _inputs(GROWN_CASES[case_name])
     fast = _vjp(arrays, options, explicit=False)
     assert small_blocks and grown and set(grown) == {4 * BLOCK}, grown
@@ -165,12 +165,12 @@ def test_grown_blocks_equal_the_reference(small_blocks, monkeypatch, case_name):
 
 def test_a_window_keeps_blocks_of_block_q_rows(small_blocks, monkeypatch):
     """A window's segments follow the blocks: with the budget that grows the cases above,
-    the windowed call's blocks stay at BLOCK rows (``_extras._grown`` is not asked)."""
-    from jax_attn import _extras
+    the windowed call's blocks stay at BLOCK rows (``slicing._grown`` is not asked)."""
+    from jax_attn._fast import slicing
     monkeypatch.setattr(_fast, "BLOCK_SCORES", 2000)
     grown = []
-    real = _extras._grown
-    monkeypatch.setattr(_extras, "_grown", lambda *a: grown.append(real(*a)[0]) or real(*a))
+    real = slicing._grown
+    monkeypatch.setattr(slicing, "_grown", lambda *a: grown.append(real(*a)[0]) or real(*a))
     arrays, options = _inputs(CASES["window_bias_per_key"])
     _vjp(arrays, options, explicit=False)
     assert small_blocks and grown == []
@@ -238,11 +238,11 @@ def test_public_vjp_takes_the_blocked_backward_pass(small_blocks):
 
 
 def test_grown_doubles_at_most_twice_within_the_budget():
-    """``_extras._grown`` as FAST_PATH_RULES states it: BLOCK_Q rows doubled, at most twice,
+    """``slicing._grown`` as FAST_PATH_RULES states it: BLOCK_Q rows doubled, at most twice,
     while heads × rows × keys stays within BLOCK_SCORES (the budget itself allowed)."""
-    from jax_attn import _extras
+    from jax_attn._fast import slicing
     heads, keys = 2, 30
     for budget, rows in ((0, 8), (heads * 16 * keys - 1, 8), (heads * 16 * keys, 16),
                          (heads * 32 * keys - 1, 16), (heads * 32 * keys, 32), (1 << 30, 32)):
-        grown = _extras._grown((8, 4, 4, 16, budget), heads, keys)
+        grown = slicing._grown((8, 4, 4, 16, budget), heads, keys)
         assert grown == (rows, 4, 4, 16, budget), (budget, grown)

@@ -5,7 +5,7 @@ rule of ``_fast.use_fast_path``). These tests shrink its blocks and its size thr
 inputs run several key-block tasks, query chunks, causal/window strips and skipped tiles, then
 compare every gradient in float64 with the explicit VJP of ``backward.py`` (the readable
 reference, forced by raising the threshold) and with the independent float64
-``conformance.reference.attention_vjp``. One test runs the default block sizes at the real
+``conformance.cases.reference.attention_vjp``. One test runs the default block sizes at the real
 threshold; ``blockwise_attention_vjp``, which runs on the same threads, is checked with
 ``kv_lengths`` and several workers.
 """
@@ -19,8 +19,9 @@ import pytest
 from numerics import assert_matches_reference, assert_vjp_matches_reference
 
 import numpy_attn
-from conformance import reference, spec
-from numpy_attn import _blocked, _fast, _threads
+from conformance import spec
+from conformance.cases import reference
+from numpy_attn import _fast, _threads
 
 # (query, key, value) shapes: grouped-query heads with q_len > kv_len, kv_len > q_len, 2-D
 SHAPES = {
@@ -208,9 +209,9 @@ def test_large_scores_take_the_shifted_softmax(small_blocks, monkeypatch, dtype)
     q, k, v, grad_out = _inputs(SHAPES["gqa_q_longer"], dtype=dtype)
     q[0, 1] *= 40.0  # head 1 only: scores of several hundred
     groups = q.shape[-3] // k.shape[-3]
-    bounded = _blocked._bounded_heads(q * q.shape[-1] ** -0.5, k, groups, None)
+    bounded = _fast.forward._bounded_heads(q * q.shape[-1] ** -0.5, k, groups, None)
     assert bounded.tolist() == [[True, False, True, True]]
-    assert _blocked._bounded_heads(q, k, groups, 10.0).all()  # soft-capped within ±10
+    assert _fast.forward._bounded_heads(q, k, groups, 10.0).all()  # soft-capped within ±10
     rtol = 1e-10 if dtype == np.float64 else 2e-5
     for options in ({"is_causal": True}, {"window": (3, 6)}):
         _check(small_blocks, monkeypatch, q, k, v, grad_out, rtol=rtol, **options)
@@ -231,10 +232,10 @@ def test_scores_beyond_the_bound_but_within_float64s_range_stay_finite_in_float3
     q[0, 0] = direction * 10.0 * 8.0 ** 0.25  # head 0's scores: 10 · 10 · (q·k / √8) = 100
     k[0, 0] = direction * 10.0 * 8.0 ** 0.25
     q[0, 0, ::3] *= 0.9  # not all equal: every third query row's scores 90
-    monkeypatch.setattr(_blocked, "USE_EXP2", use_exp2)  # either unit, whatever this CPU has
+    monkeypatch.setattr(_fast.forward, "USE_EXP2", use_exp2)  # either unit, whatever this CPU has
     ran = []
-    real = _blocked.blocked_attention
-    monkeypatch.setattr(_blocked, "blocked_attention",
+    real = _fast.forward.blocked_attention
+    monkeypatch.setattr(_fast.forward, "blocked_attention",
                         lambda *a, **kw: ran.append(1) or real(*a, **kw))
     fast = numpy_attn.scaled_dot_product_attention(q, k, v, return_lse=True)
     assert ran == [1]  # the blocked forward pass

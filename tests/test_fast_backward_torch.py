@@ -1,13 +1,13 @@
 """torch_attn's fast paths, forward and backward, against the float64 reference.
 
 What SDPA cannot skip (a soft-cap, a window, the causal rule bottom-right with q_len != kv_len)
-runs, for large inputs, on ``blockwise.BlockwiseFunction`` (``_fast.use_fast_path`` returns
+runs, for large inputs, on ``_tiles.BlockwiseFunction`` (``_fast.use_fast_path`` returns
 ``"blocked"``); the rest runs on SDPA. Here the selection numbers are patched down so the
 harness's small cases (``conformance.cases``, some with an option added) take the blocked path
 and are cut into tiles of ``cases.BLOCKWISE_TILES`` that do not divide their lengths. Expected
-values, exact zeros and gradients come from ``conformance.expected`` (the float64
-``conformance.reference`` and its VJP, against the case's seeded ``grad_output``), judged by
-the harness's one tolerance rule (``conformance.compare``); never from torch_attn itself.
+values, exact zeros and gradients come from ``conformance.cases.expected`` (the float64
+``conformance.cases.reference`` and its VJP, against the case's seeded ``grad_output``), judged by
+the harness's one tolerance rule (``conformance.comparing.compare``); never from torch_attn itself.
 """
 
 from __future__ import annotations
@@ -19,8 +19,12 @@ torch = pytest.importorskip("torch", reason="pip install torch==2.13.0")
 
 import attention_rules  # noqa: E402
 import torch_attn  # noqa: E402
-from conformance import backends, cases, compare, expected, spec  # noqa: E402
-from conformance.naive import Precision, naive_attention_vjp  # noqa: E402
+from conformance import spec  # noqa: E402
+from conformance.cases import catalogue as cases  # noqa: E402
+from conformance.cases import expected  # noqa: E402
+from conformance.cases.naive import Precision, naive_attention_vjp  # noqa: E402
+from conformance.comparing import compare  # noqa: E402
+from conformance.running import backends  # noqa: E402
 from torch_attn import _fast  # noqa: E402
 
 F64 = torch.float64
@@ -238,7 +242,7 @@ def test_sdpa_bias_with_empty_rows_gradients_match_reference(kw, cpu_zeroes_rows
     """A bias that empties rows (``-inf``) stays on SDPA, which zeroes such rows on the CPU;
     on other devices ``_sdpa_attention`` gives them every key and zeroes them itself (the
     route ``CPU_SDPA_ZEROES_MASKED_ROWS = False`` takes here)."""
-    monkeypatch.setattr(_fast, "CPU_SDPA_ZEROES_MASKED_ROWS", cpu_zeroes_rows)
+    monkeypatch.setattr(_fast.sdpa, "CPU_SDPA_ZEROES_MASKED_ROWS", cpu_zeroes_rows)
     data = cases.prepare_inputs(cases.get("cross"), "float64")  # (2, 4, 5 over 7, 8)
     bias = np.random.default_rng(5).standard_normal((cases.H, cases.TQ, cases.TK))
     bias[..., 3, :] = -np.inf  # query 3 of every head keeps no key

@@ -1,9 +1,9 @@
 """Behaviour of the functional API, on every backend, against hand goldens and float64.
 
-Expected values come from hand computation (goldens) or from ``conformance.reference``, an
+Expected values come from hand computation (goldens) or from ``conformance.cases.reference``, an
 independent float64 implementation; never from the backend under test. The inputs of the
 pipeline tests are the conformance case catalogue (``conformance.cases``) and their tolerance
-is the harness's one rule (``conformance.compare``: ``spec.TOLERANCES`` scaled by a naive
+is the harness's one rule (``conformance.comparing.compare``: ``spec.TOLERANCES`` scaled by a naive
 implementation's error in the same dtype). Every case × dtype × step through the harness is
 ``tests/test_harness_grid.py``'s; this file adds what the harness does not look at: the default
 call's path (no ``return_weights``), floating-point warnings, and JAX with x64 off.
@@ -19,7 +19,10 @@ import numpy as np
 import pytest
 from harness_helpers import _expected
 
-from conformance import backends, cases, compare, expected, mods, reference
+from conformance.cases import catalogue as cases
+from conformance.cases import expected, mods, reference
+from conformance.comparing import compare
+from conformance.running import backends
 
 DTYPES = backends.DTYPES
 # chunks, ALiBi, segment ids and mods: their default calls are tests/test_masks_and_mods.py's

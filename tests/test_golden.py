@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from numpy.lib import format as npy_format
+from subprocesses import timeout
 
 import conformance
 from conformance import golden
@@ -90,7 +91,7 @@ def _set_meta(arrays: dict[str, np.ndarray], **changes: object) -> None:
 def _cli_process(*args: str) -> subprocess.CompletedProcess:
     """``python -m conformance ARGS`` in a fresh interpreter."""
     return subprocess.run([sys.executable, "-m", "conformance", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=timeout(120))
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -1,11 +1,11 @@
 """Gradients: every backend's ``scaled_dot_product_attention_vjp`` against finite differences.
 
-The finite differences are taken on ``conformance.reference`` (float64), so each backend's
+The finite differences are taken on ``conformance.cases.reference`` (float64), so each backend's
 gradient — numpy_attn's hand-written backward, jax.vjp, torch.autograd — is checked against a
-computation that shares no code with it, and therefore the three agree with each other.
-float32 gradients are held to the float64 reference VJP under the harness's tolerance rule
-(``numerics``); the modules' weight gradients to central differences of the float64 module
-pipeline (``conformance.module_pipelines`` around the reference), not of any backend's forward.
+computation that shares no code with it, and therefore the three agree with each other. float32
+gradients are held to the float64 reference VJP under the harness's tolerance rule (``numerics``);
+the modules' weight gradients to central differences of the float64 module pipeline
+(``conformance.cases.module_pipelines`` around the reference), not of any backend's forward.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from numerics import assert_vjp_matches_reference, finite_differences
 from test_modules import module_reference
 
-from conformance import reference
+from conformance.cases import reference
 
 FEATURES = {
     "plain": {},

@@ -14,17 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 from harness_helpers import NEEDS_HYPOTHESIS, _expected
+from subprocesses import timeout
 
-from conformance import (
-    backends,
-    cases,
-    golden,
-    properties,
-    report,
-    results,
-    runner,
-)
+from conformance import golden
 from conformance.__main__ import main
+from conformance.cases import catalogue as cases
+from conformance.comparing import results
+from conformance.reporting import sections, terminal
+from conformance.running import backends, properties, runner
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,7 +93,7 @@ def test_cli_internal_faults_are_not_user_errors(monkeypatch: pytest.MonkeyPatch
 
 def test_cli_list_into_a_closed_pipe_exits_quietly() -> None:
     proc = subprocess.run(f"{sys.executable} -m conformance --list | head -1", shell=True,
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout(120))
     assert proc.stdout.startswith("self "), proc.stdout
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
 
@@ -116,7 +113,7 @@ def test_default_run_holds_cells_errors_and_properties(monkeypatch: pytest.Monke
     assert asked == [runner.DEFAULT_PROPERTY_EXAMPLES]
     assert result.ok and result.errors and result.properties is not None
     assert len(result.cells) == len(cases.CASES) * len(backends.DTYPES)
-    text = report.text(result)
+    text = terminal.full(result)
     assert "errors: " in text and "hypothesis · numpy: ok" in text
     assert runner.run(["numpy"], ["self"], peers=False).properties is None  # a selection: off
 
@@ -156,9 +153,9 @@ def test_a_peers_only_run_says_so_instead_of_counting_no_backend_cells() -> None
     """``--backend torch.sdpa`` alone: the summary names the run as peers only (the peers
     never decide the verdict), not "0/0 backend cells pass"."""
     pytest.importorskip("torch", reason="needs torch: pip install -r requirements-test.txt")
-    from conformance import report, runner
+    from conformance.running import runner
 
     result = runner.run(["torch.sdpa"], ["self"], ["float32"], hypothesis=0, progress=False)
-    line = report.summary(result)
+    line = sections.summary(result)
     assert "0/0 backend cells" not in line, line
     assert "no backend column (peers only" in line and "peers: 1 ok" in line, line

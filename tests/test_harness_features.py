@@ -17,7 +17,9 @@ import pytest
 from harness_helpers import NEEDS_HYPOTHESIS
 
 import numpy_attn
-from conformance import backends, cases, errors, expected, plugins, properties, runner
+from conformance.cases import catalogue as cases
+from conformance.cases import expected
+from conformance.running import backends, errors, plugins, properties, runner
 
 NEW_CASES = ["self", "sinks_window", "merge_two_splits", "paged_decode_gqa"]
 

@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 
 import numpy_attn
-from conformance import backends, cases, expected, reference, runner, spec, steps
+from conformance import spec
+from conformance.cases import catalogue as cases
+from conformance.cases import expected, reference
+from conformance.running import backends, runner, steps
 
 GRAD_STEPS = set(expected.GRAD_STEPS)
 

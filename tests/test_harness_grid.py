@@ -1,8 +1,7 @@
 """The conformance harness run on every backend, and the inputs and expected values it uses.
 
 * Every installed backend × every case × every dtype goes through ``runner.run_cell``, the code
-  the CLI uses (the JAX column through the CLI itself, in a subprocess alongside the suite:
-  ``background_column``); the entries of ``spec.KNOWN_DIFFERENCES`` are well formed (every
+  the CLI uses; the entries of ``spec.KNOWN_DIFFERENCES`` are well formed (every
   peer differs only where they say: ``tests/test_peers.py``).
 * The seed example reproduces the article; every backend adapter hands its backend exactly the
   seeded inputs, bit for bit.
@@ -12,19 +11,14 @@
 
 from __future__ import annotations
 
-import background_column
 import numpy as np
 import pytest
 from harness_helpers import _expected
 
-from conformance import (
-    backends,
-    cases,
-    expected,
-    peers,
-    runner,
-    spec,
-)
+from conformance import peers, spec
+from conformance.cases import catalogue as cases
+from conformance.cases import expected
+from conformance.running import backends, runner
 from conformance.spec import seed_example
 
 NON_FINITE = [c.name for c in cases.CASES if not c.data().finite]
@@ -36,13 +30,6 @@ NON_FINITE = [c.name for c in cases.CASES if not c.data().finite]
 @pytest.mark.parametrize("dtype", backends.DTYPES)
 @pytest.mark.parametrize("case", cases.CASE_NAMES)
 def test_backend_conforms(backend: backends.Backend, case: str, dtype: str) -> None:
-    """A JAX cell comes from the harness's command line run in a subprocess alongside the
-    suite (``background_column``: the same ``runner.run_cell``, the other core)."""
-    ahead = background_column.GRID.cell(case, dtype) if backend.name == "jax" else None
-    if ahead is not None:
-        assert ahead["status"] == "ok", f"{ahead['detail']}\nrerun: {ahead['rerun']}"
-        assert ahead["ratio"] is not None and ahead["ratio"] <= 1.0
-        return
     cell = runner.run_cell(backend, _expected(case, dtype))
     assert cell.status == "ok", f"{cell.detail}\nrerun: {cell.rerun}"
     assert cell.ratio is not None and cell.ratio <= 1.0
@@ -125,12 +112,3 @@ def test_non_finite_cases_follow_the_ieee_rule_in_the_reference() -> None:
                                               err_msg=f"{name} {dtype} {step}")
             assert not set(expected.GRAD_STEPS) & set(exp.values), name  # no gradients here
 
-
-def test_a_jax_column_that_writes_no_report_fails_its_cells_with_the_reason() -> None:
-    """``background_column``: a subprocess that exits without a report (here: an unknown case,
-    exit 2) fails the cells it was asked for, naming its exit status and its error output."""
-    column = background_column.Column()
-    column.start({("no_such_case", "float32")})
-    with pytest.raises(AssertionError, match=r"exit 2\) wrote no report(.|\n)*no_such_case"):
-        column.cell("no_such_case", "float32", timeout=120)
-    assert background_column.Column().cell("self", "float32") is None  # never started

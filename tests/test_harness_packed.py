@@ -1,7 +1,7 @@
 """The harness's cases of issue 24: packed batches (varlen), chunked attention, ALiBi, segment
 ids and FlexAttention-style mods.
 
-* the mods of ``conformance.mods`` run on NumPy, jax (under ``jit``) and torch, equal their
+* the mods of ``conformance.cases.mods`` run on NumPy, jax (under ``jit``) and torch, equal their
   tabulation, survive pickling and hash alike when made again;
 * the float64 reference: each ready-made mod equals its dedicated argument, and its gradients
   through ``score_mod`` equal a finite difference;
@@ -26,10 +26,13 @@ import pytest
 from harness_helpers import _expected, check_planted_bug, fake_numpy
 
 import numpy_attn
-from conformance import backends, cases, errors, golden, mods, plugins, reference, runner, spec
-from conformance.case_inputs import qkv
-from conformance.cases_packed import OFFSET, PACKED_CASES, SLOPES
-from conformance.diagnose_packed import shifted_offsets
+from conformance import golden, spec
+from conformance.cases import catalogue as cases
+from conformance.cases import mods, reference
+from conformance.cases.inputs import qkv
+from conformance.cases.packed import OFFSET, PACKED_CASES, SLOPES
+from conformance.diagnosing.diagnose_packed import shifted_offsets
+from conformance.running import backends, errors, plugins, runner
 
 MOD_CASES = ("mods_causal_alibi", "mods_window_softcap", "mask_mod_prefix_lm",
              "mask_mod_document", "mask_mod_random")

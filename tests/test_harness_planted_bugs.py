@@ -14,14 +14,10 @@ import pytest
 from harness_helpers import NEEDS_HYPOTHESIS, check_planted_bug, fake_numpy
 
 import numpy_attn
-from conformance import (
-    backends,
-    cases,
-    expected,
-    properties,
-    runner,
-)
 from conformance.__main__ import main
+from conformance.cases import catalogue as cases
+from conformance.cases import expected
+from conformance.running import backends, properties, runner
 
 # ------------------------------------------------------------------------------ planted bugs
 

@@ -1,4 +1,4 @@
-"""The HTML report (``conformance/html``), opened in a real headless browser.
+"""The HTML report (``conformance/reporting/html``), opened in a real headless browser.
 
 One cheap real run — numpy, ``examples.wrong_attention``, a module whose every call raises a
 message made of markup, and the peer ``torch.sdpa``; four cases in float32 and float16 — has
@@ -21,13 +21,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from background_lane import LANE
 
-from conformance import backends, runner, spec
+from conformance import spec
 from conformance.__main__ import main
-from conformance.html import page, pictures, write
-from conformance.results import rerun_command
+from conformance.comparing.results import rerun_command
+from conformance.reporting.html import page, pictures, write
+from conformance.running import backends, runner
 from conformance.spec import seed_example
+
+# One run and one browser for the module: its tests share a pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("html_report")
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "artifacts"
@@ -81,7 +84,6 @@ def browser():  # noqa: ANN201
                  "installs it)")
     from playwright.sync_api import sync_playwright
 
-    LANE.make_room(700)  # Chromium's processes: not on top of a large background job
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=executable)
         try:
@@ -143,8 +145,8 @@ def test_the_assets_are_package_data() -> None:
     """The page's CSS and JS travel in the wheel (pyproject's package-data lists them)."""
     tomllib = pytest.importorskip("tomllib", reason="tomllib: Python 3.11+")
     data = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
-    assert sorted(data["tool"]["setuptools"]["package-data"]["conformance.html"]) == sorted(
-        page.ASSETS)
+    assets = data["tool"]["setuptools"]["package-data"]["conformance.reporting.html"]
+    assert sorted(assets) == sorted(page.ASSETS)
     assert all(page.asset(name) for name in page.ASSETS)
 
 

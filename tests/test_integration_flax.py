@@ -21,12 +21,11 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
-from background_lane import LANE, imported_with
+from subprocesses import imported_with
 
 jax = pytest.importorskip("jax", reason="needs jax: pip install jax")
 pytest.importorskip("flax", reason="needs flax: pip install -e .[flax]")
@@ -35,7 +34,8 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 from flax.nnx.nn.attention import dot_product_attention_weights  # noqa: E402
 
-from conformance import compare, spec  # noqa: E402
+from conformance import spec  # noqa: E402
+from conformance.comparing import compare  # noqa: E402
 from jax_attn.integrations import flax as fx  # noqa: E402
 
 # The float64 reference needs JAX's x64 switch: on for each test of this file only (conftest's
@@ -260,15 +260,6 @@ def test_sown_weights():
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
 
 
-def _flax_not_imported() -> subprocess.CompletedProcess:
-    return imported_with("jax_attn", "flax", cwd=ROOT)
-
-
-#: The background lane's job (``background_lane``): the fresh interpreter, on the other core.
-BACKGROUND = {"fresh interpreter: jax_attn without flax": _flax_not_imported}
-
-
-@pytest.mark.background("fresh interpreter: jax_attn without flax", mib=400)
 def test_one_call_and_declared_signature():
     model = nnx.clone(_seeded_model())
     assert fx.use_jax_attn(model) == LAYERS
@@ -281,7 +272,7 @@ def test_one_call_and_declared_signature():
     declared = spec.BACKEND_INTEGRATIONS["jax_attn"]["flax"]
     assert sorted(fx.__all__) == sorted(declared)
     assert all(getattr(fx, name).__doc__ for name in declared)
-    result = LANE.result("fresh interpreter: jax_attn without flax", _flax_not_imported)
+    result = imported_with("jax_attn", "flax", cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
 

@@ -43,7 +43,7 @@ from transformers import (  # noqa: E402
     Llama4TextConfig,
 )
 
-from conformance import compare  # noqa: E402
+from conformance.comparing import compare  # noqa: E402
 from torch_attn.integrations import transformers as hf  # noqa: E402
 
 NAME = hf.register()

@@ -24,12 +24,11 @@ finite entries (a bias, besides the dtype minimum that masks) and ``position_bia
 from __future__ import annotations
 
 import importlib.util
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
-from background_lane import LANE, imported_with
+from subprocesses import imported_with
 
 torch = pytest.importorskip("torch", reason="needs torch: pip install torch==2.13.0")
 transformers = pytest.importorskip(
@@ -49,7 +48,8 @@ from transformers import (  # noqa: E402
 )
 from transformers.masking_utils import eager_mask  # noqa: E402
 
-from conformance import compare, spec  # noqa: E402
+from conformance import spec  # noqa: E402
+from conformance.comparing import compare  # noqa: E402
 from torch_attn.integrations import transformers as hf  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -397,23 +397,13 @@ def test_attention_sinks_arrive_as_s_aux():
         hf.attention_forward(module, q, k, v, None, s_aux=torch.zeros(2, dtype=torch.float64))
 
 
-def _transformers_not_imported() -> subprocess.CompletedProcess:
-    return imported_with("torch_attn", "transformers", cwd=ROOT)
-
-
-#: The background lane's job (``background_lane``): the fresh interpreter, on the other core.
-BACKGROUND = {"fresh interpreter: torch_attn without transformers": _transformers_not_imported}
-
-
-@pytest.mark.background("fresh interpreter: torch_attn without transformers", mib=400)
 def test_declared_in_the_spec_and_not_imported_by_the_backend():
     declared = spec.BACKEND_INTEGRATIONS["torch_attn"]["transformers"]
     assert sorted(hf.__all__) == sorted(declared)
     for name in declared:
         obj = getattr(hf, name)
         assert not callable(obj) or (obj.__doc__ and "(" in obj.__doc__), name
-    result = LANE.result("fresh interpreter: torch_attn without transformers",
-                         _transformers_not_imported)
+    result = imported_with("torch_attn", "transformers", cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
 

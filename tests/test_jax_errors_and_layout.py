@@ -151,7 +151,7 @@ NUMPY_ONLY_HELPERS = {"_mods_slope", "_entry", "_outside_band"}
 
 
 def test_jax_attn_imports_no_other_backend_and_mirrors_numpy_attn():
-    for path in sorted((ROOT / "jax_attn").glob("*.py")):
+    for path in sorted((ROOT / "jax_attn").rglob("*.py")):  # _fast/ and integrations/ too
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
             if isinstance(node, ast.Import):
@@ -163,7 +163,7 @@ def test_jax_attn_imports_no_other_backend_and_mirrors_numpy_attn():
     public = (spec.FUNCTIONS + spec.MODULES + spec.CLASSES + spec.BACKEND_EXTRAS["jax_attn"]
               + spec.CONTEXT_PARALLEL_FUNCTIONS)
     assert sorted(ja.__all__) == sorted(public)
-    for module in ("_core", "_extras", "_tiles", "functional", "masks"):  # the shared rooms too
+    for module in ("_arrays", "_masking", "_steps", "_tiles", "functional", "masks"):  # rooms too
         np_mod = importlib.import_module(f"numpy_attn.{module}")
         np_funcs = [n for n, f in vars(np_mod).items()  # defined there, not imported
                     if callable(f) and getattr(f, "__module__", None) == np_mod.__name__]

@@ -4,7 +4,7 @@ functions, and in float32, bfloat16 and float16 under jit (x64 off, JAX's defaul
 within the harness's tolerance of the float64 reference VJP.
 
 Expected values come from numpy_attn in float64, finite differences and
-``conformance.reference``; never from jax_attn.
+``conformance.cases.reference``; never from jax_attn.
 """
 
 from __future__ import annotations

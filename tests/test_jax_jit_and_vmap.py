@@ -2,7 +2,7 @@
 equals the batched call (step functions and mask builders too), no retracing for the same
 shapes, mask builders under jit, fully masked rows exactly 0 under jit (where jax.nn is not).
 
-Expected values come from ``conformance.reference`` (float64); never from jax_attn itself.
+Expected values come from ``conformance.cases.reference`` (float64); never from jax_attn itself.
 Shapes are shared (``jax_inputs``) and small, since every new shape is a new XLA compilation.
 """
 

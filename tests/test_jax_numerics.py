@@ -3,8 +3,8 @@ default, and on), the explicit path's HIGHEST matmul precision, dropout keys (de
 per key, an explicit keep-mask equals the reference), and random configurations
 (hypothesis) against the float64 reference.
 
-Expected values come from ``conformance.reference`` (float64) and ``conformance.compare``;
-never from jax_attn itself.
+Expected values come from ``conformance.cases.reference`` (float64) and
+``conformance.comparing.compare``; never from jax_attn itself.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ reference and the contiguous cache, and a jitted step compiles once for every ta
 ``SPLIT_KV["steps"]`` = 2 steps); here a chunk of two pages is one step (``steps`` = 1), its
 pages copied in two takes of one page (``TAKE_POSITIONS`` = 1, the path of pages of 256
 positions) or in one take of two (the path of small pages). The expected values come from
-``conformance.reference`` via ``test_paged_decoding._check_paged``.
+``conformance.cases.reference`` via ``test_paged_decoding._check_paged``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def test_steps_of_several_pages_equal_the_reference(monkeypatch, take_positions)
     import jax
 
     import jax_attn
-    from conformance import backends
+    from conformance.running import backends
     from jax_attn import paged
 
     for name, value in (("chunk", 8), ("min_kv_len", 12), ("steps", 1)):

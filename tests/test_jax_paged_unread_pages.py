@@ -6,7 +6,7 @@ copies page 0 (masked); the products then met those positions with a zero weight
 an infinity there (another sequence's page, a freed one, the unwritten rest of a last page)
 made the output NaN, where numpy_attn and torch_attn give the sequence's attention. Here the
 pool is NaN (values) and +inf (keys) everywhere but at the two sequences' positions, page 0
-included; the output must equal the float64 reference (``conformance.reference``) eagerly and
+included; the output must equal the float64 reference (``conformance.cases.reference``) eagerly and
 jitted with the table traced, and the gradients must be those of the same call on a pool with
 zeros in those places.
 """
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import attention_rules
-from conformance import reference
+from conformance.cases import reference
 
 HEADS, KV_HEADS, HEAD_DIM, V_DIM, BLOCK, NUM_BLOCKS = 4, 2, 8, 6, 4, 12
 PAGES, LENGTHS = ([5, 2], [9, 1, 7]), (6, 11)  # sequence 0's third slot unused: page 0 there

@@ -1,7 +1,7 @@
 """KVCache and the modules' decode(): incremental decoding equals the full causal pass.
 
 Expected values are computed in float64 from the exported weights with
-``conformance.reference`` (full causal attention, no cache), never by the decoding code.
+``conformance.cases.reference`` (full causal attention, no cache), never by the decoding code.
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ import sys
 
 import numpy as np
 import pytest
+from subprocesses import timeout
 
 import attention_rules
-from conformance import reference
+from conformance.cases import reference
 
 D_MODEL, HEADS, SEQ = 16, 4, 7
 
@@ -208,7 +209,7 @@ def assert_bfloat16_before_ml_dtypes(expression: str) -> None:
     code = ("import sys, numpy_attn; assert 'ml_dtypes' not in sys.modules; "
             f"print({expression})")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=timeout(120))
     assert (run.returncode, run.stdout.strip()) == (0, "bfloat16"), run.stderr[-2000:]
 
 

@@ -264,19 +264,20 @@ def test_read_the_code_quotes_the_source_as_it_is():
     page = (ROOT / "docs" / "read_the_code.md").read_text(encoding="utf-8")
     quotes = re.findall(r"`([\w/]+\.py)`[^\n]*:\n\n```python\n(.*?)```", page, re.S)
     files = {path for path, _ in quotes}
-    assert {"examples/sdpa_only.py", "numpy_attn/_core.py", "jax_attn/_core.py",
-            "torch_attn/_core.py"} <= files
+    assert {"examples/sdpa_only.py", "numpy_attn/_steps.py", "jax_attn/_steps.py",
+            "torch_attn/_steps.py"} <= files
     assert len(quotes) >= 7
     for path, block in quotes:
         assert block in (ROOT / path).read_text(encoding="utf-8"), f"{path} no longer has:\n{block}"
     table = page.split("| step | NumPy | JAX | PyTorch |")[1].split("\n\n")[0]
     rows = [row.split(" | ")[1:] for row in table.splitlines()[2:]]
     assert len(rows) >= 6
-    for row in rows:  # the side-by-side table: each cell's code is in that backend's _core.py
+    for row in rows:  # the side-by-side table: each cell's code is in that backend's rooms
         for backend, cell in zip(("numpy_attn", "jax_attn", "torch_attn"), row, strict=True):
-            source = (ROOT / backend / "_core.py").read_text(encoding="utf-8")
+            source = "".join(path.read_text(encoding="utf-8")
+                             for path in sorted((ROOT / backend).glob("_*.py")))
             for code in re.findall(r"`([^`]+)`", cell):
-                assert code in source, f"{backend}/_core.py no longer has {code!r}"
+                assert code in source, f"{backend}'s private rooms no longer have {code!r}"
 
 
 def test_every_exercise_has_a_stub_and_a_solution_per_backend():

@@ -5,7 +5,7 @@ and JAX's transformations, on a case large enough for several blocks, are
 ``tests/test_masks_and_mods_fast.py``'s.
 
 Expected values: the float64 reference of ``masks_reference`` (the rules written out position by
-position, ALiBi by flash-attention's own formula, then ``conformance.reference``), and central
+position, ALiBi by flash-attention's own formula, then ``conformance.cases.reference``), and central
 finite differences for a score_mod that is not additive. Planted bugs (the ALiBi sign flipped,
 the chunk boundary shifted by one) are run through the same checks, which must reject them.
 """
@@ -23,7 +23,7 @@ from masks_reference import (
 from numerics import finite_differences
 
 import attention_rules as rules
-from conformance import backends
+from conformance.running import backends
 
 # batch 2, 4 query heads over 2 kv heads, 7 queries, 11 keys (q_len < kv_len: the alignments
 # differ), head_dim 8, v_dim 3
@@ -305,21 +305,21 @@ def test_the_chunk_rules_tile_statuses_are_exact():
 
 
 def test_planted_alibi_sign_flip_is_caught(monkeypatch):
-    from numpy_attn import _core
+    from numpy_attn import _masking
 
-    original = _core._add_alibi
-    monkeypatch.setattr(_core, "_add_alibi", lambda scores, mods, *a, **k: 2 * scores - original(
+    original = _masking._add_alibi
+    monkeypatch.setattr(_masking, "_add_alibi", lambda scores, mods, *a, **k: 2 * scores - original(
         scores.copy(), mods, *a, **k))  # + slope · distance
     with pytest.raises(AssertionError, match="output"):
         check_case(backends.get("numpy"), "chunked_alibi_bottom_right", ("sdpa",))
 
 
 def test_planted_chunk_boundary_shift_is_caught(monkeypatch):
-    from numpy_attn import _core, _tiles
+    from numpy_attn import _masking, _tiles
 
-    original = _core._mods_allowed  # (i + offset + 1) // C: ALiBi and the tile plan unmoved
+    original = _masking._mods_allowed  # (i + offset + 1) // C: ALiBi unmoved
     shifted = lambda mods, *a: original(mods._replace(offset=mods.offset + 1), *a)  # noqa: E731
-    for module in (_core, _tiles):
+    for module in (_masking, _tiles):
         monkeypatch.setattr(module, "_mods_allowed", shifted)
     for function in ("sdpa", "blockwise"):
         with pytest.raises(AssertionError, match="output"):

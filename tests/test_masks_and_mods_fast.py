@@ -28,7 +28,7 @@ from test_masks_and_mods import (
     _close,
 )
 
-from conformance import backends
+from conformance.running import backends
 
 # ------------------------------------------------------------------------------------------
 # The fast paths: the same results, and the tiles these rules empty are never computed
@@ -109,13 +109,13 @@ def _computed_within(recording, mask, block):
 
 def test_numpy_fast_path_and_its_vjp_skip_what_the_rules_mask(monkeypatch):
     import numpy_attn as na
-    from numpy_attn import _blocked, _fast, masks
+    from numpy_attn import _fast, masks
     for name, value in (("BLOCK_Q", 8), ("BLOCK_KV", 8), ("BLOCK_Q_BACKWARD", 16),
                         ("MIN_SCORES", 0), ("MIN_Q_LEN", 8)):
         monkeypatch.setattr(_fast, name, value)
     backend = backends.get("numpy")
     options, want, mask = _fast_case(backend)
-    calls = _spy(monkeypatch, _blocked, "blocked_attention")
+    calls = _spy(monkeypatch, _fast.forward, "blocked_attention")
     out, lse = na.scaled_dot_product_attention(FQ, FK, FV, return_lse=True, **options)
     grads = na.scaled_dot_product_attention_vjp(FQ, FK, FV, FG, **options)
     assert len(calls) == 2  # the forward pass and the VJP's
@@ -135,15 +135,16 @@ def test_numpy_fast_path_and_its_vjp_skip_what_the_rules_mask(monkeypatch):
 def test_torch_fast_paths_skip_what_the_rules_mask(monkeypatch):
     torch = pytest.importorskip("torch", reason="pip install torch")
     import torch_attn as ta
-    from torch_attn import _blocked, _fast, masks
-    for name, value in (("BLOCK_Q", 8), ("BLOCK_KV", 8), ("SDPA_ROWS", 8), ("SDPA_KEYS", 8),
-                        ("MIN_SCORES", 0), ("MIN_Q_LEN", 1)):
+    from torch_attn import _fast, masks
+    for name, value in (("BLOCK_Q", 8), ("BLOCK_KV", 8), ("MIN_SCORES", 0), ("MIN_Q_LEN", 1)):
         monkeypatch.setattr(_fast, name, value)
+    for name, value in (("SDPA_ROWS", 8), ("SDPA_KEYS", 8)):
+        monkeypatch.setattr(_fast.sdpa, name, value)
     backend = backends.get("torch")
     for with_score_mod, path in ((False, "sdpa_blocks"), (True, "blocked")):
         options, want, mask = _fast_case(backend, with_score_mod)
-        calls = _spy(monkeypatch, *((_fast, "_sdpa_blocks") if path == "sdpa_blocks" else
-                                    (_blocked, "blocked_attention")))
+        calls = _spy(monkeypatch, _fast, "_sdpa_blocks" if path == "sdpa_blocks" else
+                     "blocked_attention")
         q, k, v = (torch.tensor(x, requires_grad=True) for x in (FQ, FK, FV))
         out = ta.scaled_dot_product_attention(q, k, v, **options)
         out.backward(torch.tensor(FG))
@@ -151,7 +152,7 @@ def test_torch_fast_paths_skip_what_the_rules_mask(monkeypatch):
         _close("output", out, backend, want)
         for name, x in zip(("grad_query", "grad_key", "grad_value"), (q, k, v), strict=True):
             _close(name, x.grad, backend, want)
-    sdpa = _spy(monkeypatch, _fast.F, "scaled_dot_product_attention")
+    sdpa = _spy(monkeypatch, _fast.sdpa.F, "scaled_dot_product_attention")
     ta.scaled_dot_product_attention(*(torch.tensor(x) for x in (FQ, FK, FV)),
                                     **_fast_case(backend, False)[0])
     assert sum(a[0].shape[-2] * a[1].shape[-2] for a, _ in sdpa) < 0.5 * 40 * 56  # keys skipped
@@ -166,14 +167,14 @@ def test_torch_fast_paths_skip_what_the_rules_mask(monkeypatch):
 def test_jax_fast_path_and_blockwise_skip_what_the_rules_mask(monkeypatch):
     jax = pytest.importorskip("jax", reason="pip install jax")
     import jax_attn as ja
-    from jax_attn import _extras, _fast, blockwise
+    from jax_attn import _fast, _masking, blockwise
     for name, value in (("BLOCK_Q", 8), ("BLOCK_KV", 8), ("BLOCK_SCORES", 0), ("MIN_SCORES", 0),
                         ("MIN_Q_LEN", 8), ("BLOCKED_PLATFORMS", (jax.default_backend(),))):
         monkeypatch.setattr(_fast, name, value)
     backend = backends.get("jax")
     options, want, mask = _fast_case(backend)
     calls = _spy(monkeypatch, _fast, "_blocked_attention_lse")
-    segments = _spy(monkeypatch, _extras, "_mods_segments")
+    segments = _spy(monkeypatch, _masking, "_mods_segments")
     q, k, v, g = (backend.asarray(x) for x in (FQ, FK, FV, FG))
     out, lse = jax.jit(lambda q, k, v: ja.scaled_dot_product_attention(
         q, k, v, return_lse=True, **options))(q, k, v)
@@ -237,7 +238,7 @@ def test_jax_jit_vmap_and_grad():
 
 def test_planted_blocked_path_ignoring_mask_mod_is_caught(monkeypatch):
     import numpy_attn as na
-    from numpy_attn import _blocked, _fast
+    from numpy_attn import _fast
     for name, value in (("BLOCK_Q", 8), ("BLOCK_KV", 8), ("MIN_SCORES", 0), ("MIN_Q_LEN", 8)):
         monkeypatch.setattr(_fast, name, value)
     backend, table = backends.get("numpy"), F_TABLE
@@ -245,8 +246,8 @@ def test_planted_blocked_path_ignoring_mask_mod_is_caught(monkeypatch):
     want = expected(FQ, FK, FV, FG, mask, bias)
     options = {"mask_mod": lambda b, h, q, k: table[h, q, k]}
     _close("output", na.scaled_dot_product_attention(FQ, FK, FV, **options), backend, want)
-    original = _blocked._mods_statuses  # the bug: the blocks forget mask_mod
-    monkeypatch.setattr(_blocked, "_mods_statuses", lambda mods, *rest: original(
+    original = _fast.forward._mods_statuses  # the bug: the blocks forget mask_mod
+    monkeypatch.setattr(_fast.forward, "_mods_statuses", lambda mods, *rest: original(
         mods._replace(mask_mod=None), *rest))
     with pytest.raises(AssertionError, match="output"):
         _close("output", na.scaled_dot_product_attention(FQ, FK, FV, **options), backend, want)
@@ -269,12 +270,14 @@ SINK_TABLE[1, 40] = False
 
 
 def _torch_sdpa_blocks(monkeypatch):
-    """torch_attn with ``"sdpa_blocks"``' blocks of 8 rows and 8 keys, from any size."""
+    """torch_attn with ``"sdpa_blocks"``' blocks of 8 rows and 8 keys, from any size; its
+    module (``_fast.sdpa``)."""
     from torch_attn import _fast
-    for name, value in (("SDPA_ROWS", 8), ("SDPA_KEYS", 8), ("MIN_SCORES", 0),
-                        ("MIN_Q_LEN", 1)):
+    for name, value in (("MIN_SCORES", 0), ("MIN_Q_LEN", 1)):
         monkeypatch.setattr(_fast, name, value)
-    return _fast
+    for name, value in (("SDPA_ROWS", 8), ("SDPA_KEYS", 8)):
+        monkeypatch.setattr(_fast.sdpa, name, value)
+    return _fast.sdpa
 
 
 def _torch_against_reference(mask_mod, table, is_causal=False):
@@ -300,10 +303,10 @@ def test_torch_causal_mask_mod_is_one_is_causal_call(monkeypatch):
     keys with SDPA's own is_causal and no mask, as is_causal=True (issue 24's speed target)."""
     pytest.importorskip("torch", reason="pip install torch")
     from torch_attn import masks
-    _fast = _torch_sdpa_blocks(monkeypatch)
+    sdpa_route = _torch_sdpa_blocks(monkeypatch)
     calls = []
-    sdpa = _fast.F.scaled_dot_product_attention
-    monkeypatch.setattr(_fast.F, "scaled_dot_product_attention", lambda *a, **kw: (
+    sdpa = sdpa_route.F.scaled_dot_product_attention
+    monkeypatch.setattr(sdpa_route.F, "scaled_dot_product_attention", lambda *a, **kw: (
         calls.append((a[0].shape[-2], a[1].shape[-2], kw.get("is_causal"),
                       kw.get("attn_mask"))), sdpa(*a, **kw))[1])
     _torch_against_reference(masks.causal_mod(), np.tril(np.ones((4, 48, 48), bool)))
@@ -316,10 +319,10 @@ def test_torch_parts_of_keys_merged_by_lse(monkeypatch):
     lse in a custom autograd.Function; a row without any key gives 0, gradient 0. Without that
     private kernel (other torch versions) one masked call per run gives the same."""
     torch = pytest.importorskip("torch", reason="pip install torch")
-    _fast = _torch_sdpa_blocks(monkeypatch)
+    sdpa_route = _torch_sdpa_blocks(monkeypatch)
     table = torch.tensor(SINK_TABLE)
     mod = lambda b, h, q, k: table[h, q, k]  # noqa: E731
-    runs = _spy(monkeypatch, _fast, "_flash_parts")
+    runs = _spy(monkeypatch, sdpa_route, "_flash_parts")
     out = _torch_against_reference(mod, SINK_TABLE)
     kinds = {kind for args, _ in runs for _, _, kind in args[5]}  # (rows, k, v, r0, k0, parts
     spans = [(args[3], args[3] + args[0].shape[-2], args[5]) for args, _ in runs]  # ...)
@@ -329,7 +332,7 @@ def test_torch_parts_of_keys_merged_by_lse(monkeypatch):
         parts, parts[1:], strict=False))]  # the keys between sinks and window skipped
     assert gaps and any(r0 <= 40 < r1 for r0, r1, _ in spans), spans  # the empty row too
     assert not out[0, 1, 40].detach().any()
-    monkeypatch.setattr(_fast, "_FLASH_CPU", None)
+    monkeypatch.setattr(sdpa_route, "_FLASH_CPU", None)
     runs.clear()
     _torch_against_reference(mod, SINK_TABLE)
     assert not runs
@@ -339,8 +342,8 @@ def test_planted_torch_triangle_and_ignored_mask_mod_are_caught(monkeypatch):
     """Two planted bugs in the torch plan, each rejected by the reference check: every run of
     partly masked tiles taken for a causal triangle; the plan ignoring mask_mod."""
     torch = pytest.importorskip("torch", reason="pip install torch")
-    from torch_attn import _extras, masks
-    _fast = _torch_sdpa_blocks(monkeypatch)
+    from torch_attn import _masking, masks
+    sdpa_route = _torch_sdpa_blocks(monkeypatch)
     table = torch.tensor(SINK_TABLE)
     sink_mod = lambda b, h, q, k: table[h, q, k]  # noqa: E731
     _torch_against_reference(masks.causal_mod(), np.tril(np.ones((4, 48, 48), bool)))
@@ -348,11 +351,11 @@ def test_planted_torch_triangle_and_ignored_mask_mod_are_caught(monkeypatch):
         tri[(row == 1) & np.r_[True, row[:-1] != 1]] = True
 
     with monkeypatch.context() as planted:
-        planted.setattr(_extras, "_find_triangles", eager)
+        planted.setattr(_masking, "_find_triangles", eager)
         with pytest.raises(AssertionError, match="output"):
             _torch_against_reference(sink_mod, SINK_TABLE)
-    plan = _fast._mods_plan  # the plan forgets mask_mod
-    monkeypatch.setattr(_fast, "_mods_plan", lambda mods, *rest: plan(
+    plan = sdpa_route._mods_plan  # the plan forgets mask_mod
+    monkeypatch.setattr(sdpa_route, "_mods_plan", lambda mods, *rest: plan(
         mods._replace(mask_mod=None), *rest))
     with pytest.raises(AssertionError, match="output"):
         _torch_against_reference(masks.causal_mod(), np.tril(np.ones((4, 48, 48), bool)))

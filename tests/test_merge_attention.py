@@ -14,7 +14,7 @@ import pytest
 from numerics import finite_differences
 from sinks_inputs import CASES, SINKS, K, Q, V, assert_close, cast, expected_values, to_backend
 
-from conformance import backends
+from conformance.running import backends
 
 
 def _partials(backend, dtype, case, parts):

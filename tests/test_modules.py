@@ -1,8 +1,8 @@
 """Modules on every backend: the article's worked example, weights round trips, MultiHeadAttention.
 
 The article's numbers are published values (``conformance.spec.seed_example.ARTICLE``); the other
-expectations come from ``conformance.reference`` in float64 (the whole modules from
-``conformance.module_pipelines`` around it).
+expectations come from ``conformance.cases.reference`` in float64 (the whole modules from
+``conformance.cases.module_pipelines`` around it).
 """
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conformance import reference
-from conformance.cases import CaseData
-from conformance.expected import reference_attention
-from conformance.module_pipelines import module_forward
-from conformance.naive import EXACT
+from conformance.cases import reference
+from conformance.cases.catalogue import CaseData
+from conformance.cases.expected import reference_attention
+from conformance.cases.module_pipelines import module_forward
+from conformance.cases.naive import EXACT
 from conformance.spec import seed_example
 from conformance.spec.seed_example import ARTICLE, ARTICLE_INCONSISTENT
 
@@ -114,7 +114,7 @@ MODULE_ARGS = {
 def module_reference(name: str, init_args: tuple, init_kwargs: dict, weights: dict,
                      inputs: tuple, forward: dict | None = None) -> np.ndarray:
     """Module ``name`` (built with ``init_args``, ``init_kwargs``) in float64:
-    ``conformance.module_pipelines`` around the reference attention, reading ``weights``
+    ``conformance.cases.module_pipelines`` around the reference attention, reading ``weights``
     (weight name → array) as they are now. ``inputs``: ``(x,)`` or ``(x, context)``, each
     ``(batch, seq, d_in)``; ``forward``: MultiHeadAttention's options, ``mask`` included."""
     arrays = {f"w:{n}": w for n, w in weights.items()}
@@ -138,7 +138,7 @@ def module_reference(name: str, init_args: tuple, init_kwargs: dict, weights: di
 def test_weights_round_trip_between_numpy_and_backend(backend, name):
     """Weights exported by numpy_attn load into every backend, export back unchanged, and give
     the float64 module pipeline's outputs."""
-    from conformance import backends
+    from conformance.running import backends
 
     args, kwargs = MODULE_ARGS[name]
     numpy_module = getattr(backends.get("numpy").module, name)(
@@ -351,12 +351,12 @@ def test_multi_head_attention_sinks_initialisation(backend):
 
 
 def test_the_harness_module_pipeline_takes_the_sinks(backend):
-    """``conformance.module_pipelines`` (the harness's float64 modules) reads a
+    """``conformance.cases.module_pipelines`` (the harness's float64 modules) reads a
     ``MultiHeadAttention(sinks=True)``'s ``w:sinks``: its forward equals the independent
     reference above, and its weight gradients, ``sinks`` included, equal the backend's
     ``parameter_gradients``."""
-    from conformance.expected import reference_attention_vjp
-    from conformance.module_pipelines import module_backward
+    from conformance.cases.expected import reference_attention_vjp
+    from conformance.cases.module_pipelines import module_backward
 
     rng = np.random.default_rng(9)
     module, weights = _sink_module(backend, rng)

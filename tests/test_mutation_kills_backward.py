@@ -3,7 +3,7 @@
 Part of the mutation round of ``tests/test_mutation_kills_vjp.py`` (docs/mutation.md): the
 explicit steps' ``score_mod`` derivative (taken after the bias and ALiBi, at the tile's
 positions), ``sgd_step`` and ``Adam``'s defaults. Expected values: the float64
-``conformance.reference.attention_vjp`` and the optimisers' formulas written out.
+``conformance.cases.reference.attention_vjp`` and the optimisers' formulas written out.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import numpy_attn
-from conformance import reference
+from conformance.cases import reference
 
 
 def _arrays(q_shape, k_shape, v_dim, seed=0):

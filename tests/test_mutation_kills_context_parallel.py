@@ -1,14 +1,14 @@
 """Tests that kill the mutants of torch's context parallelism (docs/mutation.md).
 
-mutmut 3.8.1 on ``torch_attn/context_parallel.py`` and ``torch_attn/context_blocks.py``, run by
-hand (their checks run in spawned gloo ranks, which mutmut cannot map to functions). The gloo
-subprocess of ``tests/test_context_parallel.py`` (tens of seconds) left untested: the function's
-and each input's name in the messages, 2-D inputs, the query's length in the layout check,
-top-left causal cross-attention, the deprecated collectives' FutureWarning, and which arguments
-the ranks' digest compares; each test below fails under at least one sampled mutant, in about a
-second for the file. Expected values come from the float64 ``conformance.reference`` (the whole
-sequence on one device, ``kv_lengths`` as a mask of the keys), never from the module against
-itself. In process, no subprocess:
+mutmut 3.8.1 on ``torch_attn/context_parallel.py`` and ``torch_attn/context_blocks.py``, run by hand
+(their checks run in spawned gloo ranks, which mutmut cannot map to functions). The gloo subprocess
+of ``tests/test_context_parallel.py`` (tens of seconds) left untested: the function's and each
+input's name in the messages, 2-D inputs, the query's length in the layout check, top-left causal
+cross-attention, the deprecated collectives' FutureWarning, and which arguments the ranks' digest
+compares; each test below fails under at least one sampled mutant, in about a second for the file.
+Expected values come from the float64 ``conformance.cases.reference`` (the whole sequence on one
+device, ``kv_lengths`` as a mask of the keys), never from the module against itself. In process, no
+subprocess:
 
 * the blocks (``attend``, ``attend_backward``, ``finish``, ``pair_band``, ``_heads``) run every
   rank of a schedule in a loop, as the ring's ranks call them;
@@ -30,7 +30,7 @@ dist = pytest.importorskip("torch.distributed")
 
 import attention_rules as rules  # noqa: E402
 from attention_rules import context_parallel as cp  # noqa: E402
-from conformance import reference  # noqa: E402
+from conformance.cases import reference  # noqa: E402
 from torch_attn import context_blocks as blocks  # noqa: E402
 from torch_attn import context_parallel as tcp  # noqa: E402
 

@@ -3,7 +3,7 @@
 mutmut 3.8.1 on ``jax_attn/context_parallel.py`` and ``jax_attn/context_blocks.py``, run by
 hand (their checks run in ``tests/test_context_parallel.py``'s subprocess with 4 host devices,
 which mutmut cannot map), left these behaviours untested: each test below fails under at least
-one surviving mutant. Expected values come from the float64 ``conformance.reference`` (the
+one surviving mutant. Expected values come from the float64 ``conformance.cases.reference`` (the
 whole sequence on one device, ``kv_lengths`` as a mask of the keys), never from the module
 against itself. In process, on the one CPU device the suite's JAX has, so every call here is a
 mesh of ONE device (every strategy's code runs, its collectives trivial); what needs several
@@ -22,7 +22,7 @@ jax = pytest.importorskip("jax")
 from jax.sharding import Mesh  # noqa: E402
 
 from attention_rules import context_parallel as cp  # noqa: E402
-from conformance import reference  # noqa: E402
+from conformance.cases import reference  # noqa: E402
 from jax_attn import context_parallel as jcp  # noqa: E402
 
 #: batch 3, 4 query heads over 2 kv heads (GQA), 8 positions, head_dim 4, v_dim 3: batch, kv

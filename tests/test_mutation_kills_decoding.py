@@ -3,7 +3,7 @@
 mutmut 3.8.1 on ``numpy_attn/paged.py``, ``numpy_attn/context_parallel.py``,
 ``numpy_attn/context_blocks.py`` and ``jax_attn/kv_cache.py`` left these behaviours untested:
 each test below fails under at least one surviving mutant. The expected values come from the
-float64 ``conformance.reference`` (the contiguous cache or the whole sequence on one device),
+float64 ``conformance.cases.reference`` (the contiguous cache or the whole sequence on one device),
 never from the module under test against itself. Tiny shapes, NumPy only but where noted.
 """
 
@@ -25,7 +25,7 @@ from test_kv_cache import assert_bfloat16_before_ml_dtypes
 
 import numpy_attn
 from attention_rules import context_parallel as cp
-from conformance import reference
+from conformance.cases import reference
 from numpy_attn import context_parallel as ncp
 from numpy_attn import paged
 

@@ -1,9 +1,9 @@
-"""``conformance.diagnose``'s machinery called directly, for mutation testing: the hypotheses'
-builders, ``planted_mistake`` (the reference replayed with one mistake planted), ``_matches``
-(a result against a replayed mistake) and ``diagnose`` (which diagnoses it asks, and how it
-joins them).
+"""``conformance.diagnosing.diagnose``'s machinery called directly, for mutation testing: the
+hypotheses' builders, ``planted_mistake`` (the reference replayed with one mistake planted),
+``_matches`` (a result against a replayed mistake) and ``diagnose`` (which diagnoses it asks, and
+how it joins them).
 
-Each test builds a wrong result by hand (the float64 reference, ``conformance.reference``, run
+Each test builds a wrong result by hand (the float64 reference, ``conformance.cases.reference``, run
 with the mistake written out: a flipped mask, the other causal alignment, the kv heads taken
 modulo, …) and asserts the diagnosis the spec's words name, or none for a result that is right
 or wrong in another way; expectations come from the mistake planted, never from the
@@ -20,8 +20,10 @@ import numpy as np
 import pytest
 from diagnose_inputs import attend, expected_for_arrays, expected_of, names
 
-from conformance import cases, diagnose, expected, reference
-from conformance.cases import CaseData
+from conformance.cases import catalogue as cases
+from conformance.cases import expected, reference
+from conformance.cases.catalogue import CaseData
+from conformance.diagnosing import diagnose
 
 F32 = np.float32
 MEAN = "fully masked rows give the mean of value (uniform weights); the spec gives exactly 0"

@@ -1,14 +1,13 @@
-"""``conformance.diagnose``'s diagnoses that look at the result itself, called directly for
-mutation testing: ``non_finite_rows`` (NaN spread or missing, NaN in fully masked rows, softmax
-overflow), ``mean_of_value``, ``lse_mistakes`` (log2, fully masked rows at 0 or +inf, the sink
-left out) and ``sink_in_numerator``.
+"""``conformance.diagnosing.diagnose``'s diagnoses that look at the result itself, called directly
+for mutation testing: ``non_finite_rows`` (NaN spread or missing, NaN in fully masked rows, softmax
+overflow), ``mean_of_value``, ``lse_mistakes`` (log2, fully masked rows at 0 or +inf, the sink left
+out) and ``sink_in_numerator``.
 
-Each test builds a wrong result by hand (the float64 reference, ``conformance.reference``, with
-the mistake written out in NumPy: NaN in fully masked rows, the mean of ``value``, an lse in
-log2, a sink in the numerators, …) and asserts the diagnosis's full text, or none for a result
-that is right or wrong in another way; expectations come from the mistake planted, never from
-the diagnosis's output. Small cases, plain NumPy, no backend: a few seconds
-(docs/mutation.md).
+Each test builds a wrong result by hand (the float64 reference, ``conformance.cases.reference``,
+with the mistake written out in NumPy: NaN in fully masked rows, the mean of ``value``, an lse in
+log2, a sink in the numerators, …) and asserts the diagnosis's full text, or none for a result that
+is right or wrong in another way; expectations come from the mistake planted, never from the
+diagnosis's output. Small cases, plain NumPy, no backend: a few seconds (docs/mutation.md).
 """
 
 from __future__ import annotations
@@ -17,7 +16,9 @@ import numpy as np
 import pytest
 from diagnose_inputs import attend, expected_for_arrays, expected_of
 
-from conformance import cases, diagnose, expected
+from conformance.cases import catalogue as cases
+from conformance.cases import expected
+from conformance.diagnosing import diagnose
 
 F32 = np.float32
 

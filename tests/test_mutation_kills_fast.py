@@ -1,10 +1,11 @@
 """Tests that kill the mutants of numpy_attn's blocked forward pass (docs/mutation.md).
 
-The forward half of ``tests/test_mutation_kills_vjp.py`` (mutmut 3.8.1 on ``numpy_attn/_fast.py``
-and ``_blocked.py``): the lse's dtype, when the blocks may skip the shift by the row max, sinks
-on query blocks without keys, chunks that cut a key block inside a block's key range, the
-scores in units of log2 and the bound (limit, soft cap, norms) that lets a head skip the shift
-(issue 28). Expected values: the float64 ``conformance.reference``; tiny shapes, NumPy only.
+The forward half of ``tests/test_mutation_kills_vjp.py`` (mutmut 3.8.1 on
+``numpy_attn/_fast/``'s ``__init__.py`` and ``forward.py``): the lse's dtype, when the blocks
+may skip the shift by the row max, sinks on query blocks without keys, chunks that cut a key
+block inside a block's key range, the scores in units of log2 and the bound (limit, soft cap,
+norms) that lets a head skip the shift (issue 28). Expected values: the float64
+``conformance.cases.reference``; tiny shapes, NumPy only.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from test_mutation_kills_vjp import _arrays
 
 import attention_rules as rules
 import numpy_attn
-from conformance import reference
-from numpy_attn import _blocked, _fast
+from conformance.cases import reference
+from numpy_attn import _fast
 
 
 @pytest.fixture
@@ -65,7 +66,7 @@ def test_blocked_forward_returns_the_input_dtype_and_a_compute_dtype_lse(blocked
 
 
 # ------------------------------------------------------------------------------------------
-# The blocked forward pass (_blocked.py): when it may skip the shift by the row max
+# The blocked forward pass (_fast/forward.py): when it may skip the shift by the row max
 # ------------------------------------------------------------------------------------------
 
 
@@ -120,18 +121,18 @@ def test_blocked_forward_bounds_unbatched_and_2d_scores(blocked, shape):
 
 
 def test_narrowed_masks_only_the_key_blocks_the_mods_cut():
-    """``_blocked._narrowed`` (the forward pass's key range under chunks, segment ids and
+    """``_fast.forward._narrowed`` (the forward pass's key range under chunks, segment ids and
     ``mask_mod``), by hand from its docstring: the range shrinks to the key blocks that are not
     ``NONE`` and ``[p0, p1)`` spans those that are not ``ALL``, so the blocks the mods leave
     whole are never masked (a wider span would give the same output at a higher cost)."""
     none, some, every = rules.NONE, rules.SOME, rules.ALL
     row = np.array([some, every, every, none, none], np.uint8)
-    assert _blocked._narrowed((0, 40, 0, 40, 0, 0), row, 8) == (0, 24, 0, 24, 0, 8)
+    assert _fast.forward._narrowed((0, 40, 0, 40, 0, 0), row, 8) == (0, 24, 0, 24, 0, 8)
     row = np.array([every, some, every], np.uint8)
-    assert _blocked._narrowed((0, 20, 5, 15, 0, 0), row, 8) == (0, 20, 5, 15, 8, 16)
+    assert _fast.forward._narrowed((0, 20, 5, 15, 0, 0), row, 8) == (0, 20, 5, 15, 8, 16)
     row = np.array([none, every, every, some], np.uint8)
-    assert _blocked._narrowed((0, 32, 0, 32, 0, 0), row, 8) == (8, 32, 8, 32, 24, 32)
-    assert _blocked._narrowed((0, 32, 0, 32, 0, 0), np.zeros(4, np.uint8), 8)[:2] == (0, 0)
+    assert _fast.forward._narrowed((0, 32, 0, 32, 0, 0), row, 8) == (8, 32, 8, 32, 24, 32)
+    assert _fast.forward._narrowed((0, 32, 0, 32, 0, 0), np.zeros(4, np.uint8), 8)[:2] == (0, 0)
 
 
 @pytest.mark.parametrize("heads", [(), (3,)], ids=["2d", "3d"])
@@ -193,28 +194,28 @@ def test_blocked_forward_skips_the_shift_exactly_where_the_bound_allows(blocked,
     alike), with ``exp`` in natural units; the shifted softmax (``_unnormalised_softmax``) runs
     only for a head whose bound ``min(max |q| · max |k|, softcap)`` exceeds ``EXP_BOUND`` (the
     module docstring's fast path). Output and lse against the float64 reference either way."""
-    monkeypatch.setattr(_blocked, "USE_EXP2", use_exp2)
+    monkeypatch.setattr(_fast.forward, "USE_EXP2", use_exp2)
     q_norm, k_norm, softcap, shifted = BOUND_CASES[case]
     gen = np.random.default_rng(17)
     q, k = _rows_of_norm(gen, (8, 4), q_norm), _rows_of_norm(gen, (8, 4), k_norm)
     v = gen.standard_normal((8, 3))
     softmax_calls, limits = [], []
-    real_softmax, real_bound = _blocked._unnormalised_softmax, _blocked._bounded_heads
+    real_softmax, real_bound = _fast.forward._unnormalised_softmax, _fast.forward._bounded_heads
 
     def softmax(scores):
         softmax_calls.append(scores.shape)
         return real_softmax(scores)
 
-    def bound(query, key, groups, cap, limit=_blocked.EXP_BOUND):
+    def bound(query, key, groups, cap, limit=_fast.forward.EXP_BOUND):
         limits.append(limit)
         return real_bound(query, key, groups, cap, limit)
 
-    monkeypatch.setattr(_blocked, "_unnormalised_softmax", softmax)
-    monkeypatch.setattr(_blocked, "_bounded_heads", bound)
+    monkeypatch.setattr(_fast.forward, "_unnormalised_softmax", softmax)
+    monkeypatch.setattr(_fast.forward, "_bounded_heads", bound)
     options = {"scale": 1.0, "softcap": softcap}
     output, lse = numpy_attn.scaled_dot_product_attention(q, k, v, return_lse=True, **options)
     assert blocked.forward == ["blocked"]
-    assert limits == [_blocked.EXP_BOUND * (_blocked.LOG2E if use_exp2 else 1.0)]
+    assert limits == [_fast.forward.EXP_BOUND * (_fast.forward.LOG2E if use_exp2 else 1.0)]
     assert len(softmax_calls) == (1 if shifted else 0)
     want = reference.attention(q, k, v, **options)
     np.testing.assert_allclose(output, want.output, rtol=1e-10, atol=1e-10)
@@ -225,8 +226,8 @@ def test_blocked_forward_skips_the_shift_exactly_where_the_bound_allows(blocked,
     ({"AVX512_SKX": True, "X86_V4": True}, True), ({"X86_V4": True}, True),
     ({"AVX512_SKX": True}, True), ({"AVX2": True, "X86_V3": True}, False), ({}, False)])
 def test_exp2_only_where_numpy_dispatches_its_avx512_loops(monkeypatch, features, vectorised):
-    """``_blocked._exp2_is_vectorised`` reads NumPy's CPU dispatch: exp2 (units of log2) only
+    """``_fast.forward._exp2_is_vectorised`` reads NumPy's CPU dispatch: exp2 (units of log2) only
     with AVX-512 (NumPy's vectorised float32 exp2); exp otherwise (``USE_EXP2``)."""
     from numpy._core import _multiarray_umath
     monkeypatch.setattr(_multiarray_umath, "__cpu_features__", features)
-    assert _blocked._exp2_is_vectorised() is vectorised
+    assert _fast.forward._exp2_is_vectorised() is vectorised

@@ -1,10 +1,10 @@
 """jax_attn's fast paths and the blocked backward pass against independent values (mutation
-testing, docs/mutation.md): each test here kills mutants of ``jax_attn/_fast.py`` or
-``jax_attn/_blocked_vjp.py`` that the modules' own tests let live (the mods on the blocked
+testing, docs/mutation.md): each test here kills mutants of ``jax_attn/_fast/__init__.py`` or
+``jax_attn/_fast/backward.py`` that the modules' own tests let live (the mods on the blocked
 path and in its custom VJP, which part of the call is taken for the causal rule, the cuDNN
 path's result).
 
-Expected values come from the float64 ``conformance.reference`` (``attention``,
+Expected values come from the float64 ``conformance.cases.reference`` (``attention``,
 ``attention_vjp``), never from jax_attn itself. Every test runs with x64 on (``conftest.x64_on``)
 on float64 inputs, and the blocked path is forced on tiny inputs by shrinking its blocks
 (``small_blocks``), so few, small programs compile.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conformance import reference
+from conformance.cases import reference
 
 jax = pytest.importorskip("jax", reason="pip install jax")
 
@@ -74,7 +74,7 @@ def test_blocked_path_with_chunks_alibi_ids_and_both_mods_equals_the_reference(s
     """Chunks, ALiBi, segment ids, a score_mod and a mask_mod on the blocked path (rebuilt inside
     its custom VJP): output, lse and the three gradients against the float64 reference, one
     (batch, kv head) item at a time and, with a mask that varies by batch, all at once
-    (``_blocked_vjp``'s two branches); none of them is taken for the causal triangle
+    (``_fast/backward.py``'s two branches); none of them is taken for the causal triangle
     (``_causal_mask_mod``), every mod reaches the backward pass (``_rebuilt``), a valid
     score_mod passes ``_check_mods``, and its indices are int32 with x64 on."""
     ids = (np.array([[0] * 5 + [1] * 7, [0] * 9 + [1] * 3]),

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import attention_rules
-from conformance import reference
+from conformance.cases import reference
 
 HEADS, KV_HEADS, N, HEAD_DIM, V_DIM, STEPS = 4, 2, 3, 5, 6, 3
 SINKS = np.array([0.5, -1.0, 2.0, 0.0], np.float32)

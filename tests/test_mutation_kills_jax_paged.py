@@ -1,11 +1,11 @@
 """Tests that kill the mutants of ``jax_attn/paged.py`` (mutation testing, docs/mutation.md).
 
 mutmut 3.8.1 on ``jax_attn/paged.py`` (a seeded sample of its mutants) left these behaviours
-untested: each test below fails under at least one surviving mutant. The expected values come
-from the float64 ``conformance.reference`` over each sequence's contiguous keys, never from the
-module under test against itself. The error checks compile nothing; the numerical test runs
-one tiny problem (sequences of 7, 1 and 0 positions, 2 query heads over 1 kv head, head_dim 2,
-pages of 2 positions) so that few programs compile.
+untested: each test below fails under at least one surviving mutant. The expected values come from
+the float64 ``conformance.cases.reference`` over each sequence's contiguous keys, never from the
+module under test against itself. The error checks compile nothing; the numerical test runs one tiny
+problem (sequences of 7, 1 and 0 positions, 2 query heads over 1 kv head, head_dim 2, pages of 2
+positions) so that few programs compile.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from paged_helpers import check_paged_cache_errors, constructor_errors, paged_inputs
 
-from conformance import reference
+from conformance.cases import reference
 
 pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")

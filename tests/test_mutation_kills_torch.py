@@ -1,10 +1,11 @@
 """Tests that kill the mutants of torch_attn's fast paths and decoding kernels (docs/mutation.md).
 
-mutmut 3.8.1 on ``torch_attn/_fast.py``, ``torch_attn/_blocked.py`` and ``torch_attn/paged.py``
-(seeded samples of their mutants) left these behaviours untested: each test below fails under
-at least one surviving mutant. The expected values come from the float64
-``conformance.reference`` (``attention``, ``attention_vjp``) on the same rounded inputs, never
-from torch_attn against itself. Tiny shapes: the whole file runs in about a second.
+mutmut 3.8.1 on ``torch_attn/_fast.py``, ``torch_attn/_blocked.py`` (both now in
+``torch_attn/_fast/``) and ``torch_attn/paged.py`` (seeded samples of their mutants) left these
+behaviours untested: each test below fails under at least one surviving mutant. The expected values
+come from the float64 ``conformance.cases.reference`` (``attention``, ``attention_vjp``) on the same
+rounded inputs, never from torch_attn against itself. Tiny shapes: the whole file runs in about a
+second.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ torch = pytest.importorskip("torch", reason="pip install torch==2.13.0")
 from paged_helpers import far_apart_rows, paged_inputs  # noqa: E402
 
 import torch_attn  # noqa: E402
-from conformance import reference  # noqa: E402
+from conformance.cases import reference  # noqa: E402
 from torch_attn import _fast, paged  # noqa: E402
 
 
@@ -172,15 +173,16 @@ def test_a_chunk_with_rows_without_a_key():
 
 
 # ------------------------------------------------------------------------------------------
-# torch_attn/_fast.py: "sdpa_blocks" (runs of rows, parts of keys) and the rows without a key
+# torch_attn/_fast/sdpa.py: "sdpa_blocks" (runs of rows, parts of keys), rows without a key
 # ------------------------------------------------------------------------------------------
 
 
 @pytest.fixture
 def small_blocks(monkeypatch):
     """``"sdpa_blocks"`` and ``"blocked"`` from any size, in blocks of 8 rows and 8 keys."""
-    for name, value in (("SDPA_ROWS", 8), ("SDPA_KEYS", 8), ("BLOCK_Q", 8), ("BLOCK_KV", 8),
-                        ("MIN_SCORES", 0), ("MIN_Q_LEN", 1)):
+    for name, value in (("SDPA_ROWS", 8), ("SDPA_KEYS", 8)):
+        monkeypatch.setattr(_fast.sdpa, name, value)
+    for name, value in (("BLOCK_Q", 8), ("BLOCK_KV", 8), ("MIN_SCORES", 0), ("MIN_Q_LEN", 1)):
         monkeypatch.setattr(_fast, name, value)
 
 
@@ -208,7 +210,7 @@ def test_parts_of_keys_of_unbatched_inputs_with_the_causal_band(small_blocks, mo
     table = SINKS_WINDOW if len(q_shape) == 3 else SINKS_WINDOW[0]
     tab = torch.from_numpy(table)
     mod = (lambda b, h, i, j: tab[h, i, j]) if table.ndim == 3 else (lambda b, h, i, j: tab[i, j])
-    parts = _spy(monkeypatch, _fast, "_flash_parts")
+    parts = _spy(monkeypatch, _fast.sdpa, "_flash_parts")
     inputs = [_t(x).requires_grad_() for x in (q, k, v)]
     out = torch_attn.scaled_dot_product_attention(*inputs, mask_mod=mod, is_causal=True,
                                                   scale=0.3)
@@ -234,8 +236,8 @@ def _nan_where_no_key(monkeypatch) -> list:
         calls.append(bool((~allowed.any(-1)).any()))
         return torch.where(allowed.any(-1, keepdim=True), out, torch.nan)
 
-    monkeypatch.setattr(_fast, "CPU_SDPA_ZEROES_MASKED_ROWS", False)
-    monkeypatch.setattr(_fast.F, "scaled_dot_product_attention", kernel)
+    monkeypatch.setattr(_fast.sdpa, "CPU_SDPA_ZEROES_MASKED_ROWS", False)
+    monkeypatch.setattr(_fast.sdpa.F, "scaled_dot_product_attention", kernel)
     return calls
 
 
@@ -257,7 +259,7 @@ def test_runs_of_rows_with_a_mask_a_bias_and_mods(small_blocks, monkeypatch, nan
     devices gives every key and zeroes: the reference's output and gradients."""
     q, k, v, mask, bias, g = _mask_bias_inputs()
     calls = _nan_where_no_key(monkeypatch) if nan_kernel else []
-    runs = _spy(monkeypatch, _fast, "_sdpa_run")
+    runs = _spy(monkeypatch, _fast.sdpa, "_sdpa_run")
     for mods in ({"chunk_size": 8, "scale": 0.3}, {"alibi_slopes": np.array([0.5, 0.25]),
                                          "is_causal": True}):
         runs.clear()

@@ -1,10 +1,11 @@
 """Tests that kill the mutants of numpy_attn's backward passes and fast paths (docs/mutation.md).
 
-mutmut 3.8.1 on ``numpy_attn/backward.py``, ``_fast.py``, ``_blocked.py`` and ``_blocked_vjp.py``
-left these behaviours untested: each test below fails under at least one surviving mutant. The
-expected values come from outside numpy_attn: the float64 ``conformance.reference`` (its
-``attention`` and ``attention_vjp``), central differences of a float64 merge written here, or
-torch's autograd where noted; never numpy_attn against itself. Tiny shapes, NumPy only.
+mutmut 3.8.1 on ``numpy_attn/backward.py`` and ``_fast/`` (``__init__.py``, ``forward.py``,
+``backward.py``) left these behaviours untested: each test below fails under at least one
+surviving mutant. The expected values come from outside numpy_attn: the float64
+``conformance.cases.reference`` (its ``attention`` and ``attention_vjp``), central differences of a
+float64 merge written here, or torch's autograd where noted; never numpy_attn against itself. Tiny
+shapes, NumPy only.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import pytest
 from numerics import finite_differences
 
 import numpy_attn
-from conformance import reference
-from numpy_attn import _blocked, _fast
+from conformance.cases import reference
+from numpy_attn import _fast
 
 # ------------------------------------------------------------------------------------------
 # merge_attention_vjp
@@ -200,7 +201,7 @@ def test_vjp_bad_array_names_the_function_and_argument(position):
 
 
 # ------------------------------------------------------------------------------------------
-# The blocked VJP (_fast.fast_attention_vjp, _blocked_vjp.py): blocks shrunk to a few rows
+# The blocked VJP (_fast.fast_attention_vjp, _fast/backward.py): blocks shrunk to a few rows
 # ------------------------------------------------------------------------------------------
 
 
@@ -298,11 +299,9 @@ def test_the_fast_path_is_taken_unless_weights_or_dropout_are_asked_for(blocked)
 
 
 def test_half_precision_runs_the_blocks_in_float32(blocked, monkeypatch):
-    """float16 inputs: ``_blocked`` and ``_blocked_vjp`` get every array in the compute dtype,
-    float32 (``rules.compute_dtype``), the sinks and the VJP's extra columns included, and the
-    results come back in float16 within its tolerance of the float64 reference."""
-    from numpy_attn import _blocked_vjp
-
+    """float16 inputs: ``_fast.forward`` and ``_fast.backward`` get every array in the compute
+    dtype, float32 (``rules.compute_dtype``), the sinks and the VJP's extra columns included, and
+    the results come back in float16 within its tolerance of the float64 reference."""
     seen: dict[str, list[str]] = {"forward": [], "vjp": [], "grads": []}
 
     def record(real, where, count):
@@ -316,10 +315,10 @@ def test_half_precision_runs_the_blocks_in_float32(blocked, monkeypatch):
             return result
         return spy
 
-    monkeypatch.setattr(_blocked, "blocked_attention",
-                        record(_blocked.blocked_attention, "forward", 3))
-    monkeypatch.setattr(_blocked_vjp, "blocked_attention_vjp",
-                        record(_blocked_vjp.blocked_attention_vjp, "vjp", 4))
+    monkeypatch.setattr(_fast.forward, "blocked_attention",
+                        record(_fast.forward.blocked_attention, "forward", 3))
+    monkeypatch.setattr(_fast.backward, "blocked_attention_vjp",
+                        record(_fast.backward.blocked_attention_vjp, "vjp", 4))
     q, k, v, grad_out = _arrays((2, 17, 8), (2, 19, 8), 5, seed=6, dtype=np.float16)
     sinks = np.array([0.5, -1.0], np.float16)
     bias = np.linspace(-1, 1, 19).astype(np.float16)
@@ -407,17 +406,15 @@ def test_blocked_vjp_with_documents_that_skip_query_blocks(blocked, batch):
 def test_blocked_vjp_where_no_query_sees_any_key(blocked, monkeypatch, dtype):
     """Segment ids that never match: no key block has a query, so no tile runs at all; every
     gradient is 0, shaped like its input, computed in float32 and returned in ``dtype``."""
-    from numpy_attn import _blocked_vjp
-
     returned = []
-    real = _blocked_vjp.blocked_attention_vjp
+    real = _fast.backward.blocked_attention_vjp
 
     def spy(*args, **kwargs):
         result = real(*args, **kwargs)
         returned.append([(g.shape, g.dtype.name) for g in result[:3]])
         return result
 
-    monkeypatch.setattr(_blocked_vjp, "blocked_attention_vjp", spy)
+    monkeypatch.setattr(_fast.backward, "blocked_attention_vjp", spy)
     q, k, v, grad_out = _arrays((2, 3, 9, 4), (2, 3, 11, 4), 5, seed=10, dtype=dtype)
     ids = (np.zeros((2, 9), np.int32), np.ones((2, 11), np.int32))
     grads = numpy_attn.scaled_dot_product_attention_vjp(q, k, v, grad_out, segment_ids=ids)

@@ -5,30 +5,32 @@ overflow, token shuffling, the fused multi-head module, the ten sharp bits), so 
 the test. ``article_walkthrough.ipynb`` runs once per installed backend, its ``parameters``
 cell replaced as papermill would; ``sharp_bits.ipynb`` needs jax and torch. The kernel is this
 interpreter (``sys.executable -m ipykernel_launcher``), whatever kernelspecs are installed.
-Each run is a job of the suite's background lane (``background_lane``: the other core).
+The runs are marked ``slow``; a cell's time limit grows with the machine's load
+(``subprocesses.timeout``).
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
-from background_lane import LANE
+from subprocesses import timeout
 
 LEARN = Path(__file__).resolve().parent.parent / "learn"
 NOTEBOOKS = ("article_walkthrough.ipynb", "sharp_bits.ipynb")
 CELL_TIMEOUT_S = 120
+STARTUP_TIMEOUT_S = 60  # the kernel's start (nbclient's default)
 NEEDS = ("nbclient", "nbformat", "ipykernel")
 
 
 def _jax_cache() -> dict[str, str]:
-    """The harness's persistent JAX compilation cache (``conformance.backends.jax_cache_env``),
-    as JAX's environment variables: a second run compiles nothing."""
-    from conformance import backends
+    """The harness's persistent JAX compilation cache
+    (``conformance.running.backends.jax_cache_env``), as JAX's environment variables: a second
+    run compiles nothing."""
+    from conformance.running import backends
 
     return backends.jax_cache_env()
 
@@ -64,44 +66,29 @@ def execute(name: str, parameters: str | None = None) -> None:
         cell.source = parameters
     km = KernelManager(kernel_name="here", kernel_spec_manager=ThisInterpreter())
     try:
-        NotebookClient(nb, km=km, timeout=CELL_TIMEOUT_S,
+        NotebookClient(nb, km=km, timeout=round(timeout(CELL_TIMEOUT_S)),
+                       startup_timeout=round(timeout(STARTUP_TIMEOUT_S)),
                        resources={"metadata": {"path": str(LEARN)}}).execute()
     finally:  # nbclient leaves a kernel it was given running (0.1-0.7 GB each)
         if km.has_kernel:
             km.shutdown_kernel(now=True)
 
 
-def _walkthrough(backend: str) -> None:
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["numpy", "jax", "torch"])
+def test_the_article_walkthrough_runs_in_each_backend(backend):
     framework = {"numpy": "numpy", "jax": "jax", "torch": "torch"}[backend]
     if _missing(framework, "matplotlib"):
         pytest.skip(f"needs {framework} and matplotlib (pip install -r requirements-test.txt)")
     execute("article_walkthrough.ipynb", f'BACKEND = "{backend}"')
 
 
-def _sharp_bits() -> None:
+@pytest.mark.slow
+def test_the_sharp_bits_run_and_hold():
     missing = _missing("jax", "torch")
     if missing:
         pytest.skip(f"the sharp bits compare jax and torch: pip install {' '.join(missing)}")
     execute("sharp_bits.ipynb")
-
-
-#: The background lane's jobs (``background_lane``): each notebook's kernel runs on the other
-#: core while the suite goes on; a job's failure (or skip) is raised again in its test.
-BACKGROUND = {f"notebook: walkthrough in {b}": functools.partial(_walkthrough, b)
-              for b in ("numpy", "jax", "torch")} | {"notebook: sharp bits": _sharp_bits}
-
-
-@pytest.mark.parametrize("backend", [
-    pytest.param(b, marks=pytest.mark.background(f"notebook: walkthrough in {b}", mib=650))
-    for b in ("numpy", "jax", "torch")])
-def test_the_article_walkthrough_runs_in_each_backend(backend):
-    name = f"notebook: walkthrough in {backend}"
-    LANE.result(name, BACKGROUND[name])
-
-
-@pytest.mark.background("notebook: sharp bits", mib=650)
-def test_the_sharp_bits_run_and_hold():
-    LANE.result("notebook: sharp bits", BACKGROUND["notebook: sharp bits"])
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)

@@ -9,12 +9,11 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import zipfile
 from pathlib import Path
 
 import pytest
-from background_lane import LANE
+from subprocesses import timeout
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ("jax", "torch", "matplotlib", "hypothesis")
@@ -36,46 +35,24 @@ RULES_ONLY = (
     "std = set(sys.stdlib_module_names) | {'attention_rules'}; "
     "print(','.join(sorted(new - std)))"
 )
-IMPORTERS = ("numpy_attn", "conformance", "conformance.backends", "conformance.reference")
-CODES = ([_no_framework(m) for m in IMPORTERS] + [RULES_ONLY]
-         + [_no_other_backend(p) for p in BACKENDS if importlib.util.find_spec(p.split("_")[0])])
-
-
-def _fresh(codes: list[str]) -> dict[str, subprocess.CompletedProcess]:
-    """``python -c code`` in a fresh interpreter for each of ``codes``, 2 at a time."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def one(code: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              timeout=120)
-
-    with ThreadPoolExecutor(2) as pool:
-        return dict(zip(codes, pool.map(one, codes), strict=True))
-
-
-#: The background lane's job (``background_lane``): the fresh interpreters of the import
-#: checks, on the other core while the suite goes on.
-BACKGROUND = {"fresh interpreters": lambda: _fresh(CODES),
-              "the wheel": lambda: _wheel(Path(tempfile.mkdtemp(prefix="wheel-")))}
+IMPORTERS = ("numpy_attn", "conformance", "conformance.running.backends",
+             "conformance.cases.reference")
 
 
 def _run(code: str) -> str:
-    """``python -c code`` in a fresh interpreter (the lane's, or now when ``code`` is not in
-    its job); its stdout (a failure fails the test)."""
-    done = LANE.result("fresh interpreters", BACKGROUND["fresh interpreters"])
-    result = done[code] if code in done else _fresh([code])[code]
+    """``python -c code`` in a fresh interpreter; its stdout (a failure fails the test)."""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=timeout(120))
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
 
 
-@pytest.mark.background("fresh interpreters", mib=500)
 @pytest.mark.parametrize("module", IMPORTERS)
 def test_import_pulls_in_no_framework(module):
     loaded = _run(_no_framework(module))
     assert loaded == "", f"import {module} imported {loaded}"
 
 
-@pytest.mark.background("fresh interpreters", mib=500)
 def test_the_rules_import_the_standard_library_only():
     assert _run(RULES_ONLY) == "", "attention_rules imported a module outside the standard library"
     for path in sorted((ROOT / "attention_rules").glob("*.py")):  # and says so in its source
@@ -85,7 +62,6 @@ def test_the_rules_import_the_standard_library_only():
                 assert top in sys.stdlib_module_names, f"{path.name}: {line}"
 
 
-@pytest.mark.background("fresh interpreters", mib=500)
 @pytest.mark.parametrize("package", BACKENDS)
 def test_backends_import_no_other_backend(package):
     if package == "jax_attn":
@@ -107,30 +83,27 @@ def test_rules_and_backends_are_packaged():
 
 PACKAGES = ("attention_rules",) + BACKENDS + ("conformance",)
 SUBPACKAGES = ("conformance.spec", "conformance.peers", "conformance.context_parallel",
-               "conformance.teaching", "jax_attn.integrations", "torch_attn.integrations")
+               "conformance.teaching", "conformance.cases", "conformance.comparing",
+               "conformance.diagnosing", "conformance.running", "conformance.reporting",
+               "conformance.reporting.html", "jax_attn.integrations", "torch_attn.integrations")
 
 
 def _check(command: list[str], **kwargs) -> str:
-    """Run ``command`` (at most 120 s); its stdout (a failure fails the test)."""
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120, **kwargs)
+    """Run ``command`` (at most 120 s on a quiet machine); its stdout (a failure fails the
+    test)."""
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout(120),
+                            **kwargs)
     assert result.returncode == 0, f"{command}\n{result.stdout}\n{result.stderr}"
     return result.stdout
 
 
-@pytest.mark.background("the wheel", mib=200)
-def test_the_wheel_installs_and_runs_the_harness_outside_the_repository():
+def test_the_wheel_installs_and_runs_the_harness_outside_the_repository(tmp_path: Path):
     """The wheel, built from a copy of the sources, holds every package and subpackage,
     ``py.typed`` and the LICENSE; installed (no dependencies) into a fresh venv without system
     site packages, it runs ``python -m conformance`` from outside the repository. NumPy and
     ml_dtypes reach the venv through a ``.pth`` naming their directories: a plain directory in a
     ``.pth`` is added to ``sys.path`` without running the ``.pth`` files in it, so the editable
-    install of this project (a ``.pth`` with a finder, in the main environment) stays off.
-    Built and run by the background lane's job (``background_lane``)."""
-    LANE.result("the wheel", BACKGROUND["the wheel"])
-
-
-def _wheel(tmp_path: Path) -> None:
-    """The wheel test's work (above), in the folder ``tmp_path``."""
+    install of this project (a ``.pth`` with a finder, in the main environment) stays off."""
     src = tmp_path / "src"
     src.mkdir()
     for name in ("pyproject.toml", "README.md", "LICENSE"):

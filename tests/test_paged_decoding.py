@@ -3,7 +3,7 @@ paged KV cache equal the contiguous computation.
 
 The invariant: after appends of different lengths per sequence, a free and the reuse of its
 pages, decoding from the ``PagedKVCache`` equals the float64 reference over each sequence's
-keys (``conformance.reference``, never the code under test) and the backend's own attention
+keys (``conformance.cases.reference``, never the code under test) and the backend's own attention
 over a contiguous copy of them; a module decoding through a paged cache equals decoding through
 a ``KVCache`` and the full causal pass. ``SPLIT_KV`` is made small here (``_small_chunks``) so
 that a few keys make several chunks and the merge runs. Planted bugs (a page table off by one,
@@ -20,7 +20,8 @@ import pytest
 from test_kv_cache import _weights, mha_reference
 
 import attention_rules
-from conformance import reference, spec
+from conformance import spec
+from conformance.cases import reference
 
 HEADS, KV_HEADS, HEAD_DIM, V_DIM, BLOCK, NUM_BLOCKS = 4, 2, 8, 6, 4, 12
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -233,7 +234,7 @@ def test_jax_traced_table_compiles_and_an_out_of_range_page_reads_nan():
     jax = pytest.importorskip("jax")
 
     import jax_attn
-    from conformance import backends
+    from conformance.running import backends
 
     backend = backends.get("jax")
     cache, truth = _history(backend)

@@ -27,12 +27,16 @@ import pytest
 from harness_helpers import _expected
 
 import numpy_attn
-from conformance import alternatives, cases, peers, report, runner, spec
-from conformance.backends import DTYPES
-from conformance.expected import Expected
+from conformance import peers, spec
+from conformance.cases import catalogue as cases
+from conformance.cases.dtypes import DTYPES
+from conformance.cases.expected import Expected
+from conformance.comparing.results import Column, RunResult
+from conformance.diagnosing import alternatives
 from conformance.peers import keras_ops
-from conformance.peers.keras_worker import decode, encode
-from conformance.results import Column, RunResult
+from conformance.reporting import json_report, markdown, sections
+from conformance.running import keras_worker, runner
+from conformance.running.workers import decode, encode
 
 INSTALL = "pip install -e '.[peers]'"
 
@@ -88,7 +92,7 @@ def _one_keras_worker_at_a_time():
     """End the Keras workers a test started (about 0.4 GB each): each keras peer's test starts
     its own and ends it, so the run never holds all three."""
     yield
-    keras_ops.close_workers()
+    keras_worker.close_workers()
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in peers.PEERS))
@@ -135,7 +139,7 @@ def test_worker_messages_keep_dtype_and_bits() -> None:
     arrays = {"q": np.arange(6, dtype=np.float32).reshape(2, 3) / 7,
               "b": (np.arange(4) / 3).astype(ml_dtypes.bfloat16),
               "m": np.array([[True, False]])}
-    back, header = decode(encode(arrays, {"is_causal": True, "scale": 0.25}))
+    back, header = decode(encode((arrays, {"is_causal": True, "scale": 0.25})))
     assert header == {"is_causal": True, "scale": 0.25}
     for name, x in arrays.items():
         assert back[name].dtype == x.dtype and back[name].shape == x.shape
@@ -151,11 +155,11 @@ def test_a_keras_worker_that_cannot_start_is_unexpected_once() -> None:
         first = runner.run_peer_cell(bogus, _expected("self", "float32"))
         assert first.status == "unexpected"
         assert "cannot import Keras" in first.detail and "bogus" in first.detail
-        failed = keras_ops._WORKERS["bogus"]
+        failed = keras_worker._WORKERS["bogus"]
         second = runner.run_peer_cell(bogus, _expected("cross", "float32"))
-        assert second.status == "unexpected" and keras_ops._WORKERS["bogus"] is failed
+        assert second.status == "unexpected" and keras_worker._WORKERS["bogus"] is failed
     finally:
-        keras_ops._WORKERS.pop("bogus", None)
+        keras_worker._WORKERS.pop("bogus", None)
 
 
 # ------------------------------------------------------------------------------ hypotheses
@@ -190,13 +194,13 @@ def test_a_peer_that_gives_the_alternative_is_known_with_its_distance(tmp_path) 
     assert cell.status == "known" and cell.alternatives == ("top-left",)
     assert cell.ratio > 1e3 and 0.0 <= cell.alternative_ratio <= 1.0  # far from the spec
     text = f"known: top-left ({cell.alternative_ratio:.2f})"
-    assert report.cell_text(cell) == text
+    assert sections.cell_text(cell) == text
     result = RunResult([Column("jax.nn", "peer", peer=peer)], [cell], {},
                        [(cell.case, cell.dtype)])
-    data = report.to_dict(result)["cells"][0]
+    data = json_report.to_dict(result)["cells"][0]
     assert data["alternatives"] == ["top-left"]
     assert data["alternative_ratio"] == cell.alternative_ratio
-    report.write_markdown(result, tmp_path / "report.md")
+    markdown.write_markdown(result, tmp_path / "report.md")
     assert f"| {text} |" in (tmp_path / "report.md").read_text()
 
 
@@ -213,7 +217,7 @@ def test_a_broken_peer_is_unexpected_not_known() -> None:
     assert broken.alternatives == ("f32 softmax",)
     assert broken.ratio > 1.0 and broken.alternative_ratio > 1.0
     assert "f32 softmax" in broken.detail and not broken.failed  # peers never fail the run
-    assert re.fullmatch(r"unexp\. (inf|\S+)/(inf|\S+)", report.cell_text(broken))
+    assert re.fullmatch(r"unexp\. (inf|\S+)/(inf|\S+)", sections.cell_text(broken))
     assert runner.run_peer_cell(peer, _expected("self", "float64")).status == "known"
     assert runner.run_peer_cell(peer, _expected("bias", "float32")).status == "ok"
     zeros = _numpy_peer("jax.nn", lambda e: {"output": 0 * _attend(e)})  # covered, but wrong
@@ -239,7 +243,7 @@ def test_a_raise_is_known_only_when_an_entry_names_it() -> None:
         "known", ("v_dim error",), 0.0)
     other = runner.run_peer_cell(peer, _expected("self", "float64"))
     assert other.status == "unexpected" and "raised TypeError" in other.detail
-    assert report.cell_text(other) == "unexp. raised/-"
+    assert sections.cell_text(other) == "unexp. raised/-"
     wrong = runner.run_peer_cell(_numpy_peer("keras[jax]", raising(ValueError)),
                                  _expected("v_dim", "float64"))
     assert wrong.status == "unexpected" and "expected TypeError" in wrong.detail

@@ -1,11 +1,11 @@
 """The peers of issue 24: packed batches, chunked attention, ALiBi, segment ids and mods.
 
 ``torch.flex`` takes every new sdpa case (chunks, ALiBi, segment ids, the registry's mods, each
-written in torch by the adapter) and the packed cases as a document mask; ``jax.nn[lengths]``
-and ``onnxruntime[nonpad]`` take padding as lengths and the packed cases as a padded batch
-(``conformance.varlen_padding``). Each new path is pinned against the float64 reference (``ok``)
-or a verified known difference, every other peer is ``n/a`` on what it cannot express (never
-silently wrong), and planted bugs in the real adapters (ALiBi's sign, offsets off by one, key
+written in torch by the adapter) and the packed cases as a document mask; ``jax.nn[lengths]`` and
+``onnxruntime[nonpad]`` take padding as lengths and the packed cases as a padded batch
+(``conformance.cases.varlen_padding``). Each new path is pinned against the float64 reference
+(``ok``) or a verified known difference, every other peer is ``n/a`` on what it cannot express
+(never silently wrong), and planted bugs in the real adapters (ALiBi's sign, offsets off by one, key
 lengths off by one, queries not aligned) turn their cells ``unexpected``.
 """
 
@@ -17,10 +17,15 @@ import numpy as np
 import pytest
 
 import numpy_attn
-from conformance import alternatives, case_inputs, cases, peers, runner, varlen_padding
-from conformance.case_inputs import CaseData
-from conformance.expected import Expected, expected, expected_for
+from conformance import peers
+from conformance.cases import catalogue as cases
+from conformance.cases import inputs as case_inputs
+from conformance.cases import varlen_padding
+from conformance.cases.expected import Expected, expected, expected_for
+from conformance.cases.inputs import CaseData
+from conformance.diagnosing import alternatives
 from conformance.peers import inputs, jax_nn, onnx_attention, torch_flex
+from conformance.running import runner
 
 #: peer → {(case, dtype): status, or ("known", the shorts of the entries that explain it)}.
 PINNED = {

@@ -4,7 +4,7 @@ numpy_attn (threads over query blocks) and jax_attn (``lax.map`` over query bloc
 blocked computation for large inputs (``_fast.use_fast_path`` returns ``"blocked"``). These
 tests shrink the block size and the size threshold so small inputs exercise several blocks,
 causal/window segments and skipped blocks, and judge the blocked output against the float64
-``conformance.reference`` under the harness's one tolerance rule (``tests/numerics.py``: exact
+``conformance.cases.reference`` under the harness's one tolerance rule (``tests/numerics.py``: exact
 zeros for fully masked rows, NaN exactly where the spec's IEEE rule puts it), never against the
 same backend's explicit path. They also check which inputs stay on the explicit path (the
 weights, dropout, small or empty inputs), that dropout is applied where the blocked path would
@@ -27,7 +27,7 @@ from numerics import (
     assert_vjp_matches_reference,
 )
 
-from conformance import reference
+from conformance.cases import reference
 
 BACKENDS = ("numpy", "jax")
 

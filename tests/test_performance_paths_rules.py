@@ -18,6 +18,7 @@ import threading
 import numpy as np
 import pytest
 from numerics import assert_conforms, expected_values
+from subprocesses import timeout
 from test_performance_paths import BACKENDS, _check, _inputs, _module, _small_blocks
 
 from conformance import spec
@@ -189,5 +190,5 @@ def test_import_numpy_attn_imports_no_threadpoolctl_and_starts_no_thread():
         "print('threadpoolctl' in sys.modules, threading.active_count())"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            check=True, timeout=60)
+                            check=True, timeout=timeout(60))
     assert result.stdout.split() == ["False", "1"]

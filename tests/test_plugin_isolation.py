@@ -1,6 +1,6 @@
-"""A checked module runs isolated (``conformance.isolation``): adversarial modules, written as
-real files and checked through ``python -m conformance``'s ``main``, cannot end, hang or crash
-the run, nor change the arrays the other columns and the expected values share.
+"""A checked module runs isolated (``conformance.running.module_worker``): adversarial modules,
+written as real files and checked through ``python -m conformance``'s ``main``, cannot end, hang or
+crash the run, nor change the arrays the other columns and the expected values share.
 
 * ``sys.exit(0)`` in a call fails that cell (and the bad-input checks it meets); the worker
   survives and serves the rest of the run, in one process other than the harness's;
@@ -27,10 +27,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from subprocesses import timeout
 
 import numpy_attn
-from conformance import backends, cases, expected, golden, isolation, runner
+from conformance import golden
 from conformance.__main__ import main
+from conformance.cases import catalogue as cases
+from conformance.cases import expected
+from conformance.running import backends, module_worker, runner
 from conformance.usage import UsageError
 
 SDPA = "scaled_dot_product_attention"
@@ -220,8 +224,8 @@ def test_an_idle_worker_ends_itself_and_the_next_call_starts_a_new_one(
             log()
             return numpy_attn.{SDPA}(query, key, value, **kw)
     """)
-    monkeypatch.setattr(isolation.worker, "IDLE_EXIT_S", 0.3)
-    worker = isolation.Worker(name, timeout=10)
+    monkeypatch.setattr(module_worker, "IDLE_EXIT_S", 0.3)
+    worker = module_worker.Worker(name, timeout=timeout(10))
     sdpa = getattr(worker.view(), SDPA)
     q = np.arange(6.0).reshape(3, 2)
     want = numpy_attn.scaled_dot_product_attention(q, q, q)

@@ -1,5 +1,6 @@
-"""Checking a module of the user's: the contract (``conformance.plugins``), the focused verdict
-(``conformance.verdict``, ``conformance.shrink``), and the command line on a NumPy-only machine.
+"""Checking a module of the user's: the contract (``conformance.running.plugins``), the focused
+verdict (``conformance.reporting.terminal``, ``conformance.reporting.shrink``), and the command line
+on a NumPy-only machine.
 
 * a module defining ``scaled_dot_product_attention`` alone passes with a short report that
   lists what it does not provide once; declared-unsupported features and
@@ -25,11 +26,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from subprocesses import timeout
 
 import numpy_attn
-from conformance import backends, golden, plugins, report, runner, verdict
+from conformance import golden
 from conformance.__main__ import main
-from conformance.results import Cell, Column, RunResult
+from conformance.comparing.results import Cell, Column, RunResult
+from conformance.reporting import json_report, terminal
+from conformance.running import backends, plugins, runner
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Property examples where Hypothesis is installed (its absence is tested below).
@@ -95,7 +99,7 @@ def test_unsupported_and_not_implemented_are_not_failures(registered) -> None:  
     }
     assert result.ok and (result.properties is None) == (EXAMPLES == 0)
     assert result.properties is None or result.properties.passed
-    text = verdict.text(result)
+    text = terminal.text(result)
     assert text.startswith("PASS: fake_partial")
     assert "declared unsupported: softcap, float16" in text
     assert "raised NotImplementedError: 1 case(s): window" in text
@@ -198,12 +202,13 @@ def test_json_keeps_the_counts_of_every_peer_column() -> None:
     statuses = ["ok", "known", "n/a", "FAIL", "error", "ok"]
     cells = [Cell(f"case{i}", "float32", "some.peer", status=s, spec_backend=False)
              for i, s in enumerate(statuses)]
-    data = report.to_dict(RunResult([Column("some.peer", "peer")], cells, {}, []))
+    data = json_report.to_dict(RunResult([Column("some.peer", "peer")], cells, {}, []))
     assert data["peers"] == {"some.peer": {"ok": 2, "known": 1, "n/a": 1, "unexpected": 2}}
 
 
 def test_features_name_only_spec_features() -> None:
-    from conformance import cases, spec
+    from conformance import spec
+    from conformance.cases import catalogue as cases
 
     for case in cases.CASES:
         data = case.data()
@@ -251,7 +256,7 @@ def test_numpy_only_every_command_works_or_names_the_install(tmp_path: Path) -> 
         "repeat_torch": ["repeat", "--backend", "torch"],
     }
     proc = subprocess.run([sys.executable, "-c", _SHIM, json.dumps(list(commands.values()))],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout(120))
     assert proc.returncode == 0, proc.stderr
     got = dict(zip(commands, json.loads(proc.stdout.splitlines()[-1]), strict=True))
     for name in ("export", "numpy", "plugin", "check_numpy"):
@@ -280,6 +285,6 @@ def test_the_module_in_docs_checking_passes(registered) -> None:  # noqa: ANN001
                                             "scaled_dot_product_attention")})
     cases = ["self", "cross", "scale", "huge_logits", "nan_query", "mask_and_bias", "gqa"]
     result = runner.run(["doc_attention"], cases, ["float32", "float16"], hypothesis=0)
-    assert result.ok, verdict.text(result)
+    assert result.ok, terminal.text(result)
     assert {c.case for c in result.cells if c.status == "ok"} == {
         "self", "cross", "scale", "huge_logits", "nan_query"}

@@ -4,8 +4,7 @@ Runs of ``python -m pytest --pyargs conformance.suite`` in a subprocess (each wi
 limit) on the examples: a correct module passes and a wrong one fails with the harness's
 diagnosis and a reproducer, both under ``-n 2`` (pytest-xdist); ``-k`` selects exactly the
 items it names and ``--junitxml`` lists them; no module, or a module that supports nothing
-selected, is never a pass. Each run selects one or two cases × dtypes to stay short, and is a
-job of the suite's background lane (``background_lane``: it runs on the other core). The
+selected, is never a pass. Each run selects one or two cases × dtypes to stay short. The
 expected items and outcomes come from the harness's own run of the same module
 (``runner.run_cell``, ``runner.run_errors``), computed here in process: the plugin must agree
 with the report. In process, a ``Suite`` on module objects: the plugin contract (declared
@@ -21,7 +20,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import types
 import xml.etree.ElementTree as ET
 from contextlib import redirect_stdout
@@ -30,11 +28,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from background_lane import LANE
 from harness_helpers import NEEDS_HYPOTHESIS, _expected
+from subprocesses import timeout
 
-from conformance import backends, errors, runner
-from conformance.steps import steps_for
+from conformance.running import backends, errors, runner
+from conformance.running.steps import steps_for
 from conformance.suite import outcomes
 from conformance.suite.plugin import cell_scope
 
@@ -46,7 +44,7 @@ needs_xdist = pytest.mark.skipif(importlib.util.find_spec("xdist") is None,
 
 def run_suite(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None
               ) -> subprocess.CompletedProcess:
-    """``python -m pytest --pyargs conformance.suite ARGS`` (within 180 s).
+    """``python -m pytest --pyargs conformance.suite ARGS`` (within 180 s on a quiet machine).
 
     ``CI`` and ``BUILD_NUMBER`` are dropped from the environment: with either set, pytest prints
     each failure's whole message again in the short summary, so the counts below would depend
@@ -55,7 +53,7 @@ def run_suite(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None
     for name in ("CI", "BUILD_NUMBER"):
         env.pop(name, None)
     return subprocess.run([sys.executable, "-m", "pytest", *SUITE, *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=180)
+                          capture_output=True, text=True, timeout=timeout(180))
 
 
 def counts(out: str) -> dict[str, int]:
@@ -73,47 +71,12 @@ def module_backend(path: str) -> backends.Backend:
 # ------------------------------------------------------------------------------ subprocess
 
 
-def _junit_run() -> tuple[subprocess.CompletedProcess, Path]:
-    xml = Path(tempfile.mkdtemp(prefix="plugin-junit-")) / "report.xml"
-    return run_suite("--attention-backend", "examples.sdpa_only", "--attention-case", "gqa",
-                     "-k", "float32 and not weights and not grad", f"--junitxml={xml}"), xml
-
-
-def _nothing_checked_runs() -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
-    folder = Path(tempfile.mkdtemp(prefix="plugin-nothing-"))
-    no_module = run_suite("--attention-case", "seed_example", cwd=folder)
-    (folder / "nothing_supported.py").write_text(
-        'UNSUPPORTED = {"float64", "float32", "bfloat16", "float16", "errors"}\n\n\n'
-        "def scaled_dot_product_attention(query, key, value, **options):\n"
-        "    raise NotImplementedError\n")
-    env = {**os.environ, "ATTENTION_BACKEND": "nothing_supported"}
-    return no_module, run_suite("--attention-case", "seed_example", cwd=folder, env=env)
-
-
-#: The background lane's jobs (``background_lane``): each pytest run in its subprocess, on the
-#: other core while the suite goes on.
-BACKGROUND = {
-    "pytest plugin: a correct module": lambda: run_suite(
-        "--attention-backend", "examples.sdpa_only", "--attention-case", "seed_example",
-        "--attention-hypothesis", "20", "-n", "2"),
-    "pytest plugin: a wrong module": lambda: run_suite(
-        "--attention-backend", "examples.wrong_attention", "--attention-case", "padding",
-        "--attention-dtype", "float32", "-k", "test_cell", "-n", "2", "-rf"),
-    "pytest plugin: -k and --junitxml": _junit_run,
-    "pytest plugin: nothing checked": _nothing_checked_runs,
-}
-
-
-def _job(name: str) -> Any:
-    return LANE.result(name, BACKGROUND[name])
-
-
 @needs_xdist
-@pytest.mark.background("pytest plugin: a correct module", mib=600)
 def test_a_correct_module_passes_under_xdist() -> None:
     """examples.sdpa_only on seed_example, every dtype, ``-n 2``: exit 0, every step, bad
     input and property check the harness checks passes, the rest is skipped, none fails."""
-    result = _job("pytest plugin: a correct module")
+    result = run_suite("--attention-backend", "examples.sdpa_only", "--attention-case",
+                       "seed_example", "--attention-hypothesis", "20", "-n", "2")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     backend = module_backend("examples.sdpa_only")
     cells = [runner.run_cell(backend, _expected("seed_example", d)) for d in backends.DTYPES]
@@ -127,12 +90,13 @@ def test_a_correct_module_passes_under_xdist() -> None:
 
 
 @needs_xdist
-@pytest.mark.background("pytest plugin: a wrong module", mib=600)
 def test_a_wrong_module_fails_with_the_diagnosis_under_xdist() -> None:
     """examples.wrong_attention on padding in float32, ``-n 2``: exactly the steps the harness
     fails fail, each saying "mask polarity flipped" with the smallest failing case as a script
     and the harness's rerun command; the other items pass."""
-    result = _job("pytest plugin: a wrong module")
+    result = run_suite("--attention-backend", "examples.wrong_attention", "--attention-case",
+                       "padding", "--attention-dtype", "float32", "-k", "test_cell", "-n", "2",
+                       "-rf")
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     cell = runner.run_cell(module_backend("examples.wrong_attention"),
                            _expected("padding", "float32"))
@@ -152,11 +116,12 @@ def test_a_wrong_module_fails_with_the_diagnosis_under_xdist() -> None:
                      "padding --dtype float32 --backend examples.wrong_attention") == len(failing)
 
 
-@pytest.mark.background("pytest plugin: -k and --junitxml", mib=300)
-def test_k_selects_and_junitxml_lists_exactly_the_selected_items() -> None:
+def test_k_selects_and_junitxml_lists_exactly_the_selected_items(tmp_path: Path) -> None:
     """``-k`` on the ids (case-dtype-step) and ``--junitxml``: the XML's test cases are exactly
     the selected items, named as the ids say, all passing for a correct module."""
-    result, xml = _job("pytest plugin: -k and --junitxml")
+    xml = tmp_path / "report.xml"
+    result = run_suite("--attention-backend", "examples.sdpa_only", "--attention-case", "gqa",
+                       "-k", "float32 and not weights and not grad", f"--junitxml={xml}")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     chosen = {f"test_cell[gqa-float32-{s.name}]" for s in steps_for(_expected("gqa", "float32"))
               if "weights" not in s.name and "grad" not in s.name}
@@ -171,15 +136,19 @@ def test_k_selects_and_junitxml_lists_exactly_the_selected_items() -> None:
                        for n in chosen}
 
 
-@pytest.mark.background("pytest plugin: nothing checked", mib=300)
-def test_no_module_or_nothing_checked_is_never_a_pass() -> None:
+def test_no_module_or_nothing_checked_is_never_a_pass(tmp_path: Path) -> None:
     """No module named: one line, exit code 4, nothing run. A module that declares every dtype
     unsupported (and the bad inputs): every item skipped, said so, exit code 5."""
-    result, nothing = _job("pytest plugin: nothing checked")
+    result = run_suite("--attention-case", "seed_example", cwd=tmp_path)
     assert result.returncode == 4
     assert "ERROR: no module to check: give --attention-backend MODULE or set " \
            "ATTENTION_BACKEND=MODULE" in result.stderr
-    result = nothing
+    (tmp_path / "nothing_supported.py").write_text(
+        'UNSUPPORTED = {"float64", "float32", "bfloat16", "float16", "errors"}\n\n\n'
+        "def scaled_dot_product_attention(query, key, value, **options):\n"
+        "    raise NotImplementedError\n")
+    env = {**os.environ, "ATTENTION_BACKEND": "nothing_supported"}
+    result = run_suite("--attention-case", "seed_example", cwd=tmp_path, env=env)
     assert result.returncode == 5, result.stdout[-2000:]
     total = sum(len(steps_for(_expected("seed_example", d))) for d in backends.DTYPES)
     assert counts(result.stdout) == {"skipped": total + len(errors.ERROR_CASES) + 1}

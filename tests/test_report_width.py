@@ -18,10 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from conformance import backends, cases, peers, report, runner, spec, terminal, verdict
+from conformance import peers, spec
 from conformance.__main__ import main
-from conformance.compare import StepResult
-from conformance.results import (
+from conformance.cases import catalogue as cases
+from conformance.comparing.compare import StepResult
+from conformance.comparing.results import (
     BackendProperties,
     Cell,
     Column,
@@ -29,7 +30,9 @@ from conformance.results import (
     PropertyResult,
     RunResult,
 )
-from conformance.textwidth import fit_code, resolve_width
+from conformance.reporting import sections, terminal
+from conformance.reporting.textwidth import fit_code, resolve_width
+from conformance.running import backends, runner
 
 ROOT = Path(__file__).resolve().parents[1]
 LONG = ("the implementation treats True as 'masked out' where the spec's True means 'may "
@@ -108,7 +111,7 @@ def full() -> RunResult:
 
 
 def test_default_report_of_every_column_case_and_dtype_fits_100_columns(full: RunResult) -> None:
-    out = verdict.text(full)  # what `python -m conformance` prints (no checked module)
+    out = terminal.text(full)  # what `python -m conformance` prints (no checked module)
     assert _too_long(out, 100) == []
     lines = out.splitlines()
     assert lines[-1].startswith("FAIL: ") and "backend cells pass" in lines[-1]
@@ -156,12 +159,12 @@ def test_default_report_of_every_column_case_and_dtype_fits_100_columns(full: Ru
 
 
 def test_verbose_and_narrow_reports_fit_too(full: RunResult) -> None:
-    verbose = verdict.text(full, verbose=True)
+    verbose = terminal.text(full, verbose=True)
     assert _too_long(verbose, 100) == []
     assert "why: " + LONG[:40] in verbose  # today's detail: each failing step's diagnosis
     for width in (60, 140):
-        assert _too_long(verdict.text(full, width=width), width) == []
-        assert _too_long(verdict.text(full, verbose=True, width=width), width) == []
+        assert _too_long(terminal.text(full, width=width), width) == []
+        assert _too_long(terminal.text(full, verbose=True, width=width), width) == []
 
 
 def test_a_broken_reproducer_keeps_its_meaning() -> None:
@@ -228,7 +231,7 @@ def _missing_lines(monkeypatch: pytest.MonkeyPatch, hidden: list[str],
                    missing: dict[str, str]) -> list[str]:
     for name in hidden:  # importlib.util.find_spec gives None: not installed
         monkeypatch.setitem(sys.modules, name, None)
-    return report.missing_section(RunResult([], [], missing, [])).splitlines()
+    return sections.missing_section(RunResult([], [], missing, [])).splitlines()
 
 
 def test_one_install_line_per_missing_package(monkeypatch: pytest.MonkeyPatch) -> None:

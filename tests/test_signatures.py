@@ -87,14 +87,12 @@ RULE_MESSAGES = (  # the words of rule messages: only attention_rules writes the
 
 
 @pytest.mark.parametrize("package", BACKEND_PACKAGES)
-def test_backends_mirror_file_names(package):
-    reference = sorted(p.name for p in (ROOT / "numpy_attn").glob("*.py")
-                       if p.name != "_threads.py")  # numpy_attn alone runs its own threads
-    files = sorted(p.name for p in (ROOT / package).glob("*.py"))
-    extras = {"numpy_attn": {"_threads.py"}, "torch_attn": {"interop.py"}}.get(package, set())
-    assert sorted(set(files) - extras) == reference
-    for name in ("functional.py", "blockwise.py", "backward.py", "modules.py", "_fast.py"):
-        assert name in files, f"{package} lacks the mirrored {name}"
+def test_backends_have_the_mirrored_files(package):
+    """The public files every backend has (the whole set is ``tests/test_layout.py``'s), its
+    fast-path package, and ``py.typed``."""
+    for name in ("functional.py", "blockwise.py", "backward.py", "modules.py",
+                 "_fast/__init__.py"):
+        assert (ROOT / package / name).exists(), f"{package} lacks the mirrored {name}"
     assert (ROOT / package / "py.typed").exists()
 
 
@@ -102,7 +100,7 @@ def test_backends_mirror_file_names(package):
 def test_no_backend_defines_its_own_copy_of_a_rule(package):
     assert not (ROOT / package / "_checks.py").exists(), "the rules live in attention_rules"
     rules_api = set(attention_rules.__all__)
-    for path in sorted((ROOT / package).glob("*.py")):
+    for path in sorted((ROOT / package).rglob("*.py")):
         source = path.read_text(encoding="utf-8")
         tree = ast.parse(source)
         defined = {node.name for node in ast.walk(tree)
@@ -112,23 +110,29 @@ def test_no_backend_defines_its_own_copy_of_a_rule(package):
         for words in RULE_MESSAGES:
             assert words not in source, f"{path.name} writes the rule message {words!r}"
         imports = [node for node in ast.walk(tree) if isinstance(node, ast.Import)]
-        if path.name in ("functional.py", "blockwise.py", "backward.py", "_fast.py"):
+        name = path.relative_to(ROOT / package).as_posix()
+        if name in ("functional.py", "blockwise.py", "backward.py", "_fast/__init__.py"):
             assert any(a.name == "attention_rules" for node in imports for a in node.names), (
-                f"{path.name} does not use attention_rules"
+                f"{name} does not use attention_rules"
             )
 
 
 @pytest.mark.parametrize("pair", ["functional", "blockwise", "backward", "modules", "_fast"])
 def test_mirrored_files_define_the_same_helpers_in_the_same_order(pair):
     """Same function names in the same order in every backend (library-only extras allowed at
-    their own places): ``diff numpy_attn/X.py jax_attn/X.py`` shows library differences."""
+    their own places): ``diff numpy_attn/X.py jax_attn/X.py`` shows library differences. The
+    fast paths (``_fast/``) are each framework's own: only their entry points are common."""
 
     def names(package):
-        tree = ast.parse((ROOT / package / f"{pair}.py").read_text(encoding="utf-8"))
+        path = ROOT / package / ("_fast/__init__.py" if pair == "_fast" else f"{pair}.py")
+        tree = ast.parse(path.read_text(encoding="utf-8"))
         return [node.name for node in tree.body
                 if isinstance(node, ast.FunctionDef | ast.ClassDef)]
 
     common = set(names("numpy_attn")).intersection(*(names(p) for p in BACKEND_PACKAGES[1:]))
+    if pair == "_fast":  # the fast paths differ by nature; their entry points do not
+        assert {"use_fast_path", "fast_attention"} <= common
+        return
     orders = {p: [n for n in names(p) if n in common] for p in BACKEND_PACKAGES}
     assert orders["jax_attn"] == orders["numpy_attn"] == orders["torch_attn"], orders
     if pair in ("functional", "blockwise", "backward"):  # every helper in every backend
@@ -136,8 +140,6 @@ def test_mirrored_files_define_the_same_helpers_in_the_same_order(pair):
         for package in BACKEND_PACKAGES[1:]:
             missing = set(names("numpy_attn")) - set(names(package)) - numpy_only
             assert not missing, f"{package}/{pair}.py lacks numpy_attn's {sorted(missing)}"
-    if pair == "_fast":  # the fast paths differ by nature; their entry points do not
-        assert {"use_fast_path", "fast_attention"} <= common
 
 
 def test_module_methods_in_the_same_order():

@@ -9,6 +9,7 @@ partial results: ``tests/test_merge_attention.py``.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -31,7 +32,8 @@ from sinks_inputs import (
     to_backend,
 )
 
-from conformance import backends, reference
+from conformance.cases import reference
+from conformance.running import backends
 
 # ------------------------------------------------------------------------------------------
 # Forward and gradients against the float64 reference
@@ -153,8 +155,9 @@ SMALL_BLOCKS = {  # every backend's fast path taken by the small shapes, blocks 
     "jax": {"MIN_SCORES": 0, "MIN_Q_LEN": 2, "BLOCK_Q": 2, "BLOCK_KV": 3, "BLOCK_SCORES": 0},
     "torch": {"MIN_SCORES": 0, "MIN_Q_LEN": 1, "BLOCK_Q": 2, "BLOCK_KV": 3},
 }
-BLOCKED = {"numpy": ("_blocked", "blocked_attention"), "jax": ("_fast", "_blocked_attention_lse"),
-           "torch": ("_blocked", "blocked_attention")}  # what runs the blocks (sinks or lse)
+BLOCKED = {"numpy": ("_fast.forward", "blocked_attention"),
+           "jax": ("_fast", "_blocked_attention_lse"),
+           "torch": ("_fast", "blocked_attention")}  # what runs the blocks (sinks or lse)
 
 
 @pytest.fixture
@@ -164,7 +167,7 @@ def fast_path(backend, monkeypatch):
     for name, value in SMALL_BLOCKS[backend.name].items():
         monkeypatch.setattr(fast, name, value)
     where, name = BLOCKED[backend.name]
-    where = getattr(backend.module, where)
+    where = functools.reduce(getattr, where.split("."), backend.module)  # e.g. _fast.forward
     calls, real = [], getattr(where, name)
 
     def spy(*args, **kwargs):
@@ -372,7 +375,7 @@ def test_torch_never_hands_sinks_or_the_lse_to_sdpa(monkeypatch):
     def refused(*args, **kwargs):
         raise AssertionError("SDPA was called")
 
-    monkeypatch.setattr(_fast.F, "scaled_dot_product_attention", refused)
+    monkeypatch.setattr(_fast.sdpa.F, "scaled_dot_product_attention", refused)
     q, k, v, sinks = (torch.from_numpy(x) for x in (Q, K, V, SINKS))
     with pytest.raises(AssertionError, match="SDPA was called"):  # the spy works
         torch_attn.scaled_dot_product_attention(q, k, v)

@@ -2,7 +2,7 @@
 of a few query rows runs torch_attn's own matrix products (not ``scaled_dot_product_attention``)
 whatever the cache's length, as a fixed number of torch operations however many chunks the
 cache is cut into, and pages that lie in order in the pool are read in place. Every result is
-checked against the float64 ``conformance.reference`` (outputs and, in grad mode, the VJP);
+checked against the float64 ``conformance.cases.reference`` (outputs and, in grad mode, the VJP);
 the operation counts come from a ``TorchDispatchMode`` that records every aten call. Tiny
 shapes, torch only."""
 
@@ -13,7 +13,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from conformance import reference
+from conformance.cases import reference
 
 torch = pytest.importorskip("torch", reason="pip install torch==2.13.0")
 

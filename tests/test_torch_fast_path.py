@@ -3,7 +3,7 @@ selection rules, one mask and SDPA's own ``is_causal`` only top-left, no score-s
 bottom-right causal, fully masked rows and non-finite inputs as the spec says, half precision
 (correctly rounded float32 compute) and torch.compile.
 
-Expected values come from ``conformance.reference`` under the harness's tolerance rule
+Expected values come from ``conformance.cases.reference`` under the harness's tolerance rule
 (``tests/numerics.py``) or from ``numpy_attn`` in float64; never from torch_attn itself.
 """
 
@@ -114,8 +114,8 @@ def test_fast_path_calls_sdpa_with_one_mask_and_is_causal_only_when_top_left(mon
         calls.append(kwargs)
         return sdpa(*args, **kwargs)
 
-    # _fast's F only: torch's causal_lower_right dispatches on torch.nn.functional's own SDPA
-    monkeypatch.setattr(_fast, "F", types.SimpleNamespace(scaled_dot_product_attention=spy))
+    # sdpa.py's F only: torch's causal_lower_right dispatches on torch.nn.functional's own SDPA
+    monkeypatch.setattr(_fast.sdpa, "F", types.SimpleNamespace(scaled_dot_product_attention=spy))
     q, k, v = _qkv((1, 4, 3, 8), (1, 2, 5, 8))
     torch_attn.scaled_dot_product_attention(q, k, v, is_causal=True)  # top-left: SDPA's own
     assert calls[-1]["is_causal"] is True and calls[-1]["attn_mask"] is None
@@ -154,13 +154,13 @@ def test_bottom_right_causal_fast_path_builds_no_score_sized_mask(
     kw = {"is_causal": True, "causal_alignment": "bottom_right"}
     assert _selected(q, k, v) == "sdpa"
     made = []
-    real = _fast.causal_lower_right
+    real = _fast.sdpa.causal_lower_right
 
     def outside_the_mode(*size):  # an empty tensor subclass: torch makes none under a mode
         with _disable_current_modes():
             return real(*size)
 
-    monkeypatch.setattr(_fast, "causal_lower_right", outside_the_mode)
+    monkeypatch.setattr(_fast.sdpa, "causal_lower_right", outside_the_mode)
 
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -214,7 +214,7 @@ def test_sdpa_is_causal_is_top_left():
 
 def test_non_cpu_route_zeroes_rows_itself(monkeypatch):
     """The route taken off the CPU (rows given every key, output zeroed), exercised here."""
-    monkeypatch.setattr(_fast, "CPU_SDPA_ZEROES_MASKED_ROWS", False)
+    monkeypatch.setattr(_fast.sdpa, "CPU_SDPA_ZEROES_MASKED_ROWS", False)
     q, k, v = _qkv((2, 4, 6, 8), (2, 2, 9, 8), grad=True)
     mask = torch_attn.padding_mask(torch.tensor([0, 7]), 9)
     bias = torch.randn(2, 4, 6, 9, dtype=F64)
@@ -304,7 +304,7 @@ def test_torch_compile():
     mask = torch.tensor([True, False, True, True, True])[None].expand(3, 5).clone()
     mask[1] = False
     eager = torch_attn.scaled_dot_product_attention(q, k, v, mask=mask, is_causal=True)
-    fast = torch.compile(_fast._sdpa_attention, backend="aot_eager", fullgraph=True)
+    fast = torch.compile(_fast.sdpa._sdpa_attention, backend="aot_eager", fullgraph=True)
     out = fast(q, k, v, mask, None, True, "top_left", None, 0.5)
     torch.testing.assert_close(out, eager)
     assert torch.equal(out[..., 1, :], torch.zeros_like(out[..., 1, :]))

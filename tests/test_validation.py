@@ -1,6 +1,6 @@
 """Bad inputs raise the documented exception, with the same message in every backend.
 
-The bad inputs are ONE list, ``conformance.errors.ERROR_CASES`` (each names its rule of
+The bad inputs are ONE list, ``conformance.running.errors.ERROR_CASES`` (each names its rule of
 ``spec.ERRORS``, which gives the exception type). Each is checked once per backend, two ways:
 the harness's own judgement (``errors.check``, what ``python -m conformance`` reports) and what
 a user reads: the spec's exception type, a message that starts with the function and names the
@@ -16,7 +16,8 @@ import re
 import numpy as np
 import pytest
 
-from conformance import backends, errors, spec
+from conformance import spec
+from conformance.running import backends, errors
 
 F32 = np.float32
 FRAMEWORK_REPRS = re.compile(r"torch\.|Array\(|Tensor|tensor\(|dtype\(|Size\(|Traced<")

@@ -17,10 +17,13 @@ import pytest
 from harness_helpers import NEEDS_HYPOTHESIS, _expected
 
 import numpy_attn
-from conformance import backends, cases, diagnose, errors, plugins, properties, runner, verdict
-from conformance.expected import expected_for
-from conformance.results import Cell, Column, RunResult
-from conformance.shrink import shrink
+from conformance.cases import catalogue as cases
+from conformance.cases.expected import expected_for
+from conformance.comparing.results import Cell, Column, RunResult
+from conformance.diagnosing import diagnose
+from conformance.reporting import groups, terminal
+from conformance.reporting.shrink import shrink
+from conformance.running import backends, errors, plugins, properties, runner
 
 FN = "scaled_dot_product_attention"
 
@@ -84,7 +87,7 @@ def test_an_undeclared_bshd_module_is_diagnosed_with_the_fix(registered) -> None
                         hypothesis=0)
     status = {c.case: c.status for c in result.cells}
     assert status == {"self": "FAIL", "cross": "error", "scale": "error", "gqa": "unsupported"}
-    text = verdict.text(result)
+    text = terminal.text(result)
     first = text.splitlines()[0]
     assert first == 'FAIL: fake_bshd_no_layout: wrong layout, set LAYOUT = "bshd" (3 case(s))'
     assert "1. layout · fake_bshd_no_layout: 3 case(s) fail" in text
@@ -94,7 +97,7 @@ def test_an_undeclared_bshd_module_is_diagnosed_with_the_fix(registered) -> None
                UNSUPPORTED=DOC_UNSUPPORTED)
     fixed = runner.run(["fake_bshd_declared"], run_cases, ["float32"], check_errors=False,
                        hypothesis=0)
-    assert fixed.ok and verdict.layout_symptoms(fixed) == {}
+    assert fixed.ok and groups.layout_symptoms(fixed) == {}
 
 
 def test_a_bhsd_module_declaring_bshd_is_told_to_remove_it(registered) -> None:  # noqa: ANN001
@@ -103,7 +106,7 @@ def test_a_bhsd_module_declaring_bshd_is_told_to_remove_it(registered) -> None: 
     result = runner.run(["fake_bhsd_says_bshd"], ["cross", "gqa"], ["float32"],
                         check_errors=False, hypothesis=0)
     assert not result.ok
-    assert verdict.text(result).splitlines()[0] == (
+    assert terminal.text(result).splitlines()[0] == (
         'FAIL: fake_bhsd_says_bshd: wrong layout, remove LAYOUT = "bshd" (2 case(s))')
 
 
@@ -111,8 +114,8 @@ def test_a_module_with_other_bugs_gets_no_layout_diagnosis(registered) -> None: 
     registered("fake_scale_bug", scaled_dot_product_attention=_scale_over_sqrt_d)
     result = runner.run(["fake_scale_bug"], ["scale"], ["float32"], check_errors=False,
                         hypothesis=0)
-    assert verdict.layout_symptoms(result) == {}
-    assert verdict.text(result).splitlines()[0] == (
+    assert groups.layout_symptoms(result) == {}
+    assert terminal.text(result).splitlines()[0] == (
         "FAIL: fake_scale_bug: the custom scale is multiplied by 1/sqrt(head_dim) as well "
         "(1 case(s))")
 
@@ -159,7 +162,7 @@ def test_one_alignment_bug_is_one_group_finite_or_not(registered) -> None:  # no
     result = runner.run(["fake_always_bottom_right"], run_cases, ["float32"],
                         check_errors=False, hypothesis=0)
     assert {c.case for c in result.cells if c.status == "FAIL"} == set(run_cases)
-    found = verdict.groups(result)
+    found = groups.groups(result)
     assert [diagnose.short(reason) for _, _, reason in found] == ["wrong causal alignment"]
     assert {c.case for c in next(iter(found.values()))} == set(run_cases)
 
@@ -167,9 +170,9 @@ def test_one_alignment_bug_is_one_group_finite_or_not(registered) -> None:  # no
 def test_mask_polarity_with_a_nan_key_is_one_group() -> None:
     result = runner.run(["examples.wrong_attention"], ["padding", "nan_key_masked"],
                         ["float32"], check_errors=False, hypothesis=0)
-    found = verdict.groups(result)
+    found = groups.groups(result)
     assert [diagnose.short(reason) for _, _, reason in found] == ["mask polarity flipped"]
-    assert verdict.text(result).splitlines()[0] == (
+    assert terminal.text(result).splitlines()[0] == (
         "FAIL: examples.wrong_attention: mask polarity flipped (2 case(s))")
 
 
@@ -183,7 +186,7 @@ def test_a_cell_joins_the_group_its_most_shared_diagnosis_names() -> None:
              Cell("c", "float32", "m", "FAIL", reasons=[align + "; at other positions"]),
              Cell("d", "float32", "m", "FAIL", reasons=[nan])]
     result = RunResult([Column("m", "backend")], cells, {}, [(c.case, "float32") for c in cells])
-    found = verdict.groups(result)
+    found = groups.groups(result)
     assert {diagnose.short(r): sorted(c.case for c in got) for (_, _, r), got in found.items()} \
         == {"wrong causal alignment": ["a", "b", "c"], diagnose.short(nan): ["d"]}
 
@@ -290,7 +293,7 @@ def test_failing_bad_inputs_are_in_the_headline_and_the_count(registered) -> Non
     checked = [c for c in errors.ERROR_CASES if c.fn == FN]  # what the fake provides
     wrong = [c for c in checked if c.exception == "ValueError"]
     assert wrong and len(result.errors) == len(checked)
-    text = verdict.text(result)
+    text = terminal.text(result)
     assert " ".join(text.split("\n\n")[0].split()) == (  # the headline, wrapped to 100 columns
         "FAIL: fake_wrong_error_type: the custom scale is multiplied by 1/sqrt(head_dim) as "
         f"well (1 case(s)); bad inputs: {len(wrong)} of {len(checked)} raise the wrong type")

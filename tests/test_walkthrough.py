@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conformance import backends, compare
 from conformance.__main__ import main
+from conformance.comparing import compare
+from conformance.running import backends
 from conformance.spec import seed_example
 from conformance.spec.seed_example import ARTICLE_INCONSISTENT
 from conformance.teaching import walkthrough, walkthrough_steps
@@ -185,7 +186,7 @@ def test_the_feature_pictures_show_what_they_say():
     ``i // 4 == j // 4`` (and ``j <= i``); ALiBi's are ``softmax(−slope·(i − j))`` over
     ``j <= i``. Each picture is linked from the doc that explains its feature."""
     pytest.importorskip("matplotlib")
-    from conformance import reference
+    from conformance.cases import reference
     from conformance.teaching import pictures
 
     plain, with_sink = _drawn("sinks.png")

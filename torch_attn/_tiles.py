@@ -1,10 +1,11 @@
-"""The engine of torch_attn's tiles, unchecked: ``forward_tiles``, the online softmax over the
+"""The tile engine of torch_attn, unchecked: ``forward_tiles``, the online softmax over the
 tiles of a plan, and ``backward_tiles``, FlashAttention's backward per tile from the saved
-log-sum-exp (``blockwise.py`` explains both, validates and gives them their autograd Function,
-``BlockwiseFunction``; ``context_blocks.py`` runs them on pairs of chunks), with the scores,
-bias and masks of one tile; out of place, on the inputs' device.
+log-sum-exp, with the scores, bias and masks of one tile; out of place, on the inputs' device.
+``BlockwiseFunction`` (torch only) makes the two passes one autograd node. ``blockwise.py``
+explains them, validates and runs that Function; the fast path's ``"blocked"`` (``_fast``)
+runs it too, and ``context_blocks.py`` runs the two passes on pairs of chunks.
 
-Imports run one way: ``_core < _extras < _tiles < blockwise < ...`` (see ``_core.py``).
+Imports ``_arrays``, ``_masking`` and ``_steps`` (the ladder: ``_arrays.py``).
 """
 
 from __future__ import annotations
@@ -14,20 +15,9 @@ from typing import Any
 
 import torch
 
-from ._core import (
-    NEG_INF,
-    _add_alibi,
-    _groups,
-    _in_band,
-    _matmul_grouped,
-    _Mods,
-    _mods_allowed,
-    _mods_scores,
-    _softcap,
-    _sum_groups,
-    _sum_to_shape,
-    _to_compute,
-)
+from ._arrays import _groups, _to_compute
+from ._masking import _add_alibi, _in_band, _Mods, _mods_allowed, _mods_scores
+from ._steps import NEG_INF, _matmul_grouped, _softcap, _sum_groups, _sum_to_shape
 
 # ------------------------------------------------------------------------------------------
 # Forward and backward, unchecked
@@ -61,8 +51,8 @@ def forward_tiles(
         ``b`` is attended only if ``j < kv_lengths[b]``.
       plan: ``rules.plan``'s tiles; lo, hi: the band ``lo <= j - i <= hi``.
       scale: multiplies ``query @ keyᵀ``; softcap: ``softcap · tanh(s / softcap)`` or None.
-      mods: chunks, ALiBi, segment ids and the mods (``_extras._mods``), or None; a tile whose
-        ``partial`` has bit 2 (``_extras._plan_with_mods``) is masked by them.
+      mods: chunks, ALiBi, segment ids and the mods (``_masking._mods``), or None; a tile whose
+        ``partial`` has bit 2 (``_masking._plan_with_mods``) is masked by them.
 
     Returns:
       ``output (..., heads, q_len, v_dim)`` and ``lse (..., heads, q_len, 1)`` in the compute
@@ -189,6 +179,41 @@ def backward_tiles(
                 grad_s.transpose(-1, -2) @ q_scaled[..., rows, :], groups)
     grad_q *= scale
     return grad_q, grad_k, grad_v, grad_bias
+
+
+# ------------------------------------------------------------------------------------------
+# The tiles' autograd Function (torch only): forward and backward
+# ------------------------------------------------------------------------------------------
+
+
+class BlockwiseFunction(torch.autograd.Function):
+    """torch only: the tiles as one autograd node, ``BlockwiseFunction.apply(query, key, value,
+    bias, mask, kv_lengths, config)`` with ``config = (plan, lo, hi, scale, softcap)`` and the
+    arrays of ``forward_tiles``; returns its ``(output, lse)`` (compute dtype; lse ``+inf`` on
+    a row without a key: ``_steps._with_sinks`` gives the spec's ``-inf``), both
+    differentiable. Its backward recomputes every tile (``backward_tiles``)."""
+
+    @staticmethod
+    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                bias: torch.Tensor | None, mask: torch.Tensor | None,
+                kv_lengths: torch.Tensor | None, config: tuple, mods: _Mods | None = None) -> Any:
+        output, lse = forward_tiles(query, key, value, bias, mask, kv_lengths, *config, mods)
+        ctx.save_for_backward(query, key, value, bias, mask, kv_lengths, output, lse)
+        ctx.config, ctx.mods = config, mods
+        return output, lse
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor, grad_lse: torch.Tensor) -> Any:
+        query, key, value, bias, mask, kv_lengths, output, lse = ctx.saved_tensors
+        grad_q, grad_k, grad_v, grad_bias = backward_tiles(
+            query, key, value, bias, mask, kv_lengths, *ctx.config, output, lse, grad_output,
+            bias_needs_grad=ctx.needs_input_grad[3],
+            grad_lse=torch.where(torch.isinf(lse), 0.0, grad_lse),  # no row: no gradient
+            mods=ctx.mods,
+        )
+        grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
+        return grad_q.to(query.dtype), grad_k.to(key.dtype), grad_v.to(value.dtype), grad_bias, \
+            None, None, None, None
 
 
 # ------------------------------------------------------------------------------------------

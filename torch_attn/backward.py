@@ -16,8 +16,8 @@ import torch
 
 import attention_rules as rules
 
-from ._core import _array, _as_tensor, _describe, _to_numpy
-from ._extras import _describe_parts, _describe_segments, _mods, _segments
+from ._arrays import _array, _as_tensor, _describe, _describe_parts, _to_numpy
+from ._masking import _describe_segments, _mods, _segments
 from .functional import merge_attention, pipeline
 
 

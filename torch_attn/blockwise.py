@@ -17,8 +17,8 @@ arrays: the causal rule (both alignments), the sliding window and per-sequence k
 (``kv_lengths``) are evaluated per tile, and a tile that the causal rule or the window masks
 entirely is never computed. The backward pass keeps only the log-sum-exp ``lse = m + log l``
 of each row and recomputes every tile's weights as ``exp(s - lse)``: a custom
-``torch.autograd.Function`` (``BlockwiseFunction``), so autograd never stores a tile.
-``scaled_dot_product_attention``'s fast path (``_fast.py``) runs the same Function for large
+``torch.autograd.Function`` (``_tiles.BlockwiseFunction``), so autograd never stores a tile.
+``scaled_dot_product_attention``'s fast path (``_fast``) runs the same Function for large
 inputs with a soft-cap, a window or bottom-right causal with ``q_len != kv_len``, its boolean
 ``mask`` sliced per tile like the bias (torch only: the public functions here take none);
 ``context_parallel.py`` runs ``forward_tiles`` and ``backward_tiles`` on pairs of chunks.
@@ -32,15 +32,10 @@ import torch
 
 import attention_rules as rules
 
-from ._core import (
-    _array,
-    _as_tensor,
-    _describe,
-    _describe_lengths,
-    _Mods,
-)
-from ._extras import _describe_segments, _mods, _plan_with_mods, _segments, _with_sinks
-from ._tiles import backward_tiles, forward_tiles
+from ._arrays import _array, _as_tensor, _describe, _describe_lengths
+from ._masking import _describe_segments, _Mods, _mods, _plan_with_mods, _segments
+from ._steps import _with_sinks
+from ._tiles import BlockwiseFunction
 
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_KV = 1024
@@ -188,41 +183,6 @@ def blockwise_attention_vjp(
 
 
 # ------------------------------------------------------------------------------------------
-# The tiles' autograd Function (torch only): forward and backward (_tiles.py)
-# ------------------------------------------------------------------------------------------
-
-
-class BlockwiseFunction(torch.autograd.Function):
-    """torch only: the tiles as one autograd node, ``BlockwiseFunction.apply(query, key, value,
-    bias, mask, kv_lengths, config)`` with ``config = (plan, lo, hi, scale, softcap)`` and the
-    arrays of ``forward_tiles``; returns its ``(output, lse)`` (compute dtype; lse ``+inf`` on
-    a row without a key: ``_extras._with_sinks`` gives the spec's ``-inf``), both
-    differentiable. Its backward recomputes every tile (``backward_tiles``)."""
-
-    @staticmethod
-    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                bias: torch.Tensor | None, mask: torch.Tensor | None,
-                kv_lengths: torch.Tensor | None, config: tuple, mods: _Mods | None = None) -> Any:
-        output, lse = forward_tiles(query, key, value, bias, mask, kv_lengths, *config, mods)
-        ctx.save_for_backward(query, key, value, bias, mask, kv_lengths, output, lse)
-        ctx.config, ctx.mods = config, mods
-        return output, lse
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor, grad_lse: torch.Tensor) -> Any:
-        query, key, value, bias, mask, kv_lengths, output, lse = ctx.saved_tensors
-        grad_q, grad_k, grad_v, grad_bias = backward_tiles(
-            query, key, value, bias, mask, kv_lengths, *ctx.config, output, lse, grad_output,
-            bias_needs_grad=ctx.needs_input_grad[3],
-            grad_lse=torch.where(torch.isinf(lse), 0.0, grad_lse),  # no row: no gradient
-            mods=ctx.mods,
-        )
-        grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
-        return grad_q.to(query.dtype), grad_k.to(key.dtype), grad_v.to(value.dtype), grad_bias, \
-            None, None, None, None
-
-
-# ------------------------------------------------------------------------------------------
 # Arguments and the plan of tiles
 # ------------------------------------------------------------------------------------------
 
@@ -253,7 +213,7 @@ def _prepare(
     args: rules.Arguments, mods: _Mods | None = None,
 ) -> tuple:
     """The full-rank bias, the checked ``kv_lengths`` and the tiles to compute with their band,
-    without those ``mods`` mask entirely (``_extras._plan_with_mods``)."""
+    without those ``mods`` mask entirely (``_masking._plan_with_mods``)."""
     q_len, kv_len = query.shape[-2], key.shape[-2]
     if kv_lengths is not None:  # the range needs the values: checked here
         kv_lengths = _as_tensor(kv_lengths).to(query.device)  # torch: a mask, not an input

@@ -6,7 +6,7 @@ functions with their arrays and collectives):
 
 * ``attend_pair``: one query chunk against one key chunk, ``blockwise.py``'s tiles, giving the
   partial output and its log-sum-exp ``lse``; ``attend`` merges the pairs of a step into the
-  partial result (``_core._merge_partials``) and ``attend_backward`` adds their gradients;
+  partial result (``_steps._merge_partials``) and ``attend_backward`` adds their gradients;
 * the messages, ``torch.distributed`` on the ranks of a group (``Communicator``):
   ``ring_shift_start`` / ``ring_shift_finish`` (``batch_isend_irecv``), ``all_gather``,
   ``reduce_scatter``, ``all_to_all``.
@@ -27,9 +27,10 @@ import torch.distributed as dist
 import attention_rules as rules
 from attention_rules import context_parallel as cp
 
-from ._core import _to_compute
-from ._extras import _merge_partials
-from .blockwise import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, backward_tiles, forward_tiles
+from ._arrays import _to_compute
+from ._steps import _merge_partials
+from ._tiles import backward_tiles, forward_tiles
+from .blockwise import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q
 
 # ------------------------------------------------------------------------------------------
 # The per-block math: blockwise.py's tiles on a pair of chunks (merged by _merge_partials)

@@ -41,7 +41,7 @@ import attention_rules as rules
 from attention_rules import context_parallel as cp
 
 from . import context_blocks as blocks
-from ._core import (
+from ._arrays import (
     _array,
     _as_tensor,
     _describe,

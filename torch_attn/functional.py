@@ -5,7 +5,7 @@ dropout → weighted sum of values. Every step is a public function, so every in
 printed and compared; ``scaled_dot_product_attention`` validates its inputs once
 (``attention_rules``) and runs them all (``pipeline``: the same on arrays already validated). A
 public step checks its arguments in one call (``_checked_...``, at the end), then shows its math;
-the unchecked steps live in ``_core.py``, shared with the tiles and the fast path.
+the unchecked steps live in ``_steps.py``, shared with the tiles and the fast path.
 
 Precision: float16 and bfloat16 are computed in float32; float32 stays float32; float64 stays
 float64. Every function keeps its inputs' device and supports autograd (fully masked rows have
@@ -13,7 +13,7 @@ a gradient of exactly 0) and ``torch.compile``.
 
 Fast path: ``scaled_dot_product_attention`` hands what torch's fused
 ``torch.nn.functional.scaled_dot_product_attention`` computes exactly as the spec says to it
-(``_fast.py``: ``use_fast_path`` says when, ``fast_attention`` how).
+(``_fast``: ``use_fast_path`` says when, ``fast_attention`` how).
 """
 
 from __future__ import annotations
@@ -25,28 +25,17 @@ import torch
 import attention_rules as rules
 
 from . import _fast
-from ._core import (
+from ._arrays import _array, _check_scores, _describe, _describe_parts, _to_compute
+from ._masking import _allowed, _describe_segments, _in_band, _Mods, _mods, _segments
+from ._steps import (
     NEG_INF,
-    _allowed,
-    _array,
-    _check_scores,
-    _describe,
     _dropout,
-    _in_band,
     _keep_mask,
     _mask_scores,
-    _Mods,
+    _merge_attention,
     _output,
     _scores,
     _softmax,
-    _to_compute,
-)
-from ._extras import (
-    _describe_parts,
-    _describe_segments,
-    _merge_attention,
-    _mods,
-    _segments,
     _softmax_lse,
 )
 
@@ -220,9 +209,9 @@ def scaled_dot_product_attention(
     """Scaled dot-product attention: ``softmax(mask(q kᵀ · scale + bias)) @ v``.
 
     Uses torch's fused ``scaled_dot_product_attention`` where it follows the spec exactly
-    (see ``_fast.py``), the explicit step-by-step composition otherwise. SDPA has neither
+    (see ``_fast``), the explicit step-by-step composition otherwise. SDPA has neither
     sinks nor the log-sum-exp: with ``sinks`` or ``return_lse`` large inputs take the
-    blockwise tiles (``_fast.py``'s ``"blocked"``), small ones the explicit steps.
+    blockwise tiles (``_fast``'s ``"blocked"``), small ones the explicit steps.
 
     Args:
       query: ``(..., heads, q_len, head_dim)`` or ``(q_len, head_dim)``.
@@ -254,7 +243,7 @@ def scaled_dot_product_attention(
       score_mod: ``score_mod(score, batch, head, q_idx, kv_idx) -> score`` on tensors, after
         ALiBi (``spec.SCORE_MOD``; autograd runs through it).
       mask_mod: ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` (``spec.MASK_MOD``); large
-        inputs skip the blocks it masks entirely (``_fast.py``).
+        inputs skip the blocks it masks entirely (``_fast``).
 
     Returns:
       ``(..., heads, q_len, v_dim)`` in the input dtype, and, in this order, with
@@ -325,7 +314,7 @@ def pipeline(
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """The whole pipeline on validated arrays (``scaled_dot_product_attention`` after its
     checks): a fast path where ``_fast.use_fast_path`` selects one (it computes the same steps),
-    else the steps of ``_core`` one by one.
+    else the steps of ``_steps`` one by one.
 
     Args:
       query: ``(..., heads, q_len, head_dim)`` or ``(q_len, head_dim)``.
@@ -338,7 +327,7 @@ def pipeline(
       rng: ``torch.Generator`` for dropout without a keep-mask, or None (torch's global one).
       args: the options as ``rules.attention_arguments`` normalised them.
       sinks: ``(heads,)`` sink logits, or None.
-      mods: the chunk rule, ALiBi, segment ids and the mods (``_extras._mods``), or None.
+      mods: the chunk rule, ALiBi, segment ids and the mods (``_masking._mods``), or None.
 
     Returns:
       ``(..., heads, q_len, v_dim)`` in the input dtype, then with ``args.return_weights`` the

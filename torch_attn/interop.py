@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from torch import nn
 
-from ._core import _to_numpy
+from ._arrays import _to_numpy
 
 
 def weights_from_torch_multihead(mha: nn.MultiheadAttention) -> dict[str, np.ndarray]:

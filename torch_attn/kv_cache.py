@@ -21,7 +21,7 @@ import torch
 
 import attention_rules as rules
 
-from ._core import _as_tensor
+from ._arrays import _as_tensor
 from .functional import merge_attention, scaled_dot_product_attention
 from .paged import PagedKVCache, paged_cached_part, split_kv_attention
 

@@ -23,7 +23,7 @@ from torch import nn
 
 import attention_rules as rules
 
-from ._core import _as_tensor, _to_numpy
+from ._arrays import _as_tensor, _to_numpy
 from .backward import module_weight_grads
 from .functional import scaled_dot_product_attention
 from .kv_cache import KVCache, decode_step

@@ -29,7 +29,8 @@ import torch
 
 import attention_rules as rules
 
-from ._core import NEG_INF, _array, _as_tensor, _describe, _dtype_name, _softcap
+from ._arrays import _array, _as_tensor, _describe, _dtype_name
+from ._steps import NEG_INF, _softcap
 
 #: Bytes of pages copied at a time by ``paged_attention`` (at least one page): the keys of a
 #: chunk of 4,096 positions, 2 kv heads of 64 float32 (one copy and one product per chunk; 1 MiB

@@ -28,7 +28,7 @@ import torch
 import attention_rules as rules
 from attention_rules import varlen as varlen_rules
 
-from ._core import _array, _describe
+from ._arrays import _array, _describe
 from .functional import pipeline
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..compare import compare
+from ..comparing.compare import compare
 from .cases import DTYPE, STEPS, CPCase
 from .inputs import expected_values, layout, shard
 

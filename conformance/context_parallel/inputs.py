@@ -1,6 +1,6 @@
 """Context parallelism's inputs and expected values: a case's seeded arrays in natural order,
 laid out for the ranks (``attention_rules.context_parallel.positions``) and cut into shards, the
-keyword arguments of a call, and the float64 expected values (``conformance.expected``).
+keyword arguments of a call, and the float64 expected values (``conformance.cases.expected``).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import numpy as np
 
 from attention_rules import context_parallel as cp
 
-from ..cases import CaseData
-from ..expected import Expected, expected_for
+from ..cases.catalogue import CaseData
+from ..cases.expected import Expected, expected_for
 from .cases import BATCH, DTYPE, HEAD_DIM, SEED, CPCase
 
 

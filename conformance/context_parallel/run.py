@@ -3,7 +3,7 @@ gradients, against the float64 reference, for each world size and strategy, and 
 
 Each case is a small attention problem (``CASES``) whose inputs are laid out for the ranks
 (``attention_rules.context_parallel.positions``); the output and the gradients of query, key and
-value are compared with ``conformance.expected`` (float64 reference, the naive float32 baseline,
+value are compared with ``cases.expected`` (float64 reference, the naive float32 baseline,
 exact zeros on fully masked rows) by ``compare.compare``, the harness's one tolerance rule.
 
 * NumPy runs in this process (its ranks are simulated);

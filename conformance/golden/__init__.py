@@ -43,7 +43,7 @@ prints one line naming the file and exits with code 2), found before any backend
   ``parts`` an int in ``[1, MAX_PARTS]`` and its ``key_part`` ints ``(kv_len,)`` in
   ``[0, parts)``; a varlen case's offsets ``(N + 1,)`` ints from 0 to its tokens,
   non-decreasing, ``max_q``/``max_k`` at least the longest sequence; a mod option naming a mod
-  of ``conformance.mods`` with its parameters, its arrays and the slopes and segment ids shaped
+  of ``cases.mods`` with its parameters, its arrays and the slopes and segment ids shaped
   as their rule needs, and the ``table:`` arrays exactly the tabulation of the file's own mod
   (``packed``). ``check`` also requires ``meta``'s case and dtype to be those of the file's
   name.

@@ -9,12 +9,12 @@ from typing import Any
 
 import numpy as np
 
-from .. import cases as cases_mod
-from .. import steps as steps_mod
-from ..backends import BFLOAT16, DTYPES
-from ..cases import CaseData
-from ..expected import Expected
-from ..mods import ModError
+from ..cases import catalogue as cases_mod
+from ..cases.catalogue import CaseData
+from ..cases.dtypes import BFLOAT16, DTYPES
+from ..cases.expected import Expected
+from ..cases.mods import ModError
+from ..running import steps as steps_mod
 from ..usage import UsageError
 from . import packed
 from .untrusted import read_file, read_npz

@@ -14,11 +14,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import cases as cases_mod
-from .. import runner, spec
-from ..backends import DTYPES
-from ..expected import Expected, expected
-from ..results import RunResult
+from .. import spec
+from ..cases import catalogue as cases_mod
+from ..cases.dtypes import DTYPES
+from ..cases.expected import Expected, expected
+from ..comparing.results import RunResult
+from ..running import runner
 from .files import FORMAT, MAX_FILE_BYTES, READABLE_FORMATS, GoldenError, parse, save
 from .untrusted import read_file
 

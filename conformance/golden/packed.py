@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import mods
-from ..case_inputs import CaseData
+from ..cases import mods
+from ..cases.inputs import CaseData
 
 #: Option keys of a varlen case.
 VARLEN_OPTIONS = frozenset({"max_q", "max_k", "window_size", "enable_gqa", "scale", "softcap"})

@@ -17,7 +17,7 @@ adapters and what they cannot express:
                             batches, padded)
 ``keras_ops``               ``keras[numpy]``, ``keras[jax]``, ``keras[torch]``
                             (``keras.ops.dot_product_attention``), one worker process per Keras
-                            backend (``keras_worker``)
+                            backend (``running.keras_worker``)
 ``flax_nnx``                ``flax.nnx`` (``flax.nnx.dot_product_attention``)
 ``transformers_attention``  ``transformers.eager`` and ``transformers.sdpa``
 ``transformers_gpt_oss``    ``transformers.gpt_oss`` (GPT-OSS's ``eager_attention_forward``: the
@@ -28,10 +28,6 @@ adapters and what they cannot express:
                             packed batches, padded)
 ``inputs``                  a case's inputs in the peers' conventions (4-D, BTNH, joined masks,
                             n/a), shared by every adapter
-``background``              the command line's run: the torch, transformers and onnxruntime
-                            columns computed in one background worker process
-                            (``background_worker``), the keras requests queued up front, while
-                            the harness runs the other columns
 ==========================  =====================================================================
 
 A peer whose packages are not installed is reported as missing, with its install command, never
@@ -39,14 +35,17 @@ as an error.
 
 A peer is only an adapter: ``compute(exp)`` returns the steps it can give (``output``, sometimes
 ``output_weights`` or the row log-sum-exp ``lse``) as NumPy arrays, and ``runner.run_peer_cell``
-compares them like a backend's.
+compares them like a backend's. Where a peer's cells are computed is ``running``'s to decide:
+the command line's run (``running.room.Ahead``) computes the peers marked ``background`` (the
+torch, transformers and onnxruntime columns) in one background worker process and queues the
+keras requests (``submit``) up front, while the harness runs the other columns.
 Each adapter calls its framework the way its users do; where users call it two common ways
 that take different code paths, each way is a column (``torch.MHA`` and ``torch.MHA[sdpa]``,
 ``transformers.eager`` and ``transformers.sdpa``), or the adapter's docstring says which one it
 takes and why. A peer that cannot express a case raises ``NotApplicable`` (shown as "n/a"); a
 framework that defines the case but fails on it raises, and the cell says so. Where a peer
 differs from the spec, ``spec.KNOWN_DIFFERENCES`` says how and why, and names the alternative
-semantics that explain it; the harness computes that alternative (``conformance.alternatives``)
+semantics that explain it; the harness computes that alternative (``diagnosing.alternatives``)
 and the report shows "known: … (r)" only when the peer matches it (r: its worst ratio to the
 alternative), "unexp." otherwise. Peers never decide the exit code. To add a peer (a new
 column): write its ``compute`` function in a file of its own here, and add one ``Peer`` line to
@@ -62,7 +61,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..expected import Expected
+from ..cases.expected import Expected
 from ..usage import INSTALL, UsageError
 from . import (
     flax_nnx,
@@ -86,8 +85,12 @@ class Peer:
     compute: Callable[[Expected], dict[str, np.ndarray]]
     requires: tuple[str, ...] = ()  # further packages it needs
     #: Starts ``compute(exp)`` elsewhere and returns a function that waits for its result
-    #: (the keras workers); a run that computes ahead (``background``) submits every case.
+    #: (the keras workers); a run that computes ahead (``running.room.Ahead``) submits every
+    #: case.
     submit: Callable[[Expected], Callable[[], dict[str, np.ndarray]]] | None = None
+    #: True: a run that computes ahead computes its cells in the background peer worker
+    #: (``running.peer_worker``), which needs no JAX (docs/checking.md, "Processes of a run").
+    background: bool = False
 
     def available(self) -> bool:
         """True when the framework and every package of ``requires`` are installed (found
@@ -103,10 +106,11 @@ def install_command(*packages: str) -> str:
 
 
 PEERS: tuple[Peer, ...] = (
-    Peer("torch.sdpa", "torch", install_command("torch"), torch_nn.torch_sdpa),
-    Peer("torch.MHA", "torch", install_command("torch"), torch_nn.torch_mha),
-    Peer("torch.MHA[sdpa]", "torch", install_command("torch"), torch_nn.torch_mha_sdpa),
-    Peer("torch.flex", "torch", install_command("torch"), torch_flex.torch_flex),
+    Peer("torch.sdpa", "torch", install_command("torch"), torch_nn.torch_sdpa, background=True),
+    Peer("torch.MHA", "torch", install_command("torch"), torch_nn.torch_mha, background=True),
+    Peer("torch.MHA[sdpa]", "torch", install_command("torch"), torch_nn.torch_mha_sdpa,
+         background=True),
+    Peer("torch.flex", "torch", install_command("torch"), torch_flex.torch_flex, background=True),
     Peer("jax.nn", "jax", install_command("jax"), jax_nn.jax_nn),
     Peer("jax.nn[lengths]", "jax", install_command("jax"), jax_nn.jax_nn_lengths),
     Peer("keras[numpy]", "keras", install_command("keras"), keras_ops.keras_numpy,
@@ -117,15 +121,15 @@ PEERS: tuple[Peer, ...] = (
          ("torch",), functools.partial(keras_ops.keras_submit, "torch")),
     Peer("flax.nnx", "flax", install_command("flax", "jax"), flax_nnx.flax_nnx, ("jax",)),
     Peer("transformers.eager", "transformers", install_command("transformers", "torch"),
-         transformers_attention.transformers_eager, ("torch",)),
+         transformers_attention.transformers_eager, ("torch",), background=True),
     Peer("transformers.sdpa", "transformers", install_command("transformers", "torch"),
-         transformers_attention.transformers_sdpa, ("torch",)),
+         transformers_attention.transformers_sdpa, ("torch",), background=True),
     Peer("transformers.gpt_oss", "transformers", install_command("transformers", "torch"),
-         transformers_gpt_oss.transformers_gpt_oss, ("torch",)),
+         transformers_gpt_oss.transformers_gpt_oss, ("torch",), background=True),
     Peer("onnxruntime", "onnxruntime", install_command("onnxruntime", "onnx"),
-         onnx_attention.onnxruntime_attention, ("onnx",)),
+         onnx_attention.onnxruntime_attention, ("onnx",), background=True),
     Peer("onnxruntime[nonpad]", "onnxruntime", install_command("onnxruntime", "onnx"),
-         onnx_attention.onnxruntime_nonpad, ("onnx",)),
+         onnx_attention.onnxruntime_nonpad, ("onnx",), background=True),
 )
 
 

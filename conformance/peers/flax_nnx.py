@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import backends
-from ..expected import Expected
+from ..cases.expected import Expected
+from ..running import backends
 from .inputs import btnh, four_d, need, sdpa_case
 
 

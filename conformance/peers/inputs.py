@@ -5,7 +5,7 @@ into ``NotApplicable`` (the report's "n/a"), ``sdpa_case`` keeps the cases a ker
 all, and ``four_d`` gives the case's arrays as ``(batch, heads, seq, head_dim)`` with the
 boolean mask already joined with the causal rule and the window when the framework takes only
 an explicit mask; ``padding_lengths`` reads a padding mask back as lengths, for the frameworks
-that take padding that way (a packed batch's padded form is ``conformance.varlen_padding``).
+that take padding that way (a packed batch's padded form is ``conformance.cases.varlen_padding``).
 Nothing here imports a framework.
 """
 
@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from ..expected import Expected
-from ..mods import MOD_INPUTS, MOD_OPTIONS
-from ..results import NotApplicable
+from ..cases.expected import Expected
+from ..cases.mods import MOD_INPUTS, MOD_OPTIONS
+from ..comparing.results import NotApplicable
 
 
 def need(condition: bool, reason: str) -> None:
@@ -36,7 +36,7 @@ _KINDS = {"module": "has no equivalent of the spec's modules",
 
 
 #: What a framework lacks for each argument of ``spec.PIPELINE_WITH_MODS`` (the inputs and
-#: options of ``conformance.mods``); one that is not listed here is named as it is.
+#: options of ``conformance.cases.mods``); one that is not listed here is named as it is.
 _MOD_LACKS = {"chunk_size": "chunked local attention (chunk_size)",
               "alibi_slopes": "ALiBi (alibi_slopes)", "q_segment_ids": "segment ids",
               "kv_segment_ids": "segment ids", "mask_mod": "mask_mod or score_mod callables",

@@ -12,7 +12,7 @@ users pad: ``query_seq_lengths`` / ``key_value_seq_lengths`` (int32, ``(batch,)`
 code path (the padded query rows' outputs are multiplied by 0 afterwards). It takes the cases
 whose boolean mask is exactly a padding mask (``inputs.padding_lengths``: a prefix of keys, and
 of queries where the mask has a query axis; any other case is n/a) and the packed (``varlen``)
-cases, unpacked into a padded batch (``conformance.varlen_padding``, sequences left-aligned)
+cases, unpacked into a padded batch (``conformance.cases.varlen_padding``, sequences left-aligned)
 with their lengths: ``window_size (-1, 0)`` becomes ``is_causal=True`` and any other window
 ``local_window_size``, aligned top-left where each sequence's rule is bottom-right (they differ
 for a sequence with ``q_len != kv_len``); ``enable_gqa`` is implied by the heads.
@@ -31,8 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import backends, varlen_padding
-from ..expected import Expected
+from ..cases import varlen_padding
+from ..cases.expected import Expected
+from ..running import backends
 from .inputs import need, padding_lengths, padding_reason, sdpa_case
 
 PEER = "jax.nn.dot_product_attention"

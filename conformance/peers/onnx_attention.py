@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import varlen_padding
-from ..expected import Expected
+from ..cases import varlen_padding
+from ..cases.expected import Expected
 from .inputs import four_d, need, padding_lengths, padding_reason, sdpa_case
 
 #: The opset of the ``Attention`` node: 24, the newest that onnxruntime 1.32 runs with its CPU

@@ -16,7 +16,7 @@ The case maps onto FlexAttention's two hooks, written as its users write them (`
 boolean mask, the causal rule in the case's alignment and the window become one table that a
 ``mask_mod`` reads; the chunk rule (``(q_idx + offset) // C == kv_idx // C``), the segment ids
 (``q_ids[b, q_idx] == kv_ids[b, kv_idx]``, FlexAttention's document mask) and the case's
-``mask_mod`` (``conformance.mods``' registry, each rewritten here in torch from its definition,
+``mask_mod`` (``cases.mods``' registry, each rewritten here in torch from its definition,
 not taken from the harness) are ANDed with it (``create_block_mask``); soft-capping, the bias,
 ALiBi (``score - slope[h] · |q_idx + offset - kv_idx|``) and the case's ``score_mod`` become one
 ``score_mod`` in the spec's order (``spec.PIPELINE_WITH_MODS``), after the scale FlexAttention
@@ -42,8 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import backends
-from ..expected import Expected
+from ..cases.expected import Expected
+from ..running import backends
 from .inputs import four_d, need, sdpa_case
 
 Rule = Callable[..., Any]
@@ -56,7 +56,7 @@ def _full(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
 
 def _case_mask_mod(option: dict[str, Any], a: dict[str, np.ndarray],
                    target: tuple[int, ...]) -> Rule:
-    """The case's ``mask_mod`` (a name of ``conformance.mods.MASK_MODS``) written in torch."""
+    """The case's ``mask_mod`` (a name of ``conformance.cases.mods.MASK_MODS``) written in torch."""
     t = backends.torch_asarray
     name, off = option.get("name"), option.get("offset", 0)
     if name == "causal":

@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import backends
-from ..expected import Expected
+from ..cases.expected import Expected
+from ..running import backends
 from .inputs import need, sdpa_case
 
 # ------------------------------------------------------------------------------ torch SDPA

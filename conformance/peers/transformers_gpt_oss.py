@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import backends
-from ..expected import Expected
+from ..cases.expected import Expected
+from ..running import backends
 from .inputs import four_d, need, sdpa_case
 
 

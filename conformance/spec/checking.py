@@ -21,7 +21,7 @@ PLUGIN_CONTRACT = (
     "packed batches (varlen_attention) and chunk_size, alibi_slopes, segment_ids, score_mod "
     "and mask_mod (varlen, chunked, alibi, segments, score_mod, mask_mod). A mod reaches the "
     "module as a callable with FlexAttention's signature that works on NumPy, jax and torch "
-    "arrays (conformance.mods)."
+    "arrays (conformance.cases.mods)."
 )
 
 #: What a checked module may declare it does not support (``UNSUPPORTED = {...}``): each name,

@@ -1,7 +1,7 @@
 """Concurrency and determinism.
 
 What a caller may rely on when the same inputs come back, and when several threads call at once
-(a server, a data loader). ``conformance/repeat.py`` checks the bitwise promises of
+(a server, a data loader). ``conformance/running/repeat.py`` checks the bitwise promises of
 ``REPEATABLE`` for every backend.
 """
 
@@ -69,7 +69,7 @@ BLAS_LIMIT = (
     "nothing is changed (the blocks run in the calling thread)."
 )
 
-#: The bitwise-repeat promises the harness checks (``python -m conformance.repeat``), per
+#: The bitwise-repeat promises the harness checks (``python -m conformance repeat``), per
 #: backend: the same inputs give the same bits in these modes. ``sequential``: calls one after
 #: the other, each on a new copy of the inputs; ``threads``: the same calls from several threads
 #: at once, compared with the sequential results. The checked calls (REPEAT_CALLS) are

@@ -254,7 +254,7 @@ ERRORS.update({rule: kind for rule, kind in masks_and_mods.MASKS_AND_MODS_ERRORS
 #: result ``x`` passes against the float64 reference ``ref`` when
 #: ``|x - ref| <= atol + rtol·|ref| + k·e`` everywhere, where ``e`` is the largest error of a
 #: straightforward implementation in the same dtype on the same inputs, measured in the same
-#: run (``conformance.naive``): the float64 pipeline with every intermediate (dot products,
+#: run (``conformance.cases.naive``): the float64 pipeline with every intermediate (dot products,
 #: scaled scores, exp, row sums, weights, weighted sum) rounded to the dtype, and every dot
 #: product and row sum accumulated in the compute dtype, as a plain ``query @ keyᵀ`` does. For
 #: the weights, the output and the row log-sum-exp, ``e`` is never below the first-order effect

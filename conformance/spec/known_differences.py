@@ -25,7 +25,7 @@ with sinks it can express, so it has no entry. FlexAttention meets the spec on e
 ALiBi, segment-id, mod and packed case it can express (no sinks), in every dtype, so those have
 no entry either; the packed cases' differences are jax.nn's (``jax.nn[lengths]``: top-left,
 the float32 softmax and the lse fill, verified on the padded batch,
-``conformance.varlen_padding``) and ONNX's float64 and bfloat16 (``onnxruntime[nonpad]``).
+``conformance.cases.varlen_padding``) and ONNX's float64 and bfloat16 (``onnxruntime[nonpad]``).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ KNOWN_ALTERNATIVES = {
     "row to -inf)",
 }
 
-#: Every sdpa case of the harness, by name (``conformance.cases``).
+#: Every sdpa case of the harness, by name (``conformance.cases.catalogue``).
 _SDPA = (
     "self", "cross", "causal_top_left", "causal_bottom_right", "causal_top_left_q_longer",
     "causal_bottom_right_q_longer", "padding", "window", "window_causal_bottom_right", "bias",

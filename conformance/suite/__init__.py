@@ -15,6 +15,6 @@ a failing item's message is the harness's diagnosis and the smallest failing cas
                 ``Suite``
 ``checks``      the items, collected from its own file
 ``outcomes``    ``Suite``: what each item checks and says, with the harness's machinery
-                (``runner.run_cell``, ``run_errors``, ``properties``, ``shrink``, ``verdict``)
+                (``runner.run_cell``, ``run_errors``, ``properties``, ``shrink``, ``groups``)
 ==============  =========================================================================
 """

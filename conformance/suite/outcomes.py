@@ -7,21 +7,21 @@ it computes everything once and hands each item its ``Outcome``:
   ``Cell`` (``runner.run_cell`` on that one expectation, every applicable step at once), each
   computed once per process and shared by the cell's step items; the item passes or fails as
   its ``StepResult`` does (``runner.judge``: ``compare`` and ``diagnose``). A failing step says
-  the diagnosis, the first failure (``report.explain_step``), the smallest failing case
+  the diagnosis, the first failure (``explain_step``), the smallest failing case
   ``shrink.shrink`` finds for that step and diagnosis as a runnable script
   (``shrink.reproducer``) and the command that reruns the cell in the harness's report; a
-  failing sdpa cell of a checked module is also rerun transposed (``verdict.transposed``), and
-  when that passes the diagnosis is the wrong layout (``verdict.LAYOUT_REASONS``), not shrunk,
+  failing sdpa cell of a checked module is also rerun transposed (``groups.transposed``), and
+  when that passes the diagnosis is the wrong layout (``groups.LAYOUT_REASONS``), not shrunk,
   as in the verdict;
 * **a bad-input item**: ``runner.run_errors`` on the module, once per process, and the one
   ``ErrorResult`` of the item's ``errors.ERROR_CASES`` entry;
 * **the property item**: ``properties.run`` on ``runner.property_view`` of the module.
 
-The plugin contract applies as in the report: a cell, step or bad input that uses a feature
-the module declares in ``UNSUPPORTED`` (or that raised ``NotImplementedError``) is skipped with
-the reason, one that calls a function the module does not define is skipped as not provided,
-and a call that hangs or kills the module's worker fails (``isolation``). Standard library,
-NumPy and the harness only: ``checks`` turns outcomes into pytest's pass, skip and fail.
+The plugin contract applies as in the report: a cell, step or bad input that uses a feature the
+module declares in ``UNSUPPORTED`` (or that raised ``NotImplementedError``) is skipped with the
+reason, one that calls a function the module does not define is skipped as not provided, and a call
+that hangs or kills the module's worker fails (``running.module_worker``). Standard library, NumPy
+and the harness only: ``checks`` turns outcomes into pytest's pass, skip and fail.
 """
 
 from __future__ import annotations
@@ -33,17 +33,19 @@ from typing import Any
 
 import numpy as np
 
-from .. import backends as backends_mod
-from .. import cases as cases_mod
-from .. import errors as errors_mod
-from .. import plugins, properties, report, runner, verdict
-from ..backends import Backend
-from ..diagnose import short
-from ..expected import Expected, expected
-from ..isolation import DEFAULT_TIMEOUT_S, PluginFault, check_timeout
-from ..results import BackendProperties, Cell, ErrorResult, PropertyResult, StepResult
-from ..shrink import reproducer, shape_text, shrink
-from ..steps import STEPS, Execution, steps_for
+from ..cases import catalogue as cases_mod
+from ..cases.expected import Expected, expected
+from ..comparing.results import BackendProperties, Cell, ErrorResult, PropertyResult, StepResult
+from ..diagnosing.diagnose import short
+from ..reporting import groups
+from ..reporting.sections import explain_step
+from ..reporting.shrink import reproducer, shape_text, shrink
+from ..running import backends as backends_mod
+from ..running import errors as errors_mod
+from ..running import plugins, properties, runner
+from ..running.backends import Backend
+from ..running.module_worker import DEFAULT_TIMEOUT_S, PluginFault, check_timeout
+from ..running.steps import STEPS, Execution, steps_for
 from ..usage import UsageError
 
 PASSED, SKIPPED, FAILED = "passed", "skipped", "failed"
@@ -194,17 +196,17 @@ class Suite:
         return Outcome(FAILED, self.failure_text(cell, result))
 
     def layout_reason(self, case: str, dtype: str) -> str:
-        """``verdict.LAYOUT_REASONS``' text when the failing sdpa cell of a checked module
-        passes once rerun transposed (``verdict.transposed``), else ""; once per cell."""
+        """``groups.LAYOUT_REASONS``' text when the failing sdpa cell of a checked module
+        passes once rerun transposed (``groups.transposed``), else ""; once per cell."""
         key = (case, dtype)
         exp = self.expectation(case, dtype)
         if key not in self._layout:
             self._layout[key] = ""
             if self.backend.contract is not None and exp.kind == "sdpa":
-                other = verdict.transposed(self.backend)
+                other = groups.transposed(self.backend)
                 try:
                     if runner.run_cell(other, exp).status == "ok":
-                        self._layout[key] = verdict.LAYOUT_REASONS[self.backend.contract.layout]
+                        self._layout[key] = groups.LAYOUT_REASONS[self.backend.contract.layout]
                 finally:
                     other.release()
         return self._layout[key]
@@ -238,7 +240,7 @@ class Suite:
         name = short(layout or why) or (f"raised {result.error.split(':')[0]}" if result.error
                                          else "no diagnosis")
         lines = [f"{self.name} · {cell.case} · {cell.dtype} · {result.step}: {name}",
-                 report.explain_step(cell, result)]
+                 explain_step(cell, result)]
         if layout:
             lines += textwrap.wrap(f"why: {layout}", 96, subsequent_indent="  ")
         elif exp.kind == "sdpa":

@@ -15,9 +15,9 @@ but add its options (the harness is not even imported), so other test runs are u
   input, one for the property checks), collected from ``conformance/suite/checks.py``
   whenever pytest reaches that file (``--pyargs conformance.suite`` does);
 * **the module** is imported before the first item runs, as ``python -m conformance
-  --backend`` imports it: in a worker process (``isolation``), from the installed packages or
-  the directory pytest started in. No module given, one that does not import, or a bad option
-  is one line (``ERROR: …``, exit code 4) and nothing runs; ``--collect-only`` needs none;
+  --backend`` imports it: in a worker process (``running.module_worker``), from the installed
+  packages or the directory pytest started in. No module given, one that does not import, or a bad
+  option is one line (``ERROR: …``, exit code 4) and nothing runs; ``--collect-only`` needs none;
 * **xdist** (``-n auto``): every worker collects the same items; with xdist's default
   distribution (``load``) the items of one case × dtype go to one worker together (a scope
   per cell, ``CellScheduling``), so each cell is computed once;
@@ -50,8 +50,8 @@ NOTHING_CHECKED_EXIT = pytest.ExitCode.NO_TESTS_COLLECTED
 
 
 def seconds(text: str) -> float:
-    """The type of ``--attention-timeout``: seconds ``>= 0`` (``isolation``'s rule)."""
-    from ..isolation import seconds_argument
+    """The type of ``--attention-timeout``: seconds ``>= 0`` (``running.module_worker``'s rule)."""
+    from ..running.module_worker import seconds_argument
 
     return seconds_argument(text)
 
@@ -82,7 +82,7 @@ def load(config: pytest.Config) -> None:
     written first)."""
     if backend_name(config) is None:
         raise pytest.UsageError(missing_backend())
-    from ..plugins import PluginImportError
+    from ..running.plugins import PluginImportError
 
     try:
         suite_of(config).load()

@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from ..cases import CaseData
-from ..expected import Expected, expected_for
-from ..naive import Precision
+from ..cases.catalogue import CaseData
+from ..cases.expected import Expected, expected_for
+from ..cases.naive import Precision
 from ..spec import seed_example
 
 DTYPE = "float32"

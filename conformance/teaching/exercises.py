@@ -36,7 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import backends, compare, diagnose
+from ..comparing import compare
+from ..diagnosing import diagnose
+from ..running import backends
 from ..usage import INSTALL, UsageError, at_least
 from .exercise_catalogue import EXERCISES
 from .exercise_kit import DTYPE, TYPE_NAMES, Check, Exercise, is_native, to_backend, to_numpy

@@ -26,8 +26,9 @@ import textwrap
 
 import numpy as np
 
-from .. import backends, spec
-from ..compare import compare
+from .. import spec
+from ..comparing.compare import compare
+from ..running import backends
 from ..spec import seed_example
 from ..spec.seed_example import ARTICLE, ARTICLE_INCONSISTENT
 from ..usage import UsageError

@@ -4,7 +4,7 @@
 (numpy_attn and jax_attn load the article's weights from ``seed_example``; torch_attn draws them
 itself with ``torch.manual_seed(123)``, as the article does); ``expected_values`` gives the
 float64 value of every step and the error ``e`` of a naive float32 pipeline on the same inputs
-(``conformance.naive``), so each step is judged by the harness's rule (``compare``).
+(``conformance.cases.naive``), so each step is judged by the harness's rule (``compare``).
 ``SECTIONS`` lists the printed steps in the article's order; ``conformance.teaching.walkthrough``
 prints them. Heavy frameworks are imported inside the functions.
 """
@@ -17,9 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import backends, reference
-from ..expected import baseline_error
-from ..naive import EXACT, Precision, naive_attention
+from ..cases import reference
+from ..cases.expected import baseline_error
+from ..cases.naive import EXACT, Precision, naive_attention
+from ..running import backends
 from ..spec import seed_example
 
 BACKENDS = backends.SPEC_BACKENDS

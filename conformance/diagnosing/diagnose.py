@@ -1,0 +1,377 @@
+"""Why a spec backend failed a step, in plain words.
+
+``diagnose(exp, step, actual)`` asks every function of ``DIAGNOSES`` and joins what they say
+(``SEPARATOR``; ``split`` takes a joined text apart again, ``short`` names one diagnosis):
+
+* ``planted_mistake`` replays the reference with one classic mistake planted at a time
+  (``HYPOTHESES``: flipped mask polarity, the other causal alignment, ``h % kv_heads``
+  grouping, an ignored argument, a wrong custom scale …) and names the first that reproduces
+  the backend's result. On non-finite inputs the replay must reproduce the NaN pattern exactly
+  too (``compare``'s rule), so a NaN-handling bug is not mistaken for a planted one;
+* ``non_finite_rows`` explains NaN where the spec gives 0 or a finite value (fully masked rows,
+  softmax overflow), and NaN missing or spreading on the non-finite cases (the spec's IEEE rule);
+* ``mean_of_value`` recognises fully masked rows that give the mean of ``value``;
+* ``lse_mistakes`` names an lse in log2, fully masked rows whose lse is 0 or ``+inf`` (not
+  ``-inf``) and an lse that leaves the sink out; ``sink_in_numerator`` a sink whose term is
+  added to every weight's numerator too (it belongs to the denominator alone);
+* ``merge_mistakes`` (merge cases, after ``planted_mistake``: a part computed with a flipped mask
+  is a merge with a flipped mask) replays the merge of the parts' float64 attention with one
+  mistake at a time: ``exp(lse_i)`` without subtracting the largest lse (in the compute dtype,
+  where it overflows), partial lses in log2, the sinks left out of the merge;
+* ``paged_mistakes`` (paged cases) replays the contiguous attention over the pages a page table
+  read off by one page names (``block_table ± 1``);
+* ``diagnose_packed``: ALiBi's sign flipped, the chunk boundary shifted by one, a rule or mod
+  ignored (hypotheses) and a varlen case's offsets off by one (``varlen_mistakes``).
+
+A wrong layout (a ``(..., seq, heads, head_dim)`` module without ``LAYOUT = "bshd"``) needs the
+module itself, not one result: ``reporting.groups`` reruns the failing cells transposed.
+
+To add a diagnosis: a hypothesis (a change of the inputs or options that makes the reference
+commit the mistake) to ``HYPOTHESES``, or a function ``(exp, step, actual) -> str`` to
+``DIAGNOSES`` that looks at the result itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .. import spec
+from ..cases import reference
+from ..cases.catalogue import CaseData
+from ..cases.expected import Expected, pipeline
+from ..cases.inputs import contiguous, key_parts
+from ..comparing.compare import compare
+from .diagnose_packed import PACKED_HYPOTHESES, varlen_mistakes
+
+#: Joins the diagnoses of one step (a diagnosis itself may contain "; ").
+SEPARATOR = "; also: "
+
+#: ``(arrays, options) -> (arrays, options)`` with the mistake planted, or None if the case
+#: cannot show it.
+Hypothesis = Callable[[dict[str, np.ndarray], dict[str, Any]],
+                      "tuple[dict[str, np.ndarray], dict[str, Any]] | None"]
+
+
+def _flip_mask(a: dict, o: dict) -> tuple[dict, dict] | None:
+    return ({**a, "mask": ~np.asarray(a["mask"], bool)}, o) if a.get("mask") is not None else None
+
+
+def _other_alignment(a: dict, o: dict) -> tuple[dict, dict] | None:
+    if not (o.get("is_causal") or o.get("window")):
+        return None
+    bottom_right = o.get("causal_alignment", "top_left") == "bottom_right"
+    return a, {**o, "causal_alignment": "top_left" if bottom_right else "bottom_right"}
+
+
+def _gqa_modulo(a: dict, o: dict) -> tuple[dict, dict] | None:
+    q, k = a["query"], a["key"]
+    if q.ndim < 3 or k.shape[-3] in (1, q.shape[-3]):
+        return None
+    tile = [1] * k.ndim
+    tile[-3] = q.shape[-3] // k.shape[-3]  # query head h meets kv head h % kv_heads
+    return {**a, "key": np.tile(k, tile), "value": np.tile(a["value"], tile)}, o
+
+
+def _drop(name: str, default: Any = None) -> Hypothesis:
+    def hypothesis(a: dict, o: dict) -> tuple[dict, dict] | None:
+        if name in a:
+            return {k: v for k, v in a.items() if k != name}, o
+        if o.get(name) not in (None, default):
+            return a, {k: v for k, v in o.items() if k != name}
+        return None
+
+    return hypothesis
+
+
+def _scale_as(text: str, wrong: Callable[[float, int], float]) -> tuple[str, Hypothesis]:
+    """A hypothesis: the custom ``scale`` is used as ``wrong(scale, head_dim)``."""
+    def hypothesis(a: dict, o: dict) -> tuple[dict, dict] | None:
+        if o.get("scale") is None:
+            return None
+        return a, {**o, "scale": wrong(float(o["scale"]), a["query"].shape[-1])}
+
+    return text, hypothesis
+
+
+def _no_rescale(a: dict, o: dict) -> tuple[dict, dict] | None:
+    if not o.get("dropout_p"):
+        return None
+    return {**a, "value": np.asarray(a["value"], np.float64) * (1 - o["dropout_p"])}, o
+
+
+HYPOTHESES: tuple[tuple[str, Hypothesis], ...] = (
+    ("mask polarity flipped: the implementation treats True as 'masked out'; the spec's True "
+     "means 'may attend'", _flip_mask),
+    ("wrong causal alignment: the result matches the other alignment (top-left is offset 0, "
+     "bottom-right is offset kv_len - q_len)", _other_alignment),
+    ("wrong grouped-query mapping: query head h uses kv head h % kv_heads; the spec uses "
+     "h // (heads // kv_heads)", _gqa_modulo),
+    ("the mask is ignored", _drop("mask")),
+    ("the bias is ignored", _drop("bias")),
+    ("the custom scale is ignored (head_dim ** -0.5 used): the spec multiplies the scores by "
+     "the given scale alone", _drop("scale")),
+    _scale_as("the custom scale is multiplied by 1/sqrt(head_dim) as well: the spec multiplies "
+              "the scores by the given scale alone", lambda scale, d: scale * d ** -0.5),
+    _scale_as("the scores are divided by the custom scale: the spec multiplies them by it",
+              lambda scale, d: 1.0 / scale if scale else scale),
+    _scale_as("the custom scale is applied twice (scale ** 2, to query and to key): the spec "
+              "applies it once, to the scores", lambda scale, d: scale * scale),
+    ("soft-capping is skipped", _drop("softcap")),
+    ("the dropout keep-mask is ignored", _drop("dropout_mask")),
+    ("the window is ignored", _drop("window")),
+    ("the causal rule is ignored", _drop("is_causal", False)),
+    ("dropout survivors are not rescaled by 1 / (1 - dropout_p)", _no_rescale),
+    ("the sinks are ignored: each head's sink logit joins its rows' softmax denominator (a "
+     "module without sinks declares UNSUPPORTED = {'sinks'})", _drop("sinks")),
+    *PACKED_HYPOTHESES,  # ALiBi's sign, the chunk boundary, a rule or mod ignored
+)
+
+
+def planted_mistake(exp: Expected, step: str, actual: np.ndarray) -> str:
+    """The first hypothesis whose reference result the backend's result matches (NaN, ±inf
+    and the spec's exact zeros included; the spec's unspecified positions accept anything)."""
+    for text, hypothesis in HYPOTHESES:
+        variant = hypothesis(exp.data.arrays, exp.data.options)
+        if variant is None:
+            continue
+        try:
+            with np.errstate(all="ignore"):
+                alt = pipeline(CaseData(*variant), exp.kind, exp.dtype, naive=False)
+        except Exception:  # noqa: BLE001 - a hypothesis that cannot run explains nothing
+            continue
+        if step not in alt:
+            continue
+        res = compare(step, actual, alt[step], exp.baseline[step], exp.dtype,
+                      unspecified=exp.unspecified.get(step))
+        if res.passed and not np.array_equal(alt[step], exp.values[step], equal_nan=True):
+            return text
+    return ""
+
+
+def _free(exp: Expected, step: str, shape: tuple[int, ...]) -> np.ndarray:
+    unspecified = exp.unspecified.get(step)
+    return np.zeros(shape, bool) if unspecified is None else np.broadcast_to(unspecified, shape)
+
+
+def non_finite_rows(exp: Expected, step: str, actual: np.ndarray) -> str:
+    """NaN or Inf where the spec says otherwise, or no NaN where its IEEE rule requires one."""
+    ref = exp.values[step]
+    free = _free(exp, step, ref.shape)
+    if not exp.data.finite:
+        spread = np.isnan(actual) & ~np.isnan(ref) & ~free
+        missing = np.isnan(ref) & ~np.isnan(actual) & ~free
+        if spread.any():
+            return ("NaN reached positions the spec keeps finite: masking must replace a masked "
+                    "score by -inf (NaN + -inf is NaN), and a NaN reaches only the rows that "
+                    "attend it")
+        if missing.any():
+            if (actual[missing] == 0).all():
+                return ("a NaN/Inf input gave 0 where the spec's IEEE rule gives NaN (the row "
+                        "was treated like a fully masked row)")
+            return "a NaN/Inf input did not reach positions the spec's IEEE rule makes NaN"
+        return ""
+    if not (step.endswith("output") or step.endswith("weights")) or ref.ndim < 2:
+        return ""
+    empty = np.isneginf(exp.values["masked_scores"]).all(-1)  # (..., q_len)
+    nan_rows = np.isnan(actual).any(-1)  # (..., q_len)
+    if empty.any() and nan_rows.any() and (nan_rows <= np.broadcast_to(empty, nan_rows.shape)
+                                           ).all():
+        return ("fully masked rows give NaN (softmax of a row of -inf, 0 / 0); the spec gives "
+                "exactly 0")
+    if nan_rows.any() or np.isinf(actual[np.isfinite(ref)]).any():
+        masked = exp.values["masked_scores"]
+        big = np.nanmax(np.abs(np.where(np.isfinite(masked), masked, 0)))
+        if big > 80:
+            return (f"non-finite values with logits up to {big:.3g}: the softmax overflows (exp "
+                    "without subtracting the row maximum?)")
+        return "non-finite values where the reference is finite"
+    return ""
+
+
+def mean_of_value(exp: Expected, step: str, actual: np.ndarray) -> str:
+    """Fully masked rows that give the mean of ``value`` (uniform weights) instead of 0."""
+    if not step.endswith("output") or "masked_scores" not in exp.values:
+        return ""
+    ref = exp.values[step]
+    empty = np.isneginf(exp.values["masked_scores"]).all(-1)  # (..., heads, q_len)
+    if not empty.any() or not np.isfinite(actual).all():
+        return ""
+    heads = ref.shape[-3] if ref.ndim >= 3 else 1
+    v = reference.repeat_kv(np.asarray(exp.data.arrays["value"], np.float64), heads)
+    mean_v = np.broadcast_to(v.mean(-2, keepdims=True), ref.shape)
+    rows = np.broadcast_to(empty[..., None], ref.shape)
+    if np.allclose(actual[rows], mean_v[rows], rtol=1e-2, atol=1e-2):
+        return ("fully masked rows give the mean of value (uniform weights); the spec gives "
+                "exactly 0")
+    return ""
+
+
+def _matches(exp: Expected, step: str, actual: np.ndarray, alternative: np.ndarray,
+             rescale: bool = False) -> bool:
+    """``actual`` passes against ``alternative`` (a mistake replayed), which differs from the
+    spec's value; ``rescale``: the naive error scaled by how much larger the alternative's
+    values are (a mistake that reads garbage of 1e4 rounds like values of 1e4)."""
+    baseline = exp.baseline[step]
+    if rescale:
+        finite = np.isfinite(alternative) & np.isfinite(exp.values[step])
+        big = np.max(np.abs(alternative[finite]), initial=0.0)
+        baseline *= max(1.0, big / max(np.max(np.abs(exp.values[step][finite]), initial=0.0),
+                                       1e-30))
+    res = compare(step, actual, alternative, baseline, exp.dtype,
+                  unspecified=exp.unspecified.get(step))
+    return res.passed and not np.array_equal(alternative, exp.values[step], equal_nan=True)
+
+
+def lse_mistakes(exp: Expected, step: str, actual: np.ndarray) -> str:
+    """An lse step in log2 units, with fully masked rows at 0 or ``+inf``, or without the
+    sink."""
+    if not step.endswith("lse") or step.startswith("merge"):
+        return ""
+    ref = exp.values[step]
+    if _matches(exp, step, actual, ref * np.log2(np.e)):
+        return ("the lse is in log2 (log2-sum-exp2, as kernels keep it internally); the spec's lse "
+                "is the natural log: multiply by ln 2")
+    empty = np.isneginf(ref)
+    if empty.any() and np.isfinite(actual[~empty] - ref[~empty]).all() and (
+            (actual[empty] == 0) | (actual[empty] == np.inf)).all():
+        return ("fully masked rows give lse 0 or +inf; the spec gives -inf, so that a merge "
+                "gives such a part no weight")
+    if "sinks" in exp.data.arrays:
+        a, o = exp.data.arrays, exp.data.options
+        kept = {k: v for k, v in a.items() if k not in ("sinks", "grad_output")}
+        no_sink = pipeline(CaseData(kept, o), "sdpa", exp.dtype, naive=False)["lse"]
+        if _matches(exp, step, actual, no_sink):
+            return ("the lse leaves the sink out: it is the log of the denominator actually "
+                    "used, exp(sink) included")
+    return ""
+
+
+def sink_in_numerator(exp: Expected, step: str, actual: np.ndarray) -> str:
+    """With sinks: every allowed weight ``exp(s_ij - lse) + exp(sink - lse)`` instead of
+    ``exp(s_ij - lse)`` (the sink's term in the numerators too)."""
+    if "sinks" not in exp.data.arrays or step not in (
+            "output", "output_weights", "blockwise_output"):
+        return ""
+    a = exp.data.arrays
+    steps = reference.attention(**{k: v for k, v in a.items() if k in (
+        "query", "key", "value", "mask", "bias", "sinks")},
+        **{k: v for k, v in exp.data.options.items() if k != "dropout_p"})
+    lse = steps.lse[..., None]
+    w_sink = np.where(lse == -np.inf, 0.0,
+                      np.exp(reference.sink_column(a["sinks"], steps.weights.ndim) - lse))
+    weights = np.where(np.isneginf(steps.masked_scores), 0.0, steps.weights + w_sink)
+    heads = weights.shape[-3] if weights.ndim >= 3 else 1
+    value = reference.repeat_kv(np.asarray(a["value"], np.float64), heads)
+    alt = weights if step == "output_weights" else np.einsum("...qk,...kd->...qd", weights, value)
+    if _matches(exp, step, actual, alt):
+        return ("the sink's term is added to every weight's numerator too: the sink belongs to "
+                "the softmax denominator alone (it carries no value)")
+    return ""
+
+
+def _merge_replay(exp: Expected, lse_scale: float = 1.0, max_shift: bool = True,
+                  sinks: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """The merge of the parts' float64 attention with a mistake: partial lses times
+    ``lse_scale``, no largest lse subtracted (in the compute dtype), the sinks left out."""
+    a, o = exp.data.arrays, exp.data.options
+    results = [reference.attention(a["query"], part["key"], part["value"], mask=part.get("mask"),
+                                   bias=part.get("bias"), scale=o.get("scale"),
+                                   softcap=o.get("softcap"))
+               for part in key_parts(a, o["parts"])]
+    dtype = np.dtype(spec.COMPUTE_DTYPE[exp.dtype])
+    lse = np.stack([r.lse for r in results]).astype(dtype) * lse_scale  # (parts, ..., q_len)
+    m = lse.max(0) if max_shift else np.zeros(lse.shape[1:], dtype)
+    m = np.where(np.isfinite(m), m, 0.0).astype(dtype)
+    share = np.exp(lse - m)  # (parts, ..., q_len)
+    total = share.sum(0)
+    if sinks and "sinks" in a and not max_shift:
+        total = total + np.exp(reference.sink_column(a["sinks"], lse.ndim)[..., 0])  # scores' rank
+    out = sum(share[i][..., None] * r.output for i, r in enumerate(results))
+    if max_shift:  # a correct merge, then the sinks as MERGING applies them
+        total = np.where(total > 0, total, 1.0)
+        merged = np.where(share.sum(0) > 0, m + np.log(total), -np.inf)
+        out = out / total[..., None]
+        if sinks and "sinks" in a:
+            joined = np.logaddexp(merged, reference.sink_column(a["sinks"], out.ndim)[..., 0])
+            out = out * np.exp(merged - joined)[..., None]
+            merged = joined
+        return out, merged
+    return out / total[..., None], np.log(total) + m
+
+
+MERGE_MISTAKES = (
+    ("the merge does not subtract the largest lse: exp(lse_i) overflows for large logits and "
+     "gives 0/0 for rows whose parts are all empty", {"max_shift": False}),
+    ("the parts' lse are in log2 (or merged with exp2): the spec's lse is the natural log",
+     {"lse_scale": float(np.log2(np.e))}),
+    ("the merge leaves the sinks out: merge_attention applies them, once", {"sinks": False}),
+)
+
+
+def merge_mistakes(exp: Expected, step: str, actual: np.ndarray) -> str:
+    """A merge case's result that one replayed mistake (``MERGE_MISTAKES``) reproduces."""
+    if exp.kind != "merge":
+        return ""
+    for text, mistake in MERGE_MISTAKES:
+        if mistake.get("sinks") is False and "sinks" not in exp.data.arrays:
+            continue
+        out, lse = _merge_replay(exp, **mistake)
+        if _matches(exp, step, actual, out if step == "merge_output" else lse):
+            return text
+    return ""
+
+
+def paged_mistakes(exp: Expected, step: str, actual: np.ndarray) -> str:
+    """A paged case's result that the pages of ``block_table ± 1`` reproduce."""
+    for shift in (1, -1):
+        variant = CaseData(contiguous(exp.data.arrays, page_shift=shift), exp.data.options)
+        alt = pipeline(variant, "sdpa", exp.dtype, naive=False)
+        name = "lse" if step.endswith("lse") else "output"
+        if _matches(exp, step, actual, alt[name], rescale=True):
+            return (f"the page table is read off by one: page block_table[b, i] {shift:+d} "
+                    f"instead of block_table[b, i] (position j lives in row j % block_size of "
+                    f"page block_table[b, j // block_size])")
+    return ""
+
+
+DIAGNOSES: tuple[Callable[[Expected, str, np.ndarray], str], ...] = (
+    planted_mistake, non_finite_rows, mean_of_value, lse_mistakes, sink_in_numerator,
+)
+
+
+def diagnose(exp: Expected, step: str, actual: Any) -> str:
+    """Plain-words reasons for a failed step of an sdpa, merge or paged case ("" when none
+    applies)."""
+    if exp.kind not in ("sdpa", "merge", "paged", "varlen") or step not in exp.values:
+        return ""
+    actual = np.asarray(actual).astype(np.float64)
+    if actual.shape != exp.values[step].shape:
+        return ""
+    reasons = []
+    kinds = {"sdpa": DIAGNOSES, "merge": (planted_mistake, merge_mistakes),
+             "paged": (paged_mistakes,), "varlen": (varlen_mistakes,)}
+    for diagnosis in kinds[exp.kind]:
+        text = diagnosis(exp, step, actual)
+        if text and text not in reasons:
+            reasons.append(text)
+    return SEPARATOR.join(reasons)
+
+
+def split(reasons: str) -> list[str]:
+    """The single diagnoses of a text ``diagnose`` joined (``SEPARATOR``), in order."""
+    return [r for r in reasons.split(SEPARATOR) if r]
+
+
+def short(reason: str) -> str:
+    """The name of one diagnosis: its words before the first colon or semicolon (``wrong causal
+    alignment``); two cells with the same name show the same bug."""
+    return reason.split(":")[0].split(";")[0].strip()
+
+
+__all__ = ["DIAGNOSES", "HYPOTHESES", "MERGE_MISTAKES", "SEPARATOR", "diagnose", "lse_mistakes",
+           "mean_of_value", "merge_mistakes", "non_finite_rows", "paged_mistakes",
+           "planted_mistake",
+           "sink_in_numerator", "short", "split"]

@@ -1,0 +1,110 @@
+"""The planted mistakes of packed batches, chunked attention, ALiBi, segment ids and the mods,
+for ``conformance.diagnosing.diagnose``.
+
+``PACKED_HYPOTHESES`` join ``diagnose.HYPOTHESES`` (a change of an sdpa case's inputs or options
+that makes the float64 reference commit the mistake): ALiBi's sign flipped (``+slope · |i +
+offset - j|``), the chunk boundary shifted by one position (``(p ± 1) // C == (j ± 1) // C``:
+chunks ``[C - 1, 2C - 1)`` or ``[1, C + 1)``…, the shifted rule replayed as a ``table`` mask
+mod so that the blocked steps have a replay too), and each rule ignored (ALiBi, the chunk rule,
+the segment ids, ``mask_mod`` — by a blocked path that does not evaluate it on its tiles, say —
+and ``score_mod``). ``varlen_mistakes`` replays a varlen case with its offsets off by one
+(``cu_seq_q`` or ``cu_seq_k`` with every inner offset moved by ±1: a sequence that starts one
+token early or late).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..cases.expected import Expected, varlen_values
+from ..cases.inputs import CaseData
+from ..comparing.compare import compare
+
+
+def _without(*names: str) -> Callable[[dict, dict], Any]:
+    """The case without the arrays or options ``names`` (None when it has none of them)."""
+    def hypothesis(a: dict, o: dict) -> Any:
+        if not any(n in a or o.get(n) is not None for n in names):
+            return None
+        return ({k: v for k, v in a.items() if k not in names},
+                {k: v for k, v in o.items() if k not in names})
+
+    return hypothesis
+
+
+def _alibi_flipped(a: dict, o: dict) -> Any:
+    if "alibi_slopes" not in a:
+        return None
+    return {**a, "alibi_slopes": -np.asarray(a["alibi_slopes"])}, o
+
+
+def _chunk_shifted(shift: int) -> Callable[[dict, dict], Any]:
+    """The chunk rule with both positions moved by ``shift``, as a table mask mod."""
+    def hypothesis(a: dict, o: dict) -> Any:
+        chunk = o.get("chunk_size")
+        if chunk is None or o.get("mask_mod") is not None:
+            return None
+        q_len, kv_len = a["query"].shape[-2], a["key"].shape[-2]
+        offset = kv_len - q_len if o.get("causal_alignment") == "bottom_right" else 0
+        p = np.arange(q_len)[:, None] + offset + shift
+        j = np.arange(kv_len)[None, :] + shift
+        table = (p // chunk == j // chunk) & (p >= shift)
+        options = {k: v for k, v in o.items() if k != "chunk_size"}
+        return {**a, "mod_table": table[None, None]}, {**options, "mask_mod": {"name": "table"}}
+
+    return hypothesis
+
+
+_CHUNK_SHIFTED = ("the chunk boundary is shifted by one position: query position p (i + offset) "
+                  "and key j share a chunk when (p ± 1) // C == (j ± 1) // C; the spec's chunks "
+                  "are [0, C), [C, 2C), ... (p // C == j // C)")
+
+PACKED_HYPOTHESES = (
+    ("ALiBi's sign is flipped: the bias is +slope · |i + offset - j| (nearer keys weigh less); "
+     "the spec adds -slope · |i + offset - j|, flash-attention's alibi_slopes convention",
+     _alibi_flipped),
+    ("ALiBi is ignored", _without("alibi_slopes")),
+    (_CHUNK_SHIFTED, _chunk_shifted(1)),
+    (_CHUNK_SHIFTED, _chunk_shifted(-1)),
+    ("the chunk rule is ignored", _without("chunk_size")),
+    ("the segment ids are ignored", _without("q_segment_ids", "kv_segment_ids")),
+    ("the mask_mod is ignored (a blocked path must evaluate it on every tile it computes)",
+     _without("mask_mod")),
+    ("the score_mod is ignored", _without("score_mod")),
+)
+
+
+def shifted_offsets(cu_seq: np.ndarray, shift: int) -> np.ndarray:
+    """``cu_seq`` with every inner offset moved by ``shift``, kept in ``[0, total]`` and
+    non-decreasing (still valid offsets)."""
+    out = np.asarray(cu_seq).astype(np.int64).copy()
+    out[1:-1] = np.clip(out[1:-1] + shift, 0, out[-1])
+    return np.maximum.accumulate(out).astype(np.asarray(cu_seq).dtype)
+
+
+def varlen_mistakes(exp: Expected, step: str, actual: np.ndarray) -> str:
+    """A varlen case's result that offsets off by one (``cu_seq_q`` or ``cu_seq_k``, every
+    inner offset ±1) reproduce."""
+    if exp.kind != "varlen":
+        return ""
+    data = CaseData(exp.data.arrays, exp.data.options)
+    for name in ("cu_seq_q", "cu_seq_k"):
+        for shift in (1, -1):
+            moved = shifted_offsets(data.arrays[name], shift)
+            if np.array_equal(moved, data.arrays[name]):
+                continue
+            with np.errstate(all="ignore"):
+                alt = varlen_values(data, exp.dtype, **{name: moved}).get(step)
+            if alt is None or np.array_equal(alt, exp.values[step], equal_nan=True):
+                continue
+            if compare(step, actual, alt, exp.baseline[step], exp.dtype).passed:
+                return (f"the offsets are off by one: the result matches {name} with every "
+                        f"inner offset {shift:+d} (sequence i holds tokens cu_seq[i]:"
+                        f"cu_seq[i + 1], the offsets starting at 0)")
+    return ""
+
+
+__all__ = ["PACKED_HYPOTHESES", "shifted_offsets", "varlen_mistakes"]

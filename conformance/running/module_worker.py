@@ -1,0 +1,447 @@
+"""A checked module given by its dotted path runs in a worker process (``Worker``).
+
+A checked module ("plugin") runs isolated: it can neither change the harness's arrays nor end,
+hang or crash the run (``docs/checking.md``, "Isolation"). Every call is guarded (``guard``);
+a module given as a module object (the tests, the Python API) runs in the harness's process
+(``guard.local_view``), one given by its dotted path (``--backend mypkg.attention``) here: in
+one worker process (``workers.start``) for the whole run, each call within ``--timeout``
+seconds (``DEFAULT_TIMEOUT_S``, ``check_timeout``, ``seconds_argument``).
+
+* **one worker per module for the whole run**: started lazily, kept between calls, restarted
+  only after it was killed or died; it ends itself after ``IDLE_EXIT_S`` without a call (saying
+  so first, so a call sent at that moment is resent to a new worker) and when the harness
+  exits or is gone (a watching thread);
+* **time limit per call**: the harness waits ``Worker.timeout`` seconds for each answer
+  (``--timeout``; None: no limit); then it kills the worker and the call is a ``PluginFault``
+  with status "timeout" ("scaled_dot_product_attention did not return within 2 s"). A worker
+  that dies (``os._exit``, a segfault) is a ``PluginFault`` naming its exit code. Both are
+  ``fatal``: the next call starts a new worker;
+* **importing**: the worker (``serve``) imports the module by its path, with the harness's
+  ``sys.path``; its first message is the module's contract, or its import error: a missing
+  module or a broken contract is the same one-line ``UsageError`` as in-process, a failing
+  import a ``PluginImportError`` with the worker's traceback; the import may take
+  ``max(timeout, IMPORT_LIMIT_S)`` seconds;
+* **objects**: functions and classes are called by name (``RemoteObject``); an object a call
+  returns (a module instance, a KV cache) stays in the worker, which sends a ``Handle`` (its
+  number, type name and methods), and the harness holds a ``RemoteObject`` whose methods are
+  calls too; the worker forgets it when the harness drops the handle;
+* **exceptions** the module raises come back with their class name, module, nearest built-in
+  base class (``NotImplementedError`` stays one) and message (``exception_parts``); the harness
+  never unpickles a class of the module, so it never imports the module itself. Warnings are
+  ignored in the worker, as the harness runs every call of a backend.
+
+The runner turns a ``PluginFault`` into the cell's failure (status "error" or "timeout"), a
+failed bad-input check or a failed property check; the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import builtins
+import math
+import os
+import pickle
+import signal
+import subprocess
+import threading
+import time
+import traceback
+import types
+import warnings
+import weakref
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from ..usage import UsageError
+from . import plugins, workers
+from .guard import Guard, PluginFault
+
+#: Seconds one call of a checked module may take (``--timeout``; 0: no limit).
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def check_timeout(seconds: float) -> float | None:
+    """``--timeout``'s value as the worker's limit: None for 0 or infinity (no limit); a
+    negative, NaN or non-number value is a ``UsageError``."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or math.isnan(
+            seconds) or seconds < 0:
+        raise UsageError(f"--timeout is {seconds!r}; expected seconds >= 0 (0: no limit)")
+    return None if seconds == 0 or math.isinf(seconds) else float(seconds)
+
+
+def seconds_argument(text: str) -> float:
+    """The ``argparse`` type of ``--timeout``: seconds ``>= 0`` (0: no limit), otherwise
+    argparse's one-line error, exit code 2 (as ``usage.at_least`` for counts)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if math.isnan(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is below the minimum, 0 (0: no limit)")
+    return value
+
+
+#: Importing the module may take at least this long, whatever the per-call limit.
+IMPORT_LIMIT_S = 120.0
+#: A worker with no call for this many seconds ends itself (the next call starts a new one).
+IDLE_EXIT_S = 60.0
+_ENTRY = "conformance.running.module_worker:serve"
+
+
+# ---------------------------------------------------------------------------- the harness side
+
+
+_REBUILT: dict[tuple[str, str, type], type] = {}
+
+
+def _rebuilt(name: str, module: str, base_name: str, text: str) -> Exception:
+    """An exception of the worker, rebuilt: same class name and message, its built-in base."""
+    base = getattr(builtins, base_name, Exception)
+    if not (isinstance(base, type) and issubclass(base, Exception)):
+        base = Exception
+    cls = _REBUILT.get((name, module, base))
+    if cls is None:
+        def init(self: BaseException, message: str) -> None:
+            BaseException.__init__(self, message)
+
+        def text_of(self: BaseException) -> str:
+            return str(self.args[0])
+
+        try:
+            cls = type(name, (base,), {"__module__": module, "__init__": init,
+                                       "__str__": text_of})
+        except TypeError:  # a base that cannot be subclassed
+            cls = type(name, (Exception,), {"__module__": module, "__str__": text_of})
+        _REBUILT[(name, module, base)] = cls
+    return cls(text)
+
+
+class _Bye(Exception):
+    """The worker ended itself (idle) before reading the request: resend to a new one."""
+
+
+class Worker:
+    """The worker process of one checked module, seen from the harness (module docstring)."""
+
+    def __init__(self, path: str, timeout: float | None = None) -> None:
+        self.path = path
+        self.timeout = timeout  # seconds per call; None: no limit
+        self.contract: plugins.Contract | None = None
+        self.entries: dict[str, tuple[str, ...]] = {}
+        self.generation = 0  # how many workers were started
+        self.pid: int | None = None
+        self._process: subprocess.Popen | None = None
+        self._conn: Connection | None = None
+        self._stopper: weakref.finalize | None = None
+        self._lock = threading.Lock()
+        self._held: weakref.WeakValueDictionary[int, RemoteObject] = (
+            weakref.WeakValueDictionary())
+        self._dropped: list[int] = []
+
+    # -- the process ----------------------------------------------------------------------
+
+    def _start(self) -> None:
+        process, conn = workers.start(_ENTRY, self.path, str(IDLE_EXIT_S))
+        stopper = weakref.finalize(self, workers.stop, process, conn)
+        limit = None if self.timeout is None else max(self.timeout, IMPORT_LIMIT_S)
+        try:
+            if not conn.poll(limit):
+                raise UsageError(f"importing {self.path!r} did not finish within {limit:g} s")
+            reply = workers.receive(conn)
+        except (EOFError, OSError):
+            stopper()
+            raise UsageError(f"importing {self.path!r} ended its worker process (exit code "
+                             f"{process.returncode})") from None
+        except BaseException:
+            stopper()
+            raise
+        if reply[0] != "ready":
+            stopper()
+            if reply[0] == "import":
+                raise plugins.PluginImportError(self.path, reply[1])
+            raise UsageError(reply[1])
+        self.contract = self.contract or reply[1]
+        self.entries = self.entries or reply[2]
+        self._process, self._conn, self._stopper = process, conn, stopper
+        self.generation += 1
+        self.pid = process.pid
+        self._held = weakref.WeakValueDictionary()
+        self._dropped = []
+
+    def stop(self) -> None:
+        """End the worker process now (the next call starts a new one)."""
+        if self._stopper is not None:
+            self._stopper()
+        self._process = self._conn = self._stopper = None
+
+    def start(self) -> None:
+        """Start the worker unless it runs (the first start may raise ``UsageError``)."""
+        if self._process is None or self._process.poll() is not None:
+            self.stop()
+            self._start()
+
+    def _exit_code(self) -> str:
+        process = self._process
+        try:
+            if process is not None:
+                process.wait(2)
+        except subprocess.TimeoutExpired:
+            pass
+        self.stop()
+        code = process.returncode if process is not None else None
+        if code is not None and code < 0:
+            try:
+                return f"{code} ({signal.Signals(-code).name})"
+            except ValueError:
+                pass
+        return str(code)
+
+    # -- one call -------------------------------------------------------------------------
+
+    def _outgoing(self, x: Any) -> Any:
+        if isinstance(x, RemoteObject):
+            if isinstance(x.handle, str):
+                return x.handle
+            if x.generation != self.generation:
+                raise PluginFault(f"{x.label} was made by a worker process that has ended "
+                                  f"since")
+            return x.handle
+        if type(x) in (tuple, list):
+            return type(x)(self._outgoing(v) for v in x)
+        if type(x) is dict:
+            return {k: self._outgoing(v) for k, v in x.items()}
+        return x
+
+    def _incoming(self, x: Any) -> Any:
+        if isinstance(x, Handle):
+            held = self._held.get(x.number)
+            if x.number in self._dropped:  # dropped, but not yet forgotten by the worker
+                self._dropped.remove(x.number)
+            if held is None:
+                held = RemoteObject(self, x, x.label, x.methods)
+                self._held[x.number] = held
+                weakref.finalize(held, self._dropped.append, x.number)
+            return held
+        if type(x) in (tuple, list):
+            return type(x)(self._incoming(v) for v in x)
+        if type(x) is dict:
+            return {k: self._incoming(v) for k, v in x.items()}
+        return x
+
+    def _answer(self, data: bytes, label: str) -> tuple[Any, ...]:
+        """Send one request and wait for its answer, within the time limit."""
+        conn = self._conn
+        try:
+            conn.send_bytes(data)
+        except OSError:
+            pass  # the worker is gone: what it said last (bye?) or EOF tells why
+        if not conn.poll(self.timeout):
+            self.stop()
+            raise PluginFault(f"{label} did not return within {self.timeout:g} s "
+                              f"(--timeout {self.timeout:g})", status="timeout", fatal=True)
+        try:
+            reply = workers.receive(conn)
+        except (EOFError, OSError, pickle.UnpicklingError):
+            raise PluginFault(f"the worker process died with exit code {self._exit_code()} in "
+                              f"{label}", fatal=True) from None
+        if reply[0] == "bye":
+            raise _Bye
+        return reply
+
+    def call(self, target: RemoteObject, method: str | None, args: tuple[Any, ...],
+             kwargs: dict[str, Any], label: str) -> Any:
+        """``target.method(*args, **kwargs)`` in the worker (``method`` None: ``target``
+        itself), guarded there; a ``PluginFault`` when it fails beyond raising."""
+        with self._lock:
+            for _ in range(3):
+                try:
+                    self.start()
+                except UsageError as exc:
+                    raise PluginFault(f"the worker process for {label} could not be started "
+                                      f"again: {exc}", fatal=True) from None
+                dropped = self._dropped[:]  # finalizers may append meanwhile: keep those
+                data = workers.encode((self._outgoing(target), method, self._outgoing(args),
+                                     self._outgoing(kwargs), dropped))
+                del self._dropped[:len(dropped)]
+                try:
+                    reply = self._answer(data, label)
+                except _Bye:
+                    self.stop()
+                    continue
+                break
+            else:  # pragma: no cover - three workers in a row ended before reading a call
+                raise PluginFault(f"the worker process keeps ending before {label}", fatal=True)
+            if reply[0] == "ok":
+                return self._incoming(reply[1])
+        if reply[0] == "fault":
+            raise PluginFault(reply[1], raised=reply[2])
+        raise _rebuilt(*reply[1])
+
+    def view(self) -> types.ModuleType:
+        """The module as the harness calls it: each function and class of its contract a
+        ``RemoteObject`` (starts the worker: ``UsageError`` for a module that does not
+        import; sets ``contract``)."""
+        with self._lock:
+            self.start()
+        view = types.ModuleType(self.path)
+        for name, methods in sorted(self.entries.items()):
+            setattr(view, name, RemoteObject(self, name, name, methods))
+        return view
+
+
+class RemoteObject:
+    """A function, class or object of the module that lives in the worker: calling it, or a
+    method of it, is a call there (``Worker.call``); its methods are known, nothing else."""
+
+    __slots__ = ("__weakref__", "generation", "handle", "label", "methods", "worker")
+
+    def __init__(self, worker: Worker, handle: str | Handle, label: str,
+                 methods: tuple[str, ...]) -> None:
+        self.worker, self.handle, self.label, self.methods = worker, handle, label, methods
+        self.generation = worker.generation
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The call, in the worker."""
+        return self.worker.call(self, None, args, kwargs, self.label)
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in self.methods:
+            raise AttributeError(f"{self.label} has no method {name!r} (only methods are "
+                                 f"reachable in the worker process)")
+
+        def method(*args: Any, **kwargs: Any) -> Any:
+            return self.worker.call(self, name, args, kwargs, f"{self.label}.{name}")
+
+        return method
+
+    def __repr__(self) -> str:
+        return f"<{self.label} in the worker process of {self.worker.path}>"
+
+
+# ---------------------------------------------------------------------------- inside the worker
+
+
+@dataclass(frozen=True)
+class Handle:
+    """An object that lives in the worker: its number, its type's name, its public methods."""
+
+    number: int
+    label: str = ""
+    methods: tuple[str, ...] = ()
+
+
+def _methods(obj: Any) -> tuple[str, ...]:
+    return tuple(n for n in dir(obj) if not n.startswith("_")
+                 and callable(getattr(obj, n, None)))
+
+
+class WorkerGuard(Guard):
+    """The guard inside the worker: objects become handles, handles objects again."""
+
+    def __init__(self, module: types.ModuleType) -> None:
+        super().__init__(module, own_interrupts=False)
+        self.objects: dict[int, Any] = {}
+        self.numbers: dict[int, int] = {}  # id(object) -> its handle's number
+        self.made = 0
+
+    def wrap(self, obj: Any) -> Handle:
+        number = self.numbers.get(id(obj))
+        if number is None:
+            self.made = number = self.made + 1
+            self.objects[number], self.numbers[id(obj)] = obj, number
+        return Handle(number, type(obj).__name__, _methods(obj))
+
+    def unwrap(self, x: Any) -> Any:
+        if not isinstance(x, Handle):
+            return x
+        if x.number not in self.objects:
+            raise LookupError(f"object {x.number} is not held by this worker process")
+        return self.objects[x.number]
+
+    def answer(self, request: tuple[Any, ...]) -> tuple[Any, ...]:
+        """One request ``(target, method, args, kwargs, dropped)`` → ``("ok", value)``,
+        ``("fault", reason)`` or ``("raise", exception)``."""
+        target, method, args, kwargs, dropped = request
+        for number in dropped:
+            self.numbers.pop(id(self.objects.pop(number, None)), None)
+        try:
+            obj = self.unwrap(target) if isinstance(target, Handle) else getattr(self.module,
+                                                                                 target)
+            label = target.label if isinstance(target, Handle) else target
+            fn = obj if method is None else getattr(obj, method)
+            label = label if method is None else f"{label}.{method}"
+            return ("ok", self.call(fn, label, args, kwargs))
+        except PluginFault as fault:
+            return ("fault", fault.reason, fault.raised)
+        except Exception as exc:  # noqa: BLE001 - the module's answer, sent back
+            return ("raise", exception_parts(exc))
+
+
+def exception_parts(exc: Exception) -> tuple[str, str, str, str]:
+    """``(class name, module, nearest built-in base class name, message)`` of an exception."""
+    base = next(c for c in type(exc).__mro__ if c.__module__ == "builtins")
+    try:
+        text = str(exc)
+    except Exception:  # noqa: BLE001 - a message that cannot be printed
+        text = f"<unprintable {type(exc).__name__}>"
+    return type(exc).__name__, type(exc).__module__, base.__name__, text
+
+
+def _send(conn: Connection, message: tuple[Any, ...]) -> None:
+    try:
+        data = workers.encode(message)
+    except Exception as exc:  # noqa: BLE001 - a result pickle cannot carry
+        error = TypeError(f"the result cannot be sent back to the harness ({exc})")
+        data = workers.encode(("raise", exception_parts(error)))
+    conn.send_bytes(data)
+
+
+def _orphaned(parent: int) -> None:
+    """Watch the harness: when it is gone (killed, even in the middle of a call that hangs),
+    end this process too."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
+
+
+def serve(fd: str, path: str, idle: str = str(IDLE_EXIT_S)) -> None:
+    """The worker's main loop (``Worker`` starts it): import ``path``, then answer calls on the
+    connection ``fd`` until it closes or ``idle`` seconds pass without one."""
+    conn = workers.connect(fd)  # SIGINT ignored: Ctrl-C is the harness's to handle
+    threading.Thread(target=_orphaned, args=(os.getppid(),), daemon=True).start()
+    warnings.simplefilter("ignore")  # as the harness runs every call of a backend
+    np.seterr(all="ignore")
+    try:
+        module = plugins.import_plugin(path)
+        contract = plugins.contract_of(module, path)
+        guard = WorkerGuard(plugins.view(module, contract))
+        entries = {n: _methods(getattr(guard.module, n)) for n in contract.provided}
+    except plugins.PluginImportError as exc:
+        _send(conn, ("import", exc.traceback))
+        return
+    except UsageError as exc:
+        _send(conn, ("usage", str(exc)))
+        return
+    except BaseException:  # noqa: BLE001 - SystemExit at import time & co.
+        _send(conn, ("import", traceback.format_exc()))
+        return
+    _send(conn, ("ready", contract, entries))
+    try:
+        while conn.poll(float(idle)):
+            data = conn.recv_bytes()
+            try:
+                reply = guard.answer(workers.decode(data))
+            except Exception as exc:  # noqa: BLE001 - a request this worker cannot read
+                reply = ("raise", exception_parts(exc))
+            _send(conn, reply)
+        _send(conn, ("bye",))
+    except (EOFError, OSError):  # the harness has gone
+        return
+
+
+__all__ = ["DEFAULT_TIMEOUT_S", "IDLE_EXIT_S", "IMPORT_LIMIT_S", "Handle", "RemoteObject",
+           "Worker", "WorkerGuard", "check_timeout", "exception_parts", "seconds_argument",
+           "serve"]

@@ -1,0 +1,386 @@
+"""The compared steps: how a backend computes each step of a case (``STEPS``).
+
+A ``Step`` has a name (the key of its expected value in ``expected.Expected.values``), the case
+kinds it applies to, how to run it on a backend through an ``Execution``, and the dtype the spec
+requires of the result. An ``Execution`` is one backend on one case in one dtype: it converts
+the case's NumPy inputs to the backend's arrays, calls the backend (each function compiled once
+per input signature where the backend compiles, ``Backend.function``) and caches calls that
+several steps share (``scaled_dot_product_attention`` gives ``output`` and ``output_weights``).
+The row log-sum-exp is a call of its own (``return_lse=True`` without the weights), so a module
+whose lse is wrong, or that does not take ``return_lse``, fails that step alone; composite
+steps (merging split keys, a paged cache) are ``composite``'s, a packed batch's
+calls ``calls.varlen``'s (its offsets closed over, on the host). To compare a new
+step: give it an expected value in ``expected.pipeline`` and add a ``Step`` here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import spec
+from ..cases import catalogue as cases_mod
+from ..cases import mods
+from ..cases.dtypes import numpy_dtype
+from ..cases.expected import GRAD_STEPS, Expected
+from . import calls as calls_mod
+from . import composite, module_steps
+from .backends import Backend
+from .calls import Call
+
+
+class Execution:
+    """One backend on one case in one dtype; each backend call made once, its result cached.
+
+    On a backend that compiles (JAX), ``prefetch`` runs the calls of every applicable step in
+    one compiled program (one compilation per case and dtype instead of one per call); if that
+    fails, each step calls on its own and reports its own error.
+    """
+
+    def __init__(self, backend: Backend, exp: Expected) -> None:
+        self.backend = backend
+        self.exp = exp
+        self.cache: dict[str, Any] = {}
+        self._inputs: dict[str, np.ndarray] = {}
+
+    @property
+    def module(self) -> Any:
+        """The backend's package."""
+        return self.backend.module
+
+    def to_backend(self, x: Any) -> Any:
+        """NumPy array → backend array (in lists, tuples and dicts too); others unchanged."""
+        return composite.to_backend(self.backend, x)
+
+    def to_numpy(self, result: Any) -> Any:
+        """Backend array (or a tuple of them, None entries kept) → NumPy."""
+        return calls_mod.to_numpy(self.backend, result)
+
+    def cached(self, key: str, compute: Callable[[], Any]) -> Any:
+        """``compute()`` once per execution."""
+        if key not in self.cache:
+            self.cache[key] = compute()
+        return self.cache[key]
+
+    def result(self, call: Call) -> Any:
+        """The NumPy result of ``call``, made once."""
+        def compute() -> Any:
+            fn = self.backend.function(call.fn, call.static())
+            try:
+                result = fn(*(self.to_backend(a) for a in call.args),
+                            **{k: self.to_backend(v) for k, v in call.kwargs.items()})
+            except Exception as exc:  # noqa: BLE001 - re-raised, naming the contract's way out
+                hint = composite.keyword_hint(str(exc))
+                if not hint:
+                    raise
+                raise TypeError(f"{exc}; {hint}") from exc
+            return self.to_numpy(result)
+
+        return self.cached(call.key, compute)
+
+    def prefetch(self, calls: Iterable[Call]) -> None:
+        """On a compiling backend, make every call not yet made in one compiled program."""
+        calls_mod.prefetch(self.backend, self.cache, calls)
+
+    def compute_input(self, step: str) -> np.ndarray:
+        """The reference value of ``step`` in the compute dtype (the input of the next step)."""
+        if step not in self._inputs:
+            dtype = numpy_dtype(spec.COMPUTE_DTYPE[self.exp.dtype])
+            self._inputs[step] = self.exp.values[step].astype(dtype)
+        return self._inputs[step]
+
+    def _options(self, names: Iterable[str]) -> dict[str, Any]:
+        a, o = self.exp.data.arrays, self.exp.data.options
+        return {n: a[n] if n in a else o[n] for n in names if n in a or n in o}
+
+    def _qkv(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        a = self.exp.data.arrays
+        return a["query"], a["key"], a["value"]
+
+    def scores_call(self) -> Call:
+        """``attention_scores(query, key, scale, softcap)``."""
+        q, k, _ = self._qkv()
+        return Call("scores", "attention_scores", (q, k), self._options(("scale", "softcap")))
+
+    def masked_call(self) -> Call:
+        """``mask_scores`` of the reference scores."""
+        names = ("mask", "bias", "is_causal", "causal_alignment", "window")
+        return Call("masked_scores", "mask_scores", (self.compute_input("scores"),),
+                    self._options(names))
+
+    def weights_call(self) -> Call:
+        """``attention_weights`` of the reference masked scores."""
+        return Call("weights", "attention_weights", (self.compute_input("masked_scores"),))
+
+    def _sdpa_kwargs(self) -> dict[str, Any]:
+        return mods.sdpa_kwargs(self.exp.data.arrays, self.exp.data.options)
+
+    @property
+    def returns_weights(self) -> bool:
+        """False for a checked module that declares ``return_weights`` unsupported."""
+        contract = self.backend.contract
+        return contract is None or "return_weights" not in contract.unsupported
+
+    def sdpa_call(self) -> Call:
+        """``scaled_dot_product_attention(..., return_weights=True)``: (output, weights); the
+        output alone for a module without ``return_weights``."""
+        flag = {"return_weights": True} if self.returns_weights else {}
+        return Call("sdpa", "scaled_dot_product_attention", self._qkv(),
+                    {**self._sdpa_kwargs(), **flag})
+
+    def lse_call(self) -> Call:
+        """``scaled_dot_product_attention(..., return_lse=True)``: (output, lse)."""
+        return Call("sdpa_lse", "scaled_dot_product_attention", self._qkv(),
+                    {**self._sdpa_kwargs(), "return_lse": True})
+
+    def vjp_call(self) -> Call:
+        """``scaled_dot_product_attention_vjp(...)`` against the case's grad_output."""
+        return Call("vjp", "scaled_dot_product_attention_vjp",
+                    (*self._qkv(), self.exp.data.arrays["grad_output"]), self._sdpa_kwargs())
+
+    def _blockwise_kwargs(self) -> dict[str, Any]:
+        a = self.exp.data.arrays
+        kwargs = {k: v for k, v in self._sdpa_kwargs().items() if k != "mask"}
+        kwargs.update({k: a[k] for k in ("kv_lengths",) if k in a})
+        kwargs.update(cases_mod.BLOCKWISE_TILES)
+        return kwargs
+
+    def blockwise_call(self) -> Call:
+        """``blockwise_attention(...)`` with small tiles."""
+        return Call("blockwise", "blockwise_attention", self._qkv(), self._blockwise_kwargs())
+
+    def blockwise_lse_call(self) -> Call:
+        """``blockwise_attention(..., return_lse=True)`` with small tiles: (output, lse)."""
+        return Call("blockwise_lse", "blockwise_attention", self._qkv(),
+                    {**self._blockwise_kwargs(), "return_lse": True})
+
+    def paged_call(self, return_lse: bool = False) -> Call:
+        """``paged_attention(query, key_pages, value_pages, block_table, seq_lens, ...)``."""
+        args, kwargs = composite.paged_arguments(self.exp, return_lse)
+        return Call("paged_lse" if return_lse else "paged", "paged_attention", args, kwargs)
+
+    def blockwise_vjp_call(self) -> Call:
+        """``blockwise_attention_vjp(...)`` against the case's grad_output."""
+        return Call("blockwise_vjp", "blockwise_attention_vjp",
+                    (*self._qkv(), self.exp.data.arrays["grad_output"]), self._blockwise_kwargs())
+
+    def build_module(self) -> Any:
+        """The case's module in the backend, in eval mode, holding the case's weights."""
+        return module_steps.build(self.backend, self.exp)
+
+    def module_forward(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """The module's ``forward``: (output, weights or None)."""
+        return self.cached("module", lambda: module_steps.forward(self.backend, self.exp))
+
+    def module_backward(self) -> np.ndarray:
+        """The module's ``parameter_gradients``, flattened in sorted name order."""
+        return self.cached("backward",
+                           lambda: module_steps.parameter_gradients(self.backend, self.exp))
+
+    def module_decode(self) -> np.ndarray:
+        """Decode ``x`` chunk by chunk with the module's ``decode`` and a KV cache."""
+        return self.cached("decode", lambda: module_steps.decode(self.backend, self.exp))
+
+    def merged(self) -> tuple[np.ndarray, np.ndarray]:
+        """A merge case: ``merge_attention`` of the parts' own attention (``composite``)."""
+        return self.cached("merge", lambda: composite.merged(self.backend, self.exp))
+
+    def varlen(self, what: str) -> Any:
+        """A varlen case's ``calls.VARLEN_CALLS[what]``; on a compiling backend the three calls
+        are first tried in one program."""
+        if self.backend.compiles and "varlen:all" not in self.cache:
+            self.cache["varlen:all"] = True
+            try:
+                with np.errstate(all="ignore"):
+                    done = calls_mod.varlen(self.backend, self.exp, tuple(calls_mod.VARLEN_CALLS))
+                self.cache.update({f"varlen:{w}": r for w, r in zip(calls_mod.VARLEN_CALLS,
+                                                                     done, strict=True)})
+            except Exception:  # noqa: BLE001 - each step then calls on its own and says why
+                pass
+        return self.cached(f"varlen:{what}",
+                           lambda: calls_mod.varlen(self.backend, self.exp, (what,))[0])
+
+    def paged_cache(self) -> np.ndarray:
+        """A paged case decoded from the module's own ``PagedKVCache`` (``composite``)."""
+        return self.cached("paged_cache", lambda: composite.paged_cache(self.backend, self.exp))
+
+
+@dataclass(frozen=True)
+class Step:
+    """One compared step: its name, the case kinds it applies to, how a backend computes it,
+    the dtype the spec requires of the result (``"input"``, ``"compute"`` or None), and the
+    backend calls it needs (run together on a compiling backend)."""
+
+    name: str
+    kinds: tuple[str, ...]
+    run: Callable[[Execution], np.ndarray]
+    result_dtype: str | None
+    description: str
+    calls: Callable[[Execution], tuple[Call, ...]] = lambda exe: ()
+    #: The functions (``spec.FUNCTIONS``), modules or ``Module.method`` the step calls.
+    needs: Callable[[Execution], tuple[str, ...]] = lambda exe: ()
+    #: The index of the step's value in its call's result (None: the result itself).
+    pick: int | None = None
+    #: A ``spec.PLUGIN_FEATURES`` name the step needs beyond the case's own.
+    feature: str | None = None
+    #: Whether the step applies to a case that has its expected value.
+    applies: Callable[[Expected], bool] = lambda exp: True
+
+
+def _sdpa_calls(exe: Execution) -> tuple[Call, ...]:
+    return (exe.sdpa_call(),) if exe.exp.kind == "sdpa" else ()
+
+
+def _run_output(exe: Execution) -> np.ndarray:
+    if exe.exp.kind == "module":
+        return exe.module_forward()[0]
+    result = exe.result(exe.sdpa_call())
+    return result[0] if exe.returns_weights else result
+
+
+def _needs(*names: str) -> Callable[[Execution], tuple[str, ...]]:
+    return lambda exe: names
+
+
+def _needs_module(method: str = "") -> Callable[[Execution], tuple[str, ...]]:
+    def needs(exe: Execution) -> tuple[str, ...]:
+        if exe.exp.kind != "module":
+            return ("scaled_dot_product_attention",)
+        module = exe.exp.data.options["module"]
+        return (module, f"{module}.{method}") if method else (module,)
+
+    return needs
+
+
+def _run_output_weights(exe: Execution) -> np.ndarray:
+    if exe.exp.kind == "module":
+        weights = exe.module_forward()[1]
+        if weights is None:
+            raise ValueError("forward(return_weights=True) returned no weights")
+        return weights
+    return exe.result(exe.sdpa_call())[1]
+
+
+def _grad_step(index: int, blockwise: bool) -> Callable[[Execution], np.ndarray]:
+    def run(exe: Execution) -> np.ndarray:
+        call = exe.blockwise_vjp_call() if blockwise else exe.vjp_call()
+        grads = exe.result(call)
+        grad = grads[index] if isinstance(grads, tuple) and index < len(grads) else None
+        if grad is None:
+            raise ValueError(f"{call.fn} returned no {GRAD_STEPS[index]}"
+                             + (" (with sinks, a fifth result)" if index == 4 else ""))
+        return grad
+
+    return run
+
+
+def _lse_step(blockwise: bool) -> Callable[[Execution], np.ndarray]:
+    def run(exe: Execution) -> np.ndarray:
+        call = exe.blockwise_lse_call() if blockwise else exe.lse_call()
+        return composite.pair(exe.result(call), f"{call.fn}(..., return_lse=True)")[1]
+
+    return run
+
+
+def _varlen_grad(index: int) -> Callable[[Execution], np.ndarray]:
+    def run(exe: Execution) -> np.ndarray:
+        grads = exe.varlen("vjp")
+        if not isinstance(grads, tuple) or len(grads) <= index or grads[index] is None:
+            names = GRAD_STEPS[:3] + GRAD_STEPS[4:]
+            raise ValueError(f"varlen_attention_vjp returned no {names[index]}")
+        return grads[index]
+
+    return run
+
+
+STEPS: dict[str, Step] = {
+    s.name: s
+    for s in (
+        Step("scores", ("sdpa",), lambda exe: exe.result(exe.scores_call()), "compute",
+             "attention_scores(query, key, scale, softcap)", lambda exe: (exe.scores_call(),),
+             _needs("attention_scores")),
+        Step("masked_scores", ("sdpa",), lambda exe: exe.result(exe.masked_call()), "compute",
+             "mask_scores(reference scores, mask, bias, is_causal, causal_alignment, window)",
+             lambda exe: (exe.masked_call(),), _needs("mask_scores"),
+             applies=lambda exp: not mods.uses_mods(exp.data)),
+        Step("weights", ("sdpa",), lambda exe: exe.result(exe.weights_call()), "compute",
+             "attention_weights(reference masked scores)", lambda exe: (exe.weights_call(),),
+             _needs("attention_weights")),
+        Step("output", ("sdpa", "module"), _run_output, "input",
+             "scaled_dot_product_attention(...) output, or the module's forward", _sdpa_calls,
+             _needs_module(), pick=0),
+        Step("output_weights", ("sdpa", "module"), _run_output_weights, "input",
+             "the weights scaled_dot_product_attention(..., return_weights=True) returns",
+             _sdpa_calls, _needs_module(), pick=1, feature="return_weights"),
+        *(Step(name, ("sdpa",), _grad_step(i, blockwise=False), "input",
+               f"scaled_dot_product_attention_vjp(..., grad_output) -> {name}",
+               lambda exe: (exe.vjp_call(),), _needs("scaled_dot_product_attention_vjp"), i)
+          for i, name in enumerate(GRAD_STEPS)),
+        Step("lse", ("sdpa",), _lse_step(blockwise=False), "compute",
+             "scaled_dot_product_attention(..., return_lse=True): the row log-sum-exp, natural "
+             "log, -inf on a fully masked row (the sink's logit with sinks)",
+             lambda exe: (exe.lse_call(),), _needs("scaled_dot_product_attention"), 1,
+             feature="lse"),
+        Step("blockwise_output", ("sdpa",), lambda exe: exe.result(exe.blockwise_call()),
+             "input", "blockwise_attention(..., block_q=2, block_kv=3): online softmax in tiles",
+             lambda exe: (exe.blockwise_call(),), _needs("blockwise_attention")),
+        Step("blockwise_lse", ("sdpa",), _lse_step(blockwise=True), "compute",
+             "blockwise_attention(..., return_lse=True) with small tiles: the row log-sum-exp",
+             lambda exe: (exe.blockwise_lse_call(),), _needs("blockwise_attention"), 1,
+             feature="lse"),
+        *(Step(f"blockwise_{name}", ("sdpa",), _grad_step(i, blockwise=True), "input",
+               f"blockwise_attention_vjp(..., grad_output) -> {name}, recomputed per tile",
+               lambda exe: (exe.blockwise_vjp_call(),), _needs("blockwise_attention_vjp"), i)
+          for i, name in enumerate(GRAD_STEPS)),
+        Step("decode_output", ("module",), lambda exe: exe.module_decode(), "input",
+             "module.decode(x chunk, cache) chunk by chunk: equals the causal forward",
+             needs=_needs_module("decode")),
+        Step("merge_output", ("merge",), lambda exe: exe.merged()[0], "input",
+             "merge_attention of each part's scaled_dot_product_attention(..., return_lse=True)"
+             ": equals the attention over every key", needs=_needs(
+                 "scaled_dot_product_attention", "merge_attention"), pick=0),
+        Step("merge_lse", ("merge",), lambda exe: exe.merged()[1], "compute",
+             "the merged log-sum-exp: that of every key (the sinks' included)",
+             needs=_needs("scaled_dot_product_attention", "merge_attention"), pick=1),
+        Step("paged_output", ("paged",), lambda exe: exe.result(exe.paged_call()), "input",
+             "paged_attention over shuffled pages: equals the contiguous attention, bottom-right "
+             "causal per sequence", lambda exe: (exe.paged_call(),), _needs("paged_attention")),
+        Step("paged_lse", ("paged",), lambda exe: composite.pair(exe.result(exe.paged_call(
+            True)), "paged_attention(..., return_lse=True)")[1], "compute",
+             "paged_attention(..., return_lse=True): the lse of the contiguous attention",
+             lambda exe: (exe.paged_call(True),), _needs("paged_attention"), 1, feature="lse"),
+        Step("paged_cache_output", ("paged",), lambda exe: exe.paged_cache(), "input",
+             "PagedKVCache: append (pages reused after a free), then attend: equals the "
+             "contiguous attention", needs=_needs("PagedKVCache")),
+        Step("varlen_output", ("varlen",), lambda exe: exe.varlen("forward"), "input",
+             "varlen_attention(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, ...): "
+             "each sequence's bottom-right attention", needs=_needs("varlen_attention")),
+        Step("varlen_lse", ("varlen",), lambda exe: composite.pair(exe.varlen(
+            "lse"), "varlen_attention(..., return_lse=True)")[1], "compute",
+             "varlen_attention(..., return_lse=True): the lse (heads, total_q)",
+             needs=_needs("varlen_attention"), pick=1, feature="lse"),
+        *(Step(f"varlen_{name}", ("varlen",), _varlen_grad(i), "input",
+               f"varlen_attention_vjp(..., grad_output, ...) -> {name}",
+               needs=_needs("varlen_attention_vjp"), pick=i)
+          for i, name in enumerate(GRAD_STEPS[:3] + GRAD_STEPS[4:])),  # no grad_bias
+        Step("grad_weights", ("module",), lambda exe: exe.module_backward(), None,
+             "module.parameter_gradients(inputs, grad_output): every weight's gradient, "
+             "flattened in sorted name order", needs=_needs_module("parameter_gradients")),
+    )
+}
+
+
+def steps_for(exp: Expected, only: Iterable[str] | None = None) -> list[Step]:
+    """The steps that apply to a case (those with an expected value), optionally restricted."""
+    chosen = [s for s in STEPS.values()
+              if exp.kind in s.kinds and s.name in exp.values and s.applies(exp)]
+    if only is not None:
+        keep = set(only)
+        chosen = [s for s in chosen if s.name in keep]
+    return chosen
+
+
+__all__ = ["STEPS", "Call", "Execution", "Step", "steps_for"]
