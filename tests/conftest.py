@@ -11,16 +11,18 @@ runs twice, with x64 off (JAX's default, what users get) and on. (The harness's 
 the ``jax`` backend; ``jax.enable_x64(False)`` still turns it off inside a test.)
 
 Memory: JAX keeps every program it compiles for the life of the process (about 1.5 MB each on
-the CPU; a module of JAX tests compiles hundreds), so a pytest-xdist worker that runs many JAX
-modules would grow past 4 GB. At the end of each test module ``_drop_compiled_programs`` drops
-them (``jax.clear_caches``, and torch.compile's with ``torch._dynamo.reset``) and collects the
-garbage: a worker then holds about its largest module's programs, not every module's. A later
-test that needs a dropped program lowers it again, reading the compiled code back from JAX's
-persistent cache.
+the CPU; the grid's JAX column compiles over a thousand), and glibc keeps what Python frees in
+the process. A pytest-xdist worker that ran every JAX test would pass 4 GB; so after a test
+that left its worker ``RELEASE_GROWTH_MIB`` above what it held after the last release,
+``_release_memory`` drops JAX's and torch.compile's compiled programs, collects the garbage and
+hands the freed memory back to the system (``malloc_trim``; a fraction of a second). A worker
+then stays below about 2 GB. A later test that needs a dropped program lowers it again, reading
+the compiled code back from JAX's persistent cache.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import sys
@@ -100,11 +102,33 @@ def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     return request.param
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _drop_compiled_programs():
-    """At the end of a test module: drop JAX's and torch.compile's compiled programs, where
-    those frameworks are imported, and collect the garbage (the module docstring says why)."""
+#: Growth of a worker's resident memory (MiB) since the last release after which a test's
+#: teardown releases memory (module docstring).
+RELEASE_GROWTH_MIB = 512
+_AFTER_RELEASE: list[float] = []  # resident MiB after the last release (or at the first test)
+
+
+def _resident_mib() -> float | None:
+    """This process's resident memory in MiB (Linux ``/proc``), or None where unknown."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@pytest.fixture(autouse=True)
+def _release_memory():
+    """After a test: release memory when the worker grew by more than ``RELEASE_GROWTH_MIB``
+    since the last release (module docstring)."""
     yield
+    resident = _resident_mib()
+    if resident is None:
+        return
+    if not _AFTER_RELEASE:
+        _AFTER_RELEASE.append(resident)
+    if resident - _AFTER_RELEASE[0] <= RELEASE_GROWTH_MIB:
+        return
     jax = sys.modules.get("jax")
     if jax is not None:
         jax.clear_caches()
@@ -112,3 +136,10 @@ def _drop_compiled_programs():
     if dynamo is not None:
         dynamo.reset()
     gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+    _AFTER_RELEASE[0] = _resident_mib() or resident
+    with open('/tmp/meas/releases.log', 'a') as f:
+        f.write(f'{os.getpid()} {resident:.0f} {_AFTER_RELEASE[0]:.0f}\n')

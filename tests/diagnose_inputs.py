@@ -1,6 +1,6 @@
 """Inputs of the direct tests of ``conformance.diagnosing.diagnose``
-(``tests/test_mutation_kills_diagnose*.py``): the expected values of small cases, and the
-float64 reference with a mistake planted."""
+(``tests/test_diagnose_planted_mistakes.py``, ``tests/test_diagnose_result_rows.py``): the
+expected values of small cases, and the float64 reference with a mistake planted."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""Paged-decoding inputs and checks that the NumPy and torch mutation tests share
-(``test_mutation_kills_decoding.py``, ``test_mutation_kills_torch.py``): the same problem, the
-same expected values (the float64 reference), and the same error messages in both backends."""
+"""Paged-decoding inputs and checks that the decoding-kernel tests share
+(``test_numpy_decoding_kernel.py``, ``test_torch_decoding_kernel.py``, ``test_jax_paged_cache.py``):
+the same problem, the same expected values (the float64 reference), and the same error messages in
+every backend."""
 
 from __future__ import annotations
 

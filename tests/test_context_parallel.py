@@ -3,13 +3,19 @@ reference (through ``conformance.context_parallel``), the layout, the schedule, 
 the bad calls, and the ring's memory per device. NumPy runs here; JAX in one subprocess with 4
 host devices; torch in one subprocess spawning 4 gloo ranks (worlds of 2 and 4), each with a
 deadline; the memory check compiles JAX programs in one more subprocess, then runs the torch
-ring on 4 more gloo ranks. The subprocess checks are marked ``slow``."""
+ring on 4 more gloo ranks. The subprocess checks are marked ``slow``.
+
+numpy_attn's own calls are also checked in detail (tests from mutation testing,
+docs/mutation.md): the trace of the messages each strategy sends, step by step; float64 to
+1e-12 of the reference with padding; the defaults, dtypes and cross-attention's causal
+alignment; every bad call naming the function (the forward's or the vjp's) and the argument."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
 import inspect
+from typing import Any
 
 import numpy as np
 import pytest
@@ -168,6 +174,184 @@ def test_jax_mesh_matches_the_reference():
 
 
 # ------------------------------------------------------------------------------------------
+# numpy_attn: the messages each strategy sends (its trace), step by step
+# ------------------------------------------------------------------------------------------
+
+#: 3 ranks, 6 positions, 3 heads of 2 dims, float32: a rank's shard is 1·3·2·2·4 = 48 bytes
+CP_WORLD, CP_SHARD = 3, 48
+
+
+def _cp_inputs(dtype=np.float32) -> list[np.ndarray]:
+    rng = np.random.default_rng(13)
+    return [rng.standard_normal((1, 3, 6, 2)).astype(dtype) for _ in range(4)]
+
+
+def _sends(step: int, what: str, to: Any, nbytes: int) -> list[dict]:
+    """Every rank's send of ``what`` at ``step`` (``to``: a rank's receiver, or "all")."""
+    return [{"step": step, "rank": r, "event": "send", "what": what,
+             "to": to(r) if callable(to) else to, "bytes": nbytes} for r in range(CP_WORLD)]
+
+
+def _ring_events(sched: cp.Schedule, backward: bool) -> list[dict]:
+    """The ring as the module docstring tells it: at step ``s`` rank ``r`` computes block
+    ``r - s``, then passes its blocks (and gradients) to ``r + 1``; gradients go home."""
+    n, events = CP_WORLD, []
+    for s in range(sched.steps):
+        events += [{"step": s, "rank": r, "event": "compute", "block": (r - s) % n,
+                    "pairs": cp.block_needed(sched, r, (r - s) % n)} for r in range(n)]
+        if s + 1 < sched.steps:
+            for what in ("key", "value") + (("grad_key", "grad_value") if backward else ()):
+                events += _sends(s, what, lambda r: (r + 1) % n, CP_SHARD)
+    home = (1 - sched.steps) % n  # rank r holds the gradients of rank r - (steps - 1)
+    if backward and home:
+        for what in ("grad_key", "grad_value"):
+            events += _sends(sched.steps, what, lambda r: (r + home) % n, CP_SHARD)
+    return events
+
+
+@pytest.mark.parametrize("window", [None, (2, 0)])
+def test_the_ring_sends_each_block_to_the_next_rank_and_the_gradients_home(window):
+    q, k, v, g = _cp_inputs()
+    options = {"world_size": CP_WORLD, "strategy": "ring", "window": window}
+    sched = cp.schedule("ring", CP_WORLD, 6, 6, False, "top_left", window, False)
+    assert sched.steps == (3 if window is None else 2)  # home: 1 rank on, or 2
+    forward, both = [], []
+    ncp.context_parallel_attention(q, k, v, trace=forward, **options)
+    ncp.context_parallel_attention_vjp(q, k, v, g, trace=both, **options)
+    assert forward == _ring_events(sched, False)
+    assert both == _ring_events(sched, False) + _ring_events(sched, True)
+    assert all(type(e["bytes"]) is int for e in both if e["event"] == "send")
+
+
+def test_all_gather_and_ulysses_send_what_their_collectives_send():
+    """all-gather: each rank sends its shard to the N - 1 others (keys, values; again in the
+    backward pass), then the reduce-scatter sends (N - 1)/N of its whole-sequence gradient;
+    Ulysses' all-to-alls send (N - 1)/N of each shard. Every ``step`` 0, bytes ints."""
+    q, k, v, g = _cp_inputs()
+    n, gather = CP_WORLD, (CP_WORLD - 1) * CP_SHARD
+    scatter = (n - 1) * (n * CP_SHARD) // n  # of the whole sequence's gradient
+    pieces = (n - 1) * CP_SHARD // n
+    gathers = _sends(0, "key", "all", gather) + _sends(0, "value", "all", gather)
+    expected = {
+        "all_gather": (gathers, gathers + gathers + _sends(0, "grad_key", "all", scatter)
+                       + _sends(0, "grad_value", "all", scatter)),
+        "ulysses": ([e for w in ("query", "key", "value", "output")
+                     for e in _sends(0, w, "all", pieces)],
+                    [e for w in ("query", "key", "value", "output", "grad_output", "grad_query",
+                                 "grad_key", "grad_value") for e in _sends(0, w, "all", pieces)]),
+    }
+    for strategy, (want_forward, want_both) in expected.items():
+        forward, both = [], []
+        ncp.context_parallel_attention(q, k, v, world_size=n, strategy=strategy, trace=forward)
+        ncp.context_parallel_attention_vjp(q, k, v, g, world_size=n, strategy=strategy,
+                                           trace=both)
+        assert forward == want_forward, strategy
+        assert both == want_both, strategy
+        assert all(type(e["bytes"]) is int for e in both), strategy
+
+
+# ------------------------------------------------------------------------------------------
+# numpy_attn: dtypes, padding, defaults, cross-attention and the bad calls
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", cp.STRATEGIES)
+def test_context_parallel_in_float64_equals_the_reference_to_1e_12(strategy):
+    """float64 in, float64 out (computed in float64: 1e-12 of the reference), on the zig-zag
+    layout, causal, with ``kv_lengths`` (sequence 1 has no key: its rows and gradients are
+    0); the reference reads ``kv_lengths`` as a mask of the keys."""
+    rng = np.random.default_rng(14)
+    world, lengths = 2, np.array([5, 0])
+    q, k, v, g = (rng.standard_normal((2, 2, 8, 2)) for _ in range(4))
+    order = cp.positions(8, world, True)  # layout order → natural order: x[..., back, :]
+    back = np.argsort(order)
+    options = {"world_size": world, "strategy": strategy, "is_causal": True,
+               "kv_lengths": lengths, "load_balance": True}
+    output = ncp.context_parallel_attention(q, k, v, **options)
+    grads = ncp.context_parallel_attention_vjp(q, k, v, g, **options)
+    mask = (np.arange(8)[None, :] < lengths[:, None])[:, None, None, :]
+    natural = [x[..., back, :] for x in (q, k, v, g)]
+    expected = reference.attention(*natural[:3], mask=mask, is_causal=True).output
+    expected_grads = reference.attention_vjp(*natural, mask=mask, is_causal=True)
+    assert output.dtype == np.float64 and all(x.dtype == np.float64 for x in grads)
+    np.testing.assert_allclose(output[..., back, :], expected, rtol=0, atol=1e-12)
+    for got, want in zip(grads, (expected_grads.query, expected_grads.key,
+                                 expected_grads.value), strict=True):
+        np.testing.assert_allclose(got[..., back, :], want, rtol=0, atol=1e-12)
+    assert not output[1].any() and not grads[0][1].any()
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"strategy": "tree"}, "strategy must be one of"),
+    ({"world_size": 3}, ""),
+    ({"kv_lengths": np.array([7, 2])}, r"kv_lengths must lie in \[0, 4\]"),
+])
+def test_context_parallel_errors_name_the_function_called(change, message):
+    """The forward and the vjp name themselves (the vjp's name is not the forward's)."""
+    q, k, v, g = (np.zeros((2, 2, 4, 2), np.float32) for _ in range(4))
+    options = {"world_size": 2, **change}
+    with pytest.raises(ValueError, match=rf"^context_parallel_attention: .*{message}"):
+        ncp.context_parallel_attention(q, k, v, **options)
+    with pytest.raises(ValueError, match=rf"^context_parallel_attention_vjp: .*{message}"):
+        ncp.context_parallel_attention_vjp(q, k, v, g, **options)
+
+
+def test_context_parallel_defaults_scale_and_dtype():
+    """The defaults (the ring, the natural layout, no causal rule) and a given scale: the
+    reference's output and gradients; float32 in, float32 out; a ``grad_output`` of the wrong
+    shape is named."""
+    q, k, v, g = (x.astype(np.float64) for x in _cp_inputs())
+    output = ncp.context_parallel_attention(q, k, v, world_size=2, scale=0.7)
+    grads = ncp.context_parallel_attention_vjp(q, k, v, g, world_size=2, scale=0.7)
+    np.testing.assert_allclose(output, reference.attention(q, k, v, scale=0.7).output,
+                               rtol=0, atol=1e-12)
+    expected = reference.attention_vjp(q, k, v, g, scale=0.7)
+    for got, want in zip(grads, (expected.query, expected.key, expected.value), strict=True):
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+    single = [x.astype(np.float32) for x in (q, k, v, g)]
+    assert ncp.context_parallel_attention(*single[:3], world_size=2).dtype == np.float32
+    grads = ncp.context_parallel_attention_vjp(*single, world_size=2)
+    assert [x.dtype for x in grads] == [np.float32] * 3
+    with pytest.raises(ValueError, match=r"^context_parallel_attention_vjp: .*grad_output"):
+        ncp.context_parallel_attention_vjp(q, k, v, g[..., :1], world_size=2)
+
+
+def test_context_parallel_checks_every_input_by_name():
+    q = np.zeros((2, 2, 4, 2), np.float32)
+    calls = [
+        ({"query": q.tolist()}, TypeError, r"query must be an array"),
+        ({"key": q.tolist()}, TypeError, r"key must be an array"),
+        ({"value": q.tolist()}, TypeError, r"value must be an array"),
+        ({"key": q.astype(np.float64)}, TypeError, r"inputs must share one dtype"),
+        ({"kv_lengths": np.array([1.5, 2.0])}, ValueError, r"kv_lengths must be ints"),
+        ({"kv_lengths": np.array([1, 2, 3])}, ValueError, r"kv_lengths must be ints"),
+        ({"query": np.zeros((2, 2, 6, 2), np.float32), "world_size": 4}, ValueError,
+         r"q_len and kv_len must split into 4 equal chunks .* q_len=6, kv_len=4"),
+    ]
+    for change, error, message in calls:
+        args = {"query": q, "key": q, "value": q, "world_size": 2, **change}
+        with pytest.raises(error, match=rf"^context_parallel_attention: {message}"):
+            ncp.context_parallel_attention(**args)
+    with pytest.raises(TypeError, match=r"^context_parallel_attention_vjp: grad_output must be"):
+        ncp.context_parallel_attention_vjp(q, q, q, q.tolist(), world_size=2)
+
+
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("strategy", cp.STRATEGIES)
+def test_context_parallel_cross_attention_aligns_the_causal_rule(strategy, alignment):
+    """4 queries over 8 keys, causal from the top left (query i sees keys j <= i) or the
+    bottom right (j <= i + 4), at 2 ranks: the reference's output (the schedule's band
+    follows the alignment)."""
+    rng = np.random.default_rng(15)
+    q = rng.standard_normal((1, 2, 4, 2))
+    k, v = rng.standard_normal((1, 2, 8, 2)), rng.standard_normal((1, 2, 8, 2))
+    options = {"is_causal": True, "causal_alignment": alignment}
+    output = ncp.context_parallel_attention(q, k, v, world_size=2, strategy=strategy, **options)
+    np.testing.assert_allclose(output, reference.attention(q, k, v, **options).output,
+                               rtol=0, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------
 # Memory per device (issue 26): the ring holds about 1/N of one device's
 # ------------------------------------------------------------------------------------------
 
@@ -240,6 +424,7 @@ def test_signatures_are_the_spec_stubs_with_the_backends_devices(package, name):
 # ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_documents_snippets_run_and_print_what_it_says():
     """docs/context_parallel.md, run as tests/test_docs.py runs the other documents (one fresh
     process, in order); refresh with ``python tests/test_docs.py --update

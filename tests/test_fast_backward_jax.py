@@ -9,6 +9,11 @@ always takes them) and the float64 NumPy reference ``conformance.cases.reference
 One jitted VJP per case, on one set of shapes, keeps the compile count low. That the unpatched
 VJP steps through ``spec.FAST_PATHS``' ``block_kv`` keys at a time is
 ``tests/test_performance_paths.py``'s (traced, not compiled).
+
+The last section (tests from mutation testing, docs/mutation.md) runs the mods on the blocked
+path, forward and through its custom VJP, against the float64 reference alone (blocks of 4,
+``blocks_of_four``): chunks, ALiBi, segment ids, a score_mod and a mask_mod rebuilt in the
+backward pass, and only the causal triangle known at trace time taken for the causal rule.
 """
 
 from __future__ import annotations
@@ -246,3 +251,110 @@ def test_grown_doubles_at_most_twice_within_the_budget():
                          (heads * 32 * keys - 1, 16), (heads * 32 * keys, 32), (1 << 30, 32)):
         grown = slicing._grown((8, 4, 4, 16, budget), heads, keys)
         assert grown == (rows, 4, 4, 16, budget), (budget, grown)
+
+
+# ------------------------------------------------------------------------------------------
+# The mods on the blocked path and in its custom VJP (chunks, ALiBi, segment ids, score_mod,
+# mask_mod), and which mask_mod is taken for the causal triangle: blocks of 4, x64 on
+# ------------------------------------------------------------------------------------------
+
+TIGHT = {"rtol": 1e-9, "atol": 1e-10}  # float64 against float64: rounding only
+
+# batch 2, 2 query heads over 1 kv head (two items for the backward pass), 12 queries over
+# 16 keys (blocks of 4), head_dim 4, v_dim 3
+_G = np.random.default_rng(20261202)
+Q, K, V = (_G.standard_normal(s) for s in ((2, 2, 12, 4), (2, 1, 16, 4), (2, 1, 16, 3)))
+G = _G.standard_normal((2, 2, 12, 3))  # the output's cotangent
+
+
+class _Ramp:
+    """A score_mod ``0.75 s + (q - k) / 64 + h / 8 - b / 16`` (every index: its result has the
+    scores' full shape; a slope other than 1, so its pullback matters) that runs on NumPy and
+    JAX index arrays, with its derivative for ``reference.attention_vjp``; records the dtypes
+    of the JAX indices it is given (``spec.MOD_INDICES``: int32)."""
+
+    def __init__(self):
+        self.index_dtypes = set()
+
+    def __call__(self, s, b, h, q, k):
+        if not isinstance(q, np.ndarray):
+            self.index_dtypes |= {np.dtype(x.dtype).name for x in (b, h, q, k)}
+        return 0.75 * s + (q - k) / 64 + h / 8 - b / 16
+
+    def derivative(self, s, b, h, q, k):
+        return np.full_like(s, 0.75)
+
+
+@pytest.fixture
+def blocks_of_four(monkeypatch, x64_on):
+    """The blocked path on these inputs: blocks of 4 queries and 4 keys; the calls recorded."""
+    for name, value in (("BLOCK_Q", 4), ("BLOCK_KV", 4), ("BLOCK_SCORES", 0), ("MIN_SCORES", 0),
+                        ("MIN_Q_LEN", 4), ("BLOCKED_PLATFORMS", (jax.default_backend(),))):
+        monkeypatch.setattr(_fast, name, value)
+    calls = []
+    real = _fast._blocked_attention_lse
+
+    def spy(*args):
+        calls.append(args[0])
+        return real(*args)
+
+    monkeypatch.setattr(_fast, "_blocked_attention_lse", spy)
+    return calls
+
+
+def _close(actual, expected, name, tol=TIGHT):
+    np.testing.assert_allclose(np.asarray(actual), expected, err_msg=name, **tol)
+
+
+def test_blocked_path_with_chunks_alibi_ids_and_both_mods_equals_the_reference(blocks_of_four):
+    """Chunks, ALiBi, segment ids, a score_mod and a mask_mod on the blocked path (rebuilt inside
+    its custom VJP): output, lse and the three gradients against the float64 reference, one
+    (batch, kv head) item at a time and, with a mask that varies by batch, all at once
+    (``_fast/backward.py``'s two branches); none of them is taken for the causal triangle
+    (``_causal_mask_mod``), every mod reaches the backward pass (``_rebuilt``), a valid
+    score_mod passes ``_check_mods``, and its indices are int32 with x64 on."""
+    ids = (np.array([[0] * 5 + [1] * 7, [0] * 9 + [1] * 3]),
+           np.array([[0] * 6 + [1] * 10, [0] * 12 + [1] * 4]))
+    mask = np.random.default_rng(2).random((2, 1, 12, 16)) > 0.2
+    options = {"chunk_size": 8, "alibi_slopes": np.array([0.5, 0.25]), "segment_ids": ids,
+               "score_mod": _Ramp(), "mask_mod": lambda b, h, q, k: (q + k) % 5 != 0}
+
+    def run(q, k, v, g, mask, slopes, q_ids, kv_ids):
+        kw = {**options, "alibi_slopes": slopes, "segment_ids": (q_ids, kv_ids)}
+        out, lse = jax_attn.scaled_dot_product_attention(q, k, v, return_lse=True, **kw)
+        return (out, lse, jax_attn.scaled_dot_product_attention_vjp(q, k, v, g, **kw)[:3],
+                jax_attn.scaled_dot_product_attention_vjp(q, k, v, g, mask=mask, **kw)[:3])
+
+    out, lse, grads, masked = jax.jit(run)(Q, K, V, G, mask, options["alibi_slopes"], *ids)
+    assert len(blocks_of_four) == 3 and all(args.mask_mod is not None for args in blocks_of_four)
+    assert options["score_mod"].index_dtypes == {"int32"}  # x64 on: still int32
+    want = reference.attention(Q, K, V, **options)
+    _close(out, want.output, "output")
+    _close(lse, want.lse, "lse")
+    for got_all, opts in ((grads, options), (masked, {**options, "mask": mask})):
+        grads_want = reference.attention_vjp(Q, K, V, G, **opts)
+        for name, got in zip(("query", "key", "value"), got_all, strict=True):
+            _close(got, getattr(grads_want, name), f"grad_{name}, mask: {'mask' in opts}")
+
+
+def test_only_the_causal_triangle_known_at_trace_time_takes_the_causal_path(blocks_of_four):
+    """``_causal_mask_mod``: a mask_mod that allows the triangle and one key past it (a
+    superset, without ``is_causal``), and a mask_mod reading a traced table (unknown at trace
+    time), keep their mod; both against the float64 reference."""
+    table = np.random.default_rng(1).random((12, 16)) > 0.4
+
+    def superset(b, h, q, k):
+        return (k <= q) | (k == q + 3)
+
+    def mod(b, h, q, k):  # the table with NumPy indices, for the reference
+        return table[q, k]
+
+    def run(q, k, v, t):
+        first = jax_attn.scaled_dot_product_attention(q, k, v, mask_mod=superset)
+        return first, jax_attn.scaled_dot_product_attention(
+            q, k, v, mask_mod=lambda b, h, i, j: t[i, j])
+
+    first, traced = jax.jit(run)(Q, K, V, jax.numpy.asarray(table))
+    assert len(blocks_of_four) == 2 and all(a.mask_mod is not None for a in blocks_of_four)
+    _close(first, reference.attention(Q, K, V, mask_mod=superset).output, "superset")
+    _close(traced, reference.attention(Q, K, V, mask_mod=mod).output, "traced table")

@@ -8,6 +8,11 @@ reference, forced by raising the threshold) and with the independent float64
 ``conformance.cases.reference.attention_vjp``. One test runs the default block sizes at the real
 threshold; ``blockwise_attention_vjp``, which runs on the same threads, is checked with
 ``kv_lengths`` and several workers.
+
+The tests of the last section (from mutation testing, docs/mutation.md) check the blocked VJP
+against the float64 reference alone, in blocks of 8 queries and 8 keys (``blocked``): biases
+broadcast along any axis (with sinks too), half precision computed in float32, ALiBi and
+score_mods, documents that skip whole query blocks, and which calls take the fast path at all.
 """
 
 from __future__ import annotations
@@ -349,3 +354,242 @@ def test_module_backward_takes_the_blocked_vjp(small_blocks, monkeypatch):
                           strict=True):
         want = np.einsum("bsi,bso->io", x, grad)
         np.testing.assert_allclose(fast[name], want, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+# ------------------------------------------------------------------------------------------
+# The blocked VJP against the float64 reference alone, blocks of 8 queries and 8 keys:
+# broadcast biases, half precision, ALiBi and score_mods, documents, biases with sinks
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def blocked(monkeypatch):
+    """The blocked paths for every input, in blocks of 8 queries and 8 keys; ``calls`` lists
+    the paths ``fast_attention_vjp`` ran, and ``calls.forward`` those ``fast_attention`` ran."""
+    for name, value in (("BLOCK_Q", 8), ("BLOCK_KV", 8), ("BLOCK_Q_BACKWARD", 8),
+                        ("MIN_SCORES", 0), ("MIN_Q_LEN", 1)):
+        monkeypatch.setattr(_fast, name, value)
+    calls = _Calls()
+    for name, record in (("fast_attention", calls.forward), ("fast_attention_vjp", calls)):
+        monkeypatch.setattr(_fast, name, _spy(getattr(_fast, name), record))
+    return calls
+
+
+class _Calls(list):
+    """The paths the VJP ran; ``forward``: those the forward pass ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forward: list[str] = []
+
+
+def _spy(real, record):
+    def spy(path, *args, **kwargs):
+        record.append(path)
+        return real(path, *args, **kwargs)
+
+    return spy
+
+
+def _arrays(q_shape, k_shape, v_dim, seed=0, dtype=np.float64):
+    gen = np.random.default_rng(seed)
+    q = gen.standard_normal(q_shape)
+    k = gen.standard_normal(k_shape)
+    v = gen.standard_normal(k_shape[:-1] + (v_dim,))
+    grad_out = gen.standard_normal(q_shape[:-1] + (v_dim,))
+    return tuple(x.astype(dtype) for x in (q, k, v, grad_out))
+
+
+def _vjp_vs_reference(calls, arrays, rtol=1e-10, **options):
+    """numpy_attn's VJP (which must take the blocked path) against the float64 reference."""
+    calls.clear()
+    got = numpy_attn.scaled_dot_product_attention_vjp(*arrays, **options)
+    assert calls == ["blocked"], "the blocked VJP did not run"
+    want = reference.attention_vjp(*arrays, **options)
+    names = ("query", "key", "value", "bias", "sinks")
+    for name, grad in zip(names, got, strict=False):
+        expected = getattr(want, name)
+        if expected is None:
+            assert grad is None, name
+            continue
+        assert grad.shape == np.shape(expected), name
+        atol = rtol * max(1.0, float(np.abs(expected).max()))
+        np.testing.assert_allclose(grad, expected, rtol=rtol, atol=atol,
+                                   err_msg=f"d{name}, {sorted(options)}")
+    return got
+
+
+@pytest.mark.parametrize("bias_shape", [(3, 21, 19), (3, 1, 19), (3, 21, 1), (21, 19),
+                                        (1, 1, 19)], ids=str)
+def test_blocked_vjp_of_unbatched_inputs_with_a_broadcast_bias(blocked, bias_shape):
+    """3-D ``(heads, q_len, head_dim)`` inputs: the bias's gradient is summed over the axes it
+    was broadcast along, counted from the end (per head, per key, per query, shared)."""
+    arrays = _arrays((3, 21, 8), (3, 19, 8), 5)
+    bias = np.random.default_rng(1).standard_normal(bias_shape)
+    _vjp_vs_reference(blocked, arrays, bias=bias, is_causal=True,
+                      causal_alignment="bottom_right")
+
+
+def test_the_fast_path_is_taken_unless_weights_or_dropout_are_asked_for(blocked):
+    """``_fast.use_fast_path``: the blocks never hold the whole weights nor a keep-mask, so
+    ``return_weights`` and dropout take the explicit steps; anything else (here at the shrunk
+    threshold) the blocked path, forward and backward."""
+    q, k, v, grad_out = _arrays((2, 9, 4), (2, 11, 4), 3, seed=4)
+    keep = np.random.default_rng(5).random((2, 9, 11)) > 0.5
+    numpy_attn.scaled_dot_product_attention(q, k, v)
+    numpy_attn.scaled_dot_product_attention_vjp(q, k, v, grad_out)
+    assert blocked.forward == ["blocked"] and blocked == ["blocked"]
+    blocked.clear()
+    blocked.forward.clear()
+    output, weights = numpy_attn.scaled_dot_product_attention(q, k, v, return_weights=True)
+    dropped = numpy_attn.scaled_dot_product_attention(q, k, v, dropout_p=0.5,
+                                                      dropout_mask=keep)
+    grads = numpy_attn.scaled_dot_product_attention_vjp(q, k, v, grad_out, dropout_p=0.5,
+                                                        dropout_mask=keep)
+    assert blocked.forward == [] and blocked == []
+    want = reference.attention(q, k, v)
+    np.testing.assert_allclose(weights, want.weights, rtol=1e-12, atol=1e-12)
+    want = reference.attention(q, k, v, dropout_p=0.5, dropout_mask=keep)
+    np.testing.assert_allclose(dropped, want.output, rtol=1e-12, atol=1e-12)
+    want = reference.attention_vjp(q, k, v, grad_out, dropout_p=0.5, dropout_mask=keep)
+    np.testing.assert_allclose(grads[0], want.query, rtol=1e-10, atol=1e-12)
+
+
+def test_half_precision_runs_the_blocks_in_float32(blocked, monkeypatch):
+    """float16 inputs: ``_fast.forward`` and ``_fast.backward`` get every array in the compute
+    dtype, float32 (``rules.compute_dtype``), the sinks and the VJP's extra columns included, and
+    the results come back in float16 within its tolerance of the float64 reference."""
+    seen: dict[str, list[str]] = {"forward": [], "vjp": [], "grads": []}
+
+    def record(real, where, count):
+        def spy(*args, **kwargs):
+            seen[where].append([a.dtype.name for a in args[:count]] + [
+                kwargs["sinks"].dtype.name if kwargs.get("sinks") is not None else
+                args[7].dtype.name if len(args) > 7 and args[7] is not None else "-"])
+            result = real(*args, **kwargs)
+            if where == "vjp":  # the gradients of query, key, value and bias
+                seen["grads"].append([g.dtype.name for g in result])
+            return result
+        return spy
+
+    monkeypatch.setattr(_fast.forward, "blocked_attention",
+                        record(_fast.forward.blocked_attention, "forward", 3))
+    monkeypatch.setattr(_fast.backward, "blocked_attention_vjp",
+                        record(_fast.backward.blocked_attention_vjp, "vjp", 4))
+    q, k, v, grad_out = _arrays((2, 17, 8), (2, 19, 8), 5, seed=6, dtype=np.float16)
+    sinks = np.array([0.5, -1.0], np.float16)
+    bias = np.linspace(-1, 1, 19).astype(np.float16)
+    output = numpy_attn.scaled_dot_product_attention(q, k, v, sinks=sinks, bias=bias)
+    grads = numpy_attn.scaled_dot_product_attention_vjp(q, k, v, grad_out, sinks=sinks,
+                                                        bias=bias)
+    assert blocked.forward == ["blocked"] and blocked == ["blocked"]
+    assert seen["forward"] == [["float32"] * 4] * 2  # sdpa's and the VJP's forward pass
+    assert seen["vjp"] == [["float32"] * 4 + ["-"]]
+    assert seen["grads"] == [["float32"] * 4]
+    assert output.dtype == np.float16 and all(g.dtype == np.float16 for g in grads)
+    want = reference.attention_vjp(q, k, v, grad_out, sinks=sinks, bias=bias)
+    np.testing.assert_allclose(output, reference.attention(q, k, v, sinks=sinks,
+                                                           bias=bias).output,
+                               rtol=2e-3, atol=2e-3)
+    for got, name in zip(grads, ("query", "key", "value", "bias", "sinks"), strict=True):
+        expected = getattr(want, name)
+        np.testing.assert_allclose(got, expected, rtol=5e-3, atol=5e-3 * np.abs(expected).max(),
+                                   err_msg=name)
+
+
+def test_half_precision_query_is_scaled_in_float32(blocked):
+    """float16 queries of 1.2e-7 (subnormal) with ``scale=0.1``: ``Q · scale`` underflows to 0
+    in float16 but not in the compute dtype, float32, and ``dK = dSᵀ (Q · scale)`` is about
+    1e-4 (``dO`` and ``V`` in the hundreds), which float16 holds."""
+    gen = np.random.default_rng(7)
+    q = (np.sign(gen.standard_normal((2, 9, 4))) * 1.2e-7).astype(np.float16)
+    k = gen.standard_normal((2, 11, 4)).astype(np.float16)
+    v, grad_out = ((gen.standard_normal(s) * 200).astype(np.float16)
+                   for s in ((2, 11, 4), (2, 9, 4)))
+    grad_key = numpy_attn.scaled_dot_product_attention_vjp(q, k, v, grad_out, scale=0.1)[1]
+    assert blocked == ["blocked"]
+    want = reference.attention_vjp(q, k, v, grad_out, scale=0.1).key
+    assert np.abs(want).max() > 1e-4
+    np.testing.assert_allclose(grad_key, want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
+
+
+_SLOPES = 2.0 ** -np.arange(1, 5)  # ALiBi's slopes for 4 heads
+
+
+class _PerHeadSlope:
+    """A score_mod whose derivative depends on the head: ``score · (1 + head / 4)``."""
+
+    def __call__(self, score, batch, head, q_idx, kv_idx):
+        return score * (1.0 + 0.25 * head)
+
+    def derivative(self, score, batch, head, q_idx, kv_idx):
+        return np.broadcast_to(1.0 + 0.25 * head, np.broadcast_shapes(
+            np.shape(score), np.shape(head))).astype(score.dtype)
+MOD_CASES = {  # the tile adds ALiBi / applies score_mod between the product and `- lse`
+    "alibi": lambda: {"alibi_slopes": _SLOPES},
+    "score_mod": lambda: {"score_mod": numpy_attn.masks.softcap_mod(1.5)},
+    "alibi_score_mod_bias": lambda: {"alibi_slopes": _SLOPES, "bias": np.linspace(-1, 1, 19),
+                                     "score_mod": numpy_attn.masks.softcap_mod(1.5)},
+    "per_head_score_mod": lambda: {"score_mod": _PerHeadSlope(), "is_causal": True},
+    "softcap_alibi_chunks": lambda: {"softcap": 2.0, "alibi_slopes": _SLOPES, "chunk_size": 5,
+                                     "is_causal": True},
+}
+
+
+@pytest.mark.parametrize("case", sorted(MOD_CASES))
+def test_blocked_vjp_with_alibi_or_a_score_mod_alone(blocked, case):
+    """ALiBi without a score_mod, a score_mod (not additive: a soft-cap) without ALiBi, both
+    with a bias, and the soft-cap argument with ALiBi and chunks: against the float64
+    reference VJP (ALiBi's slopes are constants, the score_mod's derivative is its own)."""
+    arrays = _arrays((1, 4, 21, 8), (1, 2, 19, 8), 5, seed=8)
+    arrays = (arrays[0] * 2,) + arrays[1:]  # scores of a few units: the soft-caps bend them
+    _vjp_vs_reference(blocked, arrays, **MOD_CASES[case]())
+
+
+@pytest.mark.parametrize("batch", [(), (2,)], ids=["unbatched", "batched"])
+def test_blocked_vjp_with_documents_that_skip_query_blocks(blocked, batch):
+    """Segment ids, no causality, 4 query blocks and 5 key blocks of 8: key block 0 is seen by
+    query blocks 0 and 2 (not 1), key block 2 by query blocks 1 and 3 (not 0), key blocks 1,
+    3 and 4 by no query; with and without a batch axis (the tile statuses lose one)."""
+    arrays = _arrays(batch + (2, 32, 4), batch + (2, 40, 4), 3, seed=9)
+    q_ids = np.broadcast_to(np.repeat([0, 2, 0, 2], 8), batch + (32,))
+    kv_ids = np.broadcast_to(np.repeat(np.arange(5), 8), batch + (40,))
+    grads = _vjp_vs_reference(blocked, arrays, segment_ids=(q_ids, kv_ids))
+    for unseen in (slice(8, 16), slice(24, 40)):
+        assert not grads[1][..., unseen, :].any() and not grads[2][..., unseen, :].any()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_blocked_vjp_where_no_query_sees_any_key(blocked, monkeypatch, dtype):
+    """Segment ids that never match: no key block has a query, so no tile runs at all; every
+    gradient is 0, shaped like its input, computed in float32 and returned in ``dtype``."""
+    returned = []
+    real = _fast.backward.blocked_attention_vjp
+
+    def spy(*args, **kwargs):
+        result = real(*args, **kwargs)
+        returned.append([(g.shape, g.dtype.name) for g in result[:3]])
+        return result
+
+    monkeypatch.setattr(_fast.backward, "blocked_attention_vjp", spy)
+    q, k, v, grad_out = _arrays((2, 3, 9, 4), (2, 3, 11, 4), 5, seed=10, dtype=dtype)
+    ids = (np.zeros((2, 9), np.int32), np.ones((2, 11), np.int32))
+    grads = numpy_attn.scaled_dot_product_attention_vjp(q, k, v, grad_out, segment_ids=ids)
+    assert blocked == ["blocked"]
+    assert returned == [[(x.shape, "float32") for x in (q, k, v)]]
+    want = reference.attention_vjp(q, k, v, grad_out, segment_ids=ids)
+    for got, x, name in zip(grads[:3], (q, k, v), ("query", "key", "value"), strict=True):
+        assert got.shape == x.shape and got.dtype == x.dtype, name
+        assert not got.any() and not getattr(want, name).any(), name
+
+
+@pytest.mark.parametrize("bias_shape", [(2, 4, 21, 1), (21, 1), (4, 1, 19)], ids=str)
+def test_blocked_vjp_of_a_bias_with_sinks(blocked, bias_shape):
+    """With sinks a row's weights sum to less than 1, so a bias broadcast over the keys has a
+    gradient (``p_sink · rowsum(dO ⊙ O)`` per row; 0 without sinks), summed from each lane's
+    own copy."""
+    arrays = _arrays((2, 4, 21, 8), (2, 2, 19, 8), 5, seed=11)
+    gen = np.random.default_rng(12)
+    bias, sinks = gen.standard_normal(bias_shape), gen.standard_normal(4)
+    grads = _vjp_vs_reference(blocked, arrays, bias=bias, sinks=sinks, window=(9, 2))
+    assert np.abs(grads[3]).max() > 1e-3

@@ -6,15 +6,23 @@ computation that shares no code with it, and therefore the three agree with each
 gradients are held to the float64 reference VJP under the harness's tolerance rule (``numerics``);
 the modules' weight gradients to central differences of the float64 module pipeline
 (``conformance.cases.module_pipelines`` around the reference), not of any backend's forward.
+
+numpy_attn's explicit VJP is also held to the float64 reference VJP where a ``score_mod``'s
+derivative is taken after the bias and ALiBi, at the tile's own positions; its bad inputs name
+the function and the argument; its optimisers follow torch's and their own formulas (``sgd_step``,
+``Adam``'s defaults written out). Those tests came from mutation testing (docs/mutation.md).
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
 from numerics import assert_vjp_matches_reference, finite_differences
 from test_modules import module_reference
 
+import numpy_attn
 from conformance.cases import reference
 
 FEATURES = {
@@ -154,8 +162,6 @@ def _module_problem(name, forward_kwargs):
     key = (name, tuple(sorted(forward_kwargs)))
     if key in _MODULE_FD:
         return _MODULE_FD[key]
-    import numpy_attn
-
     forward_kwargs = dict(forward_kwargs)
     args, kwargs = MODULES[name]
     module = getattr(numpy_attn, name)(*args, rng=np.random.default_rng(0), **kwargs)
@@ -219,8 +225,6 @@ def test_module_backward_never_uses_dropout(backend):
 
 def test_numpy_optimisers_match_torch():
     torch = pytest.importorskip("torch")
-    import numpy_attn
-
     module = numpy_attn.SelfAttention(4, 3, 2, rng=np.random.default_rng(0))
     module = module.load_weights({k: w.astype(np.float64) for k, w in
                                   module.export_weights().items()})
@@ -243,6 +247,31 @@ def test_numpy_optimisers_match_torch():
         np.testing.assert_allclose(after[k], before[k] - 0.1)
 
 
+def test_sgd_step_and_adams_defaults_follow_their_formulas():
+    """``sgd_step``: ``W - lr · dW`` in the weights' dtype; ``Adam()``: Kingma & Ba's update with
+    torch's and optax's defaults (lr 1e-3, betas 0.9 and 0.999, eps 1e-8), two steps written
+    out."""
+    module = numpy_attn.SelfAttention(4, 3, 2, rng=np.random.default_rng(0))
+    before = module.export_weights()
+    gen = np.random.default_rng(20)
+    grads = {k: gen.standard_normal(w.shape) for k, w in before.items()}
+    after = numpy_attn.sgd_step(module, grads, 0.1).export_weights()
+    for k, w in before.items():
+        assert after[k].dtype == w.dtype, k
+        np.testing.assert_allclose(after[k], w - 0.1 * grads[k], rtol=1e-5, atol=1e-6)
+    module = module.load_weights({k: w.astype(np.float64) for k, w in before.items()})
+    adam, steps = numpy_attn.Adam(), [grads, {k: g[::-1] * 0.5 for k, g in grads.items()}]
+    for g in steps:
+        module = adam.step(module, g)
+    for k, w in before.items():
+        g1, g2 = steps[0][k], steps[1][k]
+        m = (0.9 * 0.1 * g1 + 0.1 * g2) / (1 - 0.9**2)
+        s = (0.999 * 0.001 * g1**2 + 0.001 * g2**2) / (1 - 0.999**2)
+        first = w - 1e-3 * g1 / (np.abs(g1) + 1e-8)
+        want = first - 1e-3 * m / (np.sqrt(s) + 1e-8)
+        np.testing.assert_allclose(module.export_weights()[k], want, rtol=1e-6, atol=1e-9)
+
+
 @pytest.mark.parametrize("feature", ["mask_bias", "softcap", "gqa", "dropout_mask",
                                      "fully_masked_rows", "causal_bottom_right", "two_d"])
 def test_reference_vjp_matches_finite_differences(feature):
@@ -255,3 +284,127 @@ def test_reference_vjp_matches_finite_differences(feature):
     for name in expected:
         np.testing.assert_allclose(getattr(grads, name), expected[name], rtol=1e-6, atol=1e-7,
                                    err_msg=f"reference d{name}, feature={feature}")
+
+
+# ------------------------------------------------------------------ numpy_attn's explicit VJP
+# the score_mod's derivative after the bias and ALiBi, at the tile's positions
+
+
+def _arrays(q_shape, k_shape, v_dim, seed=0):
+    gen = np.random.default_rng(seed)
+    q, k = gen.standard_normal(q_shape), gen.standard_normal(k_shape)
+    v = gen.standard_normal(k_shape[:-1] + (v_dim,))
+    return q, k, v, gen.standard_normal(q_shape[:-1] + (v_dim,))
+
+
+def test_explicit_vjp_evaluates_the_score_mod_derivative_after_the_bias():
+    """The explicit steps (small inputs): a soft-capping score_mod after a bias; its
+    derivative is taken at ``S1 + bias``, as the float64 reference takes it."""
+    q, k, v, grad_out = _arrays((1, 2, 5, 4), (1, 2, 6, 4), 3, seed=17)
+    bias = np.random.default_rng(18).standard_normal((5, 6)) * 2.0
+    mod = numpy_attn.masks.softcap_mod(1.5)
+    got = numpy_attn.scaled_dot_product_attention_vjp(q * 2, k, v, grad_out, bias=bias,
+                                                      score_mod=mod)
+    want = reference.attention_vjp(q * 2, k, v, grad_out, bias=bias, score_mod=mod)
+    for grad, name in zip(got, ("query", "key", "value", "bias"), strict=True):
+        np.testing.assert_allclose(grad, getattr(want, name), rtol=1e-10, atol=1e-12,
+                                   err_msg=name)
+
+
+class _PerPosition:
+    """A score_mod whose derivative depends on the positions: ``score · (1 + q/10 + k/20)``."""
+
+    def __call__(self, score, batch, head, q_idx, kv_idx):
+        return score * (1.0 + 0.1 * q_idx + 0.05 * kv_idx)
+
+    def derivative(self, score, batch, head, q_idx, kv_idx):
+        return np.broadcast_to(1.0 + 0.1 * q_idx + 0.05 * kv_idx, np.broadcast_shapes(
+            np.shape(score), np.shape(q_idx), np.shape(kv_idx))).astype(score.dtype)
+
+
+@pytest.mark.parametrize("mod", ["softcap", "per_position"])
+def test_explicit_vjp_evaluates_the_score_mod_derivative_after_alibi(mod):
+    """The explicit steps: ALiBi then a score_mod that is not additive; its derivative is
+    taken at ``S1 + bias + ALiBi`` at the tile's own positions."""
+    q, k, v, grad_out = _arrays((1, 2, 5, 4), (1, 2, 6, 4), 3, seed=19)
+    score_mod = numpy_attn.masks.softcap_mod(1.5) if mod == "softcap" else _PerPosition()
+    options = {"alibi_slopes": np.array([0.5, 1.0]), "bias": np.linspace(-1, 1, 6),
+               "score_mod": score_mod}
+    got = numpy_attn.scaled_dot_product_attention_vjp(q * 2, k, v, grad_out, **options)
+    want = reference.attention_vjp(q * 2, k, v, grad_out, **options)
+    for grad, name in zip(got, ("query", "key", "value", "bias"), strict=True):
+        np.testing.assert_allclose(grad, getattr(want, name), rtol=1e-10, atol=1e-12,
+                                   err_msg=name)
+
+
+# ------------------------------------------------------------------------------------------
+# numpy_attn's scaled_dot_product_attention_vjp: bad input names the function and the argument
+# ------------------------------------------------------------------------------------------
+
+_Q = np.zeros((1, 2, 3, 4), np.float32)
+_BAD_ARRAYS = {  # argument: a wrong shape (a Python list is refused as well)
+    "mask": np.ones(5, bool), "bias": np.zeros(5, np.float32),
+    "dropout_mask": np.ones(5, bool), "sinks": np.zeros(3, np.float32),
+    "alibi_slopes": np.zeros(3, np.float32), "segment_ids": np.zeros(7, np.int32),
+}
+_BAD_OPTIONS = {  # argument: a value the rules refuse
+    "is_causal": 1, "causal_alignment": "middle", "window": (1,), "scale": "x",
+    "softcap": -1.0, "dropout_p": 1.5, "chunk_size": 0, "score_mod": 3, "mask_mod": 3,
+}
+BAD_VJP = {f"{name}_shape": ({name: bad}, ValueError, name) for name, bad in _BAD_ARRAYS.items()}
+BAD_VJP.update({f"{name}_list": ({name: [1.0]}, TypeError, name)
+                for name in ("mask", "bias", "dropout_mask", "sinks", "alibi_slopes")})
+BAD_VJP.update({name: ({name: bad}, (TypeError, ValueError), name)
+                for name, bad in _BAD_OPTIONS.items()})
+
+
+class _WrongShape:
+    """A score_mod whose result does not broadcast to the scores."""
+
+    def __call__(self, score, batch, head, q_idx, kv_idx):
+        return np.zeros(5, score.dtype)
+
+    def derivative(self, score, batch, head, q_idx, kv_idx):
+        return np.ones_like(score)
+
+
+BAD_VJP.update({
+    "segment_ids_list_of_one": ({"segment_ids": [np.zeros(3, np.int32)]}, ValueError,
+                                "segment_ids"),
+    "score_mod_without_derivative": ({"score_mod": lambda s, b, h, q, k: s},
+                                     NotImplementedError, "score_mod"),
+    "score_mod_wrong_shape": ({"score_mod": _WrongShape()}, ValueError, "score_mod"),
+})
+
+
+
+def _names(message: str, name: str) -> bool:
+    """Whether ``message`` names the argument ``name`` as a whole word (not ``XXnameXX``)."""
+    return re.search(rf"(?<![A-Za-z_]){re.escape(name)}(?![A-Za-z_])", message) is not None
+
+
+@pytest.mark.parametrize("name", sorted(BAD_VJP))
+def test_vjp_bad_option_names_the_function_and_argument(name):
+    kwargs, exception, word = BAD_VJP[name]
+    if "dropout_mask" in kwargs:
+        kwargs = {**kwargs, "dropout_p": 0.5}
+    with pytest.raises(exception) as info:
+        numpy_attn.scaled_dot_product_attention_vjp(_Q, _Q, _Q, _Q, **kwargs)
+    message = str(info.value)
+    assert message.startswith("scaled_dot_product_attention_vjp: ") and _names(message, word), \
+        message
+
+
+@pytest.mark.parametrize("position", range(4))
+def test_vjp_bad_array_names_the_function_and_argument(position):
+    """query, key, value, grad_output: a Python list (TypeError), and a grad_output shaped
+    unlike the output (ValueError)."""
+    name = ("query", "key", "value", "grad_output")[position]
+    arrays = [_Q] * 4
+    arrays[position] = [[1.0]]
+    with pytest.raises(TypeError) as info:
+        numpy_attn.scaled_dot_product_attention_vjp(*arrays)
+    assert str(info.value).startswith(f"scaled_dot_product_attention_vjp: {name} must"), info.value
+    if name == "grad_output":
+        with pytest.raises(ValueError, match=r"^scaled_dot_product_attention_vjp: grad_output"):
+            numpy_attn.scaled_dot_product_attention_vjp(_Q, _Q, _Q, _Q[..., :3])

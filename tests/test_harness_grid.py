@@ -29,6 +29,9 @@ NON_FINITE = [c.name for c in cases.CASES if not c.data().finite]
 
 @pytest.mark.parametrize("dtype", backends.DTYPES)
 @pytest.mark.parametrize("case", cases.CASE_NAMES)
+@pytest.mark.parametrize("backend", [  # the JAX column lowers a program per step: slow
+    pytest.param(name, marks=pytest.mark.slow) if name == "jax" else name
+    for name in backends.SPEC_BACKENDS], indirect=True)
 def test_backend_conforms(backend: backends.Backend, case: str, dtype: str) -> None:
     cell = runner.run_cell(backend, _expected(case, dtype))
     assert cell.status == "ok", f"{cell.detail}\nrerun: {cell.rerun}"

@@ -150,6 +150,7 @@ def test_the_assets_are_package_data() -> None:
     assert all(page.asset(name) for name in page.ASSETS)
 
 
+@pytest.mark.slow
 def test_the_page_loads_without_errors_and_fetches_nothing(result, loaded) -> None:  # noqa: ANN001
     assert loaded.problems == []
     # the plugin's markup is shown as text, and no element came from it
@@ -160,6 +161,7 @@ def test_the_page_loads_without_errors_and_fetches_nothing(result, loaded) -> No
     assert loaded.requests == [loaded.page.url]  # the file itself: no CDN, font or server
 
 
+@pytest.mark.slow
 def test_the_grid_has_one_cell_per_result(result, loaded) -> None:  # noqa: ANN001
     titles = loaded.page.locator("#grid td.cell").evaluate_all("(es) => es.map((e) => e.title)")
     assert len(titles) == len(result.cells) == 4 * len(CASES) * len(DTYPES)
@@ -169,6 +171,7 @@ def test_the_grid_has_one_cell_per_result(result, loaded) -> None:  # noqa: ANN0
     assert loaded.visible() == len(result.cells)
 
 
+@pytest.mark.slow
 def test_the_filters_hide_and_show_cells(result, loaded) -> None:  # noqa: ANN001
     page = loaded.page
 
@@ -195,6 +198,7 @@ def test_the_filters_hide_and_show_cells(result, loaded) -> None:  # noqa: ANN00
                                                   "cells shown"
 
 
+@pytest.mark.slow
 def test_a_cell_shows_its_steps_against_the_tolerance(result, loaded) -> None:  # noqa: ANN001
     cell = _cell(result, "numpy", "padding", "float32")
     loaded.click("numpy", "padding", "float32")
@@ -208,6 +212,7 @@ def test_a_cell_shows_its_steps_against_the_tolerance(result, loaded) -> None:  
             assert float(shown) == pytest.approx(value, rel=1e-3)
 
 
+@pytest.mark.slow
 def test_a_failing_cell_shows_its_reproducer_and_rerun(result, loaded) -> None:  # noqa: ANN001
     text = loaded.click("examples.wrong_attention", "padding", "float32")
     assert "mask polarity flipped" in text
@@ -220,6 +225,7 @@ def test_a_failing_cell_shows_its_reproducer_and_rerun(result, loaded) -> None: 
     assert not np.allclose(namespace["actual"], namespace["expected"], equal_nan=True)
 
 
+@pytest.mark.slow
 def test_a_known_cell_shows_its_alternative_and_distance(result, loaded) -> None:  # noqa: ANN001
     cell = _cell(result, "torch.sdpa", "causal_bottom_right", "float32")
     assert cell.status == "known"
@@ -233,6 +239,7 @@ def test_a_known_cell_shows_its_alternative_and_distance(result, loaded) -> None
     assert na.status == "n/a" and na.detail in loaded.click("torch.sdpa", "softcap", "float16")
 
 
+@pytest.mark.slow
 def test_the_pictures_are_embedded_or_the_page_says_why(result, loaded, browser, tmp_path,
                                                         monkeypatch) -> None:  # noqa: ANN001
     if importlib.util.find_spec("matplotlib") is not None:
@@ -249,6 +256,7 @@ def test_the_pictures_are_embedded_or_the_page_says_why(result, loaded, browser,
     bare.page.close()
 
 
+@pytest.mark.slow
 def test_the_articles_weights_show_each_steps_numbers_on_hover(loaded) -> None:  # noqa: ANN001
     """The seed article's example on the page: pointing at query 3 ('short,') → key 2 ('is')
     shows its score ω = q·k, ω/√2 and its softmax weight, each equal to a float64 computation

@@ -13,7 +13,10 @@ compared and the loss leaves padding out.
 The model's layers pass neither ``bias``, ``is_causal``, ``dtype`` nor ``module``: direct calls
 (``_direct_calls``, one ``jax.jit``) check them against Flax's ``dot_product_attention_weights``
 in float64 (its bias, mask and causal path), the sown weights also against those Flax's own
-attention sows from the same layer.
+attention sows from the same layer. Further direct calls (tests from mutation testing,
+docs/mutation.md) check Flax's top-left causal rule with fewer queries than keys, a float32 bias
+on half inputs, dropout's defaults and keep-masks, ``dtype``, the errors' messages, and the sinks
+module's constructor arguments and ``param_dtype``.
 """
 
 from __future__ import annotations
@@ -369,6 +372,116 @@ def test_sinks_module_forward_and_grad_equal_explicit_float64():
     with pytest.raises(TypeError, match="attention_fn is jax_attn's"):
         fx.MultiHeadAttentionWithSinks(HEADS, 16, attention_fn=fx.attention_fn, rngs=nnx.Rngs(1))
     assert fx.use_jax_attn(layer) == 1  # setting jax_attn's own is accepted
+
+
+# ------------------------------------------------------------------------------------------
+# attention_fn and the sinks module called directly against Flax's own attention in float64:
+# the causal rule's alignment, errors, a float32 bias on half inputs, dropout's defaults,
+# dtype promotion (tests from mutation testing, docs/mutation.md)
+# ------------------------------------------------------------------------------------------
+
+
+def _flax_qkv(seed: int, dtype=None):
+    """Query ``(2, 3, 4, 8)``, key and value ``(2, 5, 2, 8)`` ("BTNH", grouped-query heads),
+    float64 under x64 (every Flax test here shares these shapes: one compile per operation)."""
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.standard_normal(shape), dtype) for shape in
+            ((2, 3, 4, 8), (2, 5, 2, 8), (2, 5, 2, 8)))
+
+
+def _flax_attention(q, k, v, **kwargs):
+    """Flax's own attention in float64 (its weights function at HIGHEST precision, then the
+    weighted sum, grouped-query value heads repeated): ``(batch, q_len, heads, v_dim)``."""
+    weights = dot_product_attention_weights(q, k, precision=jax.lax.Precision.HIGHEST,
+                                            **kwargs)  # (batch, heads, q_len, kv_len)
+    v = jnp.repeat(v, q.shape[-2] // v.shape[-2], axis=-2)
+    return jnp.einsum("...hqk,...khd->...qhd", weights, v, precision=jax.lax.Precision.HIGHEST)
+
+
+def test_flax_causal_rule_is_top_left_with_fewer_queries_than_keys():
+    """Flax's ``is_causal`` is top-left (query ``i`` attends keys ``j <= i``, also with 3
+    queries and 5 keys, grouped-query heads): ``attention_fn`` gives Flax's own result."""
+    q, k, v = _flax_qkv(8)
+    expected = _flax_attention(q, k, v, is_causal=True)
+    np.testing.assert_allclose(fx.attention_fn(q, k, v, is_causal=True), expected, rtol=0,
+                               atol=1e-12)
+    bottom_right = _flax_attention(q, k, v, mask=jnp.tril(jnp.ones((3, 5)), 2) > 0)
+    assert np.abs(np.asarray(expected - bottom_right)).max() > 0.05  # the alignment matters
+
+
+def test_flax_errors_name_the_argument():
+    """Dropout without ``dropout_rng``, and any other ``attention_fn`` for the sinks module,
+    raise one line naming the argument."""
+    q = jnp.zeros((1, 2, 1, 4))
+    with pytest.raises(ValueError, match=r"^attention_fn: dropout_rate > 0 and not "
+                       r"deterministic needs dropout_rng \(a jax\.random key\)$"):
+        fx.attention_fn(q, q, q, dropout_rate=0.5)
+    fixed = (r"^MultiHeadAttentionWithSinks: attention_fn is jax_attn's with the module's sinks "
+             r"and cannot be replaced; got attention_fn=<function dot_product_attention")
+    with pytest.raises(TypeError, match=fixed):
+        fx.MultiHeadAttentionWithSinks(2, 4, attention_fn=nnx.dot_product_attention,
+                                       rngs=nnx.Rngs(0))
+    layer = fx.MultiHeadAttentionWithSinks(2, 4, rngs=nnx.Rngs(0))
+    with pytest.raises(TypeError, match=fixed):
+        layer.attention_fn = nnx.dot_product_attention
+
+
+def test_flax_float32_bias_is_not_rounded_to_a_half_query():
+    """A float32 ``bias`` on float16 inputs adds in float32, as Flax's own attention (``float16
+    + float32`` scores are float32): a finite entry beyond float16's range (``-1e5`` on every
+    key of one row, a shift the softmax ignores) stays finite, where rounding the bias to
+    float16 first would make it ``-inf`` and the row empty (output 0)."""
+    q, k, v = _flax_qkv(9, jnp.float16)
+    bias = np.asarray(np.random.default_rng(9).standard_normal((2, 4, 3, 5)), np.float32)
+    bias[1, :, 0] -= 1e5  # float32: finite; as float16: -inf
+    out = fx.attention_fn(q, k, v, bias=jnp.asarray(bias))
+    assert out.dtype == jnp.float16
+    expected = _flax_attention(*(x.astype(jnp.float64) for x in (q, k, v)), bias=bias)
+    assert np.abs(np.asarray(expected[1, 0])).max() > 0.1  # Flax: the shifted row's softmax
+    np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=0, atol=1e-2)
+
+
+def test_flax_sinks_module_passes_flax_arguments_and_param_dtype():
+    """``MultiHeadAttentionWithSinks`` hands its positional arguments to Flax's constructor
+    (``qkv_features`` here: the kernels of ``nnx.MultiHeadAttention(2, 4, 6)``), and its sinks
+    ``(num_heads,)`` are zeros in ``param_dtype``, as Flax's own parameters."""
+    layer = fx.MultiHeadAttentionWithSinks(2, 4, 6, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    flax_layer = nnx.MultiHeadAttention(2, 4, 6, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    assert layer.query.kernel[...].shape == flax_layer.query.kernel[...].shape == (4, 2, 3)
+    sinks = layer.sinks[...]
+    assert sinks.shape == (2,) and sinks.dtype == flax_layer.query.kernel[...].dtype
+    assert sinks.dtype == jnp.bfloat16 and not np.any(np.asarray(sinks, np.float32))
+
+
+def test_flax_dropout_defaults_are_flax_defaults():
+    """Called with only ``dropout_rng`` and ``dropout_rate``, ``attention_fn`` drops what
+    Flax's own ``nnx.dot_product_attention`` drops with its defaults (``deterministic=False``,
+    ``broadcast_dropout=True``: one keep-mask for every batch and head); with two batch axes,
+    either ``broadcast_dropout``, Flax's keep-mask."""
+    q, k, v = _flax_qkv(10)
+    key = jax.random.key(10)
+    ours = fx.attention_fn(q, k, v, dropout_rng=key, dropout_rate=0.4)
+    np.testing.assert_allclose(ours, nnx.dot_product_attention(
+        q, k, v, dropout_rng=key, dropout_rate=0.4), rtol=0, atol=1e-12)
+    for other in ({"deterministic": True}, {"broadcast_dropout": False}):  # not vacuous
+        theirs = nnx.dot_product_attention(q, k, v, dropout_rng=key, dropout_rate=0.4, **other)
+        assert np.abs(np.asarray(ours - theirs)).max() > 0.05, other
+    # two batch axes: one keep-mask, or one of the weights' shape, as Flax draws them
+    q, k, v = (x[None] for x in (q, k, v))  # (1, 2, seq, heads, dim)
+    for broadcast in (True, False):
+        kwargs = dict(dropout_rng=key, dropout_rate=0.4, broadcast_dropout=broadcast)
+        np.testing.assert_allclose(fx.attention_fn(q, k, v, **kwargs), nnx.dot_product_attention(
+            q, k, v, **kwargs), rtol=0, atol=1e-12, err_msg=str(broadcast))
+
+
+def test_flax_dtype_promotes_the_inputs():
+    """``dtype=float32`` on float64 inputs computes and returns float32, as Flax's own
+    ``nnx.dot_product_attention`` with the same ``dtype`` (within float32's error of it)."""
+    q, k, v = _flax_qkv(11)
+    ours = fx.attention_fn(q, k, v, dtype=jnp.float32)
+    theirs = nnx.dot_product_attention(q, k, v, dtype=jnp.float32)
+    assert ours.dtype == theirs.dtype == jnp.float32
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)
 
 
 def test_the_documented_snippets_print_what_the_docs_say():

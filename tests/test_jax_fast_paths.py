@@ -2,7 +2,9 @@
 it (shapes and options only), on the platforms and in the dtypes ``spec.FAST_PATHS`` states
 and no others, the device of the input decides, and, forced on this machine with jax.nn's XLA
 implementation (x64 off and on), it matches the float64 reference under the harness's
-tolerance rule where it is selected and is skipped where a row may be empty.
+tolerance rule where it is selected and is skipped where a row may be empty; forced in float64
+on 4-D, 3-D and 2-D inputs, what ``_cudnn_attention`` returns is the output (a test from mutation
+testing, docs/mutation.md).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from jax_inputs import MASK, K, Q, V, _assert_matches_reference, _f64  # noqa: E
 import attention_rules  # noqa: E402
 import jax_attn as ja  # noqa: E402
 from conformance import spec  # noqa: E402
+from conformance.cases import reference  # noqa: E402
 from jax_attn import _fast  # noqa: E402
 
 # float64 inputs stay float64: x64 on for each test here (conftest.x64_on), never for the run
@@ -158,3 +161,29 @@ def test_forced_fast_path_is_skipped_with_dropout_which_is_applied(forced_fast_p
     assert forced_fast_path == []
     _assert_matches_reference(out, "output", dtype, {"query": q, "key": k, "value": v,
                                                      "dropout_mask": keep}, dropout_p=0.5)
+
+
+@pytest.mark.parametrize(("shapes", "options"), [
+    (((1, 2, 5, 4), (1, 1, 6, 4), (1, 1, 6, 4)), {}),
+    (((2, 6, 4), (2, 6, 4), (2, 6, 4)), {"is_causal": True, "window": (2, 3)}),
+    (((6, 4), (6, 4), (6, 4)), {"window": (1, 0)}),
+], ids=["gqa_4d", "causal_window_3d", "left_window_2d"])
+def test_the_cudnn_path_runs_and_equals_the_reference(monkeypatch, x64_on, shapes, options):
+    """The cuDNN path forced on this machine in float64 (jax.nn's XLA implementation): its
+    ``_cudnn_attention`` returns (an error there would fall back to the explicit steps
+    unseen), and that result is the output, equal to the float64 reference (within 1e-5:
+    jax.nn's products run at XLA's default precision)."""
+    monkeypatch.setattr(_fast, "CUDNN_PLATFORMS", (jax.default_backend(),))
+    monkeypatch.setattr(_fast, "CUDNN_DTYPES", ("float64",))
+    monkeypatch.setattr(_fast, "CUDNN_IMPLEMENTATION", "xla")
+    results = []
+    real = _fast._cudnn_attention
+    monkeypatch.setattr(_fast, "_cudnn_attention", lambda *a: results.append(real(*a)) or
+                        results[-1])
+    gen = np.random.default_rng(3)
+    q, k, v = (gen.standard_normal(s) for s in shapes)
+    out = ja.scaled_dot_product_attention(q, k, v, **options)
+    assert len(results) == 1 and np.array_equal(np.asarray(results[0]), np.asarray(out))
+    # jax.nn's products run at the default (not the highest) precision, even in float64
+    np.testing.assert_allclose(np.asarray(out), reference.attention(q, k, v, **options).output,
+                               err_msg="output", atol=1e-5)

@@ -47,12 +47,14 @@ def _run(code: str) -> str:
     return result.stdout.strip()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", IMPORTERS)
 def test_import_pulls_in_no_framework(module):
     loaded = _run(_no_framework(module))
     assert loaded == "", f"import {module} imported {loaded}"
 
 
+@pytest.mark.slow
 def test_the_rules_import_the_standard_library_only():
     assert _run(RULES_ONLY) == "", "attention_rules imported a module outside the standard library"
     for path in sorted((ROOT / "attention_rules").glob("*.py")):  # and says so in its source
@@ -62,6 +64,7 @@ def test_the_rules_import_the_standard_library_only():
                 assert top in sys.stdlib_module_names, f"{path.name}: {line}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("package", BACKENDS)
 def test_backends_import_no_other_backend(package):
     if package == "jax_attn":
@@ -97,6 +100,7 @@ def _check(command: list[str], **kwargs) -> str:
     return result.stdout
 
 
+@pytest.mark.slow
 def test_the_wheel_installs_and_runs_the_harness_outside_the_repository(tmp_path: Path):
     """The wheel, built from a copy of the sources, holds every package and subpackage,
     ``py.typed`` and the LICENSE; installed (no dependencies) into a fresh venv without system

@@ -25,8 +25,9 @@ from conformance.comparing.results import Cell, Column
 from conformance.running import keras_worker, room, runner
 from conformance.running.workers import NICE
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
-                                reason="needs torch: pip install torch")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                                 reason="needs torch: pip install torch"),
+              pytest.mark.slow]  # each test starts worker processes that import torch
 TORCH_PEERS = ("torch.sdpa", "torch.MHA")
 
 

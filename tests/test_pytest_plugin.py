@@ -71,6 +71,7 @@ def module_backend(path: str) -> backends.Backend:
 # ------------------------------------------------------------------------------ subprocess
 
 
+@pytest.mark.slow
 @needs_xdist
 def test_a_correct_module_passes_under_xdist() -> None:
     """examples.sdpa_only on seed_example, every dtype, ``-n 2``: exit 0, every step, bad
@@ -89,6 +90,7 @@ def test_a_correct_module_passes_under_xdist() -> None:
                                      "skipped": total - passed - bad - 1}, result.stdout[-2000:]
 
 
+@pytest.mark.slow
 @needs_xdist
 def test_a_wrong_module_fails_with_the_diagnosis_under_xdist() -> None:
     """examples.wrong_attention on padding in float32, ``-n 2``: exactly the steps the harness
@@ -116,6 +118,7 @@ def test_a_wrong_module_fails_with_the_diagnosis_under_xdist() -> None:
                      "padding --dtype float32 --backend examples.wrong_attention") == len(failing)
 
 
+@pytest.mark.slow
 def test_k_selects_and_junitxml_lists_exactly_the_selected_items(tmp_path: Path) -> None:
     """``-k`` on the ids (case-dtype-step) and ``--junitxml``: the XML's test cases are exactly
     the selected items, named as the ids say, all passing for a correct module."""
@@ -136,6 +139,7 @@ def test_k_selects_and_junitxml_lists_exactly_the_selected_items(tmp_path: Path)
                        for n in chosen}
 
 
+@pytest.mark.slow
 def test_no_module_or_nothing_checked_is_never_a_pass(tmp_path: Path) -> None:
     """No module named: one line, exit code 4, nothing run. A module that declares every dtype
     unsupported (and the bad inputs): every item skipped, said so, exit code 5."""

@@ -5,6 +5,12 @@ bottom-right causal, fully masked rows and non-finite inputs as the spec says, h
 
 Expected values come from ``conformance.cases.reference`` under the harness's tolerance rule
 (``tests/numerics.py``) or from ``numpy_attn`` in float64; never from torch_attn itself.
+
+The last section (tests from mutation testing, docs/mutation.md) shrinks the blocks to 8 rows and
+8 keys: ``"sdpa_blocks"`` (runs of rows with a mask, a bias, chunks or ALiBi; torch's CPU kernel
+per part of keys for unbatched and 2-D inputs; causal in half precision, either alignment),
+``"blocked"`` tiles with a mask and a bias of lower rank, and the route for devices whose SDPA
+gives NaN to a row without a key: outputs, lse and gradients against the float64 reference.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from torch_inputs import F64, _numpy_ref, _qkv  # noqa: E402
 
 import attention_rules  # noqa: E402
 import torch_attn  # noqa: E402
+from conformance.cases import reference  # noqa: E402
 from torch_attn import _fast  # noqa: E402
 
 # ------------------------------------------------------------------------------------------
@@ -328,3 +335,170 @@ def test_zero_and_negative_scales_with_a_mask_give_numbers(scale, dtype):
         assert not out.isnan().any(), (scale, kw.keys())
         tol = 1e-5 if dtype == torch.float32 else 2e-3
         torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+
+
+# ------------------------------------------------------------------------------------------
+# "sdpa_blocks" (runs of rows, parts of keys) and "blocked" tiles with masks, biases and mods,
+# and rows without a key on devices whose SDPA gives them NaN: blocks of 8 rows and 8 keys
+# ------------------------------------------------------------------------------------------
+
+
+def _t(x: np.ndarray, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(x)).to(dtype)
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """``"sdpa_blocks"`` and ``"blocked"`` from any size, in blocks of 8 rows and 8 keys."""
+    for name, value in (("SDPA_ROWS", 8), ("SDPA_KEYS", 8)):
+        monkeypatch.setattr(_fast.sdpa, name, value)
+    for name, value in (("BLOCK_Q", 8), ("BLOCK_KV", 8), ("MIN_SCORES", 0), ("MIN_Q_LEN", 1)):
+        monkeypatch.setattr(_fast, name, value)
+
+
+def _spy(monkeypatch, module, name) -> list:
+    """The positional arguments of every call of ``module.name``."""
+    calls, original = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(a) or original(*a, **k))
+    return calls
+
+
+_I, _J = np.arange(48)[:, None], np.arange(48)
+#: keys 0-7 and the 17 up to the query's own; head 1's query 40 sees no key
+SINKS_WINDOW = np.broadcast_to((_J < 8) | ((_I - 16 <= _J) & (_J <= _I)), (4, 48, 48)).copy()
+SINKS_WINDOW[1, 40] = False
+
+
+@pytest.mark.parametrize(("q_shape", "kv_shape"), [((4, 48, 8), (2, 48, 8)), ((48, 8), (48, 8))])
+def test_parts_of_keys_of_unbatched_inputs_with_the_causal_band(small_blocks, monkeypatch,
+                                                                q_shape, kv_shape):
+    """torch's CPU kernel per part of keys for unbatched 3-D (per-head rules, grouped heads)
+    and 2-D inputs, the causal band finite (so the ``"mask"`` parts intersect it with the
+    rules), with a scale: the reference's output and gradients (``reference.attention_vjp``)."""
+    rng = np.random.default_rng(3)
+    q, k, v, g = (rng.standard_normal(s) for s in (q_shape, kv_shape, kv_shape, q_shape))
+    table = SINKS_WINDOW if len(q_shape) == 3 else SINKS_WINDOW[0]
+    tab = torch.from_numpy(table)
+    mod = (lambda b, h, i, j: tab[h, i, j]) if table.ndim == 3 else (lambda b, h, i, j: tab[i, j])
+    parts = _spy(monkeypatch, _fast.sdpa, "_flash_parts")
+    inputs = [_t(x).requires_grad_() for x in (q, k, v)]
+    out = torch_attn.scaled_dot_product_attention(*inputs, mask_mod=mod, is_causal=True,
+                                                  scale=0.3)
+    out.backward(_t(g))
+    assert any(kind == "mask" for call in parts for _, _, kind in call[5])
+    want = reference.attention_vjp(q, k, v, g, mask=table, is_causal=True, scale=0.3)
+    np.testing.assert_allclose(out.detach().numpy(), reference.attention(
+        q, k, v, mask=table, is_causal=True, scale=0.3).output, rtol=1e-5, atol=1e-5)
+    for x, grad in zip(inputs, (want.query, want.key, want.value), strict=True):
+        np.testing.assert_allclose(x.grad.numpy(), grad, rtol=1e-4, atol=1e-5)
+
+
+def _nan_where_no_key(monkeypatch) -> list:
+    """SDPA as on devices that give NaN, not 0, to a row whose every key is masked (torch
+    2.13's CPU kernel gives 0): the path for those devices, checked on the CPU."""
+    sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
+
+    def kernel(query, key, value, attn_mask=None, **kwargs):
+        out = sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+        if attn_mask is None:
+            return out
+        allowed = attn_mask if attn_mask.dtype == torch.bool else attn_mask > -torch.inf
+        calls.append(bool((~allowed.any(-1)).any()))
+        return torch.where(allowed.any(-1, keepdim=True), out, torch.nan)
+
+    monkeypatch.setattr(_fast.sdpa, "CPU_SDPA_ZEROES_MASKED_ROWS", False)
+    monkeypatch.setattr(_fast.sdpa.F, "scaled_dot_product_attention", kernel)
+    return calls
+
+
+def _mask_bias_inputs():
+    """(1, 2, 24, 4) queries over one kv head; a (24, 24) boolean mask whose row 5 keeps no
+    key; a per-head (2, 24, 24) bias; the gradient of the output."""
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal(s) for s in ((1, 2, 24, 4), (1, 1, 24, 4), (1, 1, 24, 3)))
+    mask = rng.random((24, 24)) < 0.7
+    mask[5] = False
+    return q, k, v, mask, rng.standard_normal((2, 24, 24)), rng.standard_normal((1, 2, 24, 3))
+
+
+@pytest.mark.parametrize("nan_kernel", [False, True])
+def test_runs_of_rows_with_a_mask_a_bias_and_mods(small_blocks, monkeypatch, nan_kernel):
+    """``"sdpa_blocks"`` with a boolean mask and a bias (one float mask per run, the mask and
+    bias sliced to the run's rows and keys), chunks (and a scale) or ALiBi as the mods; and
+    with a kernel that gives NaN to rows without a key (row 5), which the path for such
+    devices gives every key and zeroes: the reference's output and gradients."""
+    q, k, v, mask, bias, g = _mask_bias_inputs()
+    calls = _nan_where_no_key(monkeypatch) if nan_kernel else []
+    runs = _spy(monkeypatch, _fast.sdpa, "_sdpa_run")
+    for mods in ({"chunk_size": 8, "scale": 0.3}, {"alibi_slopes": np.array([0.5, 0.25]),
+                                         "is_causal": True}):
+        runs.clear()
+        inputs = [_t(x).requires_grad_() for x in (q, k, v)]
+        given = {n: _t(x) if isinstance(x, np.ndarray) else x for n, x in mods.items()}
+        out = torch_attn.scaled_dot_product_attention(
+            *inputs, mask=torch.from_numpy(mask), bias=_t(bias), **given)
+        out.backward(_t(g))
+        assert len(runs) > 1
+        want = reference.attention_vjp(q, k, v, g, mask=mask, bias=bias, **mods)
+        np.testing.assert_allclose(out.detach().numpy(), reference.attention(
+            q, k, v, mask=mask, bias=bias, **mods).output, rtol=1e-5, atol=1e-5)
+        for x, grad in zip(inputs, (want.query, want.key, want.value), strict=True):
+            np.testing.assert_allclose(x.grad.numpy(), grad, rtol=1e-4, atol=1e-5)
+    assert not any(calls)  # the kernel never met a row without a key
+
+
+def test_one_sdpa_call_with_rows_without_a_key_on_other_devices(monkeypatch):
+    """``"sdpa"`` (small inputs) with a mask, and with a bias, where row 5 keeps no key, on a
+    kernel that gives such rows NaN: every key given to the kernel there, the row zeroed."""
+    q, k, v, mask, bias, g = _mask_bias_inputs()
+    calls = _nan_where_no_key(monkeypatch)
+    for options in ({"mask": mask}, {"mask": mask, "bias": bias}):
+        inputs = [_t(x).requires_grad_() for x in (q, k, v)]
+        given = {n: torch.from_numpy(x) if x.dtype == bool else _t(x) for n, x in options.items()}
+        out = torch_attn.scaled_dot_product_attention(*inputs, **given)
+        out.backward(_t(g))
+        want = reference.attention_vjp(q, k, v, g, **options)
+        np.testing.assert_allclose(out.detach().numpy(), reference.attention(
+            q, k, v, **options).output, rtol=1e-5, atol=1e-5)
+        for x, grad in zip(inputs, (want.query, want.key, want.value), strict=True):
+            np.testing.assert_allclose(x.grad.numpy(), grad, rtol=1e-4, atol=1e-5)
+    assert calls and not any(calls)
+
+
+def test_runs_of_rows_causal_in_half_either_alignment(small_blocks):
+    """``"sdpa_blocks"`` with chunks and the causal rule, 16 queries over 24 keys, float16,
+    bottom-right and top-left (where the band's offset is 0, not 8): the output in float16,
+    the reference's on the rounded inputs; and the plain ``"sdpa"`` call on them."""
+    rng = np.random.default_rng(6)
+    q, k, v = (_t(rng.standard_normal(s), torch.float16)
+               for s in ((1, 2, 16, 4), (1, 1, 24, 4), (1, 1, 24, 4)))
+    for alignment in ("bottom_right", "top_left"):
+        out = torch_attn.scaled_dot_product_attention(q, k, v, chunk_size=8, is_causal=True,
+                                                      causal_alignment=alignment)
+        assert out.dtype == torch.float16
+        want = reference.attention(*(x.double().numpy() for x in (q, k, v)), chunk_size=8,
+                                   is_causal=True, causal_alignment=alignment).output
+        np.testing.assert_allclose(out.double().numpy(), want, rtol=2e-3, atol=2e-3)
+    plain = torch_attn.scaled_dot_product_attention(q, k, v)  # "sdpa", in float32
+    assert plain.dtype == torch.float16
+    want = reference.attention(*(x.double().numpy() for x in (q, k, v))).output
+    np.testing.assert_allclose(plain.double().numpy(), want, rtol=2e-3, atol=2e-3)
+
+
+def test_tiles_with_a_mask_and_a_bias_of_lower_rank(small_blocks):
+    """``"blocked"`` (a soft-cap) with a (24, 24) mask and a per-head (2, 24, 24) bias, sinks
+    and the lse: the reference's output, lse and gradients (the sinks' too)."""
+    q, k, v, mask, bias, g = _mask_bias_inputs()
+    sinks = np.array([0.5, -1.0])
+    inputs = [_t(x).requires_grad_() for x in (q, k, v, sinks)]
+    out, lse = torch_attn.scaled_dot_product_attention(
+        *inputs[:3], mask=torch.from_numpy(mask), bias=_t(bias), softcap=5.0,
+        sinks=inputs[3], return_lse=True)
+    out.backward(_t(g))
+    options = {"mask": mask, "bias": bias, "softcap": 5.0, "sinks": sinks}
+    want = reference.attention(q, k, v, **options)
+    np.testing.assert_allclose(out.detach().numpy(), want.output, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse.detach().numpy(), want.lse, rtol=1e-5, atol=1e-5)
+    grads = reference.attention_vjp(q, k, v, g, **options)
+    for x, grad in zip(inputs, (grads.query, grads.key, grads.value, grads.sinks), strict=True):
+        np.testing.assert_allclose(x.grad.numpy(), grad, rtol=1e-4, atol=1e-5)

@@ -1,13 +1,13 @@
-"""Tests that kill the mutants of JAX's context parallelism (docs/mutation.md).
-
-mutmut 3.8.1 on ``jax_attn/context_parallel.py`` and ``jax_attn/context_blocks.py``, run by
-hand (their checks run in ``tests/test_context_parallel.py``'s subprocess with 4 host devices,
-which mutmut cannot map), left these behaviours untested: each test below fails under at least
-one surviving mutant. Expected values come from the float64 ``conformance.cases.reference`` (the
-whole sequence on one device, ``kv_lengths`` as a mask of the keys), never from the module
-against itself. In process, on the one CPU device the suite's JAX has, so every call here is a
-mesh of ONE device (every strategy's code runs, its collectives trivial); what needs several
-devices is the subprocess. Few programs compile: one jitted function per test, tiny shapes.
+"""jax_attn's context parallelism (``context_parallel.py``, ``context_blocks.py``) in this
+process, on a mesh of ONE device (the suite's one CPU device: every strategy's code runs, its
+collectives trivial): the vjp with ``kv_lengths`` and options, float16 through all-gather, float32
+computed in float32 with x64 on, ``kv_lengths`` and inputs refused by name, and the static tables
+each device reads against a brute force over the mask. What needs several devices is
+``tests/test_context_parallel.py``'s subprocess with 4 host devices. Expected values come from the
+float64 ``conformance.cases.reference`` (the whole sequence on one device, ``kv_lengths`` as a
+mask of the keys), never from the module against itself. Few programs compile: one jitted
+function per test, tiny shapes. The tests came from mutation testing, run by hand on those two
+files (docs/mutation.md).
 """
 
 from __future__ import annotations

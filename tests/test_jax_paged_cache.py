@@ -1,11 +1,14 @@
-"""Tests that kill the mutants of ``jax_attn/paged.py`` (mutation testing, docs/mutation.md).
+"""jax_attn's ``PagedKVCache`` and ``paged_attention`` as a user calls them: every error of the
+constructor, ``append``, ``tables``, ``free`` and the kernel names its method and argument (the
+same messages as numpy_attn's and torch_attn's, ``paged_helpers``), the cache's defaults (float32,
+``v_dim`` = ``head_dim``, sequences by batch row, int32 tables), and ``attend`` passing ``scale``,
+``softcap`` and ``sinks`` to a kernel that merges two chunks, with rows that see no key.
 
-mutmut 3.8.1 on ``jax_attn/paged.py`` (a seeded sample of its mutants) left these behaviours
-untested: each test below fails under at least one surviving mutant. The expected values come from
-the float64 ``conformance.cases.reference`` over each sequence's contiguous keys, never from the
-module under test against itself. The error checks compile nothing; the numerical test runs one tiny
-problem (sequences of 7, 1 and 0 positions, 2 query heads over 1 kv head, head_dim 2, pages of 2
-positions) so that few programs compile.
+The expected values come from the float64 ``conformance.cases.reference`` over each sequence's
+contiguous keys, never from the module under test against itself. The error checks compile
+nothing; the numerical test runs one tiny problem (sequences of 7, 1 and 0 positions, 2 query
+heads over 1 kv head, head_dim 2, pages of 2 positions) so that few programs compile. The tests
+came from mutation testing of ``jax_attn/paged.py`` (docs/mutation.md).
 """
 
 from __future__ import annotations

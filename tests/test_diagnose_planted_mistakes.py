@@ -1,15 +1,15 @@
-"""``conformance.diagnosing.diagnose``'s machinery called directly, for mutation testing: the
-hypotheses' builders, ``planted_mistake`` (the reference replayed with one mistake planted),
-``_matches`` (a result against a replayed mistake) and ``diagnose`` (which diagnoses it asks, and
-how it joins them).
+"""``conformance.diagnosing.diagnose``'s replayed mistakes: the hypotheses' builders,
+``planted_mistake`` (the reference replayed with one mistake planted), ``_matches`` (a result
+against a replayed mistake), a merge in log2, and ``diagnose`` (which diagnoses it asks, and how
+it joins them).
 
 Each test builds a wrong result by hand (the float64 reference, ``conformance.cases.reference``, run
 with the mistake written out: a flipped mask, the other causal alignment, the kv heads taken
 modulo, …) and asserts the diagnosis the spec's words name, or none for a result that is right
 or wrong in another way; expectations come from the mistake planted, never from the
-diagnosis's output. ``tests/test_mutation_kills_diagnose_rows.py`` does the same for the
-diagnoses that look at the result itself. Small cases, plain NumPy, no backend: a few seconds
-(docs/mutation.md).
+diagnosis's output. ``tests/test_diagnose_result_rows.py`` does the same for the diagnoses that
+look at the result itself. Small cases, plain NumPy, no backend: a few seconds. The tests came
+from mutation testing (docs/mutation.md).
 """
 
 from __future__ import annotations

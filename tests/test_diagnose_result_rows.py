@@ -1,5 +1,5 @@
-"""``conformance.diagnosing.diagnose``'s diagnoses that look at the result itself, called directly
-for mutation testing: ``non_finite_rows`` (NaN spread or missing, NaN in fully masked rows, softmax
+"""``conformance.diagnosing.diagnose``'s diagnoses that look at the result itself, called
+directly: ``non_finite_rows`` (NaN spread or missing, NaN in fully masked rows, softmax
 overflow), ``mean_of_value``, ``lse_mistakes`` (log2, fully masked rows at 0 or +inf, the sink left
 out) and ``sink_in_numerator``.
 
@@ -7,7 +7,8 @@ Each test builds a wrong result by hand (the float64 reference, ``conformance.ca
 with the mistake written out in NumPy: NaN in fully masked rows, the mean of ``value``, an lse in
 log2, a sink in the numerators, …) and asserts the diagnosis's full text, or none for a result that
 is right or wrong in another way; expectations come from the mistake planted, never from the
-diagnosis's output. Small cases, plain NumPy, no backend: a few seconds (docs/mutation.md).
+diagnosis's output. Small cases, plain NumPy, no backend: a few seconds. The tests came from
+mutation testing (docs/mutation.md).
 """
 
 from __future__ import annotations

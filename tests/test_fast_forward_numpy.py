@@ -1,18 +1,21 @@
-"""Tests that kill the mutants of numpy_attn's blocked forward pass (docs/mutation.md).
+"""numpy_attn's blocked forward pass (``_fast/forward.py``) against the float64 reference.
 
-The forward half of ``tests/test_mutation_kills_vjp.py`` (mutmut 3.8.1 on
-``numpy_attn/_fast/``'s ``__init__.py`` and ``forward.py``): the lse's dtype, when the blocks
-may skip the shift by the row max, sinks on query blocks without keys, chunks that cut a key
-block inside a block's key range, the scores in units of log2 and the bound (limit, soft cap,
-norms) that lets a head skip the shift (issue 28). Expected values: the float64
-``conformance.cases.reference``; tiny shapes, NumPy only.
+``scaled_dot_product_attention`` takes ``_fast.fast_attention``'s ``"blocked"`` path for large
+inputs; these tests force it on tiny inputs (blocks of 8 queries and 8 keys, ``blocked``) and
+check: the output in the input dtype and the lse in the compute dtype; when a head may skip the
+shift by the row max (the bound ``min(max |q| · max |k|, softcap)`` against ``EXP_BOUND``, in
+units of log2 where NumPy vectorises ``exp2``, issue 28) and that a bias, ALiBi or a score_mod
+never let it skip; sinks on query blocks without keys; chunks that cut a key block inside a
+block's key range (``_narrowed``). Expected values: the float64 ``conformance.cases.reference``;
+tiny shapes, NumPy only. The tests came from mutation testing (docs/mutation.md); the blocked
+backward pass is ``tests/test_fast_backward_numpy.py``'s.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_mutation_kills_vjp import _arrays
+from test_fast_backward_numpy import _arrays
 
 import attention_rules as rules
 import numpy_attn

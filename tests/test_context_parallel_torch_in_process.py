@@ -1,13 +1,11 @@
-"""Tests that kill the mutants of torch's context parallelism (docs/mutation.md).
-
-mutmut 3.8.1 on ``torch_attn/context_parallel.py`` and ``torch_attn/context_blocks.py``, run by hand
-(their checks run in spawned gloo ranks, which mutmut cannot map to functions). The gloo subprocess
-of ``tests/test_context_parallel.py`` (tens of seconds) left untested: the function's and each
-input's name in the messages, 2-D inputs, the query's length in the layout check, top-left causal
-cross-attention, the deprecated collectives' FutureWarning, and which arguments the ranks' digest
-compares; each test below fails under at least one sampled mutant, in about a second for the file.
-Expected values come from the float64 ``conformance.cases.reference`` (the whole sequence on one
-device, ``kv_lengths`` as a mask of the keys), never from the module against itself. In process, no
+"""torch_attn's context parallelism (``context_parallel.py``, ``context_blocks.py``) in this
+process, where the gloo subprocess of ``tests/test_context_parallel.py`` (tens of seconds) does
+not look: the function's and each input's name in the messages, 2-D inputs, the query's length in
+the layout check, top-left causal cross-attention, no FutureWarning from deprecated collectives,
+and which arguments the ranks' digest compares; about a second for the file. Expected values come
+from the float64 ``conformance.cases.reference`` (the whole sequence on one device,
+``kv_lengths`` as a mask of the keys), never from the module against itself. The tests came from
+mutation testing, run by hand on those two files (docs/mutation.md). In process, no
 subprocess:
 
 * the blocks (``attend``, ``attend_backward``, ``finish``, ``pair_band``, ``_heads``) run every
