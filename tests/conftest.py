@@ -141,5 +141,3 @@ def _release_memory():
     except (OSError, AttributeError):  # not glibc
         pass
     _AFTER_RELEASE[0] = _resident_mib() or resident
-    with open('/tmp/meas/releases.log', 'a') as f:
-        f.write(f'{os.getpid()} {resident:.0f} {_AFTER_RELEASE[0]:.0f}\n')

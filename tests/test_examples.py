@@ -62,6 +62,7 @@ WRONG_ATTENTION_FAILS = {
 }
 
 
+@pytest.mark.slow
 def test_wrong_attention_fails_exactly_the_cells_its_readme_names():
     """Every other cell (case × dtype) passes, so an unrelated failure breaks this test."""
     from conformance.running import backends, runner
@@ -92,6 +93,7 @@ def _bshd_wrapper_run():  # noqa: ANN202
                       check_errors=False, hypothesis=0)
 
 
+@pytest.mark.slow
 def test_bshd_wrapper_checks_jax_nn_in_its_layout():
     pytest.importorskip("jax", reason="needs jax: pip install jax")
     result = _bshd_wrapper_run()

@@ -114,6 +114,7 @@ def _check(name: str, got: np.ndarray, want: np.ndarray, source: str) -> None:
     assert err <= bound, f"{name}: max |diff| {err:.2e} > {bound:.2e} [{source}]"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case_name", sorted(CASES))
 def test_blocked_vjp_equals_explicit_and_reference(small_blocks, case_name):
     arrays, options = _inputs(CASES[case_name])

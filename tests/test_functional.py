@@ -184,6 +184,7 @@ def test_renormalized_causal_weights_equals_masking(backend, rng):
 # ------------------------------------------------------------------------------ full pipeline
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_default_path_matches_float64_reference(backend, dtype):
     """Every sdpa case of the catalogue through the call a user makes (no ``return_weights``:

@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # ------------------------------------------------------------------------------ CLI
 
 
+@pytest.mark.slow
 def test_cli_pass_json_markdown_plot(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     pytest.importorskip("matplotlib", reason="--plot needs matplotlib: pip install matplotlib")
     code = main(["run", "--backend", "numpy", "--case", "causal_*", "--case", "seed_example",
@@ -98,6 +99,7 @@ def test_cli_list_into_a_closed_pipe_exits_quietly() -> None:
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_default_run_holds_cells_errors_and_properties(monkeypatch: pytest.MonkeyPatch) -> None:
     """Bad-input and property checks run from the runner and land in the same RunResult."""
     pytest.importorskip("hypothesis", reason=NEEDS_HYPOTHESIS)
@@ -121,6 +123,7 @@ def test_default_run_holds_cells_errors_and_properties(monkeypatch: pytest.Monke
 # ------------------------------------------------------------------------------ golden
 
 
+@pytest.mark.slow
 def test_golden_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     files = golden.export(tmp_path, ["mask_and_bias", "gqa", "module_multihead_attention",
                                      "window_causal_bottom_right", "nan_value_causal"], None)

@@ -275,6 +275,7 @@ def test_properties_apply_the_harness_rule() -> None:
     assert properties.check_problem(numpy_backend, problem) == pytest.approx(cell.ratio)
 
 
+@pytest.mark.slow
 def test_properties_shrink_a_planted_bug_to_runnable_code(capsys: pytest.CaptureFixture) -> None:
     pytest.importorskip("hypothesis", reason=NEEDS_HYPOTHESIS)
     fake = backends.register(fake_numpy("fake_mask_polarity_prop", **_wrap(_flip_mask)))

@@ -9,7 +9,9 @@ import ast
 import subprocess
 import sys
 
+import pytest
 from import_graph import MODULES, ROOT, graph, imports, order
+from subprocesses import timeout
 
 PACKAGE = ROOT / "conformance"
 #: The harness's layers, first to last: a module imports only from its own layer and those
@@ -108,6 +110,7 @@ def test_the_room_not_the_runners_loop_decides_where_cells_run() -> None:
     assert "conformance.running.room" in {t for t, *_ in imports("conformance.running.runner")}
 
 
+@pytest.mark.slow
 def test_harness_imports_no_framework() -> None:
     """Every module of the package and its subfolders imports (the walkthrough and pictures
     too) without pulling in a framework; a NumPy-only run stays NumPy-only."""
@@ -119,5 +122,5 @@ def test_harness_imports_no_framework() -> None:
             "if sys.modules.get(m) is not None]; "
             "print(bad); sys.exit(len(bad))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=timeout(120))
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -132,6 +132,7 @@ def _worst(actual, expected, baseline: float) -> float:
     return float(np.max(np.abs(actual - expected) / bound))
 
 
+@pytest.mark.slow
 def test_model_equals_flax_attention_forward_and_grad_under_jit():
     real = np.asarray(_tokens() > 0)
     ref_logits, ref_grads = _run(_flax_weights_path, jnp.float64)
@@ -263,6 +264,7 @@ def test_sown_weights():
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_one_call_and_declared_signature():
     model = nnx.clone(_seeded_model())
     assert fx.use_jax_attn(model) == LAYERS
@@ -453,6 +455,7 @@ def test_flax_sinks_module_passes_flax_arguments_and_param_dtype():
     assert sinks.dtype == jnp.bfloat16 and not np.any(np.asarray(sinks, np.float32))
 
 
+@pytest.mark.slow
 def test_flax_dropout_defaults_are_flax_defaults():
     """Called with only ``dropout_rng`` and ``dropout_rate``, ``attention_fn`` drops what
     Flax's own ``nnx.dot_product_attention`` drops with its defaults (``deterministic=False``,
@@ -484,6 +487,7 @@ def test_flax_dtype_promotes_the_inputs():
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_documented_snippets_print_what_the_docs_say():
     """The flax snippets of docs/integrations.md, run here, print their documented text."""
     from test_docs import check_snippets_in_process

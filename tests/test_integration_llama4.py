@@ -170,6 +170,7 @@ def _spy(name: str) -> list:
     return seen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt", ["padded", "short", "short_static"])
 def test_greedy_generation_with_cache_equals_eager(prompt):
     """20 greedy tokens with the KV cache, in float32, past several chunk boundaries (the

@@ -169,6 +169,7 @@ def _worst(actual, expected, baseline: float, dtype: str) -> float:
     return float(np.max(np.abs(actual.numpy() - expected_np) / bound))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_logits_and_gradients_equal_eager(family):
     ref_logits, ref_grads, valid = _run(family, _reference(family), torch.float64)
@@ -190,6 +191,7 @@ def test_logits_and_gradients_equal_eager(family):
         assert _worst(grad, ref_grads[name], e, "float32") <= 1.0, name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "gpt_oss"])
 def test_greedy_generation_with_cache_equals_eager(family):
     ids, mask = _batch(family)
@@ -574,6 +576,7 @@ def test_attention_mask_builds_transformers_mask_and_skips_only_where_bottom_rig
     assert hf.attention_mask(2, 3, 3, allow_is_causal_skip=False, device="meta").is_meta
 
 
+@pytest.mark.slow
 def test_declared_in_the_spec_and_not_imported_by_the_backend():
     declared = spec.BACKEND_INTEGRATIONS["torch_attn"]["transformers"]
     assert sorted(hf.__all__) == sorted(declared)
@@ -592,6 +595,7 @@ def test_the_documented_snippets_print_what_the_docs_say():
     check_snippets_in_process(ROOT / "docs" / "integrations.md", "from transformers")
 
 
+@pytest.mark.slow
 def test_the_example_runs_and_agrees():
     path = ROOT / "examples" / "transformers_llama.py"
     spec_ = importlib.util.spec_from_file_location("transformers_llama", path)

@@ -123,6 +123,7 @@ def forced_fast_path(monkeypatch):
     return calls
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [c for c in FAST_CASES if c[-1]], ids=lambda c: str(c[4]))
 def test_forced_fast_path_matches_reference_where_selected(case, forced_fast_path, x64):
     """x64 off (JAX's default) and on: the fast path's output within the harness's tolerance

@@ -46,6 +46,7 @@ def _loss(sdpa, config):
     return loss
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(GRAD_CONFIGS))
 def test_grad_matches_central_differences_of_numpy_attn(name):
     config = GRAD_CONFIGS[name]

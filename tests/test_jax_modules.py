@@ -64,6 +64,7 @@ def test_weights_round_trip_with_numpy_attn(name):
     np.testing.assert_allclose(jax_module(*args), back(*args), rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODULES))
 def test_modules_are_pytrees_in_jit_and_grad(name):
     _, module, args = MODULES[name]

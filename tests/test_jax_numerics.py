@@ -113,6 +113,7 @@ def _assert_no_nan(*arrays):
         assert not np.isnan(_f64(array)).any()
 
 
+@pytest.mark.slow
 @settings(max_examples=8, deadline=None)
 @given(
     heads=st.sampled_from([(1, 1), (2, 1), (4, 2)]),

@@ -19,6 +19,7 @@ from test_paged_decoding import NUM_BLOCKS, _check_paged, _history, _paged_call
 import attention_rules
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("take_positions", [1, None], ids=["a_page_per_take", "one_take"])
 def test_steps_of_several_pages_equal_the_reference(monkeypatch, take_positions):
     pytest.importorskip("jax")

@@ -331,6 +331,7 @@ def _step_inputs(seed: int, batch: tuple = ()) -> tuple[np.ndarray, ...]:
                  for h, d in ((Q_HEADS, HEAD_DIM), (KV_HEADS, HEAD_DIM), (KV_HEADS, V_DIM)))
 
 
+@pytest.mark.slow
 def test_jax_decode_step_new_cache_split_kv_sinks_and_dtypes(x64_on, monkeypatch):
     """A new cache holds ``n`` positions when ``max_len`` is None, in the keys' dtype, with the
     keys' and values' sizes; a prefill then steps of one row with sinks run split-KV (chunks of
@@ -385,6 +386,7 @@ def test_jax_decode_step_new_cache_split_kv_sinks_and_dtypes(x64_on, monkeypatch
                                atol=1e-2)
 
 
+@pytest.mark.slow
 def test_jax_decode_step_chunked_prefill_and_paged_cache_with_sinks(x64_on):
     """Batched inputs: a prefill of 2 rows then a chunk of 2 rows over the cache (bottom-right
     causal from the cache's length) and a float64 ``PagedKVCache`` fed float32 steps with

@@ -199,6 +199,7 @@ def test_a_learners_file_is_untrusted_input(tmp_path):
         assert verdict.diagnosis == "type" and "jax.numpy, not numpy" in verdict.text()
 
 
+@pytest.mark.slow
 def test_the_command_grades_in_a_child_process_with_a_time_limit(tmp_path, capsys):
     assert main(["exercise", "--list"]) == 0
     listed = capsys.readouterr().out

@@ -154,6 +154,7 @@ def test_one_array_of_segment_ids_is_the_pair_for_self_attention(backend):
            backend, want)
 
 
+@pytest.mark.slow
 def test_the_ready_made_mods_equal_the_dedicated_arguments(backend):
     m, masks = backend.module, backend.module.masks
     q, k, v = (backend.asarray(x) for x in (QUERY, KEY, VALUE))

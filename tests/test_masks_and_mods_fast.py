@@ -164,6 +164,7 @@ def test_torch_fast_paths_skip_what_the_rules_mask(monkeypatch):
     _computed_within(recording, mask, 8)
 
 
+@pytest.mark.slow
 def test_jax_fast_path_and_blockwise_skip_what_the_rules_mask(monkeypatch):
     jax = pytest.importorskip("jax", reason="pip install jax")
     import jax_attn as ja
@@ -201,6 +202,7 @@ def test_jax_fast_path_and_blockwise_skip_what_the_rules_mask(monkeypatch):
 # ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_jax_jit_vmap_and_grad():
     jax = pytest.importorskip("jax", reason="pip install jax")
     import jax_attn as ja
@@ -361,6 +363,7 @@ def test_planted_torch_triangle_and_ignored_mask_mod_are_caught(monkeypatch):
         _torch_against_reference(masks.causal_mod(), np.tril(np.ones((4, 48, 48), bool)))
 
 
+@pytest.mark.slow
 def test_jax_exactly_causal_mask_mod_takes_the_causal_path(monkeypatch):
     """jax_attn: a mask_mod whose values are exactly the causal triangle runs as is_causal=True
     (the mod evaluated at trace time, not recognised by name), against the float64 reference

@@ -321,6 +321,7 @@ def test_multi_head_attention_sinks_backward_against_finite_differences(backend)
     np.testing.assert_allclose(along, _directional(loss, weights, direction), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_multi_head_attention_sinks_decode_equals_forward(backend):
     """``decode`` with sinks (a prompt of 4, then two single tokens) equals the causal forward
     over the whole sequence at those positions: the cache's decoding step takes the sinks."""

@@ -35,6 +35,10 @@ def _load():
     return module
 
 
+# One run of the example (``result``) for the module's tests: they share a pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("packed_training")
+
+
 @pytest.fixture(scope="module")
 def example():
     return _load()

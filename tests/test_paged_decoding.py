@@ -88,6 +88,7 @@ def _check_paged(backend, cache, truth, seqs, q_len, **options):
         np.testing.assert_allclose(output[row], backend.to_numpy(contiguous)[0], **TOL)
 
 
+@pytest.mark.slow
 def test_paged_decoding_equals_the_contiguous_cache(backend):
     cache, truth = _history(backend)
     assert [cache.seq_len(s) for s in (0, 2, 3)] == [10, 10, 11]
@@ -107,6 +108,7 @@ def _decode(backend, module, x, cache, max_len=None):
     return np.concatenate(outputs, 1)
 
 
+@pytest.mark.slow
 def test_module_decoding_split_and_paged_equals_the_full_causal_pass(backend, monkeypatch):
     rng = np.random.default_rng(11)
     weights = _weights(rng, KV_HEADS)
@@ -190,6 +192,7 @@ def test_bad_tables_and_a_full_pool_are_clear_errors(backend):
         cache.free(1)
 
 
+@pytest.mark.slow
 def test_gradients_through_the_gather_equal_the_contiguous_ones(backend):
     """jax_attn and torch_attn differentiate paged_attention by autodiff: the query's gradient
     and the pages' (the contiguous keys' gradient, scattered to their pages)."""
@@ -380,6 +383,7 @@ def test_a_scattered_chunk_costs_one_product_per_part_not_per_page(backend, monk
     assert len(calls) == (3 if backend.name == "numpy" else 6), calls
 
 
+@pytest.mark.slow
 def test_pages_copied_a_page_at_a_time_and_in_any_dtype_equal_the_reference(backend,
                                                                             monkeypatch):
     """The copies of numpy_attn and torch_attn in parts of one page each (``PART_BYTES`` = 1:

@@ -64,6 +64,7 @@ def _status(cell: runner.Cell, want: object) -> object:
     return (cell.status, cell.alternatives) if isinstance(want, tuple) else cell.status
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(PINNED))
 def test_new_peer_paths_meet_the_reference_or_a_verified_difference(name: str) -> None:
     peer = _peer(name)
@@ -124,6 +125,7 @@ def _unexpected(name: str, case: str, dtype: str = "float32",
     return cell
 
 
+@pytest.mark.slow
 def test_flex_with_alibi_sign_flipped_or_offsets_off_by_one_is_unexpected(
         monkeypatch: pytest.MonkeyPatch) -> None:
     slopes = torch_flex._slopes

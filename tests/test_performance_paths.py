@@ -213,6 +213,7 @@ def test_blocked_bias_with_minus_inf_and_softcap(small_blocks):
                                    "bias": np.where(allowed, bias, 0.0)}, "float32", **options)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # NaN and inf - inf: IEEE
 def test_blocked_paths_follow_the_ieee_rule_for_nan_and_inf(small_blocks):
     """``spec.NON_FINITE`` on the blocked path: hand-made NaN rows, and the float64 reference

@@ -134,6 +134,7 @@ def test_jax_blocks_and_segments_are_the_documented_sizes():
     assert len(window) == numbers["segments"] and sum(window) == n // block  # not grown
 
 
+@pytest.mark.slow
 def test_numpy_large_default_blocks_match_reference():
     """Default block size and threshold, threads and all: 2 heads of 1024 tokens. (``v_dim``
     4: the tolerance rule's estimate of rounding holds a ``(q_len, kv_len, v_dim)`` array.)"""

@@ -95,6 +95,7 @@ ONE_CASE = ["--case", "seed_example", "--dtype", "float32"]
 TWO_CASES = ["--case", "seed_example", "--case", "self", "--dtype", "float32"]
 
 
+@pytest.mark.slow
 def test_sys_exit_in_a_call_fails_that_cell_and_the_run_goes_on(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     name = _plugin(tmp_path, monkeypatch, "exiting_attention", f"""
@@ -146,6 +147,7 @@ def test_a_module_that_mutates_its_input_is_named_and_the_numpy_column_stays_ok(
         assert props[name]["failure"] == reason and not props["numpy"]["failure"]
 
 
+@pytest.mark.slow
 def test_a_call_that_never_returns_is_a_timeout_cell(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     name = _plugin(tmp_path, monkeypatch, "hanging_attention", f"""
@@ -217,6 +219,7 @@ def test_an_exit_while_importing_is_an_import_error(
     assert err.strip().splitlines()[-1] == f"error: importing {name!r} failed (traceback above)"
 
 
+@pytest.mark.slow
 def test_an_idle_worker_ends_itself_and_the_next_call_starts_a_new_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     name = _plugin(tmp_path, monkeypatch, "idle_attention", f"""

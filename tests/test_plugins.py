@@ -61,6 +61,7 @@ def registered():  # noqa: ANN201 - yields a function
         backends.unregister(name)
 
 
+@pytest.mark.slow
 def test_sdpa_only_passes_with_a_short_report(tmp_path: Path,
                                               capsys: pytest.CaptureFixture) -> None:
     code = main(["--backend", "examples.sdpa_only", "--hypothesis", str(EXAMPLES), "--json",
@@ -138,6 +139,7 @@ def _reproducers(out: str) -> list[str]:
                                       .splitlines())) for block in blocks]
 
 
+@pytest.mark.slow
 def test_wrong_module_verdict_names_the_bug_with_a_runnable_smallest_case(
         capsys: pytest.CaptureFixture) -> None:
     args = ["--backend", "examples.wrong_attention", "--dtype", "float32", "--no-errors"]
@@ -238,6 +240,7 @@ print(json.dumps(results))
 """
 
 
+@pytest.mark.slow
 def test_numpy_only_every_command_works_or_names_the_install(tmp_path: Path) -> None:
     gold, plots = tmp_path / "golden", tmp_path / "plots"
     commands = {

@@ -225,6 +225,7 @@ def test_a_module_in_the_other_layout_is_told_the_fix() -> None:
     assert "smallest failing case" not in got.message
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("hypothesis") is None, reason=NEEDS_HYPOTHESIS)
 def test_a_failing_step_reproduces_and_the_property_checks_fail_with_code() -> None:
     """examples.wrong_attention on causal_bottom_right: the output step names the wrong causal

@@ -109,6 +109,7 @@ def _fd_grads(with_lse: bool) -> dict[str, np.ndarray]:
     return {n: finite_differences(loss, x) for n, x in arrays.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("with_lse", [False, True], ids=["output", "output_and_lse"])
 def test_gradients_equal_finite_differences(backend, with_lse):
     """Every gradient, dsinks included, against central differences (float64); with the lse's
@@ -231,6 +232,7 @@ def _check_paths(backend, case, fn, vjp, **kwargs):
             assert_close(f"grad_{name}", as_float64(backend, grad), values, base, "float64")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["mask_bias", "causal_top_left", "window_no_sinks"])
 def test_the_fast_paths_return_the_lse_and_join_the_sinks(backend, fast_path, case):
     _check_paths(backend, case, "scaled_dot_product_attention",
@@ -244,6 +246,7 @@ def test_blockwise_attention_returns_the_lse_and_joins_the_sinks(backend, case):
                  block_kv=3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("route", ["explicit", "fast"])
 def test_a_fully_masked_row_puts_its_weight_on_the_sink(backend, route, request):
     """Output 0; lse = the sink exactly (-inf without one); a sink of -inf is no sink; the

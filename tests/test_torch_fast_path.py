@@ -304,6 +304,7 @@ def test_half_dtypes(dtype, path):
 # ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_torch_compile():
     # aot_eager: inductor's first C++ build takes ~16 s on two cores (0.4 s with aot_eager)
     torch._dynamo.reset()

@@ -225,6 +225,7 @@ def test_the_property_layouts_cover_every_feature_they_can() -> None:
     assert len({o["scale"] for o in options if "scale" in o}) >= 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bug", ["scale_over_sqrt_d", "window", "softcap"])
 def test_properties_catch_bugs_of_scale_window_and_softcap(registered, bug: str) -> None:  # noqa: ANN001
     pytest.importorskip("hypothesis", reason=NEEDS_HYPOTHESIS)

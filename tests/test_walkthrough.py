@@ -18,6 +18,10 @@ from conformance.teaching import walkthrough, walkthrough_steps
 INSTALLED = [n for n in backends.SPEC_BACKENDS if backends.get(n).available()]
 
 
+# One walkthrough (``printed``) for the module's tests: they share a pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group("walkthrough")
+
+
 @pytest.fixture(scope="module")
 def printed() -> tuple[str, bool]:
     lines, ok = walkthrough.walkthrough(INSTALLED, width=120)
@@ -127,6 +131,7 @@ def test_missing_backend_is_reported_with_its_install_command(monkeypatch, capsy
     assert "numpy ✓" in out
 
 
+@pytest.mark.slow
 def test_pictures_command_writes_every_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     from conformance.teaching import pictures
