@@ -138,6 +138,29 @@ def scores_shape(q_shape: Shape, k_shape: Shape) -> Shape:
     return tuple(q_shape[:-1]) + (k_shape[-2],)
 
 
+def merged_heads(shape: Shape, groups: int) -> Shape:
+    """Undo the grouped-query split: ``(..., kv_heads, groups, T, S)`` → ``(..., heads, T, S)``
+    (``groups`` 1: ``shape`` unchanged)."""
+    if groups == 1:
+        return tuple(shape)
+    return tuple(shape[:-4]) + (shape[-4] * shape[-3],) + tuple(shape[-2:])
+
+
+def check_score_array(fn: str, name: str, info: ArrayInfo) -> ArrayInfo:
+    """Scores or weights: floating point, rank >= 2; returns ``info`` (``(shape, dtype)``)."""
+    shape, dtype = info
+    check_float_inputs(fn, **{name: dtype})
+    check_rank(fn, **{name: shape})
+    return shape, dtype
+
+
+def check_masks_broadcast(fn: str, shapes: list[Shape]) -> None:
+    """Masks combined by AND must broadcast together (ValueError otherwise)."""
+    if broadcast_shapes(*shapes) is None:
+        listed = ", ".join(str(tuple(shape)) for shape in shapes)
+        raise ValueError(f"{fn}: masks must broadcast together; got shapes {listed}")
+
+
 def check_grad_output(fn: str, shape: Shape, out_shape: Shape) -> None:
     """``grad_output`` has the output's shape ``(..., heads, q_len, v_dim)`` (ValueError)."""
     if tuple(shape) != tuple(out_shape):

@@ -71,6 +71,24 @@ def split_segment_ids(fn: str, segment_ids: object) -> tuple[object, object, boo
     return segment_ids, segment_ids, True
 
 
+def segment_pair(segment_ids: object) -> tuple[object, object] | None:
+    """Validated ``segment_ids`` as ``(query ids, key ids)``: one array serves both."""
+    split = split_segment_ids("segment_ids", segment_ids)
+    return None if split is None else split[:2]
+
+
+def describe_segment_ids(fn: str, segment_ids: object, describe: Callable
+                         ) -> tuple[object, object, bool] | None:
+    """``segment_ids`` (one array or a pair) as the rules see it: ``(query ids, key ids, one)``,
+    each described by the backend's ``describe(fn, name, array)`` as ``(shape, dtype name)``."""
+    split = split_segment_ids(fn, segment_ids)
+    if split is None:
+        return None
+    q_ids, kv_ids, one = split
+    names = ("segment_ids", "segment_ids") if one else ("segment_ids[0]", "segment_ids[1]")
+    return describe(fn, names[0], q_ids), describe(fn, names[1], kv_ids), one
+
+
 def check_segment_ids(
     fn: str, q_ids: ArrayInfo, kv_ids: ArrayInfo, q_shape: Shape, k_shape: Shape, one: bool
 ) -> None:

@@ -214,21 +214,8 @@ def _mods_item(mods: _Mods, item: jax.Array, kv_heads: int, groups: int) -> _Mod
 def _describe_segments(fn: str, segment_ids: Any) -> tuple | None:
     """``segment_ids`` (one array or a pair) as the rules see it: ``(query ids, key ids,
     one)``, each ``(shape, dtype name)``."""
-    split = rules.split_segment_ids(fn, segment_ids)
-    if split is None:
-        return None
-    q_ids, kv_ids, one = split
-    names = ("segment_ids", "segment_ids") if one else ("segment_ids[0]", "segment_ids[1]")
-    return _describe(fn, names[0], q_ids), _describe(fn, names[1], kv_ids), one
+    return rules.describe_segment_ids(fn, segment_ids, _describe)
 
-
-def _segments(segment_ids: Any) -> tuple[Any, Any] | None:
-    """The validated ``segment_ids`` as ``(query ids, key ids)``."""
-    if segment_ids is None:
-        return None
-    if isinstance(segment_ids, (list, tuple)):
-        return segment_ids[0], segment_ids[1]
-    return segment_ids, segment_ids
 
 
 def _mods_statuses(mods: _Mods, q_len: int, kv_len: int, block_q: int, block_kv: int,

@@ -19,7 +19,7 @@ import numpy as np
 import attention_rules as rules
 
 from ._arrays import _array, _describe, _describe_parts
-from ._masking import _describe_segments, _mods, _segments
+from ._masking import _describe_segments, _mods
 from .functional import merge_attention, pipeline
 
 
@@ -79,7 +79,7 @@ def scaled_dot_product_attention_vjp(
     )  # every rule of the spec, once
     query, key, value, grad_output = _array(query), _array(key), _array(value), _array(grad_output)
     mask, dropout_mask = _array(mask), _array(dropout_mask)
-    mods = _mods(fn, args, query.shape, key.shape, alibi_slopes, _segments(segment_ids))
+    mods = _mods(fn, args, query.shape, key.shape, alibi_slopes, rules.segment_pair(segment_ids))
     primals = {"bias": _array(bias), "sinks": _array(sinks)}
     given = {name: x for name, x in primals.items() if x is not None}
 

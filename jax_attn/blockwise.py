@@ -39,7 +39,7 @@ import numpy as np
 import attention_rules as rules
 
 from ._arrays import _array, _describe, _describe_lengths
-from ._masking import _describe_segments, _Mods, _mods, _mods_statuses, _segments
+from ._masking import _describe_segments, _Mods, _mods, _mods_statuses
 from ._steps import NEG_INF, _with_sinks
 from ._tiles import TileConfig, backward_tiles, forward_tiles
 
@@ -113,7 +113,7 @@ def blockwise_attention(
                       (chunk_size, alibi_slopes, segment_ids, score_mod,
                        mask_mod))  # every rule of the spec, once
     query, key, value, bias = _array(query), _array(key), _array(value), _array(bias)
-    mods = _mods(fn, args, query.shape, key.shape, alibi_slopes, _segments(segment_ids))
+    mods = _mods(fn, args, query.shape, key.shape, alibi_slopes, rules.segment_pair(segment_ids))
     bias, kv_lengths, cfg = _prepare(fn, query, key, bias, kv_lengths, args, mods)
     output, lse = _attend(cfg, query, key, value, bias, kv_lengths, _array(sinks),
                           None if mods is None else mods.arrays)
@@ -167,7 +167,7 @@ def blockwise_attention_vjp(
                       (chunk_size, alibi_slopes, segment_ids, score_mod, mask_mod))
     query, key, value, bias = _array(query), _array(key), _array(value), _array(bias)
     grad_output, bias_shape = _array(grad_output), None if bias is None else bias.shape
-    mods = _mods(fn, args, query.shape, key.shape, alibi_slopes, _segments(segment_ids))
+    mods = _mods(fn, args, query.shape, key.shape, alibi_slopes, rules.segment_pair(segment_ids))
     mod_arrays = None if mods is None else mods.arrays
     bias, kv_lengths, cfg = _prepare(fn, query, key, bias, kv_lengths, args, mods)
     # jax.vjp through the custom_vjp (a second scan); bias and sinks join the primals only

@@ -44,7 +44,7 @@ import attention_rules as rules
 
 from . import _fast
 from ._arrays import _array, _describe, _describe_parts, _groups, _to_compute
-from ._masking import _add_alibi, _describe_segments, _mods, _mods_slope, _segments
+from ._masking import _add_alibi, _describe_segments, _mods, _mods_slope
 from ._steps import (
     _mask_scores,
     _matmul_grouped,
@@ -124,7 +124,7 @@ def scaled_dot_product_attention_vjp(
     query, key, value, grad_output = _array(query), _array(key), _array(value), _array(grad_output)
     mask, bias, dropout_mask = _array(mask), _array(bias), _array(dropout_mask)
     sinks = _array(sinks)
-    mods = _mods(fn, args, query.shape, key.shape, alibi_slopes, _segments(segment_ids))
+    mods = _mods(fn, args, query.shape, key.shape, alibi_slopes, rules.segment_pair(segment_ids))
     scale, softcap, dropout_p = args.scale, args.softcap, args.dropout_p
     path = _fast.use_fast_path(query, key, value, mask, bias, args)
     if path is not None:  # large inputs: the same gradients tile by tile, on every core

@@ -30,7 +30,7 @@ import numpy as np
 import attention_rules as rules
 
 from ._arrays import _array, _describe, _describe_lengths, _to_compute
-from ._masking import _describe_segments, _Mods, _mods, _mods_statuses, _segments
+from ._masking import _describe_segments, _Mods, _mods, _mods_statuses
 from ._steps import _sinks_grad, _with_sinks
 from ._tiles import backward_tiles, forward_tiles
 
@@ -100,7 +100,7 @@ def blockwise_attention(
                       (chunk_size, alibi_slopes, segment_ids, score_mod,
                        mask_mod))  # every rule of the spec, once
     query, key, value, bias = _array(query), _array(key), _array(value), _array(bias)
-    mods = _mods(fn, args, query.shape, key.shape, alibi_slopes, _segments(segment_ids))
+    mods = _mods(fn, args, query.shape, key.shape, alibi_slopes, rules.segment_pair(segment_ids))
     bias, kv_lengths, plan, lo, hi = _prepare(fn, query, key, bias, kv_lengths, args, mods)
     output, lse = forward_tiles(query, key, value, bias, kv_lengths, plan, lo, hi, args.scale,
                                 args.softcap, mods)
@@ -161,7 +161,7 @@ def blockwise_attention_vjp(
     rules.check_mod_derivative(fn, args.score_mod)  # numpy: by hand, so it needs d score_mod
     query, key, value, bias = _array(query), _array(key), _array(value), _array(bias)
     grad_output, bias_shape = _array(grad_output), None if bias is None else bias.shape
-    mods = _mods(fn, args, query.shape, key.shape, alibi_slopes, _segments(segment_ids))
+    mods = _mods(fn, args, query.shape, key.shape, alibi_slopes, rules.segment_pair(segment_ids))
     bias, kv_lengths, plan, lo, hi = _prepare(fn, query, key, bias, kv_lengths, args, mods)
     output, lse = forward_tiles(query, key, value, bias, kv_lengths, plan, lo, hi,
                                 args.scale, args.softcap, mods)

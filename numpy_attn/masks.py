@@ -8,16 +8,6 @@ import numpy as np
 
 import attention_rules as rules
 from attention_rules import ready_mods
-from attention_rules.ready_mods import (  # noqa: F401  (re-exported: the masks module's mods)
-    MaskMod,
-    ScoreMod,
-    and_masks,
-    causal_mod,
-    chunked_mod,
-    or_masks,
-    prefix_lm_mod,
-    sliding_window_mod,
-)
 
 from ._arrays import _check_device
 from ._masking import _in_band
@@ -135,9 +125,7 @@ def combine_masks(*masks: Any) -> np.ndarray | None:
         rules.check_bool(fn, f"masks[{index}]", m.dtype.name)
     if not present:
         return None
-    if rules.broadcast_shapes(*(tuple(m.shape) for m in present)) is None:
-        shapes = ", ".join(str(tuple(m.shape)) for m in present)
-        raise ValueError(f"{fn}: masks must broadcast together; got shapes {shapes}")
+    rules.check_masks_broadcast(fn, [tuple(m.shape) for m in present])
     combined = present[0]
     for m in present[1:]:
         combined = combined & m
@@ -175,3 +163,10 @@ def relative_bias_mod(table: Any, offset: int = 0) -> ScoreMod:
     2m + 1)`` table (T5-like relative position bias, distances clipped at ``m``): equals
     ``bias=`` its tabulation (derivative 1)."""
     return ready_mods.relative_bias_mod(np.asarray(table), offset, np.clip, np.ones_like)
+
+
+# The mask mods use Python's operators only: the same objects in every backend
+MaskMod, ScoreMod = ready_mods.MaskMod, ready_mods.ScoreMod
+causal_mod, sliding_window_mod = ready_mods.causal_mod, ready_mods.sliding_window_mod
+chunked_mod, prefix_lm_mod = ready_mods.chunked_mod, ready_mods.prefix_lm_mod
+and_masks, or_masks = ready_mods.and_masks, ready_mods.or_masks

@@ -60,10 +60,7 @@ def _array(x: Any) -> torch.Tensor | None:
 
 def _check_scores(fn: str, name: str, x: Any) -> rules.ArrayInfo:
     """A floating array of rank >= 2 (scores or weights); its ``(shape, dtype name)``."""
-    shape, dtype = _describe(fn, name, x)
-    rules.check_float_inputs(fn, **{name: dtype})
-    rules.check_rank(fn, **{name: shape})
-    return shape, dtype
+    return rules.check_score_array(fn, name, _describe(fn, name, x))
 
 
 def _to_compute(x: torch.Tensor) -> torch.Tensor:
@@ -85,9 +82,7 @@ def _groups(x_shape: tuple[int, ...], kv_shape: tuple[int, ...]) -> int:
 
 def _merged(shape: tuple[int, ...], groups: int) -> tuple[int, ...]:
     """Undo ``_group_heads``: ``(..., kv_heads, groups, T, S)`` → ``(..., heads, T, S)``."""
-    if groups == 1:
-        return shape
-    return shape[:-4] + (shape[-4] * shape[-3],) + shape[-2:]
+    return rules.merged_heads(shape, groups)
 
 
 def _dtype_name(x: torch.Tensor) -> str:

@@ -6,7 +6,7 @@
 * A call's chunks, ALiBi, segment ids, ``score_mod`` and ``mask_mod``
   (``spec.MASKS_AND_MODS``, held by ``_Mods``): applied to any tile of rows ``q0:`` and keys
   ``k0:`` (``_mods_scores``, ``_mods_allowed``), built from the call's validated arguments on
-  the inputs' device (``_mods``, ``_segments``), and planned: the statuses of the tiles under
+  the inputs' device (``_mods``), and planned: the statuses of the tiles under
   them (``_mods_statuses``, ``_plan_with_mods``; ``spec.TILE_SKIPPING``). torch only:
   ``_mods_plan`` also finds which runs of tiles are SDPA's causal triangle, for the fast
   path's ``"sdpa_blocks"`` (``_fast/blocks.py``).
@@ -210,21 +210,8 @@ def _mods(
 def _describe_segments(fn: str, segment_ids: Any) -> tuple | None:
     """``segment_ids`` (one array or a pair) as the rules see it: ``(query ids, key ids,
     one)``, each ``(shape, dtype name)``."""
-    split = rules.split_segment_ids(fn, segment_ids)
-    if split is None:
-        return None
-    q_ids, kv_ids, one = split
-    names = ("segment_ids", "segment_ids") if one else ("segment_ids[0]", "segment_ids[1]")
-    return _describe(fn, names[0], q_ids), _describe(fn, names[1], kv_ids), one
+    return rules.describe_segment_ids(fn, segment_ids, _describe)
 
-
-def _segments(segment_ids: Any) -> tuple[Any, Any] | None:
-    """The validated ``segment_ids`` as ``(query ids, key ids)``."""
-    if segment_ids is None:
-        return None
-    if isinstance(segment_ids, (list, tuple)):
-        return segment_ids[0], segment_ids[1]
-    return segment_ids, segment_ids
 
 
 # ------------------------------------------------------------------------------------------

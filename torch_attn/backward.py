@@ -17,7 +17,7 @@ import torch
 import attention_rules as rules
 
 from ._arrays import _array, _as_tensor, _describe, _describe_parts, _to_numpy
-from ._masking import _describe_segments, _mods, _segments
+from ._masking import _describe_segments, _mods
 from .functional import merge_attention, pipeline
 
 
@@ -77,7 +77,7 @@ def scaled_dot_product_attention_vjp(
     )  # every rule of the spec, once
     query, key, value, grad_output = _array(query), _array(key), _array(value), _array(grad_output)
     mask, dropout_mask = _array(mask), _array(dropout_mask)
-    mods = _mods(fn, args, query, key, alibi_slopes, _segments(segment_ids))
+    mods = _mods(fn, args, query, key, alibi_slopes, rules.segment_pair(segment_ids))
 
     # autograd differentiates the forward pass; bias and sinks join the inputs only when given.
     given = {name: x.detach().requires_grad_(True) for name, x in

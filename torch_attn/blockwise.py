@@ -33,7 +33,7 @@ import torch
 import attention_rules as rules
 
 from ._arrays import _array, _as_tensor, _describe, _describe_lengths
-from ._masking import _describe_segments, _Mods, _mods, _plan_with_mods, _segments
+from ._masking import _describe_segments, _Mods, _mods, _plan_with_mods
 from ._steps import _with_sinks
 from ._tiles import BlockwiseFunction
 
@@ -104,7 +104,7 @@ def blockwise_attention(
                       (chunk_size, alibi_slopes, segment_ids, score_mod,
                        mask_mod))  # every rule of the spec, once
     query, key, value, bias = _array(query), _array(key), _array(value), _array(bias)
-    mods = _mods(fn, args, query, key, alibi_slopes, _segments(segment_ids))
+    mods = _mods(fn, args, query, key, alibi_slopes, rules.segment_pair(segment_ids))
     bias, kv_lengths, plan, lo, hi = _prepare(fn, query, key, bias, kv_lengths, args, mods)
     config = (plan, lo, hi, args.scale, args.softcap)
     output, lse = _with_sinks(  # the sinks join once, at the end
@@ -161,7 +161,7 @@ def blockwise_attention_vjp(
                       (chunk_size, alibi_slopes, segment_ids, score_mod, mask_mod))
     query, key, value, bias = _array(query), _array(key), _array(value), _array(bias)
     grad_output, bias_shape = _array(grad_output), None if bias is None else bias.shape
-    mods = _mods(fn, args, query, key, alibi_slopes, _segments(segment_ids))
+    mods = _mods(fn, args, query, key, alibi_slopes, rules.segment_pair(segment_ids))
     bias, kv_lengths, plan, lo, hi = _prepare(fn, query, key, bias, kv_lengths, args, mods)
     config = (plan, lo, hi, args.scale, args.softcap)
     # autograd through the custom Function; bias and sinks join the inputs only when given.

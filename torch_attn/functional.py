@@ -26,7 +26,7 @@ import attention_rules as rules
 
 from . import _fast
 from ._arrays import _array, _check_scores, _describe, _describe_parts, _to_compute
-from ._masking import _allowed, _describe_segments, _in_band, _Mods, _mods, _segments
+from ._masking import _allowed, _describe_segments, _in_band, _Mods, _mods
 from ._steps import (
     NEG_INF,
     _dropout,
@@ -264,7 +264,7 @@ def scaled_dot_product_attention(
     )  # every rule of the spec, on shapes and dtype names: raises, or normalises the options
     query, key, value = _array(query), _array(key), _array(value)
     mask, bias, dropout_mask = _array(mask), _array(bias), _array(dropout_mask)
-    mods = _mods(fn, args, query, key, alibi_slopes, _segments(segment_ids))
+    mods = _mods(fn, args, query, key, alibi_slopes, rules.segment_pair(segment_ids))
     return pipeline(query, key, value, mask, bias, dropout_mask, rng, args, _array(sinks), mods)
 
 

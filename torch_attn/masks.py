@@ -8,16 +8,6 @@ import torch
 
 import attention_rules as rules
 from attention_rules import ready_mods
-from attention_rules.ready_mods import (  # noqa: F401  (re-exported: the masks module's mods)
-    MaskMod,
-    ScoreMod,
-    and_masks,
-    causal_mod,
-    chunked_mod,
-    or_masks,
-    prefix_lm_mod,
-    sliding_window_mod,
-)
 
 from ._arrays import _as_tensor, _dtype_name
 from ._masking import _in_band
@@ -134,9 +124,7 @@ def combine_masks(*masks: Any) -> torch.Tensor | None:
         rules.check_bool(fn, f"masks[{index}]", _dtype_name(m))
     if not present:
         return None
-    if rules.broadcast_shapes(*(tuple(m.shape) for m in present)) is None:
-        shapes = ", ".join(str(tuple(m.shape)) for m in present)
-        raise ValueError(f"{fn}: masks must broadcast together; got shapes {shapes}")
+    rules.check_masks_broadcast(fn, [tuple(m.shape) for m in present])
     combined = present[0]
     for m in present[1:]:
         combined = combined & m
@@ -181,3 +169,10 @@ def relative_bias_mod(table: Any, offset: int = 0) -> ScoreMod:
     ``bias=`` its tabulation (derivative 1)."""
     return ready_mods.relative_bias_mod(_as_tensor(table), offset, torch.clamp, torch.ones_like,
                                         _place)
+
+
+# The mask mods use Python's operators only: the same objects in every backend
+MaskMod, ScoreMod = ready_mods.MaskMod, ready_mods.ScoreMod
+causal_mod, sliding_window_mod = ready_mods.causal_mod, ready_mods.sliding_window_mod
+chunked_mod, prefix_lm_mod = ready_mods.chunked_mod, ready_mods.prefix_lm_mod
+and_masks, or_masks = ready_mods.and_masks, ready_mods.or_masks
