@@ -23,6 +23,7 @@ from .checks import (
     ArrayInfo,
     Shape,
     check_float_inputs,
+    check_int,
     check_scale,
     check_sinks,
     check_softcap,
@@ -139,6 +140,18 @@ def paged_arguments(
         table[1], dtype, compute_dtype(dtype), check_scale(fn, scale, q_shape[-1]),
         check_softcap(fn, softcap),
     )
+
+
+def check_page_pool(fn: str, num_blocks: object, block_size: object, kv_heads: object,
+                    head_dim: object, v_dim: object) -> tuple[int, int, int, int, int]:
+    """A pool's sizes as ints: ``num_blocks``, ``block_size`` and ``kv_heads`` at least 1,
+    ``head_dim`` and ``v_dim`` (None: ``head_dim``) at least 0; ValueError otherwise."""
+    num_blocks = check_int(fn, "num_blocks", num_blocks, minimum=1)
+    block_size = check_int(fn, "block_size", block_size, minimum=1)
+    kv_heads = check_int(fn, "kv_heads", kv_heads, minimum=1)
+    head_dim = check_int(fn, "head_dim", head_dim)
+    v_dim = head_dim if v_dim is None else check_int(fn, "v_dim", v_dim)
+    return num_blocks, block_size, kv_heads, head_dim, v_dim
 
 
 def pages_needed(length: int, block_size: int) -> int:

@@ -80,11 +80,8 @@ class PagedKVCache:
         block_size, kv_heads, v_dim)`` (``v_dim``: ``head_dim``); ``device``: a
         ``jax.Device``, a platform name, or None for JAX's default placement."""
         fn = "PagedKVCache"
-        num_blocks = rules.check_int(fn, "num_blocks", num_blocks, minimum=1)
-        block_size = rules.check_int(fn, "block_size", block_size, minimum=1)
-        kv_heads = rules.check_int(fn, "kv_heads", kv_heads, minimum=1)
-        head_dim = rules.check_int(fn, "head_dim", head_dim)
-        v_dim = head_dim if v_dim is None else rules.check_int(fn, "v_dim", v_dim)
+        num_blocks, block_size, kv_heads, head_dim, v_dim = rules.check_page_pool(
+            fn, num_blocks, block_size, kv_heads, head_dim, v_dim)
         device = _check_device(fn, device)  # jax: a device or a platform name
         dtype = _dtype(dtype)
         rules.check_float_inputs(fn, dtype=dtype.name)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import Any
 
 import torch
@@ -125,10 +127,7 @@ def combine_masks(*masks: Any) -> torch.Tensor | None:
     if not present:
         return None
     rules.check_masks_broadcast(fn, [tuple(m.shape) for m in present])
-    combined = present[0]
-    for m in present[1:]:
-        combined = combined & m
-    return combined
+    return functools.reduce(operator.and_, present)  # the broadcast AND
 
 
 # ------------------------------------------------------------------------------------------

@@ -65,11 +65,8 @@ class PagedKVCache:
         block_size, kv_heads, v_dim)`` (``v_dim``: ``head_dim``); ``device``: a
         ``torch.device`` (or its name), None for torch's default device."""
         fn = "PagedKVCache"
-        num_blocks = rules.check_int(fn, "num_blocks", num_blocks, minimum=1)
-        block_size = rules.check_int(fn, "block_size", block_size, minimum=1)
-        kv_heads = rules.check_int(fn, "kv_heads", kv_heads, minimum=1)
-        head_dim = rules.check_int(fn, "head_dim", head_dim)
-        v_dim = head_dim if v_dim is None else rules.check_int(fn, "v_dim", v_dim)
+        num_blocks, block_size, kv_heads, head_dim, v_dim = rules.check_page_pool(
+            fn, num_blocks, block_size, kv_heads, head_dim, v_dim)
         dtype = _dtype(dtype)
         rules.check_float_inputs(fn, dtype=str(dtype).removeprefix("torch."))
         shape = (num_blocks, block_size, kv_heads)
