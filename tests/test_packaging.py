@@ -75,6 +75,19 @@ def test_backends_import_no_other_backend(package):
     assert loaded == "", f"{package} imported {loaded}"
 
 
+TORCH_HEAVY = ("torch._dynamo", "torch.nn.attention.bias", "torch.nn.attention.flex_attention")
+
+
+@pytest.mark.slow
+def test_torch_attn_import_stays_as_light_as_torch():
+    """``import torch_attn`` imports torch's compiler stack only when a call needs it (it would
+    double the import's cost): ``torch.nn.attention.bias`` pulls in ``torch._dynamo``."""
+    pytest.importorskip("torch")
+    loaded = _run(f"import sys, torch_attn; "
+                  f"print(','.join(m for m in {TORCH_HEAVY!r} if m in sys.modules))")
+    assert loaded == "", f"import torch_attn imported {loaded}"
+
+
 def test_rules_and_backends_are_packaged():
     text = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
     found = text.split("[tool.setuptools.packages.find]")[1].split("\n\n")[0]

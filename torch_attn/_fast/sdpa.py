@@ -32,7 +32,6 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 import attention_rules as rules
 
@@ -48,6 +47,15 @@ SDPA_MAX_PARTS = 4  # "sdpa_blocks": more parts of keys than this: one masked ca
 # CPU SDPA gives fully masked rows an output and a gradient of exactly 0 (checked on torch 2.13
 # by tests/test_torch_fast_path.py); other devices and older versions are not relied upon.
 CPU_SDPA_ZEROES_MASKED_ROWS = torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
+
+
+def causal_lower_right(*size: int):
+    """torch's ``causal_lower_right(*size)``, imported at the first call: its module,
+    ``torch.nn.attention.bias``, imports ``torch._dynamo``, which would double the cost of
+    ``import torch_attn``."""
+    from torch.nn.attention.bias import causal_lower_right as torch_causal_lower_right
+
+    return torch_causal_lower_right(*size)
 
 
 # ------------------------------------------------------------------------------------------
