@@ -20,7 +20,7 @@ from conformance import golden
 from conformance.__main__ import main
 from conformance.cases import catalogue as cases
 from conformance.comparing import results
-from conformance.reporting import sections, terminal
+from conformance.reporting import overview, sections
 from conformance.running import backends, properties, runner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,7 +115,7 @@ def test_default_run_holds_cells_errors_and_properties(monkeypatch: pytest.Monke
     assert asked == [runner.DEFAULT_PROPERTY_EXAMPLES]
     assert result.ok and result.errors and result.properties is not None
     assert len(result.cells) == len(cases.CASES) * len(backends.DTYPES)
-    text = terminal.full(result)
+    text = overview.full(result)
     assert "errors: " in text and "hypothesis · numpy: ok" in text
     assert runner.run(["numpy"], ["self"], peers=False).properties is None  # a selection: off
 

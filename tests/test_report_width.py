@@ -30,7 +30,7 @@ from conformance.comparing.results import (
     PropertyResult,
     RunResult,
 )
-from conformance.reporting import sections, terminal
+from conformance.reporting import overview, sections, terminal
 from conformance.reporting.textwidth import fit_code, resolve_width
 from conformance.running import backends, runner
 
@@ -116,7 +116,7 @@ def test_default_report_of_every_column_case_and_dtype_fits_100_columns(full: Ru
     lines = out.splitlines()
     assert lines[-1].startswith("FAIL: ") and "backend cells pass" in lines[-1]
     # a summary first: one row per column, its counts as the cells say
-    keys = terminal.column_keys([c.name for c in full.columns])
+    keys = overview.column_keys([c.name for c in full.columns])
     for col in full.columns:
         row = next(line for line in lines if line.startswith(col.name + " "))
         mine = [c.status for c in full.cells if c.column == col.name]
@@ -127,7 +127,7 @@ def test_default_report_of_every_column_case_and_dtype_fits_100_columns(full: Ru
                                                                            "timeout")),
                            mine.count("unsupported") + mine.count("not provided")], col.name
     # the matrix: one row per case per panel, one glyph per dtype, as the cells say
-    glyph = {(c.case, c.dtype, c.column): terminal.GLYPHS[c.status] for c in full.cells}
+    glyph = {(c.case, c.dtype, c.column): overview.GLYPHS[c.status] for c in full.cells}
     heads = [i for i, line in enumerate(lines) if line.startswith("case ")]
     assert heads and all(len(lines[h + 1 + k].split()) > 1 for h in heads
                          for k in range(len(cases.CASES)))
@@ -147,11 +147,11 @@ def test_default_report_of_every_column_case_and_dtype_fits_100_columns(full: Ru
     failing = [c for c in full.cells if c.spec_backend and c.status in ("FAIL", "error",
                                                                          "timeout")]
     assert sum(line.startswith("FAIL: ") and " · " in line for line in lines) == \
-        terminal.MAX_FAILURES
-    assert f"… and {len(failing) - terminal.MAX_FAILURES} more failing cell(s): --verbose" in out
+        overview.MAX_FAILURES
+    assert f"… and {len(failing) - overview.MAX_FAILURES} more failing cell(s): --verbose" in out
     unexpected = sum(c.status == "unexpected" for c in full.cells)
-    assert out.count("peer differs (unexpected, not counted): ") == terminal.MAX_FAILURES
-    assert f"… and {unexpected - terminal.MAX_FAILURES} more unexpected peer cell(s)" in out
+    assert out.count("peer differs (unexpected, not counted): ") == overview.MAX_FAILURES
+    assert f"… and {unexpected - overview.MAX_FAILURES} more unexpected peer cell(s)" in out
     # each known difference once
     met = {s for c in full.cells if c.status == "known" for s in c.alternatives}
     for short in met:

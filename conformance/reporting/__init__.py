@@ -7,9 +7,10 @@
                  known differences, bad inputs, property checks, missing packages, the summary
 ``shrink``       the smallest failing case of a failing cell, as a runnable script
 ``groups``       the failing cells grouped by bug, and a wrong layout found by rerunning
-``terminal``     the terminal report (``text``): the page (a summary per column, the matrix one
-                 glyph per dtype, each known difference once), ``--verbose``'s full report,
-                 and a checked module's focused report (bugs first, compact table)
+``overview``     the terminal's page (a summary per column, the matrix one glyph per dtype,
+                 each known difference once) and ``--verbose``'s full report
+``focused``      the terminal's report of a checked module (bugs first, compact table)
+``terminal``     the terminal report (``text``): chooses the page, the full or the focused view
 ``json_report``  ``--json FILE``
 ``markdown``     ``--markdown FILE``
 ``plots``        ``--plot DIR``: heatmaps and error-vs-dtype plots (matplotlib)

@@ -6,7 +6,7 @@ step, each possibly joined with others: ``diagnose.split``); it joins the group 
 diagnosis, by name (``diagnose.short``), that the most cases of its column share, so one bug
 seen through different steps or extra symptoms (a NaN case) is one group. Cells without a
 diagnosis group by the error raised or the failing steps. The terminal's focused report
-(``terminal.focused``), the HTML page and the pytest plugin explain the first ``MAX_GROUPS``.
+(``focused.focused``), the HTML page and the pytest plugin explain the first ``MAX_GROUPS``.
 
 A wrong layout is diagnosed by rerunning: ``layout_symptoms`` reruns each failing case of a
 checked module with query, key, value (and the results) transposed (``transposed``); the cells

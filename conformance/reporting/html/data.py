@@ -113,7 +113,7 @@ def _cell(cell: Cell, index: dict[str, dict[str, int]], group: int | None) -> di
 
 
 def _shrunk(result: RunResult, cells: list[Cell], reason: str) -> dict[str, Any]:
-    """The smallest failing case of one group, as ``terminal.explain_group`` finds it."""
+    """The smallest failing case of one group, as ``focused.explain_group`` finds it."""
     col = next(c for c in result.columns if c.name == cells[0].column)
     cell = min(cells, key=lambda c: ("non_finite" in c.features,
                                      _DTYPE_ORDER.index(c.dtype) if c.dtype in _DTYPE_ORDER
