@@ -40,10 +40,11 @@ import importlib.util
 import os
 import re
 import sys
+import time
 from collections.abc import Callable
 
 from .cases.dtypes import DTYPES
-from .comparing.results import RunResult
+from .comparing.results import Cell, Column, ErrorResult, RunResult
 from .reporting.textwidth import resolve_width
 from .running.plugins import PluginImportError
 from .usage import UsageError, at_least
@@ -56,6 +57,10 @@ def _add_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--case", action="append", metavar="NAME",
                    help="case name or glob pattern (repeatable); default: all; see --list")
     p.add_argument("--dtype", action="append", choices=DTYPES, help="repeatable; default: all")
+    p.add_argument("--full", action="store_true",
+                   help="the full profile (for CI): every case in every dtype, every installed "
+                        "peer, 100 property examples per backend; default: the quick profile, "
+                        "the fewest rows that use every spec feature on every backend")
     peers = p.add_mutually_exclusive_group()
     peers.add_argument("--peers", dest="peers", action="store_true", default=None,
                        help="also run the frameworks' kernels (default without --backend)")
@@ -63,7 +68,7 @@ def _add_run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-errors", action="store_true", help="skip the bad-input checks")
     p.add_argument("--hypothesis", type=at_least(0), metavar="N", default=None,
                    help="N property-based examples per backend (0: none; default: "
-                        "100 in a full run, 0 with --case or --dtype)")
+                        "100 with --full, else 0)")
     p.add_argument("--json", metavar="FILE", help="write the full report as JSON")
     p.add_argument("--markdown", metavar="FILE", help="write the full report as Markdown")
     p.add_argument("--html", metavar="FILE", help="write one self-contained HTML page to explore "
@@ -102,8 +107,9 @@ def require(module: str, install: str, what: str) -> None:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from .cases import catalogue as cases
-    from .reporting import json_report, markdown, plots, sections, terminal
-    from .running import room, runner
+    from .peers import PEERS
+    from .reporting import json_report, markdown, overview, plots, sections, terminal
+    from .running import backends, room, runner
 
     if args.list:
         for case in cases.CASES:
@@ -117,9 +123,24 @@ def _cmd_run(args: argparse.Namespace) -> int:
         from .reporting import html
 
         html.check_path(args.html)
-    result = runner.run(args.backend, args.case, args.dtype, peers=args.peers,
+    width = resolve_width(args.width)
+    profile = "full" if args.full else "quick"
+    # A run that checks a module of the user's gets the focused report, which starts with its
+    # verdict: the backends' verdict lines go before the page only.
+    known = {*backends.SPEC_BACKENDS, *(p.name for p in PEERS)}
+    page = all(name in known for name in args.backend or ())
+
+    def verdict(column: Column, cells: list[Cell], errors: list[ErrorResult]) -> None:
+        if page:
+            print(overview.backend_verdict(column, cells, errors, seconds_since_start(), width),
+                  flush=True)
+
+    result = runner.run(args.backend, args.case, args.dtype, profile=profile, peers=args.peers,
                         check_errors=not args.no_errors, hypothesis=args.hypothesis,
-                        timeout=args.timeout, room=room.Ahead)
+                        timeout=args.timeout, room=room.Ahead if args.full else room.Room,
+                        backend_done=verdict)
+    if page and any(c.backend is not None for c in result.columns):
+        print(flush=True)
     if not result.columns:
         print(sections.missing_section(result, resolve_width(args.width, sys.stderr)),
               file=sys.stderr)
@@ -134,8 +155,25 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.plot:
         written = plots.write_plots(result, args.plot)
         print(f"plots: {len(written)} PNG files in {args.plot}", file=sys.stderr)
-    print(terminal.text(result, args.verbose, resolve_width(args.width)))
+    result.seconds = seconds_since_start()  # the report's time: from the command's start
+    print(terminal.text(result, args.verbose, width))
     return exit_code(result)
+
+
+def seconds_since_start() -> float:
+    """Wall seconds since this process started (Linux: from ``/proc``; elsewhere since this
+    module was imported), so the report's time includes Python's and the frameworks' start."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            ticks = int(f.read().rpartition(")")[2].split()[19])
+        with open("/proc/uptime", encoding="ascii") as f:
+            uptime = float(f.read().split()[0])
+        return max(uptime - ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.perf_counter() - _IMPORTED
+
+
+_IMPORTED = time.perf_counter()
 
 
 def exit_code(result: RunResult) -> int:

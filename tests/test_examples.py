@@ -68,7 +68,7 @@ def test_wrong_attention_fails_exactly_the_cells_its_readme_names():
     from conformance.running import backends, runner
 
     result = runner.run(["examples.wrong_attention"], None, None, peers=False,
-                        check_errors=True, hypothesis=0)
+                        check_errors=True, hypothesis=0, profile="full")
     failed = {(c.case, c.dtype) for c in result.cells if c.status != "ok"}
     expected = {(case, dtype) for cases in WRONG_ATTENTION_FAILS.values() for case in cases
                 for dtype in backends.DTYPES}

@@ -21,7 +21,7 @@ from conformance.__main__ import main
 from conformance.cases import catalogue as cases
 from conformance.comparing import results
 from conformance.reporting import overview, sections
-from conformance.running import backends, properties, runner
+from conformance.running import backends, profiles, properties, runner
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,8 +111,8 @@ def test_default_run_holds_cells_errors_and_properties(monkeypatch: pytest.Monke
                                           for b in backend_list])
 
     monkeypatch.setattr(properties, "run", fake_properties)
-    result = runner.run(["numpy"], peers=False)  # no --case, no --dtype: a full run
-    assert asked == [runner.DEFAULT_PROPERTY_EXAMPLES]
+    result = runner.run(["numpy"], peers=False, profile="full")  # no --case, no --dtype
+    assert asked == [profiles.FULL_PROPERTY_EXAMPLES]
     assert result.ok and result.errors and result.properties is not None
     assert len(result.cells) == len(cases.CASES) * len(backends.DTYPES)
     text = overview.full(result)

@@ -129,7 +129,7 @@ def test_a_peer_without_its_package_is_missing_not_an_error(
     monkeypatch.setattr(peers, "PEERS", (ghost,))
     assert not ghost.available()
     result = runner.run(["numpy"], ["self"], ["float32"], peers=True, check_errors=False,
-                        hypothesis=0, progress=False)
+                        hypothesis=0, progress=False, profile="full")  # every peer
     assert [c.name for c in result.columns] == ["numpy"]
     assert result.missing == {"ghost.attention": INSTALL}
     assert [c.status for c in result.cells] == ["ok"]

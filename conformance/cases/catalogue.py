@@ -67,6 +67,7 @@ import numpy as np
 
 from ..spec import seed_example
 from ..usage import UsageError
+from .combined import COMBINED_CASES
 from .dtypes import DTYPES, numpy_dtype
 from .inputs import (
     BLOCKWISE_TILES,
@@ -408,7 +409,7 @@ CASES: tuple[Case, ...] = (
          _module("MultiHeadAttention", {"d_model": 16, "num_heads": 4, "num_kv_heads": 2},
                  _mha_self, {"is_causal": True}, decode=(1, 2, 3)),
          kind="module"),
-) + PACKED_CASES  # packed batches, chunks, ALiBi, segment ids and mods: cases_packed
+) + PACKED_CASES + COMBINED_CASES  # chunks, ALiBi, segments, mods, varlen; features together
 
 CASE_NAMES = tuple(c.name for c in CASES)
 

@@ -150,6 +150,7 @@ def _pipeline(data: CaseData, kind: str, dtype: str, naive: bool) -> dict[str, n
     with_mods = kind == "sdpa" and mods.uses_mods(data)
     blockwise = blockwise_applies(data)
     scores_options = data.options  # "scores" comes before a score_mod folded into softcap
+    bias_shape = np.shape(data.arrays["bias"]) if "bias" in data.arrays else None
     if naive and with_mods:  # the naive baseline knows the older arguments only
         scores_options = {k: v for k, v in data.options.items() if k not in mods.MOD_OPTIONS}
         data = mods.dedicated(data)
@@ -189,6 +190,8 @@ def _pipeline(data: CaseData, kind: str, dtype: str, naive: bool) -> dict[str, n
         g = attend_vjp(data.arrays, data.options, p)
         for name in GRAD_STEPS:
             value = getattr(g, name.removeprefix("grad_"))
+            if name == "grad_bias" and value is not None and bias_shape is not None:
+                value = reference.unbroadcast(value, bias_shape)  # of the bias ALiBi joined
             if value is not None:
                 values[name] = value
     if blockwise:

@@ -198,6 +198,9 @@ class RunResult:
     seconds: float = 0.0
     #: What a checked module's contract left out of the bad-input and property checks.
     notes: list[str] = field(default_factory=list)
+    #: The profile that chose the rows, peers and property examples (``spec.PROFILES``), or ""
+    #: for a run that was given them (``golden.check``, a test).
+    profile: str = ""
 
     @property
     def checked(self) -> int:

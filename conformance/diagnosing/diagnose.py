@@ -41,7 +41,7 @@ import numpy as np
 from .. import spec
 from ..cases import reference
 from ..cases.catalogue import CaseData
-from ..cases.expected import Expected, pipeline
+from ..cases.expected import Expected, pipeline, reference_attention
 from ..cases.inputs import contiguous, key_parts
 from ..comparing.compare import compare
 from .diagnose_packed import PACKED_HYPOTHESES, varlen_mistakes
@@ -256,9 +256,9 @@ def sink_in_numerator(exp: Expected, step: str, actual: np.ndarray) -> str:
             "output", "output_weights", "blockwise_output"):
         return ""
     a = exp.data.arrays
-    steps = reference.attention(**{k: v for k, v in a.items() if k in (
-        "query", "key", "value", "mask", "bias", "sinks")},
-        **{k: v for k, v in exp.data.options.items() if k != "dropout_p"})
+    without_dropout = {k: v for k, v in a.items() if k != "dropout_mask"}
+    steps = reference_attention(without_dropout, {k: v for k, v in exp.data.options.items()
+                                                  if k != "dropout_p"})  # every rule and mod
     lse = steps.lse[..., None]
     w_sink = np.where(lse == -np.inf, 0.0,
                       np.exp(reference.sink_column(a["sinks"], steps.weights.ndim) - lse))

@@ -9,7 +9,7 @@ import math
 import re
 
 from .. import spec
-from ..comparing.results import NOT_CHECKED, Cell, RunResult
+from ..comparing.results import NOT_CHECKED, Cell, Column, ErrorResult, RunResult
 from .sections import (
     CELL_WIDTH,
     FAILING,
@@ -24,6 +24,7 @@ from .sections import (
     summary_lines,
 )
 from .textwidth import DEFAULT_WIDTH, fit, panels
+from .words import plural
 
 # ---------------------------------------------------------------------------- the page
 
@@ -118,8 +119,10 @@ def column_summary(result: RunResult, width: int = DEFAULT_WIDTH) -> str:
     name_w = max(min(longest, width - 6 - sum(wide.values())), 6)
     cases = len(dict.fromkeys(case for case, _ in result.rows))
     dtypes = len(dict.fromkeys(d for _, d in result.rows))
+    rows_text = (f"{plural(cases, 'case')} × {plural(dtypes, 'dtype')}" if _grid(result.rows)
+                 else f"{plural(len(result.rows), 'row')} (case × dtype)")
     short = "; ".join(f"{labels[h]}: {h}" for h in heads if labels[h] != h)
-    lines = [fit(f"summary: {cases} case(s) × {dtypes} dtype(s) per column; peers never decide "
+    lines = [fit(f"summary: {rows_text} per column; peers never decide "
                  f"the verdict; {R_LEGEND}" + (f"; {short}" if short else ""), width),
              f"{'column':<{name_w}} {'key':<5}" + "".join(f"{labels[h]:>{wide[h]}}"
                                                          for h in heads)]
@@ -130,29 +133,51 @@ def column_summary(result: RunResult, width: int = DEFAULT_WIDTH) -> str:
     return "\n".join(lines)
 
 
+def _grid(rows: list[tuple[str, str]]) -> bool:
+    """True when ``rows`` are every case in every dtype of the run (a matrix of dtypes)."""
+    cases = dict.fromkeys(case for case, _ in rows)
+    dtypes = dict.fromkeys(d for _, d in rows)
+    return len(rows) == len(cases) * len(dtypes)
+
+
 def matrix(result: RunResult, width: int = DEFAULT_WIDTH) -> str:
-    """Cases × columns, one glyph per dtype; the legend (glyphs present only) first."""
+    """Cases × columns, one glyph per dtype, or one per row "case dtype" when the rows are not
+    every case in every dtype (the quick profile); the legend (glyphs present only) first. In
+    a panel of columns, the rows where every one of them is n/a are left out and counted."""
     names = [c.name for c in result.columns]
-    dtypes = list(dict.fromkeys(d for _, d in result.rows))
-    cases = list(dict.fromkeys(case for case, _ in result.rows))
     grid = {(c.case, c.dtype, c.column): c.status for c in result.cells}
+    if _grid(result.rows):
+        dtypes = list(dict.fromkeys(d for _, d in result.rows))
+        rows = {case: [(case, d) for d in dtypes]
+                for case in dict.fromkeys(case for case, _ in result.rows)}
+        what = f"one glyph per dtype ({' '.join(dtypes)}) in each cell"
+    else:
+        dtypes = [""]
+        rows = {f"{case} {dtype}": [(case, dtype)] for case, dtype in result.rows}
+        what = "one glyph per case × dtype"
     keys = column_keys(names, max(len(dtypes), 4))
     present = [s for s in GLYPHS if s in grid.values()]
     legend = "  ".join(f"{GLYPHS[s]} {LEGEND[s]}" for s in present)
-    lines = [fit(f"matrix: one glyph per dtype ({' '.join(dtypes)}) in each cell: {legend}",
-                 width)]
+    lines = [fit(f"matrix: {what}: {legend}", width)]
     widths = [max(len(dtypes), len(keys[n])) for n in names]
-    label = min(max([len(c) for c in cases] + [4]), max(width - max(widths) - 1, 8))
+    label = min(max([len(r) for r in rows] + [4]), max(width - max(widths) - 1, 8))
     for number, panel in enumerate(panels(label, widths, width)):
         if number:
             lines.append("")
         lines.append(("case".ljust(label) + " " + " ".join(
             keys[names[i]].ljust(widths[i]) for i in panel)).rstrip())
-        for case in cases:
-            row = [("".join(GLYPHS.get(grid.get((case, d, names[i]), ""), " ") for d in dtypes)
-                    ).ljust(widths[i]) for i in panel]
-            name = case if len(case) <= label else case[: label - 1] + "…"
+        hidden = 0
+        for name, cells in rows.items():
+            statuses = [[grid.get((case, d, names[i]), "") for case, d in cells] for i in panel]
+            if number and all(s in ("n/a", "") for row in statuses for s in row):
+                hidden += 1
+                continue
+            row = ["".join(GLYPHS.get(s, " ") for s in row).ljust(widths[i])
+                   for row, i in zip(statuses, panel, strict=True)]
+            name = name if len(name) <= label else name[: label - 1] + "…"
             lines.append((name.ljust(label) + " " + " ".join(row)).rstrip())
+        if hidden:
+            lines.append(f"({hidden} more rows: n/a in every column of this panel)")
     return "\n".join(lines)
 
 
@@ -167,8 +192,8 @@ def known_differences(result: RunResult, width: int = DEFAULT_WIDTH) -> str:
     if not met:
         return ""
     known = sum(c.status == "known" for c in result.cells)
-    lines = [fit(f"known differences: {known} peer cells, each verified (the peer matches the "
-                 f"alternative semantics its entry of spec.KNOWN_DIFFERENCES names; r: the "
+    lines = [fit(f"known differences: {plural(known, 'peer cell')}, each verified (the peer "
+                 f"matches the alternative semantics its entry of spec.KNOWN_DIFFERENCES names; r: the "
                  f"worst distance to it); why each peer differs: --verbose", width)]
     for short, by_peer in sorted(met.items(), key=lambda kv: -sum(map(len, kv[1].values()))):
         entries = [e for peer in by_peer for e in spec.KNOWN_DIFFERENCES.get(peer, [])
@@ -191,7 +216,8 @@ def failing_cells(result: RunResult, width: int = DEFAULT_WIDTH) -> str:
     for cells, what in ((failing, "failing"), (unexpected, "unexpected peer")):
         parts += [failure_text(c, width) for c in cells[:MAX_FAILURES]]
         if len(cells) > MAX_FAILURES:
-            parts.append(f"… and {len(cells) - MAX_FAILURES} more {what} cell(s): --verbose")
+            parts.append(f"… and {plural(len(cells) - MAX_FAILURES, f'more {what} cell')}: "
+                         f"--verbose")
     return "\n".join(parts)
 
 
@@ -202,10 +228,72 @@ def page(result: RunResult, width: int = DEFAULT_WIDTH) -> str:
     for section in (failing_cells(result, width), known_differences(result, width),
                     fit(errors_section(result), width),
                     properties_text(result, width), missing_section(result, width),
-                    summary_lines(result, width)):
+                    summary_lines(result, width) + _then(profile_lines(result, width))):
         if section:
             parts.append(section)
     return "\n\n".join(parts)
+
+
+def _then(lines: str) -> str:
+    return "\n" + lines if lines else ""
+
+
+# ---------------------------------------------------------------------------- the verdict first
+
+
+def backend_verdict(column: Column, cells: list[Cell], errors: list[ErrorResult],
+                    seconds: float, width: int = DEFAULT_WIDTH) -> str:
+    """One backend's verdict, printed as soon as its cells and bad inputs are done (before the
+    peers and the report): PASS or FAIL with its counts and time; a FAIL names the diagnoses
+    (most cells first) and the rerun command of one failing cell; "nothing checked" when every
+    cell was unsupported or not provided and no bad input ran."""
+    checked = [c for c in cells if c.status not in ("n/a", *NOT_CHECKED)]
+    failing = [c for c in checked if c.status in FAILING]
+    bad = [e for e in errors if not e.passed]
+    counts = f"{len(checked) - len(failing)}/{len(checked)} cells"
+    if errors:
+        counts += f", {len(errors) - len(bad)}/{len(errors)} bad inputs"
+    if not checked and not errors:
+        return fit(f"{column.name}: NOTHING CHECKED: every cell is "
+                   f"{' or '.join(sorted({c.status for c in cells})) or 'absent'} "
+                   f"({seconds:.1f} s)", width)
+    if not failing and not bad:
+        return fit(f"{column.name}: PASS, {counts} ({seconds:.1f} s)", width)
+    lines = [f"{column.name}: FAIL, {counts} ({seconds:.1f} s)"]
+    why: dict[str, set[str]] = {}
+    for cell in failing:
+        why.setdefault(cell.reasons[0] if cell.reasons else "no diagnosis", set()).add(cell.case)
+    for reason, cases in sorted(why.items(), key=lambda kv: -len(kv[1])):
+        lines.append(f"  {reason} ({plural(len(cases), 'case')})")
+    if bad:
+        lines.append(f"  bad inputs: {plural(len(bad), 'check')} fail, e.g. {bad[0].case}")
+    if failing:
+        lines.append(f"  rerun one: {failing[0].rerun}")
+    return "\n".join(fit(line, width) for line in lines)
+
+
+def profile_lines(result: RunResult, width: int = DEFAULT_WIDTH) -> str:
+    """For a run of the quick profile (``spec.PROFILES``): what ``--full`` adds (rows of case ×
+    dtype, peer columns, property examples) and the command; "" for any other run."""
+    if result.profile != "quick":
+        return ""
+    from ..cases import catalogue
+    from ..cases.dtypes import DTYPES
+    from ..peers import PEERS
+    from ..running import profiles
+
+    every = len(catalogue.CASES) * len(DTYPES)
+    ran = {c.name for c in result.columns}
+    more = [p.name for p in PEERS if p.name not in ran and p.available()]
+    cases = len({case for case, _ in result.rows})
+    adds = [f"{every - len(result.rows)} more rows ({len(catalogue.CASES)} cases × "
+            f"{len(DTYPES)} dtypes)"]
+    if more:
+        adds.append(f"{plural(len(more), 'more peer column')} ({', '.join(more)})")
+    adds.append(f"{profiles.FULL_PROPERTY_EXAMPLES} property-based examples per backend")
+    return fit(f"quick profile: {plural(len(result.rows), 'row')} ({cases} cases), chosen to "
+               f"use every spec feature on every backend; --full adds {'; '.join(adds)}. "
+               f"For CI: python -m conformance --full", width)
 
 
 # ---------------------------------------------------------------------------- the full report
@@ -238,7 +326,8 @@ def full(result: RunResult, width: int | None = None) -> str:
     parts = [full_table(result, width), legend(width or 100)] if result.cells else []
     for section in (failures(result, width=width), fit(known_section(result), width),
                     fit(errors_section(result), width), properties_text(result, width),
-                    missing_section(result, width), summary_lines(result, width)):
+                    missing_section(result, width),
+                    summary_lines(result, width) + _then(profile_lines(result, width))):
         if section:
             parts.append(section)
     return "\n\n".join(parts)

@@ -4,15 +4,19 @@ It prints one of three views, every line within ``width`` columns (``--width``, 
 but a runnable reproducer's code, which stays runnable (a long line is wrapped at spaces,
 ``textwidth.fit``; tables continue in panels, ``textwidth.panels``):
 
-* **the page** (``page``), a run of the spec backends and peers, in this order:
+* **the page** (``page``), a run of the spec backends and peers. The command line prints each
+  spec backend's verdict before it (``overview.backend_verdict``: PASS or FAIL, its counts,
+  the diagnoses and one rerun command), as soon as the backend's cells and bad inputs are
+  done and before the peers run. Then, in this order:
 
   1. **summary**: one row per column (backend or peer): its key in the matrix, how many of its
      cells are ok, known, unexpected, n/a, failing (FAIL, error or timeout) and not checked
      (unsupported or not provided), and the worst ratio r of its ok cells (``R_LEGEND``);
   2. **the matrix**: one row per case, one cell per column, one glyph per dtype in the run's
-     dtype order (``GLYPHS``, whose legend comes once, above it); a column's header is its key
-     (``KEYS`` for the project's columns, else derived from the name, ``column_keys``), which
-     the summary maps to the name;
+     dtype order (one row per case × dtype, one glyph, when the rows are not every case in
+     every dtype: the quick profile) (``GLYPHS``, whose legend comes once, above it); a
+     column's header is its key (``KEYS`` for the project's columns, else derived from the
+     name, ``column_keys``), which the summary maps to the name;
   3. the failing cells of the spec/user backends, step by step, then the peers' unexpected
      cells (the first ``MAX_FAILURES`` of each, the others counted; ``--verbose``: all);
   4. **the known differences**, each once over every peer (``spec.KNOWN_DIFFERENCES`` grouped
@@ -20,7 +24,8 @@ but a runnable reproducer's code, which stays runnable (a long line is wrapped a
      peer the cells it explains and their worst distance to the alternative (a cell explained
      by two entries counts under both); each peer's reason (``why``) is ``--verbose``'s;
   5. the bad-input line, the property checks, the missing packages and the summary line(s),
-     whose last line starts with ``PASS:`` or ``FAIL:`` (``sections.summary_lines``);
+     whose last line starts with ``PASS:`` or ``FAIL:`` (``sections.summary_lines``), and in
+     the quick profile what ``--full`` adds (``overview.profile_lines``);
 
 * **the full report** (``full``, ``--verbose``): every cell's text (``sections.cell_text``) in a
   table of ``case dtype`` rows (``full_table``), every failing step, each peer's known

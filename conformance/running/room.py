@@ -1,8 +1,8 @@
 """Where a run's cells are computed, and in which order: the execution room.
 
-The runner's loop hands the room every cell of the run in the run's order (``add``: case by
-case, column by column) and takes the cells back in that order (``ordered``); the room decides
-where and when each is computed:
+The runner's loop hands the room every cell of the run (``add``: each backend column on every
+case in turn, then the peers case by case, column by column) and takes the cells back in that
+order (``ordered``); the room decides where and when each is computed:
 
 * ``Room``: every cell in the harness's process, when its turn comes; between two cases it lets
   every backend free the programs it compiled for the previous one (``release``: JAX keeps
@@ -88,15 +88,17 @@ class Room:
         self._order: list[tuple[Column, Expected, Cell | None]] = []  # ``add``'s cells
         self._case: str | None = None
 
-    def add(self, column: Column, exp: Expected, compute: Callable[[], Cell]) -> None:
-        """The run's next cell: ``compute()`` now, or, when another process computes it
-        (``remote``), taken by ``ordered`` after this process's own. A new case first frees
-        what the previous one compiled (``next_case``)."""
+    def add(self, column: Column, exp: Expected, compute: Callable[[], Cell]) -> Cell | None:
+        """The run's next cell: ``compute()`` now (returned), or, when another process computes
+        it (``remote``), taken by ``ordered`` after this process's own (None). A new case first
+        frees what the previous one compiled (``next_case``)."""
         if self._case is not None and exp.case != self._case:
             self.next_case()
         self._case = exp.case
         remote = column.kind == "peer" and self.remote(column.peer, exp)
-        self._order.append((column, exp, None if remote else compute()))
+        cell = None if remote else compute()
+        self._order.append((column, exp, cell))
+        return cell
 
     def next_case(self) -> None:
         """Between two cases: every backend frees the programs compiled for the previous one."""

@@ -51,9 +51,6 @@ from .module_worker import DEFAULT_TIMEOUT_S, check_timeout
 from .room import Room
 from .steps import STEPS, Execution, Step, steps_for
 
-#: Property-check examples per backend in a default run (no --case, --dtype or --hypothesis).
-DEFAULT_PROPERTY_EXAMPLES = 100
-
 
 def judge(exp: Expected, step: str, actual: np.ndarray, result_dtype: str | None,
           reasons: list[str] | None = None) -> StepResult:
@@ -173,22 +170,49 @@ def run_peer_cell(peer: peers_mod.Peer, exp: Expected) -> Cell:
     return cell
 
 
-class Progress:
-    """A tqdm bar on stderr while cells run, only on a terminal (silent when piped)."""
+#: Relative cost of one cell, for the progress bar's share and time left: a cell of a backend
+#: that compiles (JAX: tracing and compiling its program) against one that does not, and a
+#: peer's (one on JAX compiles too). Measured on the quick profile (docs/checking.md, "Time
+#: and memory"): a JAX cell takes 0.3–1.5 s, a NumPy or PyTorch cell 0.01–0.1 s.
+CELL_WEIGHTS = {"compiles": 1.0, "eager": 0.05, "peer_compiles": 0.3, "peer": 0.05}
 
-    def __init__(self, total: int, enabled: bool | None = None) -> None:
+
+def cell_weight(col: Column) -> float:
+    """``CELL_WEIGHTS`` of a cell of ``col``."""
+    if col.backend is not None:
+        return CELL_WEIGHTS["compiles" if col.backend.compiles else "eager"]
+    compiles = col.peer is not None and col.peer.framework in ("jax", "flax", "keras")
+    return CELL_WEIGHTS["peer_compiles" if compiles else "peer"]
+
+
+class Progress:
+    """A tqdm bar on stderr while cells run, only on a terminal (silent when piped): the share
+    of the run done and the time left, each cell weighted by ``cell_weight``."""
+
+    def __init__(self, columns: list[Column], rows: int, enabled: bool | None = None) -> None:
         self.enabled = sys.stderr.isatty() if enabled is None else enabled
         self._bar = None
+        total = rows * sum(cell_weight(c) for c in columns)
         if self.enabled and total and importlib.util.find_spec("tqdm") is not None:
             from tqdm import tqdm
             self._bar = tqdm(total=total, file=sys.stderr, leave=False, dynamic_ncols=True,
-                             bar_format="{n_fmt}/{total_fmt} cells {bar} {elapsed}{postfix}")
+                             bar_format="{percentage:3.0f}% {bar} {elapsed}, about {remaining} "
+                                        "left{postfix}")
 
-    def tick(self, text: str) -> None:
-        """One cell more, named ``text``."""
+    def running(self, col: Column, exp: Expected) -> None:
+        """The cell of ``col`` on ``exp`` starts (named after the bar)."""
         if self._bar is not None:
-            self._bar.set_postfix_str(text, refresh=False)
-            self._bar.update(1)
+            self._bar.set_postfix_str(f" {col.name} {exp.case} {exp.dtype}")
+
+    def done(self, col: Column) -> None:
+        """A cell of ``col`` is done."""
+        if self._bar is not None:
+            self._bar.update(cell_weight(col))
+
+    def clear(self) -> None:
+        """Take the bar off the terminal until its next update (a line is printed)."""
+        if self._bar is not None:
+            self._bar.clear()
 
     def close(self) -> None:
         """Clear the bar."""
@@ -196,30 +220,53 @@ class Progress:
             self._bar.close()
 
 
+def computing_order(columns: list[Column]) -> list[Column]:
+    """The backend columns in the order they are computed: those that do not compile first
+    (numpy, torch, a checked module: seconds), then those that do (JAX: most of a run), each
+    group in the report's order; so the first backend verdicts come while JAX still runs."""
+    own = [c for c in columns if c.backend is not None]
+    return sorted(own, key=lambda c: c.backend.compiles)
+
+
 def run_columns(columns: list[Column], expectations: Iterable[Expected], *,
                 progress: Progress | None = None,
                 rerun: Callable[[str, str, str], str] = rerun_command,
-                room: type[Room] = Room) -> RunResult:
-    """Every expectation × column, in the run's order, computed in ``room`` (``running.room``:
-    where and when each cell is computed; ``Room``: here, each when its turn comes);
-    ``rerun(case, dtype, column)`` is each cell's rerun command. Returns a ``RunResult``
-    without errors or properties."""
+                room: type[Room] = Room,
+                column_done: Callable[[Column, list[Cell]], None] | None = None) -> RunResult:
+    """Every expectation × column, computed in ``room`` (``running.room``: where and when each
+    cell is computed; ``Room``: here, each when its turn comes): each backend column on every
+    expectation in ``computing_order``, ``column_done(column, its cells)`` after each, then the
+    peers, expectation by expectation. ``rerun(case, dtype, column)`` is each cell's rerun
+    command. Returns a ``RunResult`` without errors or properties, its cells in the run's order
+    (case by case, column by column, as ``columns``)."""
     result = RunResult(columns, [], {}, [])
     with room(columns, expectations, run_peer_cell) as cells:
         def cell(col: Column, exp: Expected) -> Cell:  # a peer's through the room
             if progress:
-                progress.tick(f"{col.name:<24} {exp.case} {exp.dtype}")
+                progress.running(col, exp)
             out = cells.cell(col.peer, exp) if col.kind == "peer" else run_cell(
                 col.backend, exp, column=col.name)
             out.rerun = rerun(exp.case, exp.dtype, col.name)
+            if progress:
+                progress.done(col)
             return out
 
-        for exp in cells.expectations:
+        exps = list(cells.expectations)
+        for exp in exps:
             result.rows.append((exp.case, exp.dtype))
             result.expectations[(exp.case, exp.dtype)] = exp
+        for col in computing_order(columns):
+            done = [cells.add(col, exp, functools.partial(cell, col, exp)) for exp in exps]
+            if column_done is not None:
+                column_done(col, [c for c in done if c is not None])
+        for exp in exps:
             for col in columns:
-                cells.add(col, exp, functools.partial(cell, col, exp))
-        result.cells = cells.ordered(cell)
+                if col.backend is None:
+                    cells.add(col, exp, functools.partial(cell, col, exp))
+        computed = cells.ordered(cell)
+    place = {(col.name, e.case, e.dtype): (i, j) for i, e in enumerate(exps)
+             for j, col in enumerate(columns)}
+    result.cells = sorted(computed, key=lambda c: place[(c.column, c.case, c.dtype)])
     return result
 
 
@@ -320,30 +367,51 @@ def _properties(backend: Backend, n: int) -> BackendProperties:
             f"--hypothesis {n}"), seconds=time.perf_counter() - start)
 
 
+#: What ``run_expectations`` tells as soon as a backend column is done: the column, its cells
+#: and its bad-input results (before the peers run).
+BackendDone = Callable[[Column, list[Cell], list[ErrorResult]], None]
+
+
 def run_expectations(columns: list[Column], expectations: Iterable[Expected],
                      missing: dict[str, str], *, total: int = 0, check_errors: bool = False,
                      hypothesis: int = 0, progress: bool | None = None,
                      rerun: Callable[[str, str, str], str] = rerun_command,
-                     timeout: float = DEFAULT_TIMEOUT_S, room: type[Room] = Room) -> RunResult:
-    """The cells of every expectation × column, then the bad-input checks (``check_errors``)
-    and ``hypothesis`` property examples per backend column, in one ``RunResult``. A checked
-    module run in a worker process gets ``timeout`` seconds per call (0: no limit; negative:
-    ``UsageError``), in the cells, the bad-input and the property checks and the verdict's
-    shrinking alike. ``room``: see ``run_columns``."""
+                     timeout: float = DEFAULT_TIMEOUT_S, room: type[Room] = Room,
+                     backend_done: BackendDone | None = None) -> RunResult:
+    """The cells of every expectation × column, with the bad-input checks (``check_errors``)
+    of each backend column right after its cells (``backend_done`` then hears of it, before
+    the peers run), then ``hypothesis`` property examples per backend column, in one
+    ``RunResult``. A checked module run in a worker process gets ``timeout`` seconds per call
+    (0: no limit; negative: ``UsageError``), in the cells, the bad-input and the property
+    checks and the verdict's shrinking alike. ``room``: see ``run_columns``."""
     limit = check_timeout(timeout)
     for col in columns:
         if col.backend is not None:
             col.backend.set_timeout(limit)
     start = time.perf_counter()
-    bar = Progress(total * len(columns), progress)
+    bar = Progress(columns, total, progress)
+    notes: list[str] = []
+    errors: dict[str, list[ErrorResult]] = {}
+
+    def column_done(col: Column, cells: list[Cell]) -> None:
+        errors[col.name] = run_errors([col.backend], notes) if check_errors else []
+        if backend_done is not None:
+            bar.clear()
+            backend_done(col, cells, errors[col.name])
+
     try:
-        result = run_columns(columns, expectations, progress=bar, rerun=rerun, room=room)
+        result = run_columns(columns, expectations, progress=bar, rerun=rerun, room=room,
+                             column_done=column_done)
     finally:
         bar.close()
     result.missing.update(missing)
+    result.notes += notes
     backend_list = [c.backend for c in columns if c.backend is not None]
-    if check_errors:
-        result.errors = run_errors(backend_list, result.notes)
+    if check_errors:  # in errors.run's order: case by case, backend by backend
+        names = [e.name for e in errors_mod.ERROR_CASES]
+        order = [c.name for c in columns]
+        result.errors = sorted((e for found in errors.values() for e in found),
+                               key=lambda e: (names.index(e.case), order.index(e.backend)))
     if hypothesis and backend_list:
         if importlib.util.find_spec("hypothesis") is None:
             result.missing["hypothesis"] = "pip install hypothesis (for the property checks)"
@@ -362,41 +430,58 @@ def run(
     case_patterns: list[str] | None = None,
     dtypes: list[str] | None = None,
     *,
+    profile: str = "quick",
     peers: bool | None = None,
     check_errors: bool = True,
     hypothesis: int | None = None,
     progress: bool | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
     room: type[Room] = Room,
+    backend_done: BackendDone | None = None,
 ) -> RunResult:
     """The whole conformance run, as ``python -m conformance run`` does it.
 
-    ``peers`` None: the peers run when no backend is named. ``hypothesis`` None:
-    ``DEFAULT_PROPERTY_EXAMPLES`` per backend when neither cases nor dtypes are selected, else 0.
+    ``profile`` (``spec.PROFILES``, ``running.profiles``): ``"quick"`` (the default) or
+    ``"full"``; it decides the rows when neither ``case_patterns`` nor ``dtypes`` is given
+    (else: the matching cases of the whole catalogue, in the given dtypes or all four), the
+    peer columns, and the property examples when ``hypothesis`` is None (0 when cases or dtypes
+    are selected). ``peers`` None: the profile's peers run when no backend is named.
     ``timeout``: seconds per call of a checked module given by its path (0: no limit; a
     negative value is a ``UsageError`` before any work). ``room``: where the cells are computed
-    (``running.room``; the command line's run: ``room.Ahead``), see ``run_columns``.
+    (``running.room``; the command line's full run: ``room.Ahead``), see ``run_columns``;
+    ``backend_done``: see ``run_expectations``.
     """
+    from . import profiles
+
+    chosen = profiles.get(profile)
     columns, missing = resolve_backends(backend_names, timeout)  # timeout checked first
     if peers is None:
         peers = backend_names is None
     if peers:
         for peer in peers_mod.PEERS:
+            if chosen.peers is not None and peer.name not in chosen.peers:
+                continue
             if peer.available():
                 columns.append(Column(peer.name, "peer", peer=peer))
             else:
                 missing[peer.name] = peer.install
+    selecting = bool(case_patterns or dtypes)
     if hypothesis is None:
-        hypothesis = DEFAULT_PROPERTY_EXAMPLES if not (case_patterns or dtypes) else 0
-    selected = cases_mod.select(case_patterns)
-    dtypes = list(dtypes or backends_mod.DTYPES)
-    expectations = (expected(case, dtype) for case in selected for dtype in dtypes)
-    return run_expectations(columns, expectations, missing, total=len(selected) * len(dtypes),
-                            check_errors=check_errors, hypothesis=hypothesis, progress=progress,
-                            timeout=timeout, room=room)
+        hypothesis = 0 if selecting else chosen.hypothesis
+    if selecting or chosen.rows is None:
+        selected = cases_mod.select(case_patterns)
+        rows = [(case, dtype) for case in selected for dtype in (dtypes or backends_mod.DTYPES)]
+    else:
+        rows = [(cases_mod.get(case), dtype) for case, dtype in chosen.rows]
+    expectations = (expected(case, dtype) for case, dtype in rows)
+    result = run_expectations(columns, expectations, missing, total=len(rows),
+                              check_errors=check_errors, hypothesis=hypothesis,
+                              progress=progress, timeout=timeout, room=room,
+                              backend_done=backend_done)
+    result.profile = "" if selecting else profile
+    return result
 
 
-__all__ = ["DEFAULT_PROPERTY_EXAMPLES", "DEFAULT_TIMEOUT_S", "Progress", "check_timeout",
-           "judge", "property_view",
-           "resolve_backends", "run", "run_cell", "run_columns", "run_errors",
-           "run_expectations", "run_peer_cell"]
+__all__ = ["CELL_WEIGHTS", "DEFAULT_TIMEOUT_S", "BackendDone", "Progress", "cell_weight",
+           "check_timeout", "computing_order", "judge", "property_view", "resolve_backends",
+           "run", "run_cell", "run_columns", "run_errors", "run_expectations", "run_peer_cell"]

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 from typing import Any  # noqa: F401 - the stubs' annotation, spec.Any as before
 
-from .checking import PLUGIN_CONTRACT, PLUGIN_FEATURES
+from .checking import PLUGIN_CONTRACT, PLUGIN_FEATURES, PROFILES
 from .concurrency import BLAS_LIMIT, CONCURRENCY, REPEAT_CALLS, REPEATABLE
 from .constants import (
     ARRAY_INPUTS,
@@ -192,7 +192,7 @@ __all__ = [
     # extras
     "BACKEND_EXTRAS", "BACKEND_INTEGRATIONS",
     # checking
-    "PLUGIN_CONTRACT", "PLUGIN_FEATURES",
+    "PLUGIN_CONTRACT", "PLUGIN_FEATURES", "PROFILES",
     # known_differences
     "KNOWN_ALTERNATIVES", "KNOWN_DIFFERENCES",
 ]

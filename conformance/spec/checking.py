@@ -57,3 +57,16 @@ PLUGIN_FEATURES = {
     "bfloat16": "bfloat16 inputs",
     "float16": "float16 inputs",
 }
+
+#: The harness's two profiles: what ``python -m conformance`` runs when no case, dtype or
+#: property-example count is named (``conformance.running.profiles``).
+PROFILES = {
+    "quick": "the default, a first answer in seconds: the smallest set of case x dtype rows, "
+             "chosen by rule (greedy set cover), that together use every feature of "
+             "PLUGIN_FEATURES any case uses (dtypes aside), both causal alignments, fully masked "
+             "rows, gradients, every module class of MODULES, every compared step, and one half "
+             "dtype; every row on every spec backend, plus the frameworks' own attention "
+             "(torch.sdpa, jax.nn) as peers and the bad inputs of ERRORS; no property checks",
+    "full": "every case in every dtype on every backend and every installed peer, the bad "
+            "inputs, and 100 property-based examples per backend (for CI)",
+}

@@ -1,0 +1,148 @@
+"""The run's profiles: ``quick`` (the default: a first answer in seconds) and ``full`` (CI).
+
+A profile says which rows (case × dtype), which peer columns and how many property examples a
+run has when the command line names none (``spec.PROFILES``). ``full`` is every case of the
+catalogue in every dtype, every peer, the property checks. ``quick`` is chosen by rule, never
+by hand: every row of the catalogue has a set of **coverage items** (``covers``: the spec's
+features the row uses, each step it compares, each module class, the behaviours the spec
+singles out — causal top-left, fully masked rows, gradients — and "half precision" for a
+bfloat16 or float16 row), and ``quick_rows`` picks a smallest set of rows covering every item
+any row covers: a greedy set cover of every case in float32 (each time the row adding the most
+uncovered items; ties go to the row with more items, then to the catalogue's order), then the
+covering case with the most items once more in bfloat16. A feature added to the catalogue
+therefore enters the quick profile by itself; ``tests/test_profiles.py`` proves that
+a feature no row covers is noticed.
+
+Every row of ``quick`` runs on every spec backend, and the spec backends run every step of
+every row, so every item reaches every backend.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import spec
+from ..cases import catalogue as cases_mod
+from ..cases.expected import GRAD_STEPS, Expected, expected
+from . import plugins
+from .steps import steps_for
+
+#: The half dtypes; the quick profile's half row is in the first.
+HALF = ("bfloat16", "float16")
+#: The coverage item of a half-precision row.
+HALF_ITEM = "half precision"
+#: ``spec.PLUGIN_FEATURES`` that are not features of a row: dtypes have ``HALF_ITEM``, the bad
+#: inputs run in both profiles, and every sdpa row compares the weights.
+_NOT_ROW_FEATURES = {"errors", "return_weights", "float64", "float32", "bfloat16", "float16"}
+
+
+def covers(exp: Expected) -> frozenset[str]:
+    """The coverage items of one row: its spec features (``spec.PLUGIN_FEATURES`` names),
+    ``causal_top_left``, ``fully_masked_rows``, ``gradients``, ``module:<class>``, ``step:<name>``
+    for each step it compares, and ``HALF_ITEM`` in bfloat16 or float16."""
+    opts = exp.data.options
+    items = set(plugins.features(exp.data.arrays, opts, exp.dtype, exp.data.finite))
+    items -= _NOT_ROW_FEATURES
+    if opts.get("is_causal") and opts.get("causal_alignment", "top_left") != "bottom_right":
+        items.add("causal_top_left")
+    if any(np.any(z) for name, z in exp.zeros.items() if "output" in name):
+        items.add("fully_masked_rows")
+    steps = [s.name for s in steps_for(exp)]
+    if any(s.removeprefix("blockwise_") in GRAD_STEPS or s == "grad_weights" for s in steps):
+        items.add("gradients")
+    if exp.kind == "module":
+        items.add(f"module:{opts['module']}")
+    items.update(f"step:{s}" for s in steps)
+    if exp.dtype in HALF:
+        items.add(HALF_ITEM)
+    return frozenset(items)
+
+
+def cover(rows: dict[tuple[str, str], frozenset[str]]) -> list[tuple[str, str]]:
+    """A small set of ``rows`` (in their order) covering every item any of them covers: greedy,
+    each time the row adding the most uncovered items (ties: more items, then the earlier
+    row). Returned in ``rows``' order."""
+    order = list(rows)
+    left = set().union(*rows.values()) if rows else set()
+    chosen: list[tuple[str, str]] = []
+    while left:
+        best = max(order, key=lambda r: (len(rows[r] & left), len(rows[r]), -order.index(r)))
+        chosen.append(best)
+        left -= rows[best]
+    return sorted(chosen, key=order.index)
+
+
+#: Behaviours the spec singles out that no argument names: coverage items of their own.
+BEHAVIOURS = ("causal_top_left", "fully_masked_rows", "gradients")
+
+
+def required_items() -> frozenset[str]:
+    """What the quick profile must cover, from the spec alone (not from the catalogue): the
+    row features of ``spec.PLUGIN_FEATURES``, ``BEHAVIOURS``, every module class of
+    ``spec.MODULES``, every compared step, and ``HALF_ITEM``."""
+    from .steps import STEPS
+
+    return frozenset({*(set(spec.PLUGIN_FEATURES) - _NOT_ROW_FEATURES), *BEHAVIOURS,
+                      *(f"module:{m}" for m in spec.MODULES), *(f"step:{s}" for s in STEPS),
+                      HALF_ITEM})
+
+
+def uncovered(rows: Iterable[tuple[str, str]]) -> frozenset[str]:
+    """The items of ``required_items`` that none of ``rows`` (case, dtype) covers."""
+    covered: set[str] = set()
+    for case, dtype in rows:
+        covered |= covers(expected(cases_mod.get(case), dtype))
+    return required_items() - covered
+
+
+@functools.cache
+def _case_items(name: str) -> frozenset[str]:
+    """The coverage items of a case in float32 (its inputs' dtype changes nothing else)."""
+    return covers(expected(cases_mod.get(name), "float32"))
+
+
+@functools.cache
+def quick_rows() -> tuple[tuple[str, str], ...]:
+    """The quick profile's rows (case, dtype): ``cover`` of every case in float32, then the
+    covering case with the most items again in bfloat16 (``HALF_ITEM``); in the catalogue's
+    order, the half row last."""
+    rows = {(case.name, "float32"): _case_items(case.name) for case in cases_mod.CASES}
+    chosen = cover(rows)
+    richest = max(chosen, key=lambda r: (len(rows[r]), -chosen.index(r)))
+    return (*chosen, (richest[0], HALF[0]))
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What a run has when the command line names no case, dtype or property examples."""
+
+    name: str
+    #: (case, dtype) rows; None: every case in every dtype.
+    rows: tuple[tuple[str, str], ...] | None
+    #: The peer columns; None: every peer.
+    peers: tuple[str, ...] | None
+    #: Property-check examples per backend.
+    hypothesis: int
+
+
+def get(name: str) -> Profile:
+    """The profile called ``name`` (``spec.PROFILES``)."""
+    if name == "full":
+        return Profile("full", None, None, FULL_PROPERTY_EXAMPLES)
+    if name == "quick":
+        return Profile("quick", quick_rows(), QUICK_PEERS, 0)
+    raise ValueError(f"profile must be one of {', '.join(spec.PROFILES)}, got {name!r}")
+
+
+#: Property-check examples per backend in the full profile.
+FULL_PROPERTY_EXAMPLES = 100
+#: The peers of the quick profile: the frameworks' own fused attention.
+QUICK_PEERS = ("torch.sdpa", "jax.nn")
+
+__all__ = ["BEHAVIOURS", "HALF", "FULL_PROPERTY_EXAMPLES", "HALF_ITEM", "QUICK_PEERS", "Profile",
+           "cover", "covers", "get", "quick_rows", "required_items",
+           "uncovered"]
