@@ -9,6 +9,7 @@ compares and diagnoses each cell as it comes, sits above those two stages):
 ``spec/``              the specification (standard library only), one file per chapter: rules,
                        stubs, tolerances, known differences, the plugin contract
 ``usage``              ``UsageError``: a mistake in calling the harness (exit code 2)
+``words``              counted nouns in every report's sentences: ``plural(1, "case")``
 ``cases/``             what runs and what it must give: the seeded cases (**add a case here**),
                        the float64 reference, the naive baseline, the expected values
 ``comparing/``         the one tolerance rule, and the results a run produces

@@ -54,11 +54,13 @@ WRONG_ATTENTION_FAILS = {
     "mask polarity flipped": ("padding", "mask_and_bias", "fully_masked_rows", "kv_lengths",
                               "nan_key_masked",  # the NaN that spreads is a symptom of it
                               "sinks_gqa_kv_lengths", "sinks_fully_masked_rows",
-                              "merge_empty_split_sinks_gqa", "merge_four_splits_huge"),
+                              "merge_empty_split_sinks_gqa", "merge_four_splits_huge",
+                              "combined_masked_dropout"),
     "wrong causal alignment": ("causal_bottom_right", "causal_bottom_right_q_longer",
                                "window_causal_bottom_right", "single_query_causal",
                                "sinks_bottom_right_q_longer", "chunked_causal_bottom_right",
-                               "alibi_causal_bottom_right", "segment_ids_bottom_right"),
+                               "alibi_causal_bottom_right", "segment_ids_bottom_right",
+                               "combined_order_of_steps"),
 }
 
 

@@ -29,8 +29,8 @@ import numpy_attn
 from conformance import golden, spec
 from conformance.cases import catalogue as cases
 from conformance.cases import mods, reference
-from conformance.cases.inputs import qkv
 from conformance.cases.combined import COMBINED_CASES
+from conformance.cases.inputs import qkv
 from conformance.cases.packed import OFFSET, PACKED_CASES, SLOPES
 from conformance.diagnosing.diagnose_packed import shifted_offsets
 from conformance.running import backends, errors, plugins, runner

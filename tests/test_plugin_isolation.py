@@ -109,7 +109,7 @@ def test_sys_exit_in_a_call_fails_that_cell_and_the_run_goes_on(
                            capsys)
     assert code == 1, out
     reason = f"SystemExit(0) raised in {SDPA}"
-    assert " ".join(out.split()).startswith(f"FAIL: {name}: {reason} (1 case(s))")
+    assert " ".join(out.split()).startswith(f"FAIL: {name}: {reason} (1 case)")
     cells = _cells(data, name)
     assert cells["self"]["status"] == "error"
     assert cells["self"]["detail"] == reason
@@ -137,7 +137,7 @@ def test_a_module_that_mutates_its_input_is_named_and_the_numpy_column_stays_ok(
     code, out, data = _run(args, tmp_path, capsys)
     assert code == 1
     reason = f"{SDPA} mutates its input `query` in place"
-    assert " ".join(out.split()).startswith(f"FAIL: {name}: {reason} (2 case(s))")
+    assert " ".join(out.split()).startswith(f"FAIL: {name}: {reason} (2 cases)")
     assert {c["status"] for c in _cells(data, "numpy").values()} == {"ok"}
     for cell in _cells(data, name).values():
         assert cell["status"] == "error" and cell["detail"] == reason
@@ -163,7 +163,7 @@ def test_a_call_that_never_returns_is_a_timeout_cell(
     took = time.perf_counter() - start
     assert code == 1 and 1 <= took < 30, (code, took)
     reason = f"{SDPA} did not return within 1 s (--timeout 1)"
-    assert " ".join(out.split()).startswith(f"FAIL: {name}: {reason} (1 case(s))")
+    assert " ".join(out.split()).startswith(f"FAIL: {name}: {reason} (1 case)")
     cells = _cells(data, name)
     assert cells["self"]["status"] == "timeout"
     assert cells["self"]["detail"] == reason
@@ -188,7 +188,7 @@ def test_a_worker_that_dies_fails_its_cell_and_a_new_one_runs_the_next(
                             "0"], tmp_path, capsys)
     assert code == 1
     reason = f"the worker process died with exit code 3 in {SDPA}"
-    assert " ".join(out.split()).startswith(f"FAIL: {name}: {reason} (1 case(s))")
+    assert " ".join(out.split()).startswith(f"FAIL: {name}: {reason} (1 case)")
     cells = _cells(data, name)
     assert (cells["self"]["status"], cells["self"]["detail"]) == ("error", reason)
     assert cells["seed_example"]["status"] == "ok"

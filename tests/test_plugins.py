@@ -64,8 +64,8 @@ def registered():  # noqa: ANN201 - yields a function
 @pytest.mark.slow
 def test_sdpa_only_passes_with_a_short_report(tmp_path: Path,
                                               capsys: pytest.CaptureFixture) -> None:
-    code = main(["--backend", "examples.sdpa_only", "--hypothesis", str(EXAMPLES), "--json",
-                 str(tmp_path / "r.json")])
+    code = main(["--backend", "examples.sdpa_only", "--full", "--hypothesis", str(EXAMPLES),
+                 "--json", str(tmp_path / "r.json")])
     out = capsys.readouterr().out
     lines = out.strip().splitlines()
     assert code == 0, out
@@ -103,7 +103,7 @@ def test_unsupported_and_not_implemented_are_not_failures(registered) -> None:  
     text = terminal.text(result)
     assert text.startswith("PASS: fake_partial")
     assert "declared unsupported: softcap, float16" in text
-    assert "raised NotImplementedError: 1 case(s): window" in text
+    assert "raised NotImplementedError: 1 case: window" in text
     checked = text.split("features checked:")[1].split("\n  declared")[0]
     assert "grouped_query" in checked and "softcap" not in checked and "float16" not in checked
 
@@ -148,7 +148,8 @@ def test_wrong_module_verdict_names_the_bug_with_a_runnable_smallest_case(
     first = out.splitlines()[0]
     assert first.startswith("FAIL: examples.wrong_attention:")
     assert "wrong causal alignment" in first and "mask polarity flipped" in first
-    assert "1. mask · examples.wrong_attention: 9 case(s)" in out  # nan_key_masked, merge too
+    # nan_key_masked, the merge cases and combined_masked_dropout too
+    assert "1. mask · examples.wrong_attention: 10 cases" in out
     assert "2. causal, bottom_right · examples.wrong_attention" in out
     assert "query (1, 1, 1, 1)" in out  # shrunk from (2, 4, 5, 8)
     scripts = _reproducers(out)

@@ -17,6 +17,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from harness_helpers import _expected
 
 from conformance import peers, spec
 from conformance.__main__ import main
@@ -148,10 +149,10 @@ def test_default_report_of_every_column_case_and_dtype_fits_100_columns(full: Ru
                                                                          "timeout")]
     assert sum(line.startswith("FAIL: ") and " · " in line for line in lines) == \
         overview.MAX_FAILURES
-    assert f"… and {len(failing) - overview.MAX_FAILURES} more failing cell(s): --verbose" in out
+    assert f"… and {len(failing) - overview.MAX_FAILURES} more failing cells: --verbose" in out
     unexpected = sum(c.status == "unexpected" for c in full.cells)
     assert out.count("peer differs (unexpected, not counted): ") == overview.MAX_FAILURES
-    assert f"… and {unexpected - overview.MAX_FAILURES} more unexpected peer cell(s)" in out
+    assert f"… and {unexpected - overview.MAX_FAILURES} more unexpected peer cells" in out
     # each known difference once
     met = {s for c in full.cells if c.status == "known" for s in c.alternatives}
     for short in met:
@@ -210,7 +211,7 @@ def test_verdict_of_a_checked_module_fits_and_its_scripts_still_run(
     headline = " ".join(out.split("\n\n")[0].split())  # wrapped, it reads as before
     assert headline.startswith("FAIL: examples.wrong_attention: ")
     assert sorted(headline.split(": ", 2)[2].split("; ")) == [
-        "mask polarity flipped (1 case(s))", "wrong causal alignment (1 case(s))"]
+        "mask polarity flipped (1 case)", "wrong causal alignment (1 case)"]
     scripts = [textwrap.dedent(block.split("\n   rerun:")[0])
                for block in out.split("runnable:\n")[1:]]
     assert len(scripts) == 2
@@ -260,19 +261,29 @@ def test_one_install_line_per_missing_package(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_progress_bar_on_a_terminal_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a terminal the bar shows the share done and the time left, a JAX cell weighing
+    more than a NumPy one (``runner.CELL_WEIGHTS``); piped, nothing."""
     pytest.importorskip("tqdm", reason="pip install tqdm")
 
     class Tty(io.StringIO):
         def isatty(self) -> bool:
             return True
 
+    columns = [Column(n, "backend", backend=backends.get(n)) for n in ("numpy", "jax")]
+    exp = _expected("self", "float32")
     for stream, shown in ((Tty(), True), (io.StringIO(), False)):
         monkeypatch.setattr(sys, "stderr", stream)
-        bar = runner.Progress(3)
-        for case in ("self", "cross", "gqa"):
-            bar.tick(f"numpy {case} float32")
+        bar = runner.Progress(columns, 2)
+        for col in (columns[0], columns[0], columns[1]):  # numpy's two cells, one of jax's
+            bar.running(col, exp)
+            bar.done(col)
+            bar._bar.refresh() if shown else None
+        if shown:
+            eager, compiles = runner.CELL_WEIGHTS["eager"], runner.CELL_WEIGHTS["compiles"]
+            percent = int(re.findall(r"(\d+)% ", stream.getvalue())[-1])
+            assert percent == round(100 * (2 * eager + compiles) / (2 * (eager + compiles)))
+            assert "left" in stream.getvalue() and "jax self float32" in stream.getvalue()
         bar.close()
-        assert ("/3 cells" in stream.getvalue()) == shown, stream.getvalue()  # tqdm's bar
         assert (stream.getvalue() == "") == (not shown)
 
 

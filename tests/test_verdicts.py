@@ -89,8 +89,8 @@ def test_an_undeclared_bshd_module_is_diagnosed_with_the_fix(registered) -> None
     assert status == {"self": "FAIL", "cross": "error", "scale": "error", "gqa": "unsupported"}
     text = terminal.text(result)
     first = text.splitlines()[0]
-    assert first == 'FAIL: fake_bshd_no_layout: wrong layout, set LAYOUT = "bshd" (3 case(s))'
-    assert "1. layout · fake_bshd_no_layout: 3 case(s) fail" in text
+    assert first == 'FAIL: fake_bshd_no_layout: wrong layout, set LAYOUT = "bshd" (3 cases)'
+    assert "1. layout · fake_bshd_no_layout: 3 cases fail" in text
     assert "no diagnosis" not in text and "2. " not in text
     # the fix the verdict names makes every case pass
     registered("fake_bshd_declared", scaled_dot_product_attention=_seq_first, LAYOUT="bshd",
@@ -107,7 +107,7 @@ def test_a_bhsd_module_declaring_bshd_is_told_to_remove_it(registered) -> None: 
                         check_errors=False, hypothesis=0)
     assert not result.ok
     assert terminal.text(result).splitlines()[0] == (
-        'FAIL: fake_bhsd_says_bshd: wrong layout, remove LAYOUT = "bshd" (2 case(s))')
+        'FAIL: fake_bhsd_says_bshd: wrong layout, remove LAYOUT = "bshd" (2 cases)')
 
 
 def test_a_module_with_other_bugs_gets_no_layout_diagnosis(registered) -> None:  # noqa: ANN001
@@ -117,7 +117,7 @@ def test_a_module_with_other_bugs_gets_no_layout_diagnosis(registered) -> None: 
     assert groups.layout_symptoms(result) == {}
     assert terminal.text(result).splitlines()[0] == (
         "FAIL: fake_scale_bug: the custom scale is multiplied by 1/sqrt(head_dim) as well "
-        "(1 case(s))")
+        "(1 case)")
 
 
 # ------------------------------------------------------------------------------ scale, shrink
@@ -173,7 +173,7 @@ def test_mask_polarity_with_a_nan_key_is_one_group() -> None:
     found = groups.groups(result)
     assert [diagnose.short(reason) for _, _, reason in found] == ["mask polarity flipped"]
     assert terminal.text(result).splitlines()[0] == (
-        "FAIL: examples.wrong_attention: mask polarity flipped (2 case(s))")
+        "FAIL: examples.wrong_attention: mask polarity flipped (2 cases)")
 
 
 def test_a_cell_joins_the_group_its_most_shared_diagnosis_names() -> None:
@@ -239,7 +239,8 @@ def test_properties_catch_bugs_of_scale_window_and_softcap(registered, bug: str)
     assert line.startswith(f"hypothesis · fake_prop_{bug}: FAIL at example {outcome.examples}: "
                            f"the failing example: worst error {outcome.failure_ratio:.3g} x the "
                            f"tolerance")
-    assert f"{outcome.shrink_calls} more call(s) to shrink it" in line
+    calls = "more call" if outcome.shrink_calls == 1 else "more calls"
+    assert f"{outcome.shrink_calls} {calls} to shrink it" in line
 
 
 def test_properties_draw_only_supported_features_and_run_exactly_n(registered) -> None:  # noqa: ANN001
@@ -297,7 +298,7 @@ def test_failing_bad_inputs_are_in_the_headline_and_the_count(registered) -> Non
     text = terminal.text(result)
     assert " ".join(text.split("\n\n")[0].split()) == (  # the headline, wrapped to 100 columns
         "FAIL: fake_wrong_error_type: the custom scale is multiplied by 1/sqrt(head_dim) as "
-        f"well (1 case(s)); bad inputs: {len(wrong)} of {len(checked)} raise the wrong type")
+        f"well (1 case); bad inputs: {len(wrong)} of {len(checked)} raise the wrong type")
     assert text.splitlines()[-1].startswith(
         f"FAIL: 0/1 backend cells pass; {len(checked) - len(wrong)}/{len(checked)} bad inputs "
         f"raise the spec's error;")

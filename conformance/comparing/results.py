@@ -12,6 +12,7 @@ from typing import Any
 
 from .. import spec
 from ..cases.expected import Expected
+from ..words import plural
 from .compare import StepResult
 
 #: Statuses of a checked module's cells that were not run: a declared-unsupported feature (or
@@ -127,7 +128,8 @@ class BackendProperties:
         if self.note:
             return head + self.note
         if not self.failure:
-            return (head + f"ok, {self.examples} examples, worst ratio {self.worst_ratio:.2f}"
+            return (head + f"ok, {plural(self.examples, 'example')}, worst ratio "
+                    f"{self.worst_ratio:.2f}"
                     f"{extra}, {self.seconds:.1f} s")
         if not self.examples:  # the checks ended before an example completed (a fault)
             return head + f"FAIL before any example completed, {self.seconds:.1f} s"
@@ -135,10 +137,11 @@ class BackendProperties:
                  if self.failure_ratio is not None else "the failing example raised or broke a "
                  "property other than the tolerance")
         passed = self.examples - 1
-        before = (f"; the {passed} example(s) before it passed (worst ratio "
+        before = (f"; the {plural(passed, 'example')} before it passed (worst ratio "
                   f"{self.worst_ratio:.2f})" if passed else "")
         return (head + f"FAIL at example {self.examples}: {ratio}{before}; "
-                f"{self.shrink_calls} more call(s) to shrink it{extra}, {self.seconds:.1f} s")
+                f"{plural(self.shrink_calls, 'more call')} to shrink it{extra}, "
+                f"{self.seconds:.1f} s")
 
 
 @dataclass
@@ -157,7 +160,8 @@ class PropertyResult:
         """A short part of the summary line."""
         bad = [b.backend for b in self.backends if b.failure]
         total = sum(b.examples for b in self.backends)
-        return f"hypothesis: {total} examples, " + (f"FAIL on {', '.join(bad)}" if bad else "ok")
+        verdict = f"FAIL on {', '.join(bad)}" if bad else "ok"
+        return f"hypothesis: {plural(total, 'example')}, {verdict}"
 
     def text(self) -> str:
         """One line per backend, and each failure with its minimal reproducer."""
@@ -217,7 +221,7 @@ class RunResult:
         if not self.cells:
             return "nothing was checked: no case × dtype was run"
         statuses = sorted({c.status for c in self.cells})
-        return (f"nothing was checked: all {len(self.cells)} cell(s) are "
+        return (f"nothing was checked: all {plural(len(self.cells), 'cell')} are "
                 f"{' or '.join(statuses)} (--verbose shows why)")
 
     @property

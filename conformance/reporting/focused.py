@@ -12,6 +12,7 @@ from .. import spec
 from ..comparing.results import NOT_CHECKED, Cell, RunResult
 from ..diagnosing.diagnose import short
 from ..running import plugins
+from ..words import plural
 from .groups import (
     DTYPE_ORDER,
     LAYOUT_REASONS,
@@ -20,7 +21,7 @@ from .groups import (
     groups,
     layout_symptoms,
 )
-from .overview import full
+from .overview import full, profile_lines
 from .sections import (
     bad_inputs_text,
     cell_text,
@@ -78,7 +79,8 @@ def explain_group(result: RunResult, number: int, cells: list[Cell], reason: str
         used |= {cell.dtype}
     label = ", ".join(f for f in spec.PLUGIN_FEATURES if f in used) or "every input"
     label = "layout" if wrong_layout else label
-    lines = [fit(f"{number}. {label} · {col.name}: {len(cases)} case(s) fail "
+    lines = [fit(f"{number}. {label} · {col.name}: {plural(len(cases), 'case')} "
+                 f"{'fails' if len(cases) == 1 else 'fail'} "
                  f"({_dtypes_text(cells, all_dtypes)}): {', '.join(cases)}", width)]
     if cell.reasons or wrong_layout:
         lines += textwrap.wrap(f"why: {reason}", width - 4, initial_indent="   ",
@@ -183,11 +185,13 @@ def contract_section(result: RunResult, width: int = DEFAULT_WIDTH) -> str:
         lines.append("  declared unsupported: " + (", ".join(
             f for f in spec.PLUGIN_FEATURES if f in contract.unsupported) or "none"))
         if raised:
-            lines.append(f"  raised NotImplementedError: {len(raised)} case(s): "
+            lines.append(f"  raised NotImplementedError: {plural(len(raised), 'case')}: "
                          f"{', '.join(raised)}")
         if contract.not_provided:
-            what = (f"; not run: {len(steps)} step(s) ({', '.join(steps)})" if steps else "")
-            what += f" and {len(skipped)} case(s) ({', '.join(skipped)})" if skipped else ""
+            what = (f"; not run: {plural(len(steps), 'step')} ({', '.join(steps)})"
+                    if steps else "")
+            what += (f" and {plural(len(skipped), 'case')} ({', '.join(skipped)})"
+                     if skipped else "")
             lines += textwrap.wrap("not provided (optional): "
                                    + ", ".join(contract.not_provided) + what, width - 2,
                                    initial_indent="  ", subsequent_indent="    ")
@@ -200,8 +204,9 @@ def headline(result: RunResult, found: dict[tuple[str, str, str], list[Cell]]) -
     names = ", ".join(c.name for c in checked_columns(result))
     if result.ok:
         ran = sum(c.spec_backend and c.status not in NOT_CHECKED for c in result.cells)
-        return f"PASS: {names} conforms to the spec on everything it provides ({ran} cells)"
-    bugs = [f"{short(reason)} ({len({c.case for c in cells})} case(s))"
+        return (f"PASS: {names} conforms to the spec on everything it provides "
+                f"({plural(ran, 'cell')})")
+    bugs = [f"{short(reason)} ({plural(len({c.case for c in cells}), 'case')})"
             for (_, _, reason), cells in found.items()]
     bad_inputs = bad_inputs_text(result)
     if bad_inputs:
@@ -225,8 +230,8 @@ def focused(result: RunResult, verbose: bool = False, width: int = DEFAULT_WIDTH
     for i, (key, cells) in enumerate(list(found.items())[:MAX_GROUPS], 1):
         parts.append(explain_group(result, i, cells, key[2], width))
     if len(found) > MAX_GROUPS:
-        parts.append(fit(f"… and {len(found) - MAX_GROUPS} more group(s) of failures: --verbose "
-                         f"shows every cell", width))
+        parts.append(fit(f"… and {plural(len(found) - MAX_GROUPS, 'more group')} of "
+                         f"failures: --verbose shows every cell", width))
     if result.cells:
         parts.append(case_table(result, width))
     props = properties_text(result, width)
@@ -235,8 +240,10 @@ def focused(result: RunResult, verbose: bool = False, width: int = DEFAULT_WIDTH
         if not result.properties.passed:
             props += "\n  (--verbose: its minimal reproducer)"
     errors = "\n".join([errors_section(result), *result.notes]).strip()
+    tail = summary_lines(result, width)
+    more = profile_lines(result, width)
     for section in (contract, fit(errors, width), props, missing_section(result, width),
-                    summary_lines(result, width)):
+                    tail + "\n" + more if more else tail):
         if section:
             parts.append(section)
     return "\n\n".join(parts)

@@ -10,6 +10,7 @@ import re
 
 from .. import spec
 from ..comparing.results import NOT_CHECKED, Cell, Column, ErrorResult, RunResult
+from ..words import plural
 from .sections import (
     CELL_WIDTH,
     FAILING,
@@ -24,7 +25,6 @@ from .sections import (
     summary_lines,
 )
 from .textwidth import DEFAULT_WIDTH, fit, panels
-from .words import plural
 
 # ---------------------------------------------------------------------------- the page
 
@@ -177,7 +177,7 @@ def matrix(result: RunResult, width: int = DEFAULT_WIDTH) -> str:
             name = name if len(name) <= label else name[: label - 1] + "…"
             lines.append((name.ljust(label) + " " + " ".join(row)).rstrip())
         if hidden:
-            lines.append(f"({hidden} more rows: n/a in every column of this panel)")
+            lines.append(f"({plural(hidden, 'more row')}: n/a in every column of this panel)")
     return "\n".join(lines)
 
 
@@ -193,8 +193,8 @@ def known_differences(result: RunResult, width: int = DEFAULT_WIDTH) -> str:
         return ""
     known = sum(c.status == "known" for c in result.cells)
     lines = [fit(f"known differences: {plural(known, 'peer cell')}, each verified (the peer "
-                 f"matches the alternative semantics its entry of spec.KNOWN_DIFFERENCES names; r: the "
-                 f"worst distance to it); why each peer differs: --verbose", width)]
+                 f"matches the alternative semantics its entry of spec.KNOWN_DIFFERENCES names; "
+                 f"r: the worst distance to it); why each peer differs: --verbose", width)]
     for short, by_peer in sorted(met.items(), key=lambda kv: -sum(map(len, kv[1].values()))):
         entries = [e for peer in by_peer for e in spec.KNOWN_DIFFERENCES.get(peer, [])
                    if e.get("short", e["differs"]) == short]
@@ -284,9 +284,10 @@ def profile_lines(result: RunResult, width: int = DEFAULT_WIDTH) -> str:
 
     every = len(catalogue.CASES) * len(DTYPES)
     ran = {c.name for c in result.columns}
-    more = [p.name for p in PEERS if p.name not in ran and p.available()]
+    peers = any(c.kind == "peer" for c in result.columns)  # (none beside a checked module)
+    more = [p.name for p in PEERS if peers and p.name not in ran and p.available()]
     cases = len({case for case, _ in result.rows})
-    adds = [f"{every - len(result.rows)} more rows ({len(catalogue.CASES)} cases × "
+    adds = [f"{plural(every - len(result.rows), 'more row')} ({len(catalogue.CASES)} cases × "
             f"{len(DTYPES)} dtypes)"]
     if more:
         adds.append(f"{plural(len(more), 'more peer column')} ({', '.join(more)})")

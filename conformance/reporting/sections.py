@@ -23,6 +23,7 @@ import textwrap
 from .. import peers, spec, usage
 from ..comparing.compare import StepResult
 from ..comparing.results import NOT_CHECKED, Cell, RunResult
+from ..words import plural
 from .textwidth import fit, fit_code, fit_command
 
 CELL_WIDTH = 22  # "known: top-left (0.12)" in full
@@ -131,7 +132,7 @@ def known_section(result: RunResult) -> str:
             seen.setdefault(cell.column, {}).setdefault(cell.alternatives, []).append(cell)
     lines = []
     for peer, combos in seen.items():
-        parts = [f"{' + '.join(shorts)} ({len(cells)} cells, worst distance "
+        parts = [f"{' + '.join(shorts)} ({plural(len(cells), 'cell')}, worst distance "
                  f"{_num(max(c.alternative_ratio or 0.0 for c in cells))})"
                  for shorts, cells in combos.items()]
         lines.append(textwrap.fill(f"known: {peer}: " + "; ".join(parts), width=100,
@@ -152,7 +153,7 @@ def errors_section(result: RunResult) -> str:
     names = sorted({e.backend for e in result.errors})
     cases = sorted({e.case for e in result.errors})
     lines = [f"errors: {len(result.errors) - len(bad)}/{len(result.errors)} bad inputs raise the "
-             f"spec's exception naming the argument ({len(cases)} cases × "
+             f"spec's exception naming the argument ({plural(len(cases), 'case')} × "
              f"{', '.join(names)})"]
     for e in bad:
         lines.append(f"  FAIL errors · {e.backend} · {e.case}: {e.problem}"

@@ -9,8 +9,12 @@ to use a wider dtype; it keeps every change after which the same steps still fai
 feature the failure does not need is thus gone from the smallest case (a custom-scale bug
 shrinks to value's head_dim equal to the query's, not to a red-herring ``v_dim``). Every try is a
 fresh ``expected_for`` (the float64 reference of the smaller inputs) and ``runner.run_cell``,
-the same rule as the report. ``reproducer(backend, exp, step)`` prints the result as a short
-script that calls the module and prints its result next to the float64 reference.
+the same rule as the report. A wider dtype casts every floating array, bfloat16 (ml_dtypes,
+NumPy kind "V") too, so the case's dtype is always the dtype its arrays have.
+``reproducer(backend, exp, step)`` prints the result as a short script that calls the module and
+prints its result next to the float64 reference; for a checked module it first puts the folder
+the module imports from on ``sys.path`` (``running.backends.import_folder``), so it runs from
+any folder.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ from typing import Any
 import numpy as np
 
 from ..cases.catalogue import CaseData, cast
+from ..cases.dtypes import DTYPES
 from ..cases.expected import Expected, expected_for
-from ..running.backends import Backend
+from ..running.backends import Backend, load_lines
 from ..running.runner import run_cell
 from ..running.steps import STEPS, Execution
 
@@ -51,8 +56,13 @@ def _top_left(a: dict, o: dict) -> tuple[dict, dict] | None:
     return a, {k: v for k, v in o.items() if k != "causal_alignment"}
 
 
+def _floating(x: np.ndarray) -> bool:
+    """A floating array: NumPy's kind "f", or ml_dtypes' bfloat16 (kind "V")."""
+    return x.dtype.kind == "f" or x.dtype.name in DTYPES
+
+
 def _finite(a: dict, o: dict) -> tuple[dict, dict] | None:
-    bad = [n for n, x in a.items() if x.dtype.kind == "f"
+    bad = [n for n, x in a.items() if _floating(x)
            and not np.isfinite(x.astype(np.float64)).all()]
     if not bad:
         return None
@@ -134,8 +144,9 @@ def _axis_edits(a: dict[str, np.ndarray]) -> Iterator[Edit]:
 
 
 def _cast_all(a: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
-    return {n: cast(x.astype(np.float64), dtype) if x.dtype.kind == "f" else x
-            for n, x in a.items()}
+    """Every floating array of ``a`` (bfloat16 too) in ``dtype``; bool and int ones as they
+    are."""
+    return {n: cast(x.astype(np.float64), dtype) if _floating(x) else x for n, x in a.items()}
 
 
 def shrink(backend: Backend, exp: Expected, steps: list[str], status: str = "FAIL",
@@ -229,7 +240,7 @@ def reproducer(backend: Backend, exp: Expected, step: str, why: str = "") -> str
              "import numpy as np",
              "from numpy import inf, nan  # noqa: F401",
              "from conformance.running import backends",
-             f"attn = backends.load({backend.name!r})  # the module as the harness calls it",
+             *load_lines(backend, "attn"),
              f"dtype = backends.numpy_dtype({exp.dtype!r})"]
     lines += [_literal(n, x) for n, x in zip(names, call.args, strict=True)]
     arrays = {k: v for k, v in call.kwargs.items() if isinstance(v, np.ndarray)}
@@ -246,4 +257,5 @@ def reproducer(backend: Backend, exp: Expected, step: str, why: str = "") -> str
     return "\n".join(lines)
 
 
-__all__ = ["FEATURE_EDITS", "MAX_TRIES", "reproducer", "shape_text", "shrink"]
+__all__ = ["FEATURE_EDITS", "MAX_TRIES", "reproducer",
+           "shape_text", "shrink"]

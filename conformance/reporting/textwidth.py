@@ -2,21 +2,25 @@
 
 ``resolve_width(width)``: the width to print at — ``--width N`` or ``DEFAULT_WIDTH``, never
 wider than the terminal when stdout is one (``shutil.get_terminal_size``), never below
-``MIN_WIDTH``. ``fit(text, width)`` wraps each line that is too long at spaces, with a hanging
+``MIN_WIDTH``; ``add_width_argument`` gives a command that option. ``fit(text, width)`` wraps
+each line that is too wide (``columns``: a CJK character takes two) at spaces, with a hanging
 indent; ``fit_code(code, width)`` breaks a long line of Python only where Python allows it (a
 comment into comment lines, a trailing comment onto the line above, a statement after a comma
 inside brackets), so a reproducer stays runnable; ``panels`` splits a table's columns into
-panels that each fit. Standard library only.
-"""
+panels that each fit. Standard library only (and ``usage``'s argument type)."""
 
 from __future__ import annotations
 
+import argparse
 import io
 import shutil
 import sys
 import textwrap
 import tokenize
+import unicodedata
 from typing import TextIO
+
+from ..usage import at_least
 
 #: The terminal report's width without ``--width``.
 DEFAULT_WIDTH = 100
@@ -35,19 +39,35 @@ def resolve_width(width: int | None = None, stream: TextIO | None = None) -> int
     return max(chosen, MIN_WIDTH)
 
 
+def add_width_argument(p: argparse.ArgumentParser, what: str = "report lines") -> None:
+    """``--width N`` (at least ``MIN_WIDTH``; None when not given, which ``resolve_width``
+    turns into ``DEFAULT_WIDTH`` or the terminal's width): the same option in every command
+    that prints; ``what`` names what fits it in the help."""
+    p.add_argument("--width", type=at_least(MIN_WIDTH), metavar="N", default=None,
+                   help=f"{what} at most N characters (default {DEFAULT_WIDTH}; never wider "
+                        f"than the terminal when printing to one)")
+
+
+def columns(line: str) -> int:
+    """How many terminal columns ``line`` takes: two for each wide character (CJK), one for
+    any other."""
+    return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in line)
+
+
 def fit(text: str, width: int | None) -> str:
-    """``text`` with each line longer than ``width`` wrapped at spaces, its continuation lines
-    indented two more than the line (a word longer than the width is cut); None: unchanged.
-    Not for runnable code, which must stay as it is."""
+    """``text`` with each line wider than ``width`` columns (``columns``) wrapped at spaces,
+    its continuation lines indented two more than the line (a word longer than the width is
+    cut); None: unchanged. Not for runnable code, which must stay as it is."""
     if width is None:
         return text
     out = []
     for line in text.split("\n"):
-        if len(line) <= width:
+        wide = columns(line) - len(line)  # a wide character's second column
+        if len(line) + wide <= width:
             out.append(line)
             continue
         indent = " " * min(len(line) - len(line.lstrip(" ")), width // 3)
-        out += textwrap.wrap(line.strip(), width, initial_indent=indent,
+        out += textwrap.wrap(line.strip(), max(width - wide, width // 2), initial_indent=indent,
                              subsequent_indent=indent + "  ", break_on_hyphens=False)
     return "\n".join(out)
 
@@ -133,5 +153,5 @@ def fit_code(code: str, width: int | None) -> str:
                      for part in (_code_line(line, width) if len(line) > width else [line]))
 
 
-__all__ = ["DEFAULT_WIDTH", "MIN_WIDTH", "fit", "fit_code", "fit_command", "panels",
-           "resolve_width"]
+__all__ = ["DEFAULT_WIDTH", "MIN_WIDTH", "add_width_argument", "columns", "fit", "fit_code",
+           "fit_command", "panels", "resolve_width"]

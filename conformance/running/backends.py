@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import importlib.machinery
 import os
+import sys
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -372,3 +375,41 @@ def load(name: str) -> Backend:
     if name not in _CACHE:
         _CACHE[name] = from_module(name)
     return _CACHE[name]
+
+
+# ---------------------------------------------------------------------------- reproducers
+
+
+def import_folder(module_name: str) -> str | None:
+    """The folder that makes ``import module_name`` work (the ``sys.path`` entry it imports
+    from), derived from the module's file and dotted name: the imported module's
+    ``__file__``, else (a checked module runs in a worker, never imported here) the file of its
+    top-level package as the import system finds it on ``sys.path``, without running it. None
+    for a module without a file (built in memory) or one not found."""
+    module = sys.modules.get(module_name)
+    name, file = module_name, getattr(module, "__file__", None)
+    if file is None:
+        name = module_name.partition(".")[0]
+        spec = importlib.machinery.PathFinder.find_spec(name)
+        if spec is None:
+            return None
+        if not spec.has_location:  # a namespace package: the folder above its first folder
+            locations = list(spec.submodule_search_locations or [])
+            return str(Path(locations[0]).resolve().parent) if locations else None
+        file = spec.origin
+    path = Path(file).resolve()
+    if path.stem == "__init__":  # a package: its folder is the module
+        path = path.parent
+    return str(path.parents[name.count(".")])
+
+
+def load_lines(backend: Backend, variable: str) -> list[str]:
+    """A script's lines that load ``backend`` as the harness calls it into ``variable``: for a
+    checked module, first its ``import_folder`` on ``sys.path``, so the script runs from any
+    folder."""
+    folder = None if backend.name in SPEC_BACKENDS else import_folder(backend.module_name)
+    lines = ["import sys",
+             f"sys.path.insert(0, {folder!r})  # where `import {backend.module_name}` works"
+             ] if folder is not None else []
+    return [*lines, f"{variable} = backends.load({backend.name!r})  # the module as the harness "
+                    "calls it"]

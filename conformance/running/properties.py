@@ -45,7 +45,7 @@ from ..cases.dtypes import DTYPES, numpy_dtype
 from ..cases.expected import Expected, expected_for
 from ..comparing.compare import compare_step
 from ..comparing.results import BackendProperties, PropertyResult
-from . import plugins
+from . import backends, plugins
 from .backends import Backend
 
 MAGNITUDES = (1.0, 1e-3, 10.0, 100.0)
@@ -251,7 +251,7 @@ def reproducer(backend: Backend, problem: Problem, message: str) -> str:
         "import numpy as np",
         "from conformance.cases import reference",
         "from conformance.running import backends",
-        f"backend = backends.load({backend.name!r})",
+        *backends.load_lines(backend, "backend"),
         f"dtype = backends.numpy_dtype({problem.dtype!r})",
     ]
     for name, x in a.items():

@@ -38,6 +38,7 @@ import numpy as np
 
 from ..comparing import compare
 from ..diagnosing import diagnose
+from ..reporting.textwidth import add_width_argument, columns, fit, resolve_width
 from ..running import backends
 from ..usage import INSTALL, UsageError, at_least
 from .exercise_catalogue import EXERCISES
@@ -76,22 +77,23 @@ class Verdict:
     detail: str = ""
     passed_checks: list[str] = field(default_factory=list)
 
-    def text(self) -> str:
-        """The verdict as the command prints it."""
+    def text(self, width: int | None = None) -> str:
+        """The verdict as the command prints it, each line within ``width`` (None: as long as
+        it is): a longer one wrapped at spaces (``textwidth.fit``)."""
         ex = exercise(self.exercise)
         lines = [f"exercise {ex.number}: {ex.title} · {self.backend} · {self.file}"]
         lines += [f"  ✓ {name}" for name in self.passed_checks]
         if self.passed:
             lines.append(f"PASS: {ex.function} matches the float64 reference on every check "
                          f"({len(self.passed_checks)})")
-            return "\n".join(lines)
-        if self.check:
-            lines.append(f"  ✗ {self.check}")
-        lines.append(f"FAIL: {self.says}")
-        lines += [f"  {line}" for line in self.detail.splitlines() if line]
-        if self.hint:
-            lines.append(f"  hint: {self.hint}")
-        return "\n".join(lines)
+        else:
+            if self.check:
+                lines.append(f"  ✗ {self.check}")
+            lines.append(f"FAIL: {self.says}")
+            lines += [f"  {line}" for line in self.detail.splitlines() if line]
+            if self.hint:
+                lines.append(f"  hint: {self.hint}")
+        return fit("\n".join(lines), width)
 
 
 def exercise(key: int | str) -> Exercise:
@@ -284,21 +286,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=at_least(1), default=TIMEOUT_S, metavar="S",
                    help=f"seconds before grading stops (default {TIMEOUT_S:.0f})")
     p.add_argument("--list", action="store_true", help="list the exercises and their files")
+    add_width_argument(p, "feedback lines")
 
 
-def listing() -> str:
-    """``--list``: number, function, title and stub of every exercise."""
-    rows = [f"{ex.number:>2}  {ex.slug:<19} {ex.function + '()':<30} {ex.title}"
-            for ex in EXERCISES]
-    return "\n".join([*rows, "", "stubs: learn/{numpy,jax,torch}/exNN_<name>.py; solutions: "
-                      "learn/solutions/; grade: python -m conformance exercise N --backend B "
-                      "--file F"])
+def listing(width: int | None = None) -> str:
+    """``--list``: number, function, title and stub of every exercise, each line within
+    ``width`` (None: as long as it is; a title that does not fit goes on a line of its own)."""
+    rows = []
+    for ex in EXERCISES:
+        head = f"{ex.number:>2}  {ex.slug:<19} {ex.function + '()':<30}"
+        row = f"{head} {ex.title}"
+        rows += [row] if width is None or columns(row) <= width else [head.rstrip(),
+                                                                       f"    {ex.title}"]
+    return fit("\n".join([*rows, "", "stubs: learn/{numpy,jax,torch}/exNN_<name>.py; "
+                           "solutions: learn/solutions/; grade: python -m conformance exercise N "
+                           "--backend B --file F"]), width)
 
 
 def main(args: argparse.Namespace) -> int:
     """``python -m conformance exercise``: 0 pass, 1 fail, 2 for a mistake in the command."""
+    width = resolve_width(args.width)
     if args.list:
-        print(listing())
+        print(listing(width))
         return 0
     if args.number is None:
         raise UsageError("exercise: give its number (1–10) or --list")
@@ -309,7 +318,7 @@ def main(args: argparse.Namespace) -> int:
                          "package does not have: pass --file YOUR_FILE")
     check_usage(ex, args.backend, path)
     verdict = run_isolated(ex.number, args.backend, path, float(args.timeout))
-    print(verdict.text())
+    print(verdict.text(width))
     return 0 if verdict.passed else 1
 
 

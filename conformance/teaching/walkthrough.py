@@ -20,14 +20,14 @@ Everything heavy is imported inside the functions (``import conformance`` stays 
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-import textwrap
+from collections.abc import Iterable
 
 import numpy as np
 
 from .. import spec
 from ..comparing.compare import compare
+from ..reporting.textwidth import add_width_argument, fit, panels, resolve_width
 from ..running import backends
 from ..spec import seed_example
 from ..spec.seed_example import ARTICLE, ARTICLE_INCONSISTENT
@@ -63,13 +63,22 @@ def _fmt(v: float) -> str:
     return f"{v:.4f}"
 
 
-def _wrap(text: str, width: int) -> list[str]:
-    return textwrap.wrap(text, max(width, 60), initial_indent="      ",
-                         subsequent_indent="      ")
+def _fitted(lines: list[str], width: int) -> list[str]:
+    """``lines`` with each one longer than ``width`` wrapped at spaces (``textwidth.fit``), so a
+    number is never cut."""
+    return fit("\n".join(lines), width).split("\n")
 
 
-def _row_text(values: np.ndarray, width: int = 8) -> str:
-    return "".join(_fmt(v).rjust(width) for v in values)
+def _rule(width: int) -> str:
+    return "═" * min(78, width)
+
+
+#: The width of one printed value (``_fmt`` right-justified).
+VALUE_W = 8
+
+
+def _row_text(values: np.ndarray) -> str:
+    return "".join(_fmt(v).rjust(VALUE_W) for v in values)
 
 
 def _ratio(step: Step, actual: np.ndarray, expected: np.ndarray, baseline: float,
@@ -83,44 +92,71 @@ def _article_check(got: np.ndarray, printed: np.ndarray) -> tuple[int, float]:
     return int((diff <= seed_example.PRINTED_ATOL_FLOAT32).sum()), float(diff.max())
 
 
+def _side_by_side(step: Step, results: dict[str, np.ndarray], marks: dict[str, list[str]],
+                  label_w: int, block_w: int) -> list[str]:
+    """The table with one block of columns per backend (``block_w`` wide), side by side."""
+    names = list(results)
+    lines = [(" " * label_w + "".join(n.center(block_w) for n in names)).rstrip()]
+    if step.cols:
+        cols = "".join(c[:VALUE_W - 1].rjust(VALUE_W) for c in step.cols) + "   "
+        lines.append((" " * label_w + cols * len(names)).rstrip())
+    for i, row in enumerate(step.rows):
+        text = "    " + row.ljust(label_w - 4)
+        for n in names:
+            text += _row_text(results[n][i]) + " " + marks[n][i].ljust(2)
+        lines.append(text.rstrip())
+    return lines
+
+
+def _one_per_line(step: Step, results: dict[str, np.ndarray], marks: dict[str, list[str]],
+                  label_w: int, width: int) -> list[str]:
+    """The table with one line per row and backend; where a row's values do not fit
+    ``width``, its columns continue in further panels (``textwidth.panels``), each value
+    whole, the row's mark after its last column."""
+    names = list(results)
+    name_w = max(len(n) for n in names) + 2
+    ncols = len(results[names[0]][0])
+    mark_w = 1 + max(len(m) for m in _marks())
+    chunks = panels(label_w + name_w, [VALUE_W] * ncols, width - mark_w, gap=0)
+    lines = []
+    for cols in chunks:
+        if len(chunks) > 1:
+            lines.append(f"    column {cols[0] + 1} of {ncols}" if len(cols) == 1
+                         else f"    columns {cols[0] + 1}–{cols[-1] + 1} of {ncols}")
+        if step.cols:
+            lines.append(" " * (label_w + name_w)
+                         + "".join(step.cols[c][:VALUE_W - 1].rjust(VALUE_W) for c in cols))
+        for i, row in enumerate(step.rows):
+            for j, n in enumerate(names):
+                label = ("    " + row).ljust(label_w) if j == 0 else " " * label_w
+                mark = " " + marks[n][i] if cols is chunks[-1] else ""
+                lines.append(label + n.ljust(name_w) + _row_text(results[n][i][cols]) + mark)
+    return lines
+
+
+def _vector(values: Iterable[float]) -> str:
+    return "[" + ", ".join(f"{v:.4f}" for v in values) + "]"
+
+
 def render_step(step: Step, results: dict[str, np.ndarray], expected: np.ndarray,
                 baseline: float, width: int) -> list[str]:
-    """The lines of one step: values per backend side by side (or interleaved), marks."""
+    """The lines of one step, each within ``width``: values per backend side by side where
+    they fit, else one line per backend (in panels of columns where even that is too wide),
+    the marks, and the article's numbers this step checks."""
     ok, bad = _marks()
     names = list(results)
     lines = [f"  ▸ {step.heading}", f"    {step.call}"]
-    for note in step.notes:
-        lines += [("    · " + t[6:]) if k == 0 else t
-                  for k, t in enumerate(_wrap(note, width))]
+    lines += [f"    · {note}" for note in step.notes]
     label_w = max(len(r) for r in step.rows) + 5
-    ncols = expected.shape[-1]
-    block_w = 8 * ncols + 3
     zeros = step.zeros
-    row_ratio = {n: [_ratio(step, results[n][i], expected[i], baseline,
-                            None if zeros is None else zeros[i])
-                     for i in range(expected.shape[0])] for n in names}
-    side_by_side = label_w + block_w * max(len(names), 1) <= width
-    if side_by_side:
-        head = " " * label_w + "".join(n.center(block_w) for n in names)
-        lines.append(head.rstrip())
-        if step.cols:
-            cols = "".join(c[:7].rjust(8) for c in step.cols) + "   "
-            lines.append((" " * label_w + cols * len(names)).rstrip())
-        for i, row in enumerate(step.rows):
-            text = "    " + row.ljust(label_w - 4)
-            for n in names:
-                mark = ok if row_ratio[n][i] <= 1 else bad
-                text += _row_text(results[n][i]) + " " + mark.ljust(2)
-            lines.append(text.rstrip())
+    marks = {n: [ok if _ratio(step, results[n][i], expected[i], baseline,
+                              None if zeros is None else zeros[i]) <= 1 else bad
+                 for i in range(expected.shape[0])] for n in names}
+    block_w = VALUE_W * expected.shape[-1] + 3
+    if label_w + block_w * max(len(names), 1) <= width:
+        lines += _side_by_side(step, results, marks, label_w, block_w)
     else:
-        name_w = max(len(n) for n in names) + 2
-        if step.cols:
-            lines.append(" " * (label_w + name_w) + "".join(c[:7].rjust(8) for c in step.cols))
-        for i, row in enumerate(step.rows):
-            for j, n in enumerate(names):
-                mark = ok if row_ratio[n][i] <= 1 else bad
-                label = ("    " + row).ljust(label_w) if j == 0 else " " * label_w
-                lines.append(label + n.ljust(name_w) + _row_text(results[n][i]) + " " + mark)
+        lines += _one_per_line(step, results, marks, label_w, width)
     tol = spec.TOLERANCES[DTYPE]
     parts = []
     for n in names:
@@ -139,37 +175,35 @@ def render_step(step: Step, results: dict[str, np.ndarray], expected: np.ndarray
                 off.append((int(i), int(j)))
         lines.append("    the article prints these numbers (4 decimals): " + ", ".join(parts))
         for i, j in sorted(set(off)):
-            got = {n: f"{results[n][i, j]:.6f}" for n in names}
-            lines += _wrap(f"note: row {step.rows[i]!r}, column {j} is printed "
-                           f"{printed[i, j]:.4f}; float64 gives {expected[i, j]:.8f}, float32 here "
-                           + ", ".join(f"{n} {v}" for n, v in got.items())
-                           + " (one unit in the 4th decimal, allowed)", width)
+            got = ", ".join(f"{n} {results[n][i, j]:.6f}" for n in names)
+            lines.append(f"      note: row {step.rows[i]!r}, column {j} is printed "
+                         f"{printed[i, j]:.4f}; float64 gives {expected[i, j]:.8f}, float32 here "
+                         f"{got} (one unit in the 4th decimal, allowed)")
     for key, row in step.inconsistent:
         entry = ARTICLE_INCONSISTENT[key]
-        vec = "[" + ", ".join(f"{v:.4f}" for v in entry["printed"]) + "]"
-        here = "[" + ", ".join(f"{v:.4f}" for v in expected[row]) + "]"
+        vec = _vector(entry["printed"])
         if np.allclose(entry["printed"], expected[row], atol=seed_example.PRINTED_ATOL_FLOAT32):
             lines.append(f"    {bad} the article's remark on row {step.rows[row]!r} {vec}: "
                          f"the row is right, the remark is not")
-        else:
-            lines.append(f"    {bad} the article prints {vec} for query 3 ({step.rows[row]!r}); "
-                         f"its own setup gives {here}")
-        lines += _wrap(f"why ({key}): {entry['why']}", width)
-    return lines
+        else:  # the sentence broken at its ";": each vector on a line of its own where it fits
+            lines += [f"    {bad} the article prints {vec} for query 3 ({step.rows[row]!r});",
+                      f"      its own setup gives {_vector(expected[row])}"]
+        lines.append(f"      why ({key}): {entry['why']}")
+    return _fitted(lines, width)
 
 
 def claim_lines(step: Step, numbers: dict[str, dict[str, float | int]], width: int) -> list[str]:
     """The lines of the article's claims that a step's float64 numbers contradict: the claim,
-    the numbers recomputed here (``walkthrough_steps.claim_numbers``), and why."""
+    the numbers recomputed here (``walkthrough_steps.claim_numbers``), and why; each within
+    ``width``."""
     _, bad = _marks()
     lines = []
     for key in step.claims:
         entry = ARTICLE_INCONSISTENT[key]
         found = "; ".join(f"{name}: {value:g}" for name, value in numbers[key].items())
-        lines += _wrap(f"{bad} the article says “{entry['claim']}”; its own numbers: {found}",
-                       width)
-        lines += _wrap(f"why ({key}): {entry['why']}", width)
-    return [("    " + t[6:]) if k == 0 else t for k, t in enumerate(lines)] if lines else []
+        lines += [f"    {bad} the article says “{entry['claim']}”; its own numbers: {found}",
+                  f"      why ({key}): {entry['why']}"]
+    return _fitted(lines, width) if lines else []
 
 
 def _identity_lines(results: dict[str, dict[str, np.ndarray]]) -> list[str]:
@@ -193,7 +227,8 @@ def _identity_lines(results: dict[str, dict[str, np.ndarray]]) -> list[str]:
 
 
 def walkthrough(names: list[str], width: int) -> tuple[list[str], bool]:
-    """The printed lines and whether every available backend agreed everywhere."""
+    """The printed lines, each within ``width`` (a narrower one than ``textwidth.MIN_WIDTH``
+    may leave a table wider), and whether every available backend agreed everywhere."""
     ok, bad = _marks()
     lines = ["Attention, step by step: the seed article's worked example "
              "(docs/seed_article.md)", ""]
@@ -219,9 +254,9 @@ def walkthrough(names: list[str], width: int) -> tuple[list[str], bool]:
         f"mark {ok}: |x − float64| ≤ atol + k·e (spec.TOLERANCES['float32']: atol "
         f"{tol['atol']:g}, k {tol['k']:g}; e = error of a naive float32 pipeline)",
         "",
-        "═" * 78,
+        _rule(width),
         "0. 句子与字典 · the sentence, the dictionary, the token ids",
-        "═" * 78,
+        _rule(width),
         f"  the article's code:  sentence = {seed_example.CODE_SENTENCE!r}",
         f"    dc = {code_dc}",
         f"    sentence_int = {[code_dc[w] for w in code_words]}",
@@ -235,7 +270,7 @@ def walkthrough(names: list[str], width: int) -> tuple[list[str], bool]:
     lines += _identity_lines(results)
     all_ok = bool(results)
     for title, steps in SECTIONS:
-        lines += ["═" * 78, title, "═" * 78]
+        lines += [_rule(width), title, _rule(width)]
         for step in steps:
             shown = {n: r[step.key] for n, r in results.items()}
             if not shown:
@@ -258,7 +293,7 @@ def walkthrough(names: list[str], width: int) -> tuple[list[str], bool]:
               f"{'agrees' if all_ok else 'does NOT agree'} with float64 within spec.TOLERANCES"
               f"['float32']; article inconsistencies: {', '.join(ARTICLE_INCONSISTENT)} "
               f"(docs/seed_article.md)"]
-    return lines, all_ok
+    return _fitted(lines, width), all_ok
 
 
 # ------------------------------------------------------------------------------ CLI
@@ -268,9 +303,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Arguments of ``python -m conformance walkthrough``."""
     p.add_argument("--backend", action="append", choices=[*BACKENDS, "all"],
                    help="numpy, jax, torch or all (repeatable; default: all)")
-    p.add_argument("--width", type=int, default=None,
-                   help="line width: backends side by side when they fit, else one line each "
-                        "(default: the terminal's width)")
+    add_width_argument(p, "lines (backends side by side where they fit)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -281,8 +314,7 @@ def main(args: argparse.Namespace) -> int:
     if missing and len(missing) == len(names):  # nothing to show: one line, exit 2
         raise UsageError(f"walkthrough --backend {missing[0]} needs {missing[0]}; install: "
                          f"{backends.get(missing[0]).install}")
-    width = args.width or shutil.get_terminal_size((120, 24)).columns
-    lines, all_ok = walkthrough(names, width)
+    lines, all_ok = walkthrough(names, resolve_width(args.width))
     text = "\n".join(lines)
     try:
         print(text)
