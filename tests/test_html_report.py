@@ -2,7 +2,9 @@
 
 One cheap real run — numpy, ``examples.wrong_attention``, a module whose every call raises a
 message made of markup, and the peer ``torch.sdpa``; four cases in float32 and float16 — has
-ok, FAIL, error, known and n/a cells. Its page is loaded from the file in Chromium, driven by
+ok, FAIL, error, known and n/a cells. A made-up run as wide as the full run (``--full``: its 18
+columns, every case of the catalogue, 4 dtypes) checks the layout and the page's size. Each
+page is loaded from the file in Chromium, driven by
 Playwright (``executable_path``: the system's Chromium; no browser is downloaded). The tests
 skip, saying why, without Playwright or a Chromium — and fail instead where
 ``CONFORMANCE_REQUIRE_BROWSER`` is set, as CI (``.ci/run``) does after installing both. A
@@ -12,6 +14,7 @@ screenshot of the page lands in ``artifacts/`` (ignored by git; CI keeps it).
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import os
 import re
@@ -24,8 +27,13 @@ import pytest
 
 from conformance import spec
 from conformance.__main__ import main
-from conformance.comparing.results import rerun_command
-from conformance.reporting.html import page, pictures, write
+from conformance.cases import catalogue
+from conformance.comparing.compare import StepResult
+from conformance.comparing.results import Cell, Column, RunResult, rerun_command
+from conformance.diagnosing.diagnose import short
+from conformance.reporting import groups, sections
+from conformance.reporting.html import page, pictures, render, write
+from conformance.reporting.plots import write_plots
 from conformance.running import backends, runner
 from conformance.spec import seed_example
 
@@ -39,6 +47,15 @@ PAYLOAD = "</script><script>alert(1)</script><img src=x onerror=alert(2)> &amp; 
 EVIL = "evil_markup"
 CASES = ["self", "padding", "causal_bottom_right", "softcap"]
 DTYPES = ["float32", "float16"]
+#: The full run's columns (``--full``, docs/checking.md, HTML report): 3 backends, 15 peers.
+FULL_RUN_COLUMNS = ("numpy", "jax", "torch", "torch.sdpa", "torch.MHA", "torch.MHA[sdpa]",
+                    "torch.flex", "jax.nn", "jax.nn[lengths]", "keras[numpy]", "keras[jax]",
+                    "keras[torch]", "flax.nnx", "transformers.eager", "transformers.sdpa",
+                    "transformers.gpt_oss", "onnxruntime", "onnxruntime[nonpad]")
+#: The steps a backend cell of the full run compares (10 of its sdpa cases' 14); a peer's.
+STEPS = ("scores", "masked_scores", "weights", "output", "output_weights", "grad_query",
+         "grad_key", "grad_value", "lse", "blockwise_output")
+PEER_STEPS = ("output", "lse")
 
 
 def _chromium() -> str | None:
@@ -64,6 +81,46 @@ def result():  # noqa: ANN201
                          hypothesis=0, check_errors=False, progress=False)
     finally:
         backends.unregister(EVIL)
+
+
+def wide_result() -> RunResult:
+    """A made-up passing run shaped like the full run: ``FULL_RUN_COLUMNS``, every case
+    of the catalogue in 4 dtypes; a backend cell compares ``STEPS``, a peer's cells are in turn
+    ok, known (its lse over the tolerance) and n/a (one reason per peer), and compare
+    ``PEER_STEPS``."""
+    rng = np.random.default_rng(0)
+    dtypes = ["float64", "float32", "bfloat16", "float16"]
+    names = [c.name for c in catalogue.CASES]
+    columns = [Column(n, "backend" if i < 3 else "peer") for i, n in enumerate(FULL_RUN_COLUMNS)]
+
+    def steps(names: tuple[str, ...], known: bool) -> list[StepResult]:
+        out = []
+        for step in names:
+            actual = float(rng.normal())
+            over = known and step == "lse"
+            out.append(StepResult(step, float(rng.uniform(1.5, 9) if over else rng.uniform()),
+                                  not over, tuple(int(i) for i in rng.integers(0, 8, 4)),
+                                  actual, actual + float(rng.normal()) * 1e-7,
+                                  float(rng.uniform()) * 1e-6,
+                                  "must be NaN (the spec's IEEE rule)" if over else ""))
+        return out
+
+    cells = []
+    for case in names:
+        for dtype in dtypes:
+            for i, col in enumerate(columns):
+                status = "ok" if col.kind == "backend" else ("ok", "known", "n/a")[i % 3]
+                cells.append(Cell(
+                    case, dtype, col.name, status=status,
+                    ratio=None if status == "n/a" else float(rng.uniform()),
+                    steps=[] if status == "n/a" else steps(
+                        STEPS if col.kind == "backend" else PEER_STEPS, status == "known"),
+                    detail=f"{col.name} cannot express the case" if status == "n/a" else "",
+                    spec_backend=col.kind == "backend",
+                    rerun=rerun_command(case, dtype, col.name),
+                    alternatives=("lse +inf",) if status == "known" else (),
+                    alternative_ratio=0.03 if status == "known" else None))
+    return RunResult(columns, cells, {}, [(c, d) for c in names for d in dtypes])
 
 
 def _missing(reason: str) -> None:
@@ -239,6 +296,105 @@ def test_a_known_cell_shows_its_alternative_and_distance(result, loaded) -> None
     assert na.status == "n/a" and na.detail in loaded.click("torch.sdpa", "softcap", "float16")
 
 
+#: What a header cell of the grid shows of itself: its box, and whether its text is clipped.
+HEADERS = """() => [...document.querySelectorAll('#grid thead th')].map((th) => {
+    const box = th.getBoundingClientRect();
+    return {text: th.innerText, title: th.title, left: box.left, right: box.right,
+            clipped: th.scrollWidth > th.clientWidth || th.scrollHeight > th.clientHeight};
+})"""
+
+
+@pytest.mark.slow
+def test_every_column_of_a_full_run_fits_1400_px(browser, tmp_path) -> None:  # noqa: ANN001
+    """At 1,400 px every column of a run as wide as the full run (18 columns, 4 dtypes) is on
+    screen without scrolling sideways, no header is clipped, and each column's full name is
+    its header's tooltip and in the key list."""
+    wide = Loaded(browser, write(wide_result(), tmp_path / "wide.html", with_pictures=False))
+    page, width = wide.page, 1400
+    assert page.evaluate("document.documentElement.clientWidth") <= width
+    heads = page.evaluate(HEADERS)
+    assert len(heads) == 1 + len(FULL_RUN_COLUMNS) * 5  # case, per column its key and 4 dtypes
+    outside = [h["title"] or h["text"] for h in heads if h["left"] < 0 or h["right"] > width]
+    assert outside == []
+    assert [h["title"] or h["text"] for h in heads if h["clipped"]] == []
+    assert page.evaluate("""() => { const wrap = document.querySelector('.grid-wrap');
+        return wrap.scrollWidth <= wrap.clientWidth
+            && document.documentElement.scrollWidth <= document.documentElement.clientWidth; }""")
+    last = page.locator("#grid td.cell").last.bounding_box()  # onnxruntime[nonpad], float16
+    assert last["x"] + last["width"] <= width
+    keys = {h["title"]: h["text"] for h in heads if h["title"].endswith(")")}
+    assert list(keys) == [f"{n} ({'backend' if i < 3 else 'peer'})"
+                          for i, n in enumerate(FULL_RUN_COLUMNS)]
+    listed = page.locator("#column-keys").inner_text()
+    for title, key in keys.items():
+        assert len(key) <= 4 and f"{key} {title.rsplit(' (', 1)[0]}" in listed
+    assert page.locator("#diagnosis").count() == 0  # a passing run's banner has no diagnosis
+    assert wide.problems == []
+    page.close()
+
+
+def _background(page, selector: str) -> str:  # noqa: ANN001
+    return page.locator(selector).first.evaluate("(e) => getComputedStyle(e).backgroundColor")
+
+
+@pytest.mark.slow
+def test_a_known_difference_is_not_shaded_as_a_failure(result, loaded) -> None:  # noqa: ANN001
+    """A known cell has its own colour in the grid, and in its detail the step its known
+    difference explains (over the spec's tolerance) is not shaded as a FAIL cell's failed
+    step is."""
+    page = loaded.page
+    grid = {s: _background(page, f'#grid td.cell[data-status="{s}"]')
+            for s in ("ok", "known", "FAIL", "error", "n/a")}
+    assert len(set(grid.values())) == len(grid), grid
+
+    def over(column: str, case: str, dtype: str) -> str:
+        cell = _cell(result, column, case, dtype)
+        step = next(s.step for s in cell.steps if not s.passed)
+        loaded.click(column, case, dtype)
+        row = page.locator("#detail table.steps tr").filter(
+            has=page.locator(f'td.mono:text-is("{step}")'))
+        return row.first.evaluate("(e) => getComputedStyle(e.cells[0]).backgroundColor")
+
+    known = over("torch.sdpa", "causal_bottom_right", "float32")
+    failed = over("examples.wrong_attention", "padding", "float32")
+    passed = _background(page, "#detail table.steps tr:not(.failed) td")
+    assert len({known, failed, passed}) == 3, (known, failed, passed)
+
+
+@pytest.mark.slow
+def test_the_fail_banner_names_each_diagnosis_and_its_rerun(result, loaded) -> None:  # noqa: ANN001
+    """The banner of a failing run names each group of failing cells by its diagnosis, as the
+    terminal report groups them (``groups.groups``), with a rerun command of one of its cells;
+    its button opens that cell."""
+    page = loaded.page
+    banner = page.locator("#banner").inner_text()
+    assert banner.startswith(sections.summary(result).split(";")[0])
+    found = groups.groups(result)
+    assert len(found) >= 2
+    items = page.locator("#diagnosis li[data-group]").all_inner_texts()
+    assert len(items) == len(found)
+    for item, ((column, _, reason), cells) in zip(items, found.items(), strict=True):
+        assert item.startswith(short(reason)) and column in item
+        assert any(c.rerun in item for c in cells)
+    assert "mask polarity flipped" in banner  # the planted bug of examples.wrong_attention
+    assert rerun_command("padding", "float32", "examples.wrong_attention") in banner
+    page.locator("#diagnosis li", has_text="mask polarity flipped").locator("button").click()
+    assert "examples.wrong_attention · padding" in page.locator("#detail h2").inner_text()
+    page.keyboard.press("Escape")
+    assert page.locator("#detail").is_hidden()
+
+
+def test_the_page_of_a_full_run_is_small() -> None:
+    """The page of a run shaped like the full run, pictures left out: 1.1 MB, where it
+    took 2.5 MB when each step named its fields and each cell carried its own strings
+    (docs/checking.md, HTML report)."""
+    html = render(wide_result(), with_pictures=False)
+    assert len(html.encode("utf-8")) < 1_500_000
+    blob = json.loads(re.search(r'id="report-data">(.*?)</script>', html, re.S).group(1))
+    assert len(blob["texts"]) < 100  # a peer's n/a reason, a step's name: each once
+    assert all("rerun" not in c for c in blob["cells"])  # each is data.RERUN filled in
+
+
 @pytest.mark.slow
 def test_the_pictures_are_embedded_or_the_page_says_why(result, loaded, browser, tmp_path,
                                                         monkeypatch) -> None:  # noqa: ANN001
@@ -247,6 +403,17 @@ def test_the_pictures_are_embedded_or_the_page_says_why(result, loaded, browser,
         assert loaded.page.locator("#detail img.picture").get_attribute("src").startswith(
             "data:image/png;base64,")
         assert loaded.page.locator("#pictures img").count() == len(result.columns)
+        # each picture is embedded with a palette: under half of matplotlib's PNG (about a
+        # quarter), looking the same (a mean difference under 3 of 255 per channel)
+        from PIL import Image
+
+        drawn = write_plots(result, tmp_path / "plots")
+        small = [pictures.small_png(path) for path in drawn]
+        assert sum(map(len, small)) < sum(path.stat().st_size for path in drawn) / 2
+        for path, png in zip(drawn, small, strict=True):
+            before = np.asarray(Image.open(path).convert("RGB"), np.float64)
+            after = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), np.float64)
+            assert before.shape == after.shape and np.abs(before - after).mean() < 3
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "matplotlib" else real(name, *a))

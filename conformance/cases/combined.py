@@ -40,15 +40,14 @@ def _order_of_steps(rng: np.random.Generator) -> CaseData:
 
 def _documents_in_chunks(rng: np.random.Generator) -> CaseData:
     """Segment ids where -1 is an ordinary id (queries and keys share it), a query whose id no
-    key has (a fully masked row), chunks of 4, causal top-left and a random ``mask_mod``
-    table, over one kv head."""
+    key has (a fully masked row), chunks of 4, causal top-left and a sliding-window
+    ``mask_mod`` (3 keys back), over one kv head."""
     kv_ids = np.array([[-1, -1, 0, 0, 0, 1, 1], [2, 2, 2, -5, -5, -5, 3]])
     q_ids = kv_ids[:, :TQ].copy()
     q_ids[0, 2] = 9  # no key has id 9
-    table = rng.random((B, H, TQ, TK)) < 0.8
-    arrays = {**qkv(rng, kv_heads=1), "q_segment_ids": q_ids, "kv_segment_ids": kv_ids,
-              "mod_table": table}
-    return CaseData(arrays, {"is_causal": True, "chunk_size": 4, "mask_mod": {"name": "table"}})
+    arrays = {**qkv(rng, kv_heads=1), "q_segment_ids": q_ids, "kv_segment_ids": kv_ids}
+    window = {"name": "sliding_window", "left": 3, "right": 0, "offset": 0}
+    return CaseData(arrays, {"is_causal": True, "chunk_size": 4, "mask_mod": window})
 
 
 def _masked_dropout(rng: np.random.Generator) -> CaseData:
@@ -64,7 +63,7 @@ COMBINED_CASES: tuple[Case, ...] = (
          _order_of_steps),
     Case("combined_documents_in_chunks",
          "segment ids with negative ids (no id is special) and a query no key shares, chunks of "
-         "4, causal top-left and a random mask_mod table, 4 heads over 1",
+         "4, causal top-left and a sliding-window mask_mod, 4 heads over 1",
          _documents_in_chunks),
     Case("combined_masked_dropout",
          "a boolean mask with fully masked rows and a fully masked head, a bias, dropout 0.3 "

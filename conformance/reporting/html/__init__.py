@@ -3,15 +3,23 @@
 The page (``page.render``) works offline from the file alone — no server, CDN or web font:
 its CSS, JS and data are inline and its pictures are ``data:`` URIs. It shows
 
-* the verdict and the summary line, then per column (backends and peers) how many cells are
-  ok, known, n/a, unsupported, not provided or failing;
-* the matrix as a colour grid — a row per case, a group of columns per backend or peer, one
-  cell per dtype, each with a glyph as well as a colour — and filters: by column, by dtype, by
-  status, and a text filter on case names (rows with no cell left are hidden);
-* on a click (or Enter) on a cell: every step against its tolerance (ratio, index, actual,
-  float64 expected, bound, why), the diagnosis, the features the case uses; for a peer's known
-  or unexpected cell the entries of ``spec.KNOWN_DIFFERENCES`` (the difference, the alternative
-  semantics and what it means, the cause) and the distance to the alternative; for a failing
+* the verdict and the summary line — for a failing run each group of failing cells by its
+  diagnosis (``groups.groups``, as the terminal report groups them) with a rerun command, and
+  the failing bad inputs and property checks — then per column (backends and peers) its key
+  and how many cells are ok, known, n/a, unsupported, not provided or failing;
+* the matrix as a colour grid — a row per case, per backend or peer a group of compact cells,
+  one per dtype, each with a glyph as well as a colour (a known difference its own slate blue,
+  neither ok's green nor a failure's red) — headed by the column's short key
+  (``overview.column_keys``, the terminal report's), its full name on hover and in the key
+  list under the grid: the full run's (``--full``) 18 columns of 4 dtypes fit 1,400 px; filters:
+  by column, by dtype, by status, and a text filter on case names (rows with no cell left are
+  hidden);
+* on a click (or Enter) on a cell, in a panel docked at the bottom of the window (Esc closes
+  it): every step against its tolerance (ratio, index, actual, float64 expected, bound, why),
+  the diagnosis, the features the case uses; for a peer's known or unexpected cell the entries
+  of ``spec.KNOWN_DIFFERENCES`` (the difference, the alternative semantics and what it means,
+  the cause; the steps it explains shaded as known, not failed) and the distance to the
+  alternative; for a failing
   cell of a checked backend the smallest failing case of its group as a runnable script and the
   command that reruns the cell; the case's heatmap of the float64 weights;
 * the known differences once each, the bad inputs that failed, the property checks (with their

@@ -18,6 +18,14 @@ Choices the issue leaves open:
   timeouts (each try could wait the whole time limit). The layout rerun of the terminal report
   (``groups.layout_symptoms``) is not repeated here, and the shrinking is redone (the terminal
   report's is not kept): ``--html`` costs what the focused report's shrinking costs once more;
+* **verdict**: a failing run's banner names each group's diagnosis (``diagnose.short`` of
+  the group's reason, the reason in full, its cases and cells) and its rerun command, then the
+  failing bad inputs and property checks (``verdict``), as the terminal's headline does;
+* **size**: the blob holds what a reader can open, once. A repeated string (a step's name or
+  note, a cell's detail: an n/a reason is shared by hundreds of cells) is a place in ``texts``;
+  a step is a list of ``STEP_FIELDS``, not an object naming them; a cell's rerun command is
+  left out where it is ``RERUN`` filled in (every cell of a run, but ``check``'s); a cell's
+  empty fields are left out. The page's script unpacks them when it loads;
 * **numbers** keep 6 significant digits (4 for ratios); ``inf``, ``-inf`` and NaN, which
   JSON cannot hold, are the strings ``"inf"``, ``"-inf"`` and ``"nan"``;
 * every string may come from a plugin (an error message, a module's name): the page inserts
@@ -30,10 +38,11 @@ import math
 from typing import Any
 
 from ... import spec
-from ...comparing.results import Cell, RunResult, error_text
+from ...comparing.results import Cell, RunResult, error_text, rerun_command
 from ...diagnosing.diagnose import short
 from .. import groups as grouping
 from .. import sections
+from ..overview import column_keys
 from ..shrink import reproducer, shape_text, shrink
 from . import article
 
@@ -42,6 +51,11 @@ STATUSES = ("ok", "known", "n/a", "unsupported", "not provided", "unexpected", "
             "timeout")
 #: Statuses that count as failing in the summary (a peer's ``unexpected`` included).
 FAILING = ("FAIL", "error", "timeout", "unexpected")
+#: The fields of a compared step, in the order each step's list in the blob holds them.
+STEP_FIELDS = ("step", "ratio", "passed", "index", "actual", "expected", "bound", "note", "error")
+#: A cell's rerun command, ``results.rerun_command`` with its parts as ``{case}``, ``{dtype}``
+#: and ``{column}``: the blob holds a cell's own only where it differs (``fill``).
+RERUN = rerun_command("{case}", "{dtype}", "{column}")
 _DTYPE_ORDER = ("float64", "float32", "bfloat16", "float16")
 
 
@@ -58,19 +72,38 @@ def number(x: Any, digits: int = 6) -> float | str | None:
     return float(f"{x:.{digits}g}")
 
 
-def _step(s: Any) -> dict[str, Any]:
-    """One ``compare.StepResult`` as plain data (empty fields left out)."""
-    out: dict[str, Any] = {"step": s.step, "ratio": number(s.ratio, 4), "passed": bool(s.passed)}
-    if s.index is not None:
-        out["index"] = [int(i) for i in s.index]
-    for key, value in (("actual", s.actual), ("expected", s.expected), ("bound", s.bound)):
-        if value is not None:
-            out[key] = number(value)
-    if s.note:
-        out["note"] = s.note
-    if s.error:
-        out["error"] = s.error
-    return out
+class Texts:
+    """The page's repeated strings (a step's name and note, a cell's detail), each kept once, in
+    the blob's ``texts``; ``index(text)`` is where."""
+
+    def __init__(self) -> None:
+        self.strings: list[str] = []
+        self._where: dict[str, int] = {}
+
+    def index(self, text: str) -> int:
+        """The place of ``text`` in ``strings``, appended the first time it is met."""
+        if text not in self._where:
+            self._where[text] = len(self.strings)
+            self.strings.append(text)
+        return self._where[text]
+
+
+def fill(pattern: str, case: str, dtype: str, column: str) -> str:
+    """``RERUN`` (or another pattern) with ``{case}``, ``{dtype}``, ``{column}`` replaced, in that
+    order, every occurrence: what the page's script does to give a cell its rerun command."""
+    return pattern.replace("{case}", case).replace("{dtype}", dtype).replace("{column}", column)
+
+
+def _step(s: Any, texts: Texts) -> list[Any]:
+    """One ``compare.StepResult`` as a list of ``STEP_FIELDS`` (the name and note as places in
+    ``texts``, passed as 1 or 0, an absent field as None), trailing absent fields left out."""
+    row = [texts.index(s.step), number(s.ratio, 4), int(bool(s.passed)),
+           None if s.index is None else [int(i) for i in s.index],
+           *(None if v is None else number(v) for v in (s.actual, s.expected, s.bound)),
+           texts.index(s.note) if s.note else None, s.error or None]
+    while row[-1] is None:
+        row.pop()
+    return row
 
 
 def known_entries(result: RunResult) -> dict[str, list[dict[str, Any]]]:
@@ -94,22 +127,39 @@ def known_entries(result: RunResult) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
-def _cell(cell: Cell, index: dict[str, dict[str, int]], group: int | None) -> dict[str, Any]:
+def _cell(cell: Cell, index: dict[str, dict[str, int]], group: int | None,
+          texts: Texts) -> dict[str, Any]:
+    """One cell: its places in the columns, cases and dtypes, its status, and only the fields
+    it has (the detail a place in ``texts``; the rerun command only where it is not
+    ``RERUN``'s)."""
     out: dict[str, Any] = {
         "column": index["column"][cell.column], "case": index["case"][cell.case],
         "dtype": index["dtype"][cell.dtype], "status": cell.status,
-        "ratio": number(cell.ratio, 4), "spec_backend": cell.spec_backend,
-        "steps": [_step(s) for s in cell.steps],
     }
-    optional = {"detail": cell.detail, "rerun": cell.rerun, "features": sorted(cell.features),
-                "skipped": list(cell.skipped), "reasons": list(cell.reasons),
-                "alternatives": list(cell.alternatives)}
-    out.update({k: v for k, v in optional.items() if v})
+    if cell.ratio is not None:
+        out["ratio"] = number(cell.ratio, 4)
+    if cell.spec_backend:
+        out["spec_backend"] = True
+    lists = {"steps": [_step(s, texts) for s in cell.steps], "features": sorted(cell.features),
+             "skipped": list(cell.skipped), "reasons": list(cell.reasons),
+             "alternatives": list(cell.alternatives)}
+    out.update({k: v for k, v in lists.items() if v})
+    if cell.detail:
+        out["detail"] = texts.index(cell.detail)
+    if cell.rerun != fill(RERUN, cell.case, cell.dtype, cell.column):
+        out["rerun"] = cell.rerun
     if cell.alternative_ratio is not None:
         out["distance"] = number(cell.alternative_ratio, 4)
     if group is not None:
         out["group"] = group
     return out
+
+
+def _named(cells: list[Cell], reason: str) -> dict[str, Any]:
+    """What the verdict banner names of one group: its column, its diagnosis (the full text and
+    its name, ``diagnose.short``) and how many cases and cells it holds."""
+    return {"column": cells[0].column, "reason": reason, "diagnosis": short(reason),
+            "cases": len({c.case for c in cells}), "cells": len(cells)}
 
 
 def _shrunk(result: RunResult, cells: list[Cell], reason: str) -> dict[str, Any]:
@@ -118,9 +168,9 @@ def _shrunk(result: RunResult, cells: list[Cell], reason: str) -> dict[str, Any]
     cell = min(cells, key=lambda c: ("non_finite" in c.features,
                                      _DTYPE_ORDER.index(c.dtype) if c.dtype in _DTYPE_ORDER
                                      else 9))
-    out: dict[str, Any] = {"column": col.name, "reason": reason, "status": cell.status,
+    out: dict[str, Any] = {**_named(cells, reason), "status": cell.status,
                            "from_case": cell.case, "from_dtype": cell.dtype,
-                           "cells": len(cells), "rerun": cell.rerun, "code": ""}
+                           "rerun": cell.rerun, "code": ""}
     failing = [s for s in cell.steps if s.error or not s.passed]
     exp = result.expectations.get((cell.case, cell.dtype))
     if cell.status == "timeout":  # each try could wait the whole time limit
@@ -150,11 +200,11 @@ def reproducers(result: RunResult) -> tuple[list[dict[str, Any]], dict[int, int]
     ``grouping.MAX_GROUPS``; later groups get a note instead), and ``id(cell) → group``."""
     out: list[dict[str, Any]] = []
     member: dict[int, int] = {}
-    for position, ((column, status, reason), cells) in enumerate(grouping.groups(result).items()):
+    for position, ((_, status, reason), cells) in enumerate(grouping.groups(result).items()):
         if position < grouping.MAX_GROUPS:
             entry = _shrunk(result, cells, reason)
         else:
-            entry = {"column": column, "reason": reason, "status": status, "cells": len(cells),
+            entry = {**_named(cells, reason), "status": status,
                      "from_case": cells[0].case, "from_dtype": cells[0].dtype, "code": "",
                      "rerun": cells[0].rerun,
                      "note": f"only the first {grouping.MAX_GROUPS} groups of failures are "
@@ -167,6 +217,16 @@ def reproducers(result: RunResult) -> tuple[list[dict[str, Any]], dict[int, int]
 
 def _counts(cells: list[Cell]) -> dict[str, int]:
     return {s: n for s in STATUSES if (n := sum(c.status == s for c in cells))}
+
+
+def verdict(result: RunResult) -> dict[str, Any]:
+    """What the verdict banner adds to the summary line besides the groups of failing cells
+    (``reproducers``): the failing bad inputs by kind (``sections.bad_inputs_text``, "" when
+    none fails) and the backends whose property checks fail."""
+    props = result.properties
+    return {"bad_inputs": sections.bad_inputs_text(result),
+            "properties": [] if props is None else [b.backend for b in props.backends
+                                                    if b.failure]}
 
 
 def page_data(result: RunResult, pictures: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -183,18 +243,23 @@ def page_data(result: RunResult, pictures: dict[str, Any] | None = None) -> dict
         for key, value in (("column", cell.column), ("case", cell.case), ("dtype", cell.dtype)):
             index[key].setdefault(value, len(index[key]))
     groups, member = reproducers(result)
+    texts = Texts()
+    cells = [_cell(c, index, member.get(id(c)), texts) for c in result.cells]
     props, errors = result.properties, result.errors
     kinds = {c.name: c.kind for c in result.columns}
+    keys = column_keys(list(index["column"]))
     return {
         "ok": result.ok,
         "summary": sections.summary(result),
+        "verdict": verdict(result),
         "seconds": number(result.seconds, 3),
-        "columns": [{"name": n, "kind": kinds.get(n, "backend"),
+        "columns": [{"name": n, "key": keys[n], "kind": kinds.get(n, "backend"),
                      "counts": _counts([x for x in result.cells if x.column == n])}
                     for n in index["column"]],
         "cases": list(index["case"]), "dtypes": list(index["dtype"]),
         "statuses": list(STATUSES), "failing": list(FAILING),
-        "cells": [_cell(c, index, member.get(id(c))) for c in result.cells],
+        "cells": cells, "texts": texts.strings, "step_fields": list(STEP_FIELDS),
+        "rerun": RERUN,
         "known": known_entries(result),
         "reproducers": groups,
         "tolerances": {d: {k: number(v) for k, v in row.items()}
@@ -216,4 +281,5 @@ def page_data(result: RunResult, pictures: dict[str, Any] | None = None) -> dict
     }
 
 
-__all__ = ["FAILING", "STATUSES", "known_entries", "number", "page_data", "reproducers"]
+__all__ = ["FAILING", "RERUN", "STATUSES", "STEP_FIELDS", "Texts", "fill", "known_entries",
+           "number", "page_data", "reproducers", "verdict"]

@@ -3,6 +3,25 @@
 "use strict";
 (() => {
   const D = JSON.parse(document.getElementById("report-data").textContent);
+  // The blob keeps each repeated string once (D.texts), a step as a list of D.step_fields and
+  // a cell's rerun command only where it is not D.rerun's pattern (data.py): unpacked here.
+  const fill = (pattern, c) => pattern.split("{case}").join(D.cases[c.case])
+    .split("{dtype}").join(D.dtypes[c.dtype]).split("{column}").join(D.columns[c.column].name);
+  function unpackStep(row) {
+    const step = {};
+    D.step_fields.forEach((field, i) => {
+      if (row[i] !== null && row[i] !== undefined) step[field] = row[i];
+    });
+    step.step = D.texts[step.step];
+    step.passed = Boolean(step.passed);
+    if (step.note !== undefined) step.note = D.texts[step.note];
+    return step;
+  }
+  for (const c of D.cells) {
+    c.steps = (c.steps || []).map(unpackStep);
+    if (c.detail !== undefined) c.detail = D.texts[c.detail];
+    if (c.rerun === undefined) c.rerun = fill(D.rerun, c);
+  }
   const app = document.getElementById("app");
   const GLYPH = {
     "ok": "\u2713", "known": "K", "n/a": "\u2013", "unsupported": "u", "not provided": "\u00b7",
@@ -18,7 +37,7 @@
     "FAIL": "fails the spec's tolerance", "error": "the implementation raised",
     "timeout": "a call did not return in time",
   };
-  const SHORT = { float64: "f64", float32: "f32", bfloat16: "bf16", float16: "f16" };
+  const SHORT = { float64: "64", float32: "32", bfloat16: "bf", float16: "16" };
 
   function el(tag, props, ...children) {
     const node = document.createElement(tag);
@@ -52,20 +71,63 @@
 
   // ---------------------------------------------------------------- header and summary
   document.title = `${D.ok ? "PASS" : "FAIL"} \u00b7 conformance report`;
-  app.append(el("h1", { text: "Conformance report" }),
-    el("p", {}, el("span", { class: "verdict " + (D.ok ? "pass" : "fail"), id: "verdict",
-      text: D.summary })));
+  const banner = el("div", { class: "verdict " + (D.ok ? "pass" : "fail"), id: "banner" },
+    el("span", { id: "verdict", text: D.summary }));
+  if (!D.ok) banner.append(diagnosis());
+  app.append(el("h1", { text: "Conformance report" }), banner);
   const counts = el("table", { class: "counts", id: "counts" });
   const statuses = D.statuses.filter((s) => D.cells.some((c) => c.status === s));
-  counts.append(el("tr", {}, el("th", { text: "column" }), el("th", { text: "kind" }),
-    ...statuses.map((s) => el("th", {}, swatch(s), s)), el("th", { text: "failing" })));
+  counts.append(el("tr", {}, el("th", { text: "column" }), el("th", { text: "key" }),
+    el("th", { text: "kind" }), ...statuses.map((s) => el("th", {}, swatch(s), s)),
+    el("th", { text: "failing" })));
   for (const col of D.columns) {
     const n = (s) => col.counts[s] || 0;
     counts.append(el("tr", {}, el("td", { class: "mono", text: col.name }),
-      el("td", { text: col.kind }), ...statuses.map((s) => el("td", { text: String(n(s)) })),
+      el("td", { class: "mono", text: col.key }), el("td", { text: col.kind }),
+      ...statuses.map((s) => el("td", { text: String(n(s)) })),
       el("td", { text: String(D.failing.reduce((t, s) => t + n(s), 0)) })));
   }
   app.append(el("h2", { text: "Summary" }), counts);
+
+  // The failing run's diagnosis: each group of failing backend cells (one bug, one group, as
+  // the terminal report groups them) with its rerun command, then the failing bad inputs and
+  // property checks.
+  function diagnosis() {
+    const list = el("ol", { id: "diagnosis" });
+    D.reproducers.forEach((g, i) => {
+      const item = el("li", { "data-group": i }, el("b", { class: "name", text: g.diagnosis }),
+        ` \u2014 ${g.column}, ${g.status}: ${g.cases} case(s), ${g.cells} cell(s) `,
+        el("button", { type: "button", class: "show", "data-group": i, text: "show" }));
+      if (g.reason !== g.diagnosis) item.append(el("div", { class: "reason", text: g.reason }));
+      item.append(el("div", { class: "rerun" }, "rerun: ", el("code", { text: g.rerun })));
+      list.append(item);
+    });
+    if (D.verdict.bad_inputs) {
+      list.append(el("li", {}, el("b", { class: "name", text: D.verdict.bad_inputs }),
+        " \u2014 the section Bad inputs below lists them"));
+    }
+    if (D.verdict.properties.length) {
+      list.append(el("li", {}, el("b", { class: "name", text: "property checks fail" }),
+        ` on ${D.verdict.properties.join(", ")} \u2014 the section Property checks below ` +
+        "gives the reproducer"));
+    }
+    list.addEventListener("click", (e) => {
+      const button = e.target.closest("button.show");
+      if (button) showGroup(Number(button.dataset.group));
+    });
+    return el("div", { class: "diagnosis" }, el("p", { class: "lead", text: "Diagnosis, one " +
+      "bug per group, as the terminal report groups the failing cells:" }), list);
+  }
+  function showGroup(i) {  // the cell each group's smallest case was shrunk from
+    const g = D.reproducers[i];
+    const from = (c) => D.cases[c.case] === g.from_case && D.dtypes[c.dtype] === g.from_dtype;
+    const k = D.cells.findIndex((c) => c.group === i && from(c));
+    const index = k >= 0 ? k : D.cells.findIndex((c) => c.group === i);
+    const td = grid.querySelector(`td.cell[data-index="${index}"]`);
+    td.scrollIntoView({ block: "center", inline: "nearest" });
+    show(index, td);
+    td.focus({ preventScroll: true });
+  }
 
   function swatch(status) {
     return el("span", { class: "swatch " + statusClass(status), text: GLYPH[status] || "?",
@@ -99,14 +161,19 @@
   app.append(el("h2", { text: "Matrix" }), filters);
 
   // ---------------------------------------------------------------- grid
+  // A column's header is its key (the terminal report's); its full name is the header's
+  // tooltip and in the key list under the grid, so every column fits a 1,400 px screen.
   const grid = el("table", { id: "grid" });
+  // a dtype's cell: 1,000 px / (columns x dtypes), from 13 px (18 columns of 4) to 24 px
+  const size = Math.floor(1000 / Math.max(D.columns.length * D.dtypes.length, 1));
+  grid.style.setProperty("--cell", `${Math.max(13, Math.min(24, size))}px`);
   const head1 = el("tr", {}, el("th", { class: "case-h", rowSpan: 2, text: "case" }));
   const head2 = el("tr");
   D.columns.forEach((col, i) => {
-    head1.append(el("th", { class: "colhead" + (col.kind === "peer" ? " peer" : ""),
+    head1.append(el("th", { class: "colhead first" + (col.kind === "peer" ? " peer" : ""),
       colSpan: D.dtypes.length, "data-column": i, title: `${col.name} (${col.kind})`,
-      text: col.name }));
-    D.dtypes.forEach((d, j) => head2.append(el("th", { class: j === 0 ? "first" : "",
+      text: col.key }));
+    D.dtypes.forEach((d, j) => head2.append(el("th", { class: "dt" + (j === 0 ? " first" : ""),
       "data-column": i, "data-dtype": j, title: d, text: SHORT[d] || d })));
   });
   grid.append(el("thead", {}, head1, head2));
@@ -132,10 +199,15 @@
     body.append(row);
   });
   grid.append(body);
-  const detail = el("aside", { id: "detail" }, el("p", { class: "muted",
-    text: "Click a cell (or focus it and press Enter) to see its steps against the tolerance, " +
-      "its known difference or its smallest failing case." }));
-  app.append(el("div", { class: "layout" }, el("div", { class: "grid-wrap" }, grid), detail));
+  const hint = el("p", { class: "muted", id: "hint", text: "One cell per dtype (" +
+    D.dtypes.map((d) => `${SHORT[d] || d} ${d}`).join(", ") + ") in each column. Click a " +
+    "cell (or focus it and press Enter) to see its steps against the tolerance, its known " +
+    "difference or its smallest failing case in the panel at the bottom (Esc closes it)." });
+  const keys = el("p", { class: "keys", id: "column-keys" }, el("span", { class: "muted",
+    text: "columns: " }), ...D.columns.map((col, i) => el("span", { class: "key",
+    "data-column": i }, el("b", { class: "mono", text: col.key }), ` ${col.name}`)));
+  const detail = el("aside", { id: "detail", hidden: true });
+  app.append(hint, el("div", { class: "grid-wrap" }, grid), keys, detail);
 
   function checked(name) {
     return new Set([...filters.querySelectorAll(`input[data-filter="${name}"]`)]
@@ -186,19 +258,22 @@
   function stepsTable(c) {
     const table = el("table", { class: "steps" }, el("tr", {}, ...["step", "ratio", "where",
       "actual", "expected (float64)", "bound"].map((h) => el("th", { text: h }))));
+    // a known cell's steps over the tolerance are what its known difference explains: shaded
+    // as known, not as failed
+    const overClass = c.status === "known" ? "known" : "failed";
     for (const s of c.steps) {
       const over = !s.passed;
-      const bar = el("span", { class: "bar" + (over ? " over" : "") }, el("span"));
+      const bar = el("span", { class: "bar" + (over ? ` over ${overClass}` : "") }, el("span"));
       bar.firstChild.style.width = `${isNum(s.ratio) ? Math.min(s.ratio, 1) * 100 : 100}%`;
       const why = s.error ? `raised ${s.error}` : s.note;
-      table.append(el("tr", { class: (why ? "step" : "") + (over ? " failed" : "") },
+      table.append(el("tr", { class: (why ? "step" : "") + (over ? ` ${overClass}` : "") },
         el("td", { class: "mono", text: s.step }),
         el("td", {}, s.error ? "raised" : ratioText(s.ratio), bar),
         el("td", { class: "mono", text: s.index ? `[${s.index.join(", ")}]` : "\u2013" }),
         el("td", { text: fmt(s.actual) }), el("td", { text: fmt(s.expected) }),
         el("td", { text: fmt(s.bound) })));
       if (why) {
-        table.append(el("tr", { class: over ? "failed" : "" }, el("td", { class: "note",
+        table.append(el("tr", { class: over ? overClass : "" }, el("td", { class: "note",
           colSpan: 6, text: `why: ${why}` })));
       }
     }
@@ -246,11 +321,23 @@
     }
     return part;
   }
+  function close() {
+    detail.hidden = true;
+    document.body.classList.remove("detail-open");
+    const td = grid.querySelector("td.selected");
+    if (td) {
+      td.classList.remove("selected");
+      td.focus({ preventScroll: true });
+    }
+  }
   function show(k, td) {
     const c = D.cells[k];
     grid.querySelectorAll("td.selected").forEach((x) => x.classList.remove("selected"));
     if (td) td.classList.add("selected");
-    const parts = [el("h2", { text: cellName(c) }), el("p", {},
+    const shut = el("button", { type: "button", id: "detail-close", title: "close (Esc)",
+      text: "\u00d7" });
+    shut.addEventListener("click", close);
+    const parts = [shut, el("h2", { text: cellName(c) }), el("p", {},
       el("span", { class: "status " + statusClass(c.status), text: c.status }),
       ` worst error / tolerance: ${ratioText(c.ratio)}` +
       (c.spec_backend ? "" : " (a peer: context, not counted)"))];
@@ -280,7 +367,26 @@
     if (pic) parts.push(el("h3", { text: "weights (float64 reference)" }),
       el("img", { class: "picture", src: pic, alt: `weights of ${D.cases[c.case]}` }));
     detail.replaceChildren(...parts);
+    detail.hidden = false;
+    detail.scrollTop = 0;
+    document.body.classList.add("detail-open");
+    if (td) keepInView(td);
   }
+  // The selected cell stays in view above the panel: the grid moves to the top of the window
+  // where the panel would cover the cell, and the grid's own scroll brings the cell in.
+  function keepInView(td) {
+    const wrap = td.closest(".grid-wrap");
+    if (td.getBoundingClientRect().bottom > detail.getBoundingClientRect().top) {
+      window.scrollBy(0, wrap.getBoundingClientRect().top - 4);
+    }
+    const cell = td.getBoundingClientRect(), box = wrap.getBoundingClientRect();
+    const head = grid.tHead.getBoundingClientRect().height;
+    if (cell.bottom > box.bottom) wrap.scrollTop += cell.bottom - box.bottom + 2;
+    else if (cell.top < box.top + head) wrap.scrollTop -= box.top + head - cell.top + 2;
+  }
+  document.addEventListener("keydown", (e) => {
+    if (e.key === "Escape" && !detail.hidden) close();
+  });
   body.addEventListener("click", (e) => {
     const td = e.target.closest("td.cell");
     if (td) show(Number(td.dataset.index), td);
