@@ -137,7 +137,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     result = runner.run(args.backend, args.case, args.dtype, profile=profile, peers=args.peers,
                         check_errors=not args.no_errors, hypothesis=args.hypothesis,
-                        timeout=args.timeout, room=room.Ahead if args.full else room.Room,
+                        timeout=args.timeout, room=room.Ahead if args.full else room.Threads,
                         backend_done=verdict)
     if page and any(c.backend is not None for c in result.columns):
         print(flush=True)

@@ -6,16 +6,19 @@ diagnosis; ``--full`` keeps the whole matrix.
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from typing import Any
 
 import numpy as np
 import pytest
+from harness_helpers import _expected
 
 from conformance import spec
 from conformance.cases import catalogue as cases
+from conformance.comparing.results import Column
 from conformance.reporting import overview
-from conformance.running import backends, profiles, runner
+from conformance.running import backends, profiles, room, runner
 from conformance.running.steps import STEPS
 
 
@@ -154,3 +157,15 @@ def test_a_planted_bug_in_each_backend_is_caught_by_the_quick_profile_and_named(
     verdict = overview.backend_verdict(column, result.cells, [], 1.0)
     assert verdict.startswith(f"{name}: FAIL") and named in verdict
     assert "rerun one: python -m conformance" in verdict
+
+
+def test_two_threads_give_the_cells_of_one() -> None:
+    """``room.Threads`` (the quick command line's room: a compiling backend's cells two at a
+    time) gives the same cells, to the last bit, in the same order, as ``room.Room``."""
+    columns = [Column(n, "backend", backend=backends.get(n)) for n in ("numpy", "jax")]
+    exps = [_expected(case, "float32") for case in ("self", "causal_top_left", "gqa")]
+    one = runner.run_columns(columns, exps)
+    two = runner.run_columns(columns, exps, room=room.Threads)
+    assert [repr(dataclasses.asdict(c)) for c in two.cells] == [
+        repr(dataclasses.asdict(c)) for c in one.cells]
+    assert [c.status for c in two.cells] == ["ok"] * 6

@@ -7,7 +7,9 @@ order (``ordered``); the room decides where and when each is computed:
 * ``Room``: every cell in the harness's process, when its turn comes; between two cases it lets
   every backend free the programs it compiled for the previous one (``release``: JAX keeps
   them all).
-* ``Ahead``: the command line's run, one per process. It spends most of its time in the
+* ``Threads``: the command line's quick run: ``Room``, a compiling backend's cells two at a
+  time (``Threads``' docstring).
+* ``Ahead``: the command line's full run, one per process. It spends most of its time in the
   harness's own process tracing JAX programs, single-threaded; the machine has other cores. So
   before the first cell, ``Ahead`` hands every case × dtype to other processes:
 
@@ -80,6 +82,9 @@ class Room:
     (module docstring). ``expectations``: the run's, as the loop reads them (here: as given, a
     generator stays one); ``run_peer_cell(peer, exp)``: a peer's cell. A context manager."""
 
+    #: Threads that compute the cells of a backend that compiles (``Threads``: 2).
+    compile_threads = 1
+
     def __init__(self, columns: list[Column], expectations: Iterable[Expected],
                  run_peer_cell: Callable[[Peer, Expected], Cell]) -> None:
         self.columns = columns
@@ -127,6 +132,18 @@ class Room:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Threads(Room):
+    """The command line's quick run: ``Room``, but a backend that compiles (JAX) computes its
+    cells two at a time, in two threads. Most of a cold JAX cell is XLA compiling its program,
+    which holds no Python lock, so one thread traces the next program while the other compiles
+    (docs/checking.md, "Time and memory"). Between batches of ``BATCH`` cells no thread runs,
+    and the programs of the batch are freed (``release``) as in ``Room``. Only for a run that
+    owns its process: a thread's ``warnings.catch_warnings`` is not thread-safe."""
+
+    compile_threads = 2
+    BATCH = 16
 
 
 class PeerWorker(workers.Channel):
@@ -291,5 +308,5 @@ def _started(peer: Peer, exp: Expected) -> Callable[[], dict[str, np.ndarray]]:
     return again
 
 
-__all__ = ["CELL_TIMEOUT", "START_TIMEOUT", "Ahead", "PeerWorker", "Room", "close_workers",
-           "release"]
+__all__ = ["CELL_TIMEOUT", "START_TIMEOUT", "Ahead", "PeerWorker", "Room", "Threads",
+           "close_workers", "release"]

@@ -20,6 +20,7 @@ import time
 import types
 import warnings
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -256,7 +257,10 @@ def run_columns(columns: list[Column], expectations: Iterable[Expected], *,
             result.rows.append((exp.case, exp.dtype))
             result.expectations[(exp.case, exp.dtype)] = exp
         for col in computing_order(columns):
-            done = [cells.add(col, exp, functools.partial(cell, col, exp)) for exp in exps]
+            if col.backend.compiles and room.compile_threads > 1:
+                done = _in_threads(cells, col, exps, cell, room.compile_threads)
+            else:
+                done = [cells.add(col, exp, functools.partial(cell, col, exp)) for exp in exps]
             if column_done is not None:
                 column_done(col, [c for c in done if c is not None])
         for exp in exps:
@@ -268,6 +272,22 @@ def run_columns(columns: list[Column], expectations: Iterable[Expected], *,
              for j, col in enumerate(columns)}
     result.cells = sorted(computed, key=lambda c: place[(c.column, c.case, c.dtype)])
     return result
+
+
+def _in_threads(room: Room, col: Column, exps: list[Expected],
+                cell: Callable[[Column, Expected], Cell], threads: int) -> list[Cell | None]:
+    """The cells of ``col`` on ``exps`` computed ``threads`` at a time (``room.Threads``), a
+    batch of ``room.BATCH`` after another, then handed to ``room`` in the run's order (so it
+    frees each batch's programs with no thread running)."""
+    out: list[Cell | None] = []
+    batch = getattr(room, "BATCH", 16)
+    with ThreadPoolExecutor(threads) as pool:
+        for start in range(0, len(exps), batch):
+            chunk = exps[start: start + batch]
+            ready = [f.result() for f in [pool.submit(cell, col, exp) for exp in chunk]]
+            out += [room.add(col, exp, functools.partial(lambda c: c, c))
+                    for exp, c in zip(chunk, ready, strict=True)]
+    return out
 
 
 def resolve_backends(names: list[str] | None, timeout: float = DEFAULT_TIMEOUT_S
