@@ -329,3 +329,21 @@ def test_requirements_install_what_the_default_report_uses() -> None:
     assert "torch==2.13.0" in lines
     base = {re.split(r"[<>=]", r, maxsplit=1)[0] for r in project["dependencies"]}
     assert base == {"numpy", "ml_dtypes", "tqdm"}
+
+
+def test_a_later_matrix_panel_leaves_out_its_rows_of_n_a() -> None:
+    """In the second panel of columns (and later ones), a row that is n/a in every one of its
+    columns is left out and counted; the first panel keeps every row."""
+    names = [*backends.SPEC_BACKENDS, *(p.name for p in peers.PEERS)]
+    rows = [("self", "float32"), ("window", "float32")]
+    cells = [Cell(case, dtype, name, "n/a" if case == "window" and i >= 3 else "ok",
+                  ratio=None if case == "window" and i >= 3 else 0.1, spec_backend=i < 3)
+             for case, dtype in rows for i, name in enumerate(names)]
+    columns = [Column(n, "backend" if i < 3 else "peer") for i, n in enumerate(names)]
+    text = overview.matrix(RunResult(columns, cells, {}, rows), 60)
+    panels = text.split("\n\n")
+    assert len(panels) >= 2
+    assert "window" in panels[0] and "self" in panels[0]
+    for panel in panels[1:]:
+        assert "window" not in panel and "\nself " in panel
+        assert panel.splitlines()[-1] == "(1 more row: n/a in every column of this panel)"
