@@ -85,6 +85,12 @@ class Room:
     #: Threads that compute the cells of a backend that compiles (``Threads``: 2).
     compile_threads = 1
 
+    @staticmethod
+    def elsewhere(peer: Peer) -> bool:
+        """True when this room has ``peer``'s cells computed by another process (``Ahead``);
+        the progress bar then counts them as free."""
+        return False
+
     def __init__(self, columns: list[Column], expectations: Iterable[Expected],
                  run_peer_cell: Callable[[Peer, Expected], Cell]) -> None:
         self.columns = columns
@@ -251,6 +257,11 @@ class Ahead(Room):
             for peer in peers:
                 if peer.submit is not None and not peer.background:
                     self.pending[(peer.name, exp.case, exp.dtype)] = _started(peer, exp)
+
+    @staticmethod
+    def elsewhere(peer: Peer) -> bool:
+        """True for the peers computed by the background worker or a keras worker."""
+        return peer.background or peer.submit is not None
 
     def next_case(self) -> None:
         """``Room.next_case``; the first time, every framework is loaded: ``gc.freeze()``."""

@@ -178,8 +178,12 @@ def run_peer_cell(peer: peers_mod.Peer, exp: Expected) -> Cell:
 CELL_WEIGHTS = {"compiles": 1.0, "eager": 0.05, "peer_compiles": 0.3, "peer": 0.05}
 
 
-def cell_weight(col: Column) -> float:
-    """``CELL_WEIGHTS`` of a cell of ``col``."""
+def cell_weight(col: Column, elsewhere: Callable[[peers_mod.Peer], bool] = Room.elsewhere
+                ) -> float:
+    """``CELL_WEIGHTS`` of a cell of ``col``; 0 for a peer whose cells another process
+    computes meanwhile (``elsewhere``, the room's)."""
+    if col.peer is not None and elsewhere(col.peer):
+        return 0.0
     if col.backend is not None:
         return CELL_WEIGHTS["compiles" if col.backend.compiles else "eager"]
     compiles = col.peer is not None and col.peer.framework in ("jax", "flax", "keras")
@@ -190,10 +194,12 @@ class Progress:
     """A tqdm bar on stderr while cells run, only on a terminal (silent when piped): the share
     of the run done and the time left, each cell weighted by ``cell_weight``."""
 
-    def __init__(self, columns: list[Column], rows: int, enabled: bool | None = None) -> None:
+    def __init__(self, columns: list[Column], rows: int, enabled: bool | None = None,
+                 elsewhere: Callable[[peers_mod.Peer], bool] = Room.elsewhere) -> None:
         self.enabled = sys.stderr.isatty() if enabled is None else enabled
         self._bar = None
-        total = rows * sum(cell_weight(c) for c in columns)
+        self._weight = {c.name: cell_weight(c, elsewhere) for c in columns}
+        total = rows * sum(self._weight.values())
         if self.enabled and total and importlib.util.find_spec("tqdm") is not None:
             from tqdm import tqdm
             self._bar = tqdm(total=total, file=sys.stderr, leave=False, dynamic_ncols=True,
@@ -208,7 +214,7 @@ class Progress:
     def done(self, col: Column) -> None:
         """A cell of ``col`` is done."""
         if self._bar is not None:
-            self._bar.update(cell_weight(col))
+            self._bar.update(self._weight[col.name])
 
     def clear(self) -> None:
         """Take the bar off the terminal until its next update (a line is printed)."""
@@ -409,7 +415,7 @@ def run_expectations(columns: list[Column], expectations: Iterable[Expected],
         if col.backend is not None:
             col.backend.set_timeout(limit)
     start = time.perf_counter()
-    bar = Progress(columns, total, progress)
+    bar = Progress(columns, total, progress, room.elsewhere)
     notes: list[str] = []
     errors: dict[str, list[ErrorResult]] = {}
 
