@@ -231,3 +231,16 @@ if __name__ == "__main__":
         update(Path(sys.argv[2]))
     else:
         print(__doc__)
+
+
+def test_the_readmes_first_check_is_the_quick_profile_and_ci_runs_it():
+    """The README's first harness command is the bare `python -m conformance` (the quick
+    profile), the line before it says what `--full` is for, and .ci/run runs it too."""
+    readme = DOCS["readme"].read_text(encoding="utf-8")
+    lines = [line.strip() for line in readme.splitlines()]
+    first = next(i for i, line in enumerate(lines) if line.startswith("python -m conformance"))
+    assert lines[first] == "python -m conformance"
+    before = " ".join(lines[max(first - 6, 0):first])
+    assert "--full" in before and "CI" in before
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    assert "python -m conformance" in [line.strip() for line in ci]
