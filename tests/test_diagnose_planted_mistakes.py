@@ -288,7 +288,7 @@ def test_diagnose_names_each_text_once(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(diagnose, "DIAGNOSES", (says("a"), says(""), says("a"), says("b")))
     exp = expected_of("self")
-    actual = exp.values["output"].astype(F32)
+    actual = exp.values["output"].astype(F32) + 1  # a wrong result (a right one asks nothing)
     assert diagnose.diagnose(exp, "output", actual) == "a" + diagnose.SEPARATOR + "b"
     assert [c[0] for c in calls] == ["a", "", "a", "b"]
     assert {c[1:] for c in calls} == {("output", np.dtype(np.float64), actual.shape)}

@@ -17,7 +17,7 @@ PACKAGE = ROOT / "conformance"
 #: The harness's layers, first to last: a module imports only from its own layer and those
 #: before it (``conformance/__init__.py`` says the same).
 LAYERS = (
-    ("spec", "usage"),  # the specification; a mistake in calling the harness
+    ("spec", "usage", "words"),  # the specification; a mistake in calling the harness; plurals
     ("cases",),  # what runs, and what each step should give
     ("comparing",),  # the one tolerance rule, the results
     ("diagnosing",),  # why a failing step or peer cell failed
@@ -27,7 +27,7 @@ LAYERS = (
     ("__main__",),
 )
 #: The files the top level keeps beside the layers' folders.
-TOP_FILES = {"__init__.py", "__main__.py", "usage.py", "py.typed"}
+TOP_FILES = {"__init__.py", "__main__.py", "usage.py", "words.py", "py.typed"}
 
 
 def _name(module: str) -> str:
@@ -76,7 +76,8 @@ def test_the_top_level_reads_as_the_pipeline() -> None:
     in its ``__init__``; no flat file beside them but the entry points and ``usage``."""
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
     files = {p.name for p in PACKAGE.iterdir() if p.is_file()}
-    assert folders == {name for names in LAYERS for name in names} - {"usage", "__main__"}
+    assert folders == {name for names in LAYERS for name in names} - {"usage", "words",
+                                                                       "__main__"}
     assert files == TOP_FILES
     for folder in folders:
         assert ast.get_docstring(ast.parse((PACKAGE / folder / "__init__.py").read_text(

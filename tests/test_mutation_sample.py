@@ -44,8 +44,6 @@ SAMPLE = {
         "value / (1 - p) for value * (1 - p)",
     "conformance.diagnosing.diagnose.x__scale_as__mutmut_17":
         "head_dim read from the sequence axis",
-    "conformance.diagnosing.diagnose.x__merge_replay__mutmut_72":
-        "exp(lse + max) for exp(lse - max)",
     "conformance.diagnosing.diagnose.x_paged_mistakes__mutmut_2": "the shift -1 never tried",
     "conformance.diagnosing.diagnose.x_paged_mistakes__mutmut_45":
         "garbage pages' error not rescaled",

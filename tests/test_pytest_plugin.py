@@ -1,25 +1,24 @@
 """The pytest plugin (``conformance.suite``): the check as pytest items in a user's own CI.
 
 Runs of ``python -m pytest --pyargs conformance.suite`` in a subprocess (each within a time
-limit) on the examples: a correct module passes and a wrong one fails with the harness's
-diagnosis and a reproducer, both under ``-n 2`` (pytest-xdist); ``-k`` selects exactly the
-items it names and ``--junitxml`` lists them; no module, or a module that supports nothing
-selected, is never a pass. Each run selects one or two cases × dtypes to stay short. The
-expected items and outcomes come from the harness's own run of the same module
+limit, ``plugin_runs``) on the examples: a correct module passes and a wrong one fails with the
+harness's diagnosis and, in the summary, a reproducer, both under ``-n 2`` (pytest-xdist);
+``-k`` selects exactly the items it names and ``--junitxml`` lists them; no module, or a module
+that supports nothing selected, is never a pass. Each run selects one or two cases × dtypes to
+stay short. The expected items and outcomes come from the harness's own run of the same module
 (``runner.run_cell``, ``runner.run_errors``), computed here in process: the plugin must agree
 with the report. In process, a ``Suite`` on module objects: the plugin contract (declared
-unsupported, not provided, layout) and the cell computed once for all its step items.
+unsupported, not provided, layout) and the cell computed once for all its step items. The
+profiles: ``test_pytest_plugin_profiles.py``; the failures by diagnosis:
+``test_pytest_plugin_failures.py``.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import io
 import os
 import re
-import subprocess
-import sys
 import types
 import xml.etree.ElementTree as ET
 from contextlib import redirect_stdout
@@ -29,43 +28,16 @@ from typing import Any
 import numpy as np
 import pytest
 from harness_helpers import NEEDS_HYPOTHESIS, _expected
-from subprocesses import timeout
+from plugin_runs import counts, module_backend, run_suite
 
+from conformance.reporting.groups import LAYOUT_REASONS
 from conformance.running import backends, errors, runner
 from conformance.running.steps import steps_for
-from conformance.suite import outcomes
+from conformance.suite import outcomes, summary
 from conformance.suite.plugin import cell_scope
 
-ROOT = Path(__file__).resolve().parents[1]
-SUITE = ["--pyargs", "conformance.suite", "-p", "no:cacheprovider", "-q"]
 needs_xdist = pytest.mark.skipif(importlib.util.find_spec("xdist") is None,
                                  reason="needs pytest-xdist: pip install -r requirements-test.txt")
-
-
-def run_suite(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None
-              ) -> subprocess.CompletedProcess:
-    """``python -m pytest --pyargs conformance.suite ARGS`` (within 180 s on a quiet machine).
-
-    ``CI`` and ``BUILD_NUMBER`` are dropped from the environment: with either set, pytest prints
-    each failure's whole message again in the short summary, so the counts below would depend
-    on where the suite runs."""
-    env = dict(os.environ if env is None else env)
-    for name in ("CI", "BUILD_NUMBER"):
-        env.pop(name, None)
-    return subprocess.run([sys.executable, "-m", "pytest", *SUITE, *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout(180))
-
-
-def counts(out: str) -> dict[str, int]:
-    """pytest's closing line as ``{"passed": 44, "skipped": 57, …}``."""
-    last = out.strip().splitlines()[-1]
-    return {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|deselected"
-                                                   r"|errors?)", last)}
-
-
-def module_backend(path: str) -> backends.Backend:
-    """A module of the repository as a ``Backend`` run in this process."""
-    return backends.from_module(importlib.import_module(path))
 
 
 # ------------------------------------------------------------------------------ subprocess
@@ -94,8 +66,9 @@ def test_a_correct_module_passes_under_xdist() -> None:
 @needs_xdist
 def test_a_wrong_module_fails_with_the_diagnosis_under_xdist() -> None:
     """examples.wrong_attention on padding in float32, ``-n 2``: exactly the steps the harness
-    fails fail, each saying "mask polarity flipped" with the smallest failing case as a script
-    and the harness's rerun command; the other items pass."""
+    fails fail, each in two lines ("mask polarity flipped" and the harness's rerun command);
+    the summary, printed by xdist's controller, names the diagnosis once with their count and
+    the smallest failing case as a script; the other items pass."""
     result = run_suite("--attention-backend", "examples.wrong_attention", "--attention-case",
                        "padding", "--attention-dtype", "float32", "-k", "test_cell", "-n", "2",
                        "-rf")
@@ -109,13 +82,18 @@ def test_a_wrong_module_fails_with_the_diagnosis_under_xdist() -> None:
     assert counts(result.stdout) == {"failed": len(failing),  # xdist counts no deselected
                                      "passed": len(cell.steps) - len(failing)}
     out = result.stdout
+    rerun = ("rerun: python -m conformance --case padding --dtype float32 --backend "
+             "examples.wrong_attention")
     for step in failing:
         head = f"examples.wrong_attention · padding · float32 · {step}: mask polarity flipped"
-        assert head in out, step
-    assert out.count("smallest failing case (") == len(failing)
-    assert "attn.module.scaled_dot_product_attention(" in out
-    assert out.count("rerun the cell in the harness's report: python -m conformance --case "
-                     "padding --dtype float32 --backend examples.wrong_attention") == len(failing)
+        assert f"{head}\n{rerun}\n" in out, step
+    section = out.split(summary.TITLE)[1]
+    assert re.findall(r"^\d\. .*", section, re.M) == [
+        f"1. mask polarity flipped: {len(failing)} failing item(s) in 1 case(s) (float32): "
+        "padding"]
+    assert out.count("smallest failing case (") == 1
+    assert "attn.module.mask_scores(" in section or \
+        "attn.module.scaled_dot_product_attention(" in section
 
 
 @pytest.mark.slow
@@ -215,32 +193,41 @@ def test_the_contract_skips_with_the_reason_and_a_cell_runs_once(monkeypatch) ->
 
 def test_a_module_in_the_other_layout_is_told_the_fix() -> None:
     """The same module without ``LAYOUT = "bshd"``: its steps fail with the verdict's layout
-    diagnosis and fix (found by rerunning the cell transposed), not a shrunk case."""
+    diagnosis (found by rerunning the cell transposed), whose fix the summary prints in full,
+    with no shrunk case."""
     suite = outcomes.Suite(_fake("bshd_undeclared"), cases=["self"], dtypes=["float32"])
     got = suite.step_outcome("self", "float32", "output")
     assert got.status == outcomes.FAILED
     first = got.message.splitlines()[0]
     assert first == 'bshd_undeclared · self · float32 · output: wrong layout, set LAYOUT = "bshd"'
-    assert "Add LAYOUT = \"bshd\" to the module" in got.message.replace("\n  ", " ")
-    assert "smallest failing case" not in got.message
+    assert got.failure.layout and got.failure.reasons == LAYOUT_REASONS["bhsd"]
+    text = "\n".join(summary.section(suite, [("checks.py::test_cell[self-float32-output]",
+                                               got.failure)], 100))
+    assert "Add LAYOUT = \"bshd\" to the module" in text.replace("\n     ", " ")
+    assert "first failure: output of bshd_undeclared" in text
+    assert "smallest failing case" not in text
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("hypothesis") is None, reason=NEEDS_HYPOTHESIS)
 def test_a_failing_step_reproduces_and_the_property_checks_fail_with_code() -> None:
     """examples.wrong_attention on causal_bottom_right: the output step names the wrong causal
-    alignment, and its smallest failing case, run as printed, shows the module's output apart
-    from the float64 reference; the property checks fail with a runnable minimal example."""
+    alignment and the rerun command, and its smallest failing case (what the summary prints of
+    it), run as printed, shows the module's output apart from the float64 reference; the
+    property checks fail with a runnable minimal example."""
     suite = outcomes.Suite(module_backend("examples.wrong_attention"),
                            cases=["causal_bottom_right"], dtypes=["float32"], hypothesis=10)
     got = suite.step_outcome("causal_bottom_right", "float32", "output")
     assert got.status == outcomes.FAILED
-    assert got.message.startswith("examples.wrong_attention · causal_bottom_right · float32 · "
-                                  "output: wrong causal alignment\n")
-    code = got.message.split("), runnable:\n")[1].split("\nrerun the cell")[0]
+    assert got.message == ("examples.wrong_attention · causal_bottom_right · float32 · output: "
+                           "wrong causal alignment\nrerun: python -m conformance --case "
+                           "causal_bottom_right --dtype float32 --backend "
+                           "examples.wrong_attention")
+    lines, code = suite.example(got.failure)
+    assert lines[-1].startswith("smallest failing case (output; ") and code
     printed = io.StringIO()
     with redirect_stdout(printed):
-        exec(compile(code.replace("\n    ", "\n").strip(), "reproducer", "exec"), {})
+        exec(compile(code, "reproducer", "exec"), {})
     actual, want = (line.split(":", 1)[1] for line in printed.getvalue().splitlines())
     assert actual.strip() != want.strip(), printed.getvalue()
     props = suite.properties_outcome()

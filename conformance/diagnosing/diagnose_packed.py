@@ -4,12 +4,13 @@ for ``conformance.diagnosing.diagnose``.
 ``PACKED_HYPOTHESES`` join ``diagnose.HYPOTHESES`` (a change of an sdpa case's inputs or options
 that makes the float64 reference commit the mistake): ALiBi's sign flipped (``+slope · |i +
 offset - j|``), the chunk boundary shifted by one position (``(p ± 1) // C == (j ± 1) // C``:
-chunks ``[C - 1, 2C - 1)`` or ``[1, C + 1)``…, the shifted rule replayed as a ``table`` mask
-mod so that the blocked steps have a replay too), and each rule ignored (ALiBi, the chunk rule,
-the segment ids, ``mask_mod`` — by a blocked path that does not evaluate it on its tiles, say —
-and ``score_mod``). ``varlen_mistakes`` replays a varlen case with its offsets off by one
-(``cu_seq_q`` or ``cu_seq_k`` with every inner offset moved by ±1: a sequence that starts one
-token early or late).
+chunks ``[C - 1, 2C - 1)`` or ``[1, C + 1)``…, or on the query side alone, the shifted rule
+replayed as a ``table`` mask mod so that the blocked steps have a replay too), and each rule
+ignored (ALiBi, the chunk rule, the segment ids, ``mask_mod`` — by a blocked path that does not
+evaluate it on its tiles, say — and ``score_mod``). ``varlen_mistakes`` replays a varlen case
+aligned top-left (``top_left_varlen``) and with its offsets off by one (``cu_seq_q`` or
+``cu_seq_k`` with every inner offset moved by ±1: a sequence that starts one token early or
+late).
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from ..cases.expected import Expected, varlen_values
-from ..cases.inputs import CaseData
+from ..cases.expected import Expected, reference_attention, varlen_values
+from ..cases.inputs import CaseData, varlen_pieces
 from ..comparing.compare import compare
 
 
@@ -41,8 +42,9 @@ def _alibi_flipped(a: dict, o: dict) -> Any:
     return {**a, "alibi_slopes": -np.asarray(a["alibi_slopes"])}, o
 
 
-def _chunk_shifted(shift: int) -> Callable[[dict, dict], Any]:
-    """The chunk rule with both positions moved by ``shift``, as a table mask mod."""
+def _chunk_shifted(shift: int, query_only: bool = False) -> Callable[[dict, dict], Any]:
+    """The chunk rule with both positions (``query_only``: the query's alone) moved by
+    ``shift``, as a table mask mod."""
     def hypothesis(a: dict, o: dict) -> Any:
         chunk = o.get("chunk_size")
         if chunk is None or o.get("mask_mod") is not None:
@@ -50,7 +52,7 @@ def _chunk_shifted(shift: int) -> Callable[[dict, dict], Any]:
         q_len, kv_len = a["query"].shape[-2], a["key"].shape[-2]
         offset = kv_len - q_len if o.get("causal_alignment") == "bottom_right" else 0
         p = np.arange(q_len)[:, None] + offset + shift
-        j = np.arange(kv_len)[None, :] + shift
+        j = np.arange(kv_len)[None, :] + (0 if query_only else shift)
         table = (p // chunk == j // chunk) & (p >= shift)
         options = {k: v for k, v in o.items() if k != "chunk_size"}
         return {**a, "mod_table": table[None, None]}, {**options, "mask_mod": {"name": "table"}}
@@ -62,6 +64,11 @@ _CHUNK_SHIFTED = ("the chunk boundary is shifted by one position: query position
                   "and key j share a chunk when (p ± 1) // C == (j ± 1) // C; the spec's chunks "
                   "are [0, C), [C, 2C), ... (p // C == j // C)")
 
+_CHUNK_SHIFTED_QUERY = ("the chunk boundary is shifted by one position on the query side only: "
+                        "query position p (i + offset) and key j share a chunk when (p ± 1) // C "
+                        "== j // C; the spec's chunks are [0, C), [C, 2C), ... for both (p // C "
+                        "== j // C)")
+
 PACKED_HYPOTHESES = (
     ("ALiBi's sign is flipped: the bias is +slope · |i + offset - j| (nearer keys weigh less); "
      "the spec adds -slope · |i + offset - j|, flash-attention's alibi_slopes convention",
@@ -69,6 +76,8 @@ PACKED_HYPOTHESES = (
     ("ALiBi is ignored", _without("alibi_slopes")),
     (_CHUNK_SHIFTED, _chunk_shifted(1)),
     (_CHUNK_SHIFTED, _chunk_shifted(-1)),
+    (_CHUNK_SHIFTED_QUERY, _chunk_shifted(1, query_only=True)),
+    (_CHUNK_SHIFTED_QUERY, _chunk_shifted(-1, query_only=True)),
     ("the chunk rule is ignored", _without("chunk_size")),
     ("the segment ids are ignored", _without("q_segment_ids", "kv_segment_ids")),
     ("the mask_mod is ignored (a blocked path must evaluate it on every tile it computes)",
@@ -85,12 +94,37 @@ def shifted_offsets(cu_seq: np.ndarray, shift: int) -> np.ndarray:
     return np.maximum.accumulate(out).astype(np.asarray(cu_seq).dtype)
 
 
+def top_left_varlen(data: CaseData) -> dict[str, np.ndarray]:
+    """A varlen case's ``varlen_output`` and ``varlen_lse`` in float64 with every sequence's
+    causal rule and window aligned top-left (the mistake; the spec aligns bottom-right)."""
+    a = data.arrays
+    q, v = a["query"], a["value"]
+    out = {"varlen_output": np.zeros(q.shape[:-1] + v.shape[-1:]),
+           "varlen_lse": np.full(q.shape[1::-1], -np.inf)}
+    with np.errstate(all="ignore"):
+        for piece in varlen_pieces(a, data.options):
+            arrays = {n: x for n, x in piece.arrays.items() if n != "grad_output"}
+            steps = reference_attention(arrays, {**piece.options,
+                                                 "causal_alignment": "top_left"})
+            out["varlen_output"][piece.q] = np.swapaxes(steps.output, 0, 1)
+            out["varlen_lse"][:, piece.q] = steps.lse
+    return out
+
+
 def varlen_mistakes(exp: Expected, step: str, actual: np.ndarray) -> str:
-    """A varlen case's result that offsets off by one (``cu_seq_q`` or ``cu_seq_k``, every
-    inner offset ±1) reproduce."""
+    """A varlen case's result that top-left alignment (the case asking bottom-right) or offsets
+    off by one (``cu_seq_q`` or ``cu_seq_k``, every inner offset ±1) reproduce."""
     if exp.kind != "varlen":
         return ""
     data = CaseData(exp.data.arrays, exp.data.options)
+    if step in ("varlen_output", "varlen_lse") and exp.data.options.get("window_size") \
+            not in (None, (-1, -1), [-1, -1]):
+        alt = top_left_varlen(data)[step]
+        if not np.array_equal(alt, exp.values[step], equal_nan=True) and \
+                compare(step, actual, alt, exp.baseline[step], exp.dtype).passed:
+            return ("wrong causal alignment in the packed batch: each sequence is aligned "
+                    "top-left (offset 0); varlen_attention aligns each sequence bottom-right, "
+                    "offset k_len - q_len of its own lengths (flash-attention's convention)")
     for name in ("cu_seq_q", "cu_seq_k"):
         for shift in (1, -1):
             moved = shifted_offsets(data.arrays[name], shift)
@@ -107,4 +141,4 @@ def varlen_mistakes(exp: Expected, step: str, actual: np.ndarray) -> str:
     return ""
 
 
-__all__ = ["PACKED_HYPOTHESES", "shifted_offsets", "varlen_mistakes"]
+__all__ = ["PACKED_HYPOTHESES", "shifted_offsets", "top_left_varlen", "varlen_mistakes"]

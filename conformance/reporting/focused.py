@@ -17,9 +17,11 @@ from .groups import (
     DTYPE_ORDER,
     LAYOUT_REASONS,
     MAX_GROUPS,
+    cell_diagnoses,
     checked_columns,
     groups,
     layout_symptoms,
+    sdpa_function,
 )
 from .overview import full, profile_lines
 from .sections import (
@@ -82,7 +84,7 @@ def explain_group(result: RunResult, number: int, cells: list[Cell], reason: str
     lines = [fit(f"{number}. {label} · {col.name}: {plural(len(cases), 'case')} "
                  f"{'fails' if len(cases) == 1 else 'fail'} "
                  f"({_dtypes_text(cells, all_dtypes)}): {', '.join(cases)}", width)]
-    if cell.reasons or wrong_layout:
+    if reason in cell_diagnoses(cell, sdpa_function(col)) or wrong_layout:
         lines += textwrap.wrap(f"why: {reason}", width - 4, initial_indent="   ",
                                subsequent_indent="     ")
     if cell.status == "error" and not cell.steps:
@@ -204,6 +206,9 @@ def headline(result: RunResult, found: dict[tuple[str, str, str], list[Cell]]) -
     names = ", ".join(c.name for c in checked_columns(result))
     if result.ok:
         ran = sum(c.spec_backend and c.status not in NOT_CHECKED for c in result.cells)
+        if not ran:
+            return (f"NOTHING CHECKED: {names}: no case ran (every case uses a feature it "
+                    f"declares unsupported or does not provide); not a PASS")
         return (f"PASS: {names} conforms to the spec on everything it provides "
                 f"({plural(ran, 'cell')})")
     bugs = [f"{short(reason)} ({plural(len({c.case for c in cells}), 'case')})"

@@ -4,9 +4,12 @@
 the largest group first: one bug, one group. A cell may carry several diagnoses (one per failed
 step, each possibly joined with others: ``diagnose.split``); it joins the group of the
 diagnosis, by name (``diagnose.short``), that the most cases of its column share, so one bug
-seen through different steps or extra symptoms (a NaN case) is one group. Cells without a
-diagnosis group by the error raised or the failing steps. The terminal's focused report
-(``focused.focused``), the HTML page and the pytest plugin explain the first ``MAX_GROUPS``.
+seen through different steps or extra symptoms (a NaN case) is one group. What the steps' notes
+and errors say is a diagnosis too (a wrong result dtype, a keyword the module does not take:
+``seams``), and an ignored keyword that a checked module's ``**kwargs`` swallows names the fix.
+Cells without a diagnosis group by the error raised or the failing steps. The terminal's
+focused report (``focused.focused``), the HTML page and the pytest plugin explain the first
+``MAX_GROUPS``.
 
 A wrong layout is diagnosed by rerunning: ``layout_symptoms`` reruns each failing case of a
 checked module with query, key, value (and the results) transposed (``transposed``); the cells
@@ -20,11 +23,16 @@ column is left. A rerun costs what the cell cost: the reruns stay a fraction of 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 from ..comparing.results import Cell, Column, RunResult
+from ..diagnosing import seams
 from ..diagnosing.diagnose import short, split
 from ..running import plugins
 from ..running.backends import Backend
+from ..running.guard import LocalObject
+from ..running.module_worker import RemoteObject
 from ..running.runner import run_cell
 
 #: At most this many groups of failures are explained; the rest are counted.
@@ -106,13 +114,31 @@ def layout_symptoms(result: RunResult) -> dict[tuple[str, str, str], str]:
     return found
 
 
-def _diagnoses(cell: Cell) -> list[str]:
-    """The single diagnoses of a cell's failed steps, one per name, first one first."""
+def cell_diagnoses(cell: Cell, fn: Callable[..., Any] | None = None) -> list[str]:
+    """The single diagnoses of a cell's failed steps, one per name, first one first: those
+    of its values (``cell.reasons``), then those its steps' notes and errors carry (a wrong
+    result dtype, a keyword not taken: ``seams.cell_reasons``); ``fn``, the checked module's
+    ``scaled_dot_product_attention``, turns an ignored keyword its ``**kwargs`` swallows into
+    the fix (``seams.swallowed``)."""
     out: dict[str, str] = {}
-    for reasons in cell.reasons:
+    for reasons in [*cell.reasons, *seams.cell_reasons(cell)]:
         for reason in split(reasons):
+            reason = seams.swallowed(reason, fn)
             out.setdefault(short(reason), reason)
     return list(out.values())
+
+
+def sdpa_function(col: Column | None) -> Callable[..., Any] | None:
+    """A checked module's ``scaled_dot_product_attention`` (None for any other column)."""
+    if col is None or col.backend is None or col.backend.contract is None:
+        return None
+    try:
+        fn = getattr(col.backend.module, "scaled_dot_product_attention", None)
+    except Exception:  # noqa: BLE001 - a module that cannot be imported has no signature
+        return None
+    if isinstance(fn, LocalObject):  # the guarded call: the module's own function
+        return fn.target
+    return None if isinstance(fn, RemoteObject) else fn  # a worker's: no signature here
 
 
 def groups(result: RunResult, layout: dict[tuple[str, str, str], str] | None = None
@@ -122,14 +148,15 @@ def groups(result: RunResult, layout: dict[tuple[str, str, str], str] | None = N
     layout = layout or {}
     failing = [c for c in result.cells
                if c.spec_backend and c.status in ("FAIL", "error", "timeout")]
+    functions = {c.name: sdpa_function(c) for c in result.columns}
     cases: dict[tuple[str, str], set[str]] = {}  # (column, diagnosis name) -> cases
     for cell in failing:
-        for reason in _diagnoses(cell):
+        for reason in cell_diagnoses(cell, functions.get(cell.column)):
             cases.setdefault((cell.column, short(reason)), set()).add(cell.case)
     texts: dict[tuple[str, str], str] = {}  # the first full text of each name
     out: dict[tuple[str, str, str], list[Cell]] = {}
     for cell in failing:
-        reasons = _diagnoses(cell)
+        reasons = cell_diagnoses(cell, functions.get(cell.column))
         if (cell.case, cell.dtype, cell.column) in layout:
             key = (cell.column, "FAIL", layout[(cell.case, cell.dtype, cell.column)])
         elif reasons:  # the name most cases share; a tie goes to the cell's first diagnosis
@@ -145,5 +172,5 @@ def groups(result: RunResult, layout: dict[tuple[str, str, str], str] | None = N
     return dict(sorted(out.items(), key=lambda kv: -len({c.case for c in kv[1]})))
 
 
-__all__ = ["DTYPE_ORDER", "LAYOUT_GIVE_UP", "LAYOUT_REASONS", "MAX_GROUPS", "checked_columns",
-           "groups", "layout_symptoms", "transposed"]
+__all__ = ["DTYPE_ORDER", "LAYOUT_GIVE_UP", "LAYOUT_REASONS", "MAX_GROUPS", "cell_diagnoses",
+           "checked_columns", "groups", "layout_symptoms", "sdpa_function", "transposed"]

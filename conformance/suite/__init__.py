@@ -3,10 +3,13 @@ your CI")::
 
     pip install attention-three-ways pytest-xdist
     pytest --pyargs conformance.suite --attention-backend mypkg.attention -n auto --junitxml=r.xml
+    pytest --pyargs conformance.suite --attention-backend mypkg.attention --attention-profile full
 
 One item per case × dtype × compared step (``test_cell[gqa-float32-output]``), per bad input
 (``test_bad_input[mask_not_bool]``) and for the property checks (``test_properties[<module>]``);
-a failing item's message is the harness's diagnosis and the smallest failing case as a script.
+the rows (case × dtype) and property examples are the profile's (``quick`` by default, ``full``
+for every case in every dtype). A failing item says the harness's diagnosis and the rerun
+command; the terminal summary explains each bug once, with its smallest failing case as a script.
 
 ==============  =========================================================================
 ``plugin``      the pytest plugin (entry point ``pytest11``): options, collection, the module
@@ -15,6 +18,7 @@ a failing item's message is the harness's diagnosis and the smallest failing cas
                 ``Suite``
 ``checks``      the items, collected from its own file
 ``outcomes``    ``Suite``: what each item checks and says, with the harness's machinery
-                (``runner.run_cell``, ``run_errors``, ``properties``, ``shrink``, ``groups``)
+                (``profiles``, ``runner.run_cell``, ``run_errors``, ``properties``, ``shrink``)
+``summary``     the terminal summary: the failures grouped by diagnosis (``groups``)
 ==============  =========================================================================
 """

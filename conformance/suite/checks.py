@@ -12,7 +12,9 @@ The items are pytest items of their own (not test functions), so the project's o
 ``python_files`` and ``python_functions`` settings do not change what is collected, and the
 ids are the ones above; ``-k`` matches them (``-k "gqa and float32"``). An item asks this
 process's ``Suite`` for its ``Outcome`` and passes, skips with the reason or fails with the
-message (no traceback: the message is the harness's diagnosis and reproducer).
+message (no traceback: two lines, the harness's diagnosis and the rerun command); a failed cell
+step also puts its ``Failure`` in the item's ``user_properties``, from which the plugin's
+summary groups the failures by diagnosis (``summary``), and which ``--junitxml`` lists.
 """
 
 from __future__ import annotations
@@ -47,8 +49,12 @@ class SuiteItem(pytest.Item):
         raise NotImplementedError
 
     def runtest(self) -> None:
-        """Pass, skip or fail as ``outcome`` says."""
-        settle(self.outcome())
+        """Pass, skip or fail as ``outcome`` says; a failure's ``Failure`` goes into the
+        item's ``user_properties`` first."""
+        outcome = self.outcome()
+        if outcome.failure is not None:
+            self.user_properties.extend(outcome.failure.properties())
+        settle(outcome)
 
     def reportinfo(self) -> tuple[Any, int | None, str]:
         """Where pytest says the item is: this file and the item's name."""

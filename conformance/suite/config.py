@@ -2,7 +2,8 @@
 
 The module to check comes from ``--attention-backend MODULE``, else from the environment
 variable ``ATTENTION_BACKEND`` (as array-api-tests reads ``ARRAY_API_TESTS_MODULE``); the other
-options select cases and dtypes, the property checks' examples and the per-call time limit.
+options choose the profile (``quick``, the default, or ``full``: ``spec.PROFILES``), select cases
+and dtypes, and set the property checks' examples and the per-call time limit.
 Only pytest and the standard library are imported here: the plugin is loaded by every pytest
 run of an environment where the project is installed, and the harness is imported only when
 the suite is used (``suite_of``).
@@ -19,8 +20,8 @@ import pytest
 
 #: The environment variable naming the module to check when ``--attention-backend`` is not given.
 ENV = "ATTENTION_BACKEND"
-#: Property-check examples when ``--attention-hypothesis`` is not given.
-DEFAULT_EXAMPLES = 50
+#: The profile when ``--attention-profile`` is not given (``spec.PROFILES``).
+DEFAULT_PROFILE = "quick"
 #: The file whose items the suite collects (``plugin.pytest_collect_file``).
 CHECKS = Path(__file__).with_name("checks.py")
 #: The names of the suite's items, before their ``[id]``.
@@ -82,9 +83,11 @@ def suite_of(config: pytest.Config) -> Any:
         timeout = config.getoption("attention_timeout", None)
         try:
             config.stash[_SUITE] = Suite(
-                backend_name(config), cases=config.getoption("attention_case"),
+                backend_name(config),
+                profile=config.getoption("attention_profile", None) or DEFAULT_PROFILE,
+                cases=config.getoption("attention_case"),
                 dtypes=config.getoption("attention_dtype"),
-                hypothesis=config.getoption("attention_hypothesis", DEFAULT_EXAMPLES),
+                hypothesis=config.getoption("attention_hypothesis", None),
                 **({"timeout": timeout} if timeout is not None else {}))
         except UsageError as exc:
             raise pytest.UsageError(str(exc)) from None
@@ -97,5 +100,5 @@ def is_suite_item(nodeid: str) -> bool:
     return Path(path).name == CHECKS.name and name.partition("[")[0] in ITEM_KINDS
 
 
-__all__ = ["CHECKS", "DEFAULT_EXAMPLES", "ENV", "ITEM_KINDS", "backend_name", "is_suite_item",
+__all__ = ["CHECKS", "DEFAULT_PROFILE", "ENV", "ITEM_KINDS", "backend_name", "is_suite_item",
            "missing_backend", "selected", "suite_of", "targets_suite"]

@@ -1,18 +1,20 @@
 """What each item of the pytest plugin checks and says, with the harness's own machinery.
 
 A ``Suite`` is one checked module in one process (one per pytest process, one per xdist worker);
-it computes everything once and hands each item its ``Outcome``:
+its rows (case × dtype) come from a profile (``running.profiles``: ``quick``, the default, or
+``full``) or, when cases or dtypes are selected, from the whole catalogue, as ``python -m
+conformance`` chooses them (``runner.run``). It computes everything once and hands each item
+its ``Outcome``:
 
 * **a case × dtype × step item**: the case's ``Expected`` (``expected.expected``) and its
   ``Cell`` (``runner.run_cell`` on that one expectation, every applicable step at once), each
   computed once per process and shared by the cell's step items; the item passes or fails as
   its ``StepResult`` does (``runner.judge``: ``compare`` and ``diagnose``). A failing step says
-  the diagnosis, the first failure (``explain_step``), the smallest failing case
-  ``shrink.shrink`` finds for that step and diagnosis as a runnable script
-  (``shrink.reproducer``) and the command that reruns the cell in the harness's report; a
-  failing sdpa cell of a checked module is also rerun transposed (``groups.transposed``), and
-  when that passes the diagnosis is the wrong layout (``groups.LAYOUT_REASONS``), not shrunk,
-  as in the verdict;
+  two lines, its diagnosis and the command that reruns the cell in the harness's report, and
+  carries a ``Failure``: what the plugin's summary groups by (``summary``), where each bug is
+  explained once, with its first failure and its smallest failing case (``example``). A failing
+  sdpa cell of a checked module is also rerun transposed (``groups.transposed``), and when that
+  passes the diagnosis is the wrong layout (``groups.LAYOUT_REASONS``), as in the verdict;
 * **a bad-input item**: ``runner.run_errors`` on the module, once per process, and the one
   ``ErrorResult`` of the item's ``errors.ERROR_CASES`` entry;
 * **the property item**: ``properties.run`` on ``runner.property_view`` of the module.
@@ -26,23 +28,30 @@ and the harness only: ``checks`` turns outcomes into pytest's pass, skip and fai
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
-import textwrap
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
 
 from ..cases import catalogue as cases_mod
 from ..cases.expected import Expected, expected
-from ..comparing.results import BackendProperties, Cell, ErrorResult, PropertyResult, StepResult
-from ..diagnosing.diagnose import short
+from ..comparing.results import (
+    BackendProperties,
+    Cell,
+    Column,
+    ErrorResult,
+    PropertyResult,
+    StepResult,
+)
+from ..diagnosing.diagnose import SEPARATOR, short
 from ..reporting import groups
 from ..reporting.sections import explain_step
 from ..reporting.shrink import reproducer, shape_text, shrink
 from ..running import backends as backends_mod
 from ..running import errors as errors_mod
-from ..running import plugins, properties, runner
+from ..running import plugins, profiles, properties, runner
 from ..running.backends import Backend
 from ..running.module_worker import DEFAULT_TIMEOUT_S, PluginFault, check_timeout
 from ..running.steps import STEPS, Execution, steps_for
@@ -52,12 +61,52 @@ PASSED, SKIPPED, FAILED = "passed", "skipped", "failed"
 
 
 @dataclass(frozen=True)
+class Failure:
+    """A failed step of a cell, as the plugin's summary groups it (``summary``): travels from
+    the process that ran the item (an xdist worker) to the one that prints the summary as the
+    report's ``user_properties`` (``properties``, ``from_properties``)."""
+
+    case: str
+    dtype: str
+    step: str
+    #: The cell's status: FAIL, error or timeout.
+    status: str
+    #: The step's diagnoses (``Suite.failure``), joined with ``diagnose.SEPARATOR``; the
+    #: layout's reason (``layout``); or "" when the harness has none.
+    reasons: str
+    #: What the module raised ("" when it returned a wrong value).
+    error: str
+    #: The command that reruns the cell in the harness's report.
+    rerun: str
+    #: True when ``reasons`` is ``groups.LAYOUT_REASONS``' (found by rerunning transposed).
+    layout: bool = False
+
+    PREFIX = "attention_"
+
+    def properties(self) -> list[tuple[str, str]]:
+        """The failure as ``(name, text)`` pairs for an item's ``user_properties`` (which xdist
+        sends to the controller and ``--junitxml`` writes as properties)."""
+        return [(self.PREFIX + f.name, str(getattr(self, f.name))) for f in fields(self)]
+
+    @classmethod
+    def from_properties(cls, pairs: Any) -> Failure | None:
+        """The ``Failure`` ``properties`` wrote into a report's ``user_properties``; None when
+        the report carries none (it passed, or is not a failed cell step)."""
+        got = {name.removeprefix(cls.PREFIX): value for name, value in pairs or ()
+               if str(name).startswith(cls.PREFIX)}
+        if {f.name for f in fields(cls)} - set(got):
+            return None
+        return cls(**{**got, "layout": got["layout"] == "True"})
+
+
+@dataclass(frozen=True)
 class Outcome:
-    """An item's result: ``status`` (``PASSED``, ``SKIPPED`` or ``FAILED``) and its text (the
-    skip reason, or the whole failure message)."""
+    """An item's result: ``status`` (``PASSED``, ``SKIPPED`` or ``FAILED``), its text (the
+    skip reason, or the failure message) and, for a failed cell step, its ``Failure``."""
 
     status: str
     message: str = ""
+    failure: Failure | None = None
 
 
 def _value(x: Any) -> str:
@@ -69,29 +118,46 @@ def _value(x: Any) -> str:
 
 
 class Suite:
-    """One checked module in this process: the selected cases × dtypes, their cells, the bad
-    inputs and the property checks, each computed once (see the module docstring).
+    """One checked module in this process: its rows (case × dtype), their cells, the bad inputs
+    and the property checks, each computed once (see the module docstring).
 
     ``backend``: a dotted module path (``mypkg.attention``, run isolated in a worker process as
     ``python -m conformance --backend`` runs it), a spec backend's name, or a ``Backend``;
-    None when the run names none (``missing`` then says what to give). ``cases``: glob patterns
-    as ``--case`` (None: every case); ``dtypes`` (None: all four); ``hypothesis``: examples of
-    the property checks (0: skipped); ``timeout``: seconds per call of a module in a worker
-    (0: no limit). A bad selection or timeout is a ``UsageError`` naming the option.
+    None when the run names none (``missing`` then says what to give). ``profile``: a name of
+    ``spec.PROFILES``, which gives the rows and the property examples when ``cases`` and
+    ``dtypes`` are None. ``cases``: glob patterns as ``--case``, ``dtypes``: dtype names; either
+    selects from the whole catalogue (the matching cases, or all; the dtypes, or all four),
+    whatever the profile. ``hypothesis``: examples of the property checks (0: skipped; None:
+    the profile's, 0 when cases or dtypes are selected, as ``runner.run``); ``timeout``:
+    seconds per call of a module in a worker (0: no limit). A bad profile, selection or
+    timeout is a ``UsageError`` naming the option.
     """
 
-    def __init__(self, backend: str | Backend | None, *, cases: list[str] | None = None,
-                 dtypes: list[str] | None = None, hypothesis: int = 0,
-                 timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, backend: str | Backend | None, *, profile: str = "quick",
+                 cases: list[str] | None = None, dtypes: list[str] | None = None,
+                 hypothesis: int | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         try:
-            self.cases = [c.name for c in cases_mod.select(cases)]
+            self.profile = profiles.get(profile)
+        except ValueError as exc:
+            raise UsageError(f"--attention-profile: {exc}") from None
+        try:
+            selected = [c.name for c in cases_mod.select(cases)]
         except UsageError as exc:
             raise UsageError(f"--attention-case: {exc}") from None
         unknown = [d for d in dtypes or () if d not in backends_mod.DTYPES]
         if unknown:
             raise UsageError(f"--attention-dtype {unknown[0]!r} is not a dtype of the spec; "
                              f"expected one of {', '.join(backends_mod.DTYPES)}")
-        self.dtypes = list(dict.fromkeys(dtypes or backends_mod.DTYPES))
+        #: True when cases or dtypes were named: the rows are not the profile's.
+        self.selecting = bool(cases or dtypes)
+        if self.selecting or self.profile.rows is None:
+            self.rows = [(case, dtype) for case in selected
+                         for dtype in dict.fromkeys(dtypes or backends_mod.DTYPES)]
+        else:
+            self.rows = list(self.profile.rows)
+        self._examples_given = hypothesis is not None
+        if hypothesis is None:
+            hypothesis = 0 if self.selecting else self.profile.hypothesis
         if isinstance(hypothesis, bool) or not isinstance(hypothesis, int) or hypothesis < 0:
             raise UsageError(f"--attention-hypothesis is {hypothesis!r}; expected an integer "
                              f">= 0 (0: no property checks)")
@@ -145,10 +211,25 @@ class Suite:
         return self._expected[key]
 
     def cell_steps(self) -> list[tuple[str, str, str]]:
-        """``(case, dtype, step)`` of every compared step of the selected cases × dtypes, in
-        the report's order; the same in every process (the inputs are seeded)."""
-        return [(case, dtype, step.name) for case in self.cases for dtype in self.dtypes
+        """``(case, dtype, step)`` of every compared step of the rows, in their order; the same
+        in every process (the profile is chosen by rule, the inputs are seeded)."""
+        return [(case, dtype, step.name) for case, dtype in self.rows
                 for step in steps_for(self.expectation(case, dtype))]
+
+    def scope(self) -> str:
+        """What the run checks, in words, for pytest's header: the profile (or the selection)
+        with its rows and property examples, and what the full profile adds to quick."""
+        every = len(cases_mod.CASES) * len(backends_mod.DTYPES)
+        examples = f"{self.hypothesis} property examples"
+        if self.selecting:
+            return (f"cases/dtypes selected from the whole catalogue: {len(self.rows)} of "
+                    f"{every} case × dtype rows, {examples}")
+        text = f"profile {self.profile.name}: {len(self.rows)} case × dtype rows, {examples}"
+        if self.profile.rows is None:
+            return text + " (every case in every dtype)"
+        full = profiles.get("full")
+        return (f"{text}; --attention-profile full adds the other {every - len(self.rows)} rows "
+                f"(every case in every dtype) and {full.hypothesis} property examples")
 
     @staticmethod
     def bad_inputs() -> list[str]:
@@ -185,15 +266,18 @@ class Suite:
             needs = STEPS[step].needs(Execution(self.backend, self.expectation(case, dtype)))
             return Outcome(SKIPPED, f"not provided: {needs[-1]}")
         if not cell.steps and cell.status in ("error", "timeout"):  # the worker was stopped
+            failure = Failure(case, dtype, step, cell.status, "", cell.detail, cell.rerun)
             return Outcome(FAILED, f"{self.name} · {case} · {dtype} · {step}: {cell.status}: "
                                    f"{cell.detail} (the cell ended at that call)\n"
-                                   f"rerun the cell in the harness's report: {cell.rerun}")
+                                   f"rerun: {cell.rerun}", failure)
         result = next((s for s in cell.steps if s.step == step), None)
         if result is None:
             return Outcome(SKIPPED, f"unsupported: {step} raised NotImplementedError")
         if result.passed and not result.error:
             return Outcome(PASSED)
-        return Outcome(FAILED, self.failure_text(cell, result))
+        failure = self.failure(cell, result)
+        return Outcome(FAILED, f"{self.name} · {case} · {dtype} · {step}: {self.name_of(failure)}"
+                               f"\nrerun: {cell.rerun}", failure)
 
     def layout_reason(self, case: str, dtype: str) -> str:
         """``groups.LAYOUT_REASONS``' text when the failing sdpa cell of a checked module
@@ -218,35 +302,57 @@ class Suite:
         return next((r for r in cell.reasons
                      if r in (result.note or "") or r == result.error), "")
 
-    def smallest(self, exp: Expected, result: StepResult, why: str) -> str:
-        """``shrink.shrink`` for one failed step (same status, same diagnosis), printed as
-        ``shrink.reproducer``'s script under a line naming its shapes and dtype."""
-        status = "error" if result.error else "FAIL"
+    def failure(self, cell: Cell, result: StepResult) -> Failure:
+        """The ``Failure`` of a failed step: the layout's diagnosis when the cell passes rerun
+        transposed (``layout_reason``), else the step's diagnoses as the harness's report reads
+        a cell's (``groups.cell_diagnoses`` on the cell with this step alone: its value's
+        diagnosis, then what its note and error say, an ignored keyword the module swallows
+        turned into the fix), joined as ``diagnose`` joins them."""
+        layout = self.layout_reason(cell.case, cell.dtype)
+        if layout:
+            return Failure(cell.case, cell.dtype, result.step, cell.status, layout,
+                           result.error, cell.rerun, layout=True)
+        why = self.diagnosis(cell, result)
+        alone = dataclasses.replace(cell, steps=[result], reasons=[why] if why else [])
+        fn = groups.sdpa_function(Column(self.name or "", "backend", backend=self.backend))
+        return Failure(cell.case, cell.dtype, result.step, cell.status,
+                       SEPARATOR.join(groups.cell_diagnoses(alone, fn)), result.error,
+                       cell.rerun)
+
+    @staticmethod
+    def name_of(failure: Failure) -> str:
+        """A failure's diagnosis by name (``diagnose.short``: ``mask polarity flipped``), or
+        what the module raised, or "no diagnosis"."""
+        if failure.reasons:
+            return short(failure.reasons)
+        return f"raised {failure.error.split(':')[0]}" if failure.error else "no diagnosis"
+
+    def example(self, failure: Failure) -> tuple[list[str], str]:
+        """A failure explained in full, for the one example of its group in the summary
+        (``summary``): the lines saying its first failure (``explain_step``) and, for an sdpa
+        case not failing by its layout, the smallest failing case ``shrink.shrink`` finds for
+        that step and diagnosis, with ``shrink.reproducer``'s script apart ("" when none). The
+        cell and the shrinking are computed here, once per group; ([], "") when the step no
+        longer fails."""
+        cell = self.cell(failure.case, failure.dtype)
+        result = next((s for s in cell.steps if s.step == failure.step), None)
+        if result is None or (result.passed and not result.error):
+            return [], ""
+        first = explain_step(cell, result).split("\n    why:")[0]  # the why is the group's
+        lines = [f"first failure: {first}"]
+        exp = self.expectation(failure.case, failure.dtype)
+        if exp.kind != "sdpa" or failure.layout:
+            return lines, ""
+        why = self.diagnosis(cell, result)
         try:
-            small = shrink(self.backend, exp, [result.step], status, why)
+            small = shrink(self.backend, exp, [result.step], "error" if result.error else "FAIL",
+                           why)
             code = reproducer(self.backend, small, result.step, short(why) if why else "")
         except Exception as exc:  # noqa: BLE001 - the failure itself is still reported
-            return f"smallest failing case: not found ({type(exc).__name__}: {exc})"
+            return [*lines, f"smallest failing case: not found ({type(exc).__name__}: {exc})"], ""
         options = f"; {small.data.options}" if small.data.options else ""
-        return (f"smallest failing case ({result.step}; {shape_text(small)}; {small.dtype}"
-                f"{options}), runnable:\n" + textwrap.indent(code, "    "))
-
-    def failure_text(self, cell: Cell, result: StepResult) -> str:
-        """The message of a failed step: what failed and why (the diagnosis), the first
-        failure, the smallest failing case as a script (sdpa cases), the rerun command."""
-        exp = self.expectation(cell.case, cell.dtype)
-        why = self.diagnosis(cell, result)
-        layout = self.layout_reason(cell.case, cell.dtype)
-        name = short(layout or why) or (f"raised {result.error.split(':')[0]}" if result.error
-                                         else "no diagnosis")
-        lines = [f"{self.name} · {cell.case} · {cell.dtype} · {result.step}: {name}",
-                 explain_step(cell, result)]
-        if layout:
-            lines += textwrap.wrap(f"why: {layout}", 96, subsequent_indent="  ")
-        elif exp.kind == "sdpa":
-            lines.append(self.smallest(exp, result, why))
-        lines.append(f"rerun the cell in the harness's report: {cell.rerun}")
-        return "\n".join(lines)
+        return [*lines, f"smallest failing case ({result.step}; {shape_text(small)}; "
+                        f"{small.dtype}{options}), runnable:"], code
 
     # ------------------------------------------------------------------ bad inputs
 
@@ -278,12 +384,22 @@ class Suite:
 
     # ------------------------------------------------------------------ property checks
 
+    def no_properties(self) -> str:
+        """Why the property checks do not run (0 examples), and how to run them."""
+        if self._examples_given:
+            return "--attention-hypothesis 0: no property checks"
+        if self.selecting:
+            return ("cases or dtypes selected: no property checks (--attention-hypothesis N "
+                    "runs them)")
+        return (f"profile {self.profile.name}: no property checks (--attention-profile full or "
+                f"--attention-hypothesis N runs them)")
+
     def properties_outcome(self) -> Outcome:
         """The property checks (``hypothesis`` examples): passed, skipped (0 examples,
         Hypothesis not installed, nothing the contract lets them draw) or failed with the
         minimal failing example as code."""
         if not self.hypothesis:
-            return Outcome(SKIPPED, "--attention-hypothesis 0: no property checks")
+            return Outcome(SKIPPED, self.no_properties())
         if importlib.util.find_spec("hypothesis") is None:
             return Outcome(SKIPPED, "pip install hypothesis (for the property checks)")
         notes: list[str] = []
@@ -303,4 +419,4 @@ class Suite:
         return Outcome(PASSED)
 
 
-__all__ = ["FAILED", "PASSED", "SKIPPED", "Outcome", "Suite"]
+__all__ = ["FAILED", "PASSED", "SKIPPED", "Failure", "Outcome", "Suite"]

@@ -13,7 +13,15 @@ but add its options (the harness is not even imported), so other test runs are u
 
 * **collection**: the items of ``checks`` (``test_cell[<case>-<dtype>-<step>]``, one per bad
   input, one for the property checks), collected from ``conformance/suite/checks.py``
-  whenever pytest reaches that file (``--pyargs conformance.suite`` does);
+  whenever pytest reaches that file (``--pyargs conformance.suite`` does). The rows (case ×
+  dtype) and the property examples are the profile's (``--attention-profile``: ``quick``, the
+  default, the harness's smallest set of rows that uses every feature, no property examples;
+  ``full``, every case in every dtype and 100 property examples), unless ``--attention-case``
+  or ``--attention-dtype`` select from the whole catalogue, as ``python -m conformance`` does;
+* **the failures by diagnosis**: a failed item says two lines (its diagnosis, the rerun
+  command), and the terminal summary explains each bug once (``summary``: grouped as the
+  harness's report groups them, with the count of items, one example item, its first failure,
+  its smallest failing case and the rerun command);
 * **the module** is imported before the first item runs, as ``python -m conformance
   --backend`` imports it: in a worker process (``running.module_worker``), from the installed
   packages or the directory pytest started in. No module given, one that does not import, or a bad
@@ -28,6 +36,7 @@ but add its options (the harness is not even imported), so other test runs are u
 
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Any
 
@@ -36,7 +45,7 @@ import pytest
 from ..usage import UsageError, at_least
 from .config import (
     CHECKS,
-    DEFAULT_EXAMPLES,
+    DEFAULT_PROFILE,
     backend_name,
     is_suite_item,
     missing_backend,
@@ -56,6 +65,18 @@ def seconds(text: str) -> float:
     return seconds_argument(text)
 
 
+def profile_name(text: str) -> str:
+    """The type of ``--attention-profile``: a name of ``spec.PROFILES`` (otherwise pytest's
+    one-line usage error, exit code 4)."""
+    from .. import spec
+
+    if text not in spec.PROFILES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a profile; expected one of {', '.join(spec.PROFILES)} "
+            f"(docs/checking.md, In your CI)")
+    return text
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     """The suite's options (``pytest --help``, group "attention conformance")."""
     group = parser.getgroup("attention conformance",
@@ -64,13 +85,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="the module to check, a dotted path (mypkg.attention), as "
                          "python -m conformance --backend takes it; default: "
                          "$ATTENTION_BACKEND")
+    group.addoption("--attention-profile", metavar="NAME", type=profile_name, default=None,
+                    help=f"quick (the default: the smallest set of case x dtype rows that uses "
+                         f"every feature, no property checks) or full (every case in every "
+                         f"dtype, 100 property examples; for CI); default {DEFAULT_PROFILE}")
     group.addoption("--attention-case", action="append", metavar="PATTERN", default=None,
-                    help="only the cases matching this glob pattern (repeatable, as --case)")
+                    help="only the cases matching this glob pattern, from the whole catalogue "
+                         "whatever the profile (repeatable, as --case)")
     group.addoption("--attention-dtype", action="append", metavar="DTYPE", default=None,
-                    help="only this dtype: float64, float32, bfloat16 or float16 (repeatable)")
-    group.addoption("--attention-hypothesis", metavar="N", type=at_least(0),
-                    default=DEFAULT_EXAMPLES,
-                    help=f"property-check examples (default {DEFAULT_EXAMPLES}; 0: none)")
+                    help="only this dtype: float64, float32, bfloat16 or float16, every case "
+                         "whatever the profile (repeatable)")
+    group.addoption("--attention-hypothesis", metavar="N", type=at_least(0), default=None,
+                    help="property-check examples (default: the profile's, quick 0, full 100; "
+                         "0 when cases or dtypes are selected)")
     group.addoption("--attention-timeout", metavar="S", type=seconds, default=None,
                     help="seconds one call of the module may take (0: no limit; default: that "
                          "of python -m conformance)")
@@ -136,15 +163,17 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    """One header line naming the module checked, when the run names one."""
+    """The header's lines, when the run names a module: the module checked, the time limit
+    per call, and the profile with its rows and property examples and what ``full`` adds
+    (``Suite.scope``)."""
     name = backend_name(config)
     if name is None:
         return []
     timeout = config.getoption("attention_timeout")
-    return [f"attention conformance: checking {name}; "
-            f"{config.getoption('attention_hypothesis')} property examples; "
-            + ("default time limit per call" if timeout is None else
-               f"time limit per call {timeout:g} s")]
+    limit = ("default time limit per call" if timeout is None else
+             f"time limit per call {timeout:g} s")
+    return [f"attention conformance: checking {name}; {limit}",
+            f"attention conformance: {suite_of(config).scope()}"]
 
 
 def cell_scope(nodeid: str) -> str:
@@ -199,7 +228,17 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int,
                             config: pytest.Config) -> None:
-    """The line that says nothing was checked (see ``pytest_sessionfinish``)."""
+    """The failed cell steps grouped by diagnosis (``summary``), then the line that says
+    nothing was checked (see ``pytest_sessionfinish``)."""
+    failed = terminalreporter.stats.get("failed", [])
+    if failed and backend_name(config) is not None:
+        from . import summary
+
+        items = summary.failures(failed)
+        if items:
+            terminalreporter.write_sep("=", summary.TITLE, red=True, bold=True)
+            for line in summary.section(suite_of(config), items):
+                terminalreporter.write_line(line)
     skipped = nothing_checked(terminalreporter.stats)
     if skipped and exitstatus == 0:
         terminalreporter.write_line(
