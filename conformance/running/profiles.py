@@ -138,11 +138,31 @@ def get(name: str) -> Profile:
     raise ValueError(f"profile must be one of {', '.join(spec.PROFILES)}, got {name!r}")
 
 
+def choose(profile: Profile, cases: list[str] | None, dtypes: list[str] | None,
+           hypothesis: int | None) -> tuple[list[tuple[str, str]], int]:
+    """The rows (case name, dtype) and property examples of a run of ``profile``: named
+    ``cases`` (glob patterns) or ``dtypes`` select from the whole catalogue (the matching cases,
+    in the named dtypes or all four; naming a case means wanting it, whatever the profile) and
+    turn the property checks off unless ``hypothesis`` is given; else the profile's rows and
+    examples. The command line and the pytest plugin both choose this way."""
+    from .backends import DTYPES
+
+    selecting = bool(cases or dtypes)
+    if selecting or profile.rows is None:
+        rows = [(case.name, dtype) for case in cases_mod.select(cases)
+                for dtype in dict.fromkeys(dtypes or DTYPES)]
+    else:
+        rows = list(profile.rows)
+    if hypothesis is None:
+        hypothesis = 0 if selecting else profile.hypothesis
+    return rows, hypothesis
+
+
 #: Property-check examples per backend in the full profile.
 FULL_PROPERTY_EXAMPLES = 100
 #: The peers of the quick profile: the frameworks' own fused attention.
 QUICK_PEERS = ("torch.sdpa", "jax.nn")
 
 __all__ = ["BEHAVIOURS", "HALF", "FULL_PROPERTY_EXAMPLES", "HALF_ITEM", "QUICK_PEERS", "Profile",
-           "cover", "covers", "get", "quick_rows", "required_items",
+           "choose", "cover", "covers", "get", "quick_rows", "required_items",
            "uncovered"]

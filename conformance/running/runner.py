@@ -492,14 +492,8 @@ def run(
             else:
                 missing[peer.name] = peer.install
     selecting = bool(case_patterns or dtypes)
-    if hypothesis is None:
-        hypothesis = 0 if selecting else chosen.hypothesis
-    if selecting or chosen.rows is None:
-        selected = cases_mod.select(case_patterns)
-        rows = [(case, dtype) for case in selected for dtype in (dtypes or backends_mod.DTYPES)]
-    else:
-        rows = [(cases_mod.get(case), dtype) for case, dtype in chosen.rows]
-    expectations = (expected(case, dtype) for case, dtype in rows)
+    rows, hypothesis = profiles.choose(chosen, case_patterns, dtypes, hypothesis)
+    expectations = (expected(cases_mod.get(case), dtype) for case, dtype in rows)
     result = run_expectations(columns, expectations, missing, total=len(rows),
                               check_errors=check_errors, hypothesis=hypothesis,
                               progress=progress, timeout=timeout, room=room,

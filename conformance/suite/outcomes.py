@@ -141,7 +141,7 @@ class Suite:
         except ValueError as exc:
             raise UsageError(f"--attention-profile: {exc}") from None
         try:
-            selected = [c.name for c in cases_mod.select(cases)]
+            cases_mod.select(cases)  # an unknown case: the option named
         except UsageError as exc:
             raise UsageError(f"--attention-case: {exc}") from None
         unknown = [d for d in dtypes or () if d not in backends_mod.DTYPES]
@@ -150,14 +150,8 @@ class Suite:
                              f"expected one of {', '.join(backends_mod.DTYPES)}")
         #: True when cases or dtypes were named: the rows are not the profile's.
         self.selecting = bool(cases or dtypes)
-        if self.selecting or self.profile.rows is None:
-            self.rows = [(case, dtype) for case in selected
-                         for dtype in dict.fromkeys(dtypes or backends_mod.DTYPES)]
-        else:
-            self.rows = list(self.profile.rows)
         self._examples_given = hypothesis is not None
-        if hypothesis is None:
-            hypothesis = 0 if self.selecting else self.profile.hypothesis
+        self.rows, hypothesis = profiles.choose(self.profile, cases, dtypes, hypothesis)
         if isinstance(hypothesis, bool) or not isinstance(hypothesis, int) or hypothesis < 0:
             raise UsageError(f"--attention-hypothesis is {hypothesis!r}; expected an integer "
                              f">= 0 (0: no property checks)")
