@@ -48,6 +48,11 @@ MISTAKES = {
                           "return q @ np.swapaxes(k, -1, -2) * math.sqrt(q.shape[-1])"),
     (2, "sequence_length"): ("scaled_scores(q, k)",
                              "return q @ np.swapaxes(k, -1, -2) / math.sqrt(k.shape[-2])"),
+    (3, "shift_mean"): ("softmax(m)", _SOFTMAX.replace("m.max(-1, keepdims=True)",
+                                                       "m.mean(-1, keepdims=True)")),
+    (3, "shift_min"): ("softmax(m)", _SOFTMAX.replace("m.max(-1, keepdims=True)",
+                                                      "m.min(-1, keepdims=True)")),
+    (3, "shift_first"): ("softmax(m)", _SOFTMAX.replace("m.max(-1, keepdims=True)", "m[..., :1]")),
     (3, "global_max"): ("softmax(m)", _SOFTMAX.replace("m.max(-1, keepdims=True)", "m.max()")),
     (3, "wrong_axis"): ("softmax(m)", _SOFTMAX.replace("-1", "-2")),
     (3, "no_keepdims"): ("softmax(m)", _SOFTMAX.replace("e.sum(-1, keepdims=True)", "e.sum(-1)")),
@@ -81,9 +86,16 @@ MISTAKES = {
                      _SCORES + "m = np.where(mask, -np.inf, s)\n    r = m.max(-1, keepdims=True)"
                      "\n    e = np.exp(m - np.where(r == -np.inf, 0, r))\n    t = e.sum(-1, "
                      "keepdims=True)\n    return e / np.where(t == 0, 1, t) @ v"),
+    (7, "no_scale"): ("padded_attention(q, k, v, mask)",
+                      "s = q @ np.swapaxes(k, -1, -2)\n    m = np.where(mask, s, -np.inf)\n"
+                      "    r = m.max(-1, keepdims=True)\n    e = np.exp(m - np.where(r == -np.inf"
+                      ", 0, r))\n    t = e.sum(-1, keepdims=True)\n    return e / np.where(t == "
+                      "0, 1, t) @ v"),
     (7, "ignored"): ("padded_attention(q, k, v, mask)", _SCORES + "m = s\n    " + _ATTEND),
     (7, "mean_of_value"): ("padded_attention(q, k, v, mask)",
                            _SCORES + "m = np.where(mask, s, -1e9)\n    " + _ATTEND),
+    (8, "no_scale"): ("multi_head_attention(x, wq, wk, wv, h)", _HEADS.format(
+        split=_RIGHT_SPLIT, width="1", merge=_RIGHT_MERGE)),
     (8, "width_scale"): ("multi_head_attention(x, wq, wk, wv, h)", _HEADS.format(
         split=_RIGHT_SPLIT, width="q.shape[-1] * h", merge=_RIGHT_MERGE)),
     (8, "reshape_only"): ("multi_head_attention(x, wq, wk, wv, h)", _HEADS.format(
@@ -95,6 +107,9 @@ MISTAKES = {
     (9, "modulo"): ("grouped_query_attention(q, k, v)",
                     "r = [1] * k.ndim\n    r[-3] = q.shape[-3] // k.shape[-3]\n    k, v = "
                     "np.tile(k, r), np.tile(v, r)\n    " + _SCORES + "m = s\n    " + _ATTEND),
+    (9, "no_scale"): ("grouped_query_attention(q, k, v)",
+                      "g = q.shape[-3] // k.shape[-3]\n    k, v = np.repeat(k, g, -3), "
+                      "np.repeat(v, g, -3)\n    m = q @ np.swapaxes(k, -1, -2)\n    " + _ATTEND),
     (10, "elementwise"): ("softmax_backward(w, g)", "return w * g"),
     (10, "identity"): ("softmax_backward(w, g)", "return g.copy()"),
     (10, "sign"): ("softmax_backward(w, g)", "return w * (g + (g * w).sum(-1, keepdims=True))"),
@@ -120,10 +135,12 @@ def test_every_solution_passes_and_every_stub_shows_its_diagnosis(backend):
     if backend not in INSTALLED:
         pytest.skip(f"{backend} not installed ({exercises.BACKENDS[backend]})")
     for ex in EXERCISES:
-        solved = exercises.grade(ex.number, backend, exercises.stub_path(ex, backend, True))
+        solved = exercises.grade(ex.number, backend, exercises.stub_path(ex, backend, True),
+                                 isolated=False)
         assert solved.passed and solved.passed_checks == [c.name for c in ex.checks], \
             solved.text()
-        stub = exercises.grade(ex.number, backend, exercises.stub_path(ex, backend))
+        stub = exercises.grade(ex.number, backend, exercises.stub_path(ex, backend),
+                               isolated=False)
         assert not stub.passed, stub.text()
         assert stub.diagnosis == STUB_SHOWS.get(ex.number, "not_implemented"), stub.text()
         text = exercises.stub_path(ex, backend).read_text(encoding="utf-8")
@@ -136,7 +153,8 @@ def test_every_known_mistake_is_recognised_when_planted(tmp_path):
     known = {(ex.number, m.key) for ex in EXERCISES for m in ex.mistakes}
     assert known == set(MISTAKES) | set(STUB_SHOWS.items())  # the stubs show the other three
     for number, key in sorted(MISTAKES):
-        verdict = exercises.grade(number, "numpy", _numpy_answer(tmp_path, number, key))
+        verdict = exercises.grade(number, "numpy", _numpy_answer(tmp_path, number, key),
+                                  isolated=False)
         assert not verdict.passed and verdict.diagnosis == key, verdict.text()
         assert verdict.hint and verdict.check and "worst at" in verdict.detail, verdict.text()
 
@@ -157,7 +175,8 @@ def test_a_flipped_mask_and_a_missing_scale_are_named_in_every_backend(backend, 
         else:
             assert right in text
             text = text.replace(right, wrong)
-        verdict = exercises.grade(number, backend, _write(tmp_path, f"{backend}{number}", text))
+        verdict = exercises.grade(number, backend, _write(tmp_path, f"{backend}{number}", text),
+                                  isolated=False)
         assert verdict.diagnosis == ("flipped" if number == 7 else "no_scale"), verdict.text()
         assert ("flipped the mask" if number == 7 else "forgot the scale") in verdict.text()
 
@@ -188,14 +207,15 @@ UNTRUSTED = {  # exercise 4, context_vectors(w, v): name → (file, diagnosis, w
 def test_a_learners_file_is_untrusted_input(tmp_path):
     """Every failure of the file itself is a verdict with its reason, never an exception."""
     for name, (text, diagnosis, says) in UNTRUSTED.items():
-        verdict = exercises.grade("context", "numpy", _write(tmp_path, name, text))
+        verdict = exercises.grade("context", "numpy", _write(tmp_path, name, text),
+                                  isolated=False)
         assert not verdict.passed and verdict.diagnosis == diagnosis, (name, verdict.text())
         assert says in verdict.text(), (name, verdict.text())
     if "jax" in INSTALLED:  # NumPy inside a JAX exercise: works eagerly, fails under jax.jit
         numpy_in_jax = _write(tmp_path, "np_in_jax", "import numpy as np\n\ndef softmax(s):\n"
                               "    e = np.exp(s - np.max(s, -1, keepdims=True))\n"
                               "    return e / e.sum(-1, keepdims=True)\n")
-        verdict = exercises.grade("softmax", "jax", numpy_in_jax)
+        verdict = exercises.grade("softmax", "jax", numpy_in_jax, isolated=False)
         assert verdict.diagnosis == "type" and "jax.numpy, not numpy" in verdict.text()
 
 
@@ -206,7 +226,7 @@ def test_the_command_grades_in_a_child_process_with_a_time_limit(tmp_path, capsy
     assert all(f"{ex.function}()" in listed for ex in EXERCISES)
     solution = str(exercises.stub_path(EXERCISES[2], "numpy", solution=True))
     assert main(["exercise", "3", "--backend", "numpy", "--file", solution]) == 0
-    assert "PASS: softmax matches the float64 reference on every check (3)" in \
+    assert "PASS: softmax matches the float64 reference on every check (4)" in \
         capsys.readouterr().out
     endless = _write(tmp_path, "endless", "def softmax(s):\n    while True:\n        pass\n")
     assert main(["exercise", "softmax", "--file", str(endless), "--timeout", "1"]) == 1

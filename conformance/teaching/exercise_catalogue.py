@@ -21,6 +21,7 @@ so a grade is repeatable.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -113,8 +114,41 @@ def _softmax_checks() -> list[Check]:
              ("a batch: 2 × 3 heads, 4 queries, 7 keys", normal(rng, 2, 3, 4, 7, scale=3.0), ""),
              ("large scores: rows near +1000 and −1000", f32(big),
               "float32's exp overflows to inf above 88.7 and underflows to 0 below −103.9")]
-    return [sdpa_check(name, identity_keys(s), {"scale": 1.0}, "weights", (s,), hint, np.abs(s))
-            for name, s, hint in cases]
+    checks = [sdpa_check(name, identity_keys(s), {"scale": 1.0}, "weights", (s,), hint,
+                         np.abs(s)) for name, s, hint in cases]
+    spans = f32(SPANNING_ROWS)
+    wide = sdpa_check("rows spanning −1000 … 1000 within the row (the first score the least)",
+                      identity_keys(spans), {"scale": 1.0}, "weights", (spans,),
+                      "only each row's maximum keeps every exponent ≤ 0", np.abs(spans))
+    return [*checks, replace(wide, mistake=SPANNING)]
+
+
+#: Rows whose scores span −1000 … 1000 within the row: subtracting anything but the row's
+#: maximum (its mean, minimum or first score) leaves an exponent far above float32's 88.7 and
+#: float64's 709.8; clipping the scores ties the largest ones. Row 0 starts with its minimum,
+#: row 1 with its maximum (a shift by the first score passes it, by the minimum does not), row 2
+#: lies wholly near −1000 (exp without a shift is 0 / 0), row 3 near +1000.
+SPANNING_ROWS = (
+    (-1000.0, -500.0, 0.0, 500.0, 1000.0, 999.0, 998.0, -999.0),
+    (1000.0, 999.0, -1000.0, -1000.0, -1000.0, -1000.0, -1000.0, -1000.0),
+    (-1000.0, -1001.0, -1002.0, -1003.0, -1004.0, -1005.0, -1006.0, -1007.0),
+    (1000.0, 1000.5, 1001.0, 999.0, 998.5, 1000.25, 997.0, 1001.5),
+)
+SPANNING = Mistake("spanning", "your softmax is wrong on rows that span −1000 … 1000: a clip, "
+                   "float64 or a shift by anything but each row's maximum does not keep exp in "
+                   "range (float64's exp overflows above 709.8 too)",
+                   "subtract each row's maximum: every exponent is then ≤ 0 and the largest is "
+                   "exp(0) = 1, whatever the row's span", lambda *a: [])
+
+
+def _shifted(shift_of: Any) -> Any:
+    """A softmax shifted by ``shift_of(s)`` (keepdims) in float32 and in float64: a learner's
+    overflow shows in the dtype it computes in."""
+    def compute(s: np.ndarray) -> list[np.ndarray]:
+        with np.errstate(all="ignore"):
+            return [_exp_over(x, shift_of(x)).astype(np.float64)
+                    for x in (s.astype(np.float32), s.astype(np.float64))]
+    return compute
 
 
 def _exp_over(s: np.ndarray, shift: np.ndarray | float, axis: int = -1,
@@ -129,6 +163,18 @@ SOFTMAX = Exercise(3, "softmax", "softmax", "a softmax that does not overflow", 
             "one, 0), so the row becomes inf / inf or 0 / 0 = NaN",
             "subtract each row's maximum before exp: softmax(s) = softmax(s − max(s)), so the "
             "largest exponent is exp(0) = 1", one(lambda s: _exp_over(s, 0.0))),
+    Mistake("shift_mean", "you subtracted each row's mean, not its maximum: in a row that "
+            "spans −1000 … 1000 the largest exponent is still about 1000, and exp overflows",
+            "subtract each row's maximum (keepdims): every exponent is then ≤ 0",
+            _shifted(lambda s: s.mean(-1, keepdims=True))),
+    Mistake("shift_min", "you subtracted each row's minimum, not its maximum: every exponent "
+            "is then ≥ 0, the largest the row's whole span, and exp overflows",
+            "subtract each row's maximum (keepdims): every exponent is then ≤ 0",
+            _shifted(lambda s: s.min(-1, keepdims=True))),
+    Mistake("shift_first", "you subtracted each row's first score, not its maximum: where the "
+            "first score is not the largest, exp still overflows",
+            "subtract each row's maximum (keepdims), whatever its position",
+            _shifted(lambda s: s[..., :1])),
     Mistake("global_max", "you subtracted the maximum of the whole array, not of each row: a "
             "row far below it underflows to 0 / 0",
             "take the maximum over the last axis, keeping it: s.max(-1, keepdims=True), "

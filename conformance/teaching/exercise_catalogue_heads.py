@@ -30,6 +30,9 @@ from .exercise_kit import (
     softmax64,
 )
 
+NO_SCALE = "you forgot the scale: the scores were not divided by √d_k"
+NO_SCALE_HINT = "divide q @ kᵀ by √d_k, d_k = query.shape[-1], before the mask and the softmax"
+
 # ---------------------------------------------------------------- 7: padding, empty rows
 
 
@@ -47,11 +50,12 @@ def _padding_checks() -> list[Check]:
             for name, m in cases]
 
 
-def _attend(fill: str = "-inf", flip: bool = False, use_mask: bool = True) -> Any:
+def _attend(fill: str = "-inf", flip: bool = False, use_mask: bool = True,
+            scaled: bool = True) -> Any:
     def compute(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray
                 ) -> list[np.ndarray]:
         q, k, v = (x.astype(np.float64) for x in (q, k, v))
-        s = product_scores(q, k, q.shape[-1] ** -0.5)
+        s = product_scores(q, k, q.shape[-1] ** -0.5 if scaled else 1.0)
         allowed = np.broadcast_to(~mask if flip else mask, s.shape) if use_mask else s == s
         if fill == "nan":
             return [masked_softmax(s, allowed, "nan") @ v]
@@ -67,6 +71,7 @@ PADDING = Exercise(7, "padding", "padded_attention",
     Mistake("flipped", "you flipped the mask: True was read as 'masked out'",
             "True means 'may attend' (as torch SDPA and jax.nn; the opposite of "
             "torch.nn.MultiheadAttention): where(mask, scores, -inf)", _attend(flip=True)),
+    Mistake("no_scale", NO_SCALE, NO_SCALE_HINT, _attend(scaled=False)),
     Mistake("ignored", "the mask is ignored", "put -inf where mask is False, before the softmax",
             _attend(use_mask=False)),
     Mistake("nan_rows", "a fully masked row gives NaN: its row max is -inf, and -inf - (-inf) "
@@ -85,7 +90,7 @@ PADDING = Exercise(7, "padding", "padded_attention",
 
 
 def _mha(x: np.ndarray, wq: np.ndarray, wk: np.ndarray, wv: np.ndarray, heads: int,
-         split: str = "heads", width_scale: bool = False) -> np.ndarray:
+         split: str = "heads", width_scale: bool = False, scaled: bool = True) -> np.ndarray:
     """Float64 multi-head attention: ``split="heads"`` (right), ``"reshape"`` (a reshape
     without the transpose) or ``"none"`` (one head over the whole width)."""
     q, k, v = x @ wq, x @ wk, x @ wv  # (..., T, H·d)
@@ -101,7 +106,7 @@ def _mha(x: np.ndarray, wq: np.ndarray, wk: np.ndarray, wv: np.ndarray, heads: i
 
     qh, kh, vh = part(q), part(k), part(v)
     width = q.shape[-1] if width_scale else qh.shape[-1]
-    out = softmax64(product_scores(qh, kh, width ** -0.5)) @ vh
+    out = softmax64(product_scores(qh, kh, width ** -0.5 if scaled else 1.0)) @ vh
     if split == "reshape":
         return out.reshape(out.shape[:-3] + (t, -1))
     return np.swapaxes(out, -2, -3).reshape(out.shape[:-3] + (t, -1))
@@ -130,6 +135,8 @@ def _mha_checks() -> list[Check]:
 
 MULTI_HEAD = Exercise(8, "multi_head", "multi_head_attention",
                       "multi-head attention with stacked weights", _mha_checks, (
+    Mistake("no_scale", NO_SCALE, "each head divides its scores by its own √d_k, d_k = "
+            "w_query.shape[-1] // num_heads", one(lambda *a: _mha(*a, scaled=False))),
     Mistake("width_scale", "you scaled by the width of all heads together, √(num_heads·d_k)",
             "each head divides by its own √d_k, d_k = w_query.shape[-1] // num_heads",
             one(lambda *a: _mha(*a, width_scale=True))),
@@ -164,11 +171,18 @@ def _modulo(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
     return softmax64(product_scores(q, k, q.shape[-1] ** -0.5)) @ v
 
 
+def _unscaled_gqa(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    group = q.shape[-3] // k.shape[-3]
+    k, v = np.repeat(k, group, axis=-3), np.repeat(v, group, axis=-3)
+    return softmax64(product_scores(q, k)) @ v
+
+
 GQA = Exercise(9, "gqa", "grouped_query_attention", "grouped-query attention", _gqa_checks, (
     Mistake("modulo", "query head h used kv head h % kv_heads (a tile)",
             "consecutive query heads share a kv head: h // (heads // kv_heads); repeat each kv "
             "head (np.repeat, torch.repeat_interleave, jnp.repeat), do not tile",
             one(_modulo)),
+    Mistake("no_scale", NO_SCALE, NO_SCALE_HINT, one(_unscaled_gqa)),
 ), "repeat each key/value head heads // kv_heads times along the head axis, then attend")
 
 

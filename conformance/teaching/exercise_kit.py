@@ -31,6 +31,7 @@ from ..cases.catalogue import CaseData
 from ..cases.expected import Expected, expected_for
 from ..cases.naive import Precision
 from ..spec import seed_example
+from .exercise_child import is_native, to_backend, to_numpy
 
 DTYPE = "float32"
 UNIT = Precision(DTYPE).unit
@@ -55,6 +56,7 @@ class Check:
     zeros: np.ndarray | None = None
     exp: Expected | None = field(default=None, repr=False)
     step: str = ""
+    mistake: Mistake | None = None
 
 
 @dataclass(frozen=True)
@@ -189,43 +191,6 @@ def identity_keys(scores: np.ndarray) -> dict[str, np.ndarray]:
 
 
 # --------------------------------------------------------------------------- the backends' arrays
-
-
-def to_backend(backend: str, x: Any) -> Any:
-    """A check's argument for ``backend``: a NumPy array as a fresh array of the backend
-    (``"numpy"``, ``"jax"``, ``"torch"``); a scalar as it is."""
-    if not isinstance(x, np.ndarray):
-        return x
-    if backend == "jax":
-        import jax.numpy as jnp
-
-        return jnp.asarray(x)
-    if backend == "torch":
-        import torch
-
-        return torch.from_numpy(x.copy())
-    return x.copy()
-
-
-def is_native(backend: str, x: Any) -> bool:
-    """``x`` is the backend's own array type (a NumPy array, a ``jax.Array``, a tensor)."""
-    if backend == "torch":
-        import torch
-
-        return isinstance(x, torch.Tensor)
-    if backend == "jax":
-        import jax
-
-        return isinstance(x, jax.Array)
-    return isinstance(x, np.ndarray | np.generic)
-
-
-def to_numpy(x: Any) -> np.ndarray:
-    """A result as a NumPy array (a tensor detached and on the CPU; bfloat16 as float32)."""
-    if hasattr(x, "detach"):  # a torch tensor
-        x = x.detach().cpu()
-        return np.asarray(x.float() if str(x.dtype) == "torch.bfloat16" else x)
-    return np.asarray(x)
 
 
 TYPE_NAMES = {"numpy": "a NumPy array", "jax": "a JAX array (jax.numpy, not numpy: NumPy "

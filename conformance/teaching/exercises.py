@@ -13,9 +13,14 @@ A learner's file is untrusted input: a missing file or an uninstalled framework 
 exit code 2 (``UsageError``); everything the file itself does — a syntax error, an import
 error, an exception (with the file's line), ``None`` or a tuple returned, another framework's
 array (NumPy inside a JAX exercise breaks ``jax.jit``), a wrong shape, NaN — is a verdict, exit
-code 1, never a traceback. The command grades in a child process with a time limit
-(``--timeout``, default 120 s), so an endless loop or a crash of the interpreter is a verdict
-too; the learner's own ``print`` output passes through. ``grade`` runs in this process (tests).
+code 1, never a traceback. The learner's function runs in a child process
+(``exercise_child``) with a time limit (``--timeout``, default 120 s): it gets the checks'
+inputs only and sends back what the function returned; the expected values are computed and
+compared here, so the file can neither read them nor write its own verdict, and an endless
+loop, a crash of the interpreter or a missing or malformed answer is a verdict too. A file that
+imports the project's own attention (``exercise_child.FORBIDDEN``) fails with ``library``:
+every exercise is to write the math. The learner's own ``print`` output passes through.
+``grade(..., isolated=False)`` calls the function in this process (the tests of trusted files).
 """
 
 from __future__ import annotations
@@ -28,8 +33,7 @@ import os
 import subprocess
 import sys
 import tempfile
-import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -41,8 +45,9 @@ from ..diagnosing import diagnose
 from ..reporting.textwidth import add_width_argument, columns, fit, resolve_width
 from ..running import backends
 from ..usage import INSTALL, UsageError, at_least
+from . import exercise_child
 from .exercise_catalogue import EXERCISES
-from .exercise_kit import DTYPE, TYPE_NAMES, Check, Exercise, is_native, to_backend, to_numpy
+from .exercise_kit import DTYPE, TYPE_NAMES, Check, Exercise
 
 BACKENDS = {"numpy": "pip install numpy", "jax": INSTALL["jax"], "torch": INSTALL["torch"]}
 FRAMEWORK = {"numpy": "numpy", "jax": "jax", "torch": "torch"}
@@ -110,28 +115,22 @@ def stub_path(ex: Exercise, backend: str, solution: bool = False) -> Path:
     return (LEARN / "solutions" if solution else LEARN) / backend / f"{ex.stem}.py"
 
 
-# --------------------------------------------------------------------------- loading
+# --------------------------------------------------------------------------- verdicts
 
 
-def _where(exc: BaseException, path: Path) -> str:
-    """``line N: code`` of the innermost frame in the learner's file, or ""."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if Path(f.filename).resolve() == path.resolve()]
-    if isinstance(exc, SyntaxError) and exc.lineno:
-        return f"line {exc.lineno}: {(exc.text or '').strip()}"
-    return f"line {frames[-1].lineno}: {frames[-1].line}" if frames else ""
-
-
-def _exception_verdict(base: Verdict, exc: BaseException, path: Path, check: Check | None,
+def _exception_verdict(base: Verdict, raised: dict[str, Any], check: Check | None,
                        during: str) -> Verdict:
-    message = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
-    hint = next((h for key, h in EXCEPTION_HINTS if key in str(exc)), "")
-    if isinstance(exc, ModuleNotFoundError) and exc.name:
-        hint = f"{exc.name} is not installed here: pip install {exc.name}"
+    """The verdict on an exception the learner's code raised (``raised``: the child's
+    description, ``exercise_child._raised``)."""
+    kind, text = str(raised.get("type", "Exception")), str(raised.get("message", ""))
+    message = f"{kind}: {(text.strip().splitlines() or [''])[0]}"
+    hint = next((h for key, h in EXCEPTION_HINTS if key in text), "")
+    if kind == "ModuleNotFoundError" and raised.get("module"):
+        hint = f"{raised['module']} is not installed here: pip install {raised['module']}"
     hints = [h for h in (hint, check.hint if check else "") if h]
-    return _fail(base, "exception", f"your {during} raised {type(exc).__name__}",
+    return _fail(base, "exception", f"your {during} raised {kind}",
                  "; ".join(dict.fromkeys(hints)), check,
-                 "\n".join(p for p in (_where(exc, path), message[:400]) if p))
+                 "\n".join(p for p in (str(raised.get("where") or ""), message[:400]) if p))
 
 
 def _fail(base: Verdict, key: str, says: str, hint: str, check: Check | None,
@@ -142,19 +141,9 @@ def _fail(base: Verdict, key: str, says: str, hint: str, check: Check | None,
 
 def load(path: Path) -> ModuleType:
     """The learner's file as a fresh module (its folder on ``sys.path`` while it imports)."""
-    name = f"_learner_{abs(hash(str(path)))}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
+    if importlib.util.spec_from_file_location("_learner", path) is None:
         raise UsageError(f"--file {path}: not a Python file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses and pickling look their module up
-    sys.path.insert(0, str(path.parent))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(path.parent))
-        sys.modules.pop(name, None)
-    return module
+    return exercise_child.load(path)
 
 
 # --------------------------------------------------------------------------- grading
@@ -172,24 +161,99 @@ def check_usage(ex: Exercise, backend: str, path: Path) -> None:
         raise UsageError(f"--file {path}: no such file")
 
 
-def grade(number: int | str, backend: str, path: str | Path) -> Verdict:
-    """Grade the learner's ``path`` for exercise ``number`` in ``backend``, in this process."""
+def grade(number: int | str, backend: str, path: str | Path, *, isolated: bool = True,
+          timeout: float = TIMEOUT_S) -> Verdict:
+    """Grade the learner's ``path`` for exercise ``number`` in ``backend``.
+
+    ``isolated`` (the default, and the command's way): the learner's function runs in a child
+    process (``exercise_child``) stopped after ``timeout`` seconds, which sees the checks'
+    inputs only and sends back what the function returned; the expected values stay in this
+    process, which compares. ``isolated=False`` calls the function in this process (the tests
+    of trusted files, for speed): its file could read the expected values there, and its
+    imports of the project's own attention are not watched."""
     ex, path = exercise(number), Path(path)
     check_usage(ex, backend, path)
     base = Verdict(ex.number, backend, str(path), False, "")
-    if backend == "jax":  # the harness's persistent compilation cache: a regrade compiles nothing
-        backends.jax_prepare()
-    try:
-        with np.errstate(all="ignore"):
-            module = load(path)
-    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the learner's file: any error
-        return _exception_verdict(base, exc, path, None, "file")
-    fn = getattr(module, ex.function, None)
-    if not callable(fn):
-        return _fail(base, "missing_function", f"{path.name} defines no function "
-                     f"{ex.function}", f"define {ex.function}(...) as the stub does", None)
-    for check in ex.checks:
-        failed = _grade_check(ex, backend, fn, check, base, path)
+    inputs = [c.args for c in ex.checks]
+    if isolated:
+        answer = _run_child(ex, backend, path, inputs, timeout, base)
+        if isinstance(answer, Verdict):
+            return answer
+    else:
+        if backend == "jax":  # the harness's compilation cache: a regrade compiles nothing
+            backends.jax_prepare()
+        answer = exercise_child.run(path, ex.function, backend, [list(a) for a in inputs])
+    return _judge(ex, path, answer, base)
+
+
+def _run_child(ex: Exercise, backend: str, path: Path, inputs: list[tuple[Any, ...]],
+               timeout: float, base: Verdict) -> tuple[dict[str, Any], dict] | Verdict:
+    """The learner's answer from a child process, or the verdict when none came back."""
+    env = dict(os.environ)
+    if backend == "jax":  # the harness's compilation cache and float64, as in this process
+        env.update({**backends.jax_cache_env(), "JAX_ENABLE_X64": "1"})
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        manifest = exercise_child.write_inputs(folder, path.resolve(), ex.function, backend,
+                                               inputs)
+        command = [sys.executable, str(Path(exercise_child.__file__).resolve()), str(manifest)]
+        try:
+            done = subprocess.run(command, env=env, timeout=timeout, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            return _fail(base, "timeout", f"grading stopped after {timeout:g} s",
+                         "an endless loop? (or a much larger computation than the checks "
+                         "need; --timeout S allows more seconds)", None)
+        try:
+            answer = json.loads((folder / exercise_child.ANSWER).read_text(encoding="utf-8"))
+            with np.load(folder / exercise_child.RESULTS, allow_pickle=False) as stored:
+                results = {name: stored[name] for name in stored.files}
+            _validate(answer, results, len(inputs))
+        except FileNotFoundError:
+            return _fail(base, "crashed", f"the grading process ended without an answer (exit "
+                         f"code {done.returncode})", "does your file call os._exit, or crash "
+                         "the interpreter?", None)
+        except (ValueError, TypeError, KeyError, OSError) as exc:
+            return _fail(base, "malformed", "the grading process's answer could not be read "
+                         f"(exit code {done.returncode})", "does your file write to the "
+                         "grader's files? Only what your function returns is graded", None,
+                         f"{type(exc).__name__}: {str(exc)[:200]}")
+    return answer, results
+
+
+def _validate(answer: Any, results: dict[str, np.ndarray], n_checks: int) -> None:
+    """``ValueError`` unless ``answer`` has the form ``exercise_child.main`` writes."""
+    outcome = (dict, type(None))
+    if not (isinstance(answer, dict) and isinstance(answer.get("load"), outcome)
+            and isinstance(answer.get("checks"), list)
+            and all(isinstance(c, dict) for c in answer["checks"])
+            and isinstance(answer.get("forbidden", []), list)):
+        raise ValueError("not the answer's form")
+    if answer["load"] is None and len(answer["checks"]) != n_checks:
+        raise ValueError(f"{len(answer['checks'])} outcomes for {n_checks} checks")
+    for i, c in enumerate(answer["checks"]):
+        if c.get("status") == "ok" and str(i) not in results:
+            raise ValueError(f"no result for check {i}")
+
+
+def _judge(ex: Exercise, path: Path, answer: tuple[dict[str, Any], dict[str, np.ndarray]],
+           base: Verdict) -> Verdict:
+    """The verdict on the learner's answer: what each call gave, compared here."""
+    outcomes, results = answer
+    forbidden = [str(name) for name in outcomes.get("forbidden", [])]
+    if forbidden:
+        return _fail(base, "library", f"{path.name} imports {', '.join(forbidden)}, this "
+                     "project's own attention: every exercise is to write the math yourself",
+                     f"use only {FRAMEWORK[base.backend]}'s array operations (the stubs' "
+                     "imports are enough)", None)
+    loaded = outcomes["load"]
+    if loaded is not None:
+        if loaded.get("status") == "missing_function":
+            return _fail(base, "missing_function", f"{path.name} defines no function "
+                         f"{ex.function}", f"define {ex.function}(...) as the stub does", None)
+        return _exception_verdict(base, loaded, None, "file")
+    for i, check in enumerate(ex.checks):
+        failed = _grade_check(ex, base.backend, check, outcomes["checks"][i],
+                              results.get(str(i)), base)
         if failed is not None:
             return failed
         base.passed_checks.append(check.name)
@@ -197,30 +261,29 @@ def grade(number: int | str, backend: str, path: str | Path) -> Verdict:
     return base
 
 
-def _grade_check(ex: Exercise, backend: str, fn: Any, check: Check, base: Verdict,
-                 path: Path) -> Verdict | None:
+def _grade_check(ex: Exercise, backend: str, check: Check, outcome: dict[str, Any],
+                 actual: np.ndarray | None, base: Verdict) -> Verdict | None:
     """None when the check passes, else the verdict."""
-    try:
-        with np.errstate(all="ignore"):
-            result = fn(*(to_backend(backend, a) for a in check.args))
-    except NotImplementedError:
+    status = outcome.get("status")
+    if status == "not_implemented":
         return _fail(base, "not_implemented", f"{ex.function} is not written yet (it raises "
                      "NotImplementedError)", ex.hint, check)
-    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the learner's code: any error
-        return _exception_verdict(base, exc, path, check, ex.function)
-    if result is None:
+    if status == "exception":
+        return _exception_verdict(base, outcome, check, ex.function)
+    if status == "none":
         return _fail(base, "none", f"{ex.function} returned None", "did you forget `return`?",
                      check)
-    if isinstance(result, tuple | list):
-        return _fail(base, "type", f"{ex.function} returned a {type(result).__name__}",
+    if status == "sequence":
+        return _fail(base, "type", f"{ex.function} returned a {outcome.get('type')}",
                      "return one array", check)
-    if not is_native(backend, result):
-        return _fail(base, "type", f"{ex.function} returned a {type(result).__module__}."
-                     f"{type(result).__name__}", f"return {TYPE_NAMES[backend]}", check)
-    try:
-        actual = to_numpy(result)
-    except Exception as exc:  # noqa: BLE001 - an array-like that does not convert
-        return _exception_verdict(base, exc, path, check, "result")
+    if status == "foreign":
+        return _fail(base, "type", f"{ex.function} returned a {outcome.get('type')}",
+                     f"return {TYPE_NAMES[backend]}", check)
+    if status == "convert":
+        return _exception_verdict(base, outcome, check, "result")
+    if status != "ok" or actual is None:
+        return _fail(base, "malformed", f"no result for this check (status {status!r})",
+                     "only what your function returns is graded", check)
     if actual.dtype.kind != "f":
         return _fail(base, "dtype", f"{ex.function} returned {actual.dtype} values",
                      "return floating-point values", check)
@@ -253,6 +316,9 @@ def _explain(ex: Exercise, check: Check, actual: np.ndarray, res: compare.StepRe
     for mistake in ex.mistakes:
         if any(_matches(ex, check, actual, alt) for alt in mistake.compute(*args)):
             return _fail(base, mistake.key, mistake.says, mistake.hint, check, _worst(res))
+    if check.mistake is not None:
+        named = check.mistake
+        return _fail(base, named.key, named.says, named.hint, check, _worst(res))
     with contextlib.suppress(Exception):  # the harness's diagnoses, where the check is sdpa
         reasons = diagnose.diagnose(check.exp, check.step, actual) if check.exp else ""
         if reasons:
@@ -323,28 +389,11 @@ def main(args: argparse.Namespace) -> int:
 
 
 def run_isolated(number: int, backend: str, path: Path, timeout: float) -> Verdict:
-    """``grade`` in a child process, stopped after ``timeout`` seconds."""
-    base = Verdict(number, backend, str(path), False, "")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "verdict.json"
-        root = str(Path(__file__).resolve().parents[2])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [root, *filter(None, [os.environ.get("PYTHONPATH")])])}
-        command = [sys.executable, "-m", "conformance.teaching.exercises", str(number), backend,
-                   str(path.resolve()), str(out)]
-        try:
-            done = subprocess.run(command, env=env, timeout=timeout, stdin=subprocess.DEVNULL)
-        except subprocess.TimeoutExpired:
-            return _fail(base, "timeout", f"grading stopped after {timeout:g} s",
-                         "an endless loop? (or a much larger computation than the checks need)",
-                         None)
-        if not out.is_file():
-            return _fail(base, "crashed", f"the grading process ended without a verdict (exit "
-                         f"code {done.returncode})", "does your file call os._exit, or crash "
-                         "the interpreter?", None)
-        verdict = Verdict(**json.loads(out.read_text(encoding="utf-8")))
-        verdict.file = _shown(path)
-        return verdict
+    """``grade`` with the learner's function in a child process stopped after ``timeout``
+    seconds; the verdict names the file as the working directory sees it."""
+    verdict = grade(number, backend, path, isolated=True, timeout=timeout)
+    verdict.file = _shown(path)
+    return verdict
 
 
 def _shown(path: Path) -> str:
@@ -353,20 +402,5 @@ def _shown(path: Path) -> str:
     return str(path) if relative.startswith("..") else relative
 
 
-def _worker(argv: list[str]) -> int:
-    number, backend, path, out = argv
-    try:
-        verdict = grade(number, backend, path)
-    except UsageError as exc:
-        verdict = Verdict(int(number), backend, path, False, "usage", str(exc))
-    with contextlib.suppress(OSError):
-        sys.stdout.flush()
-    Path(out).write_text(json.dumps(asdict(verdict)), encoding="utf-8")
-    return 0
-
-
 __all__ = ["BACKENDS", "EXERCISES", "Verdict", "add_arguments", "check_usage", "exercise",
            "grade", "listing", "load", "main", "run_isolated", "stub_path"]
-
-if __name__ == "__main__":
-    sys.exit(_worker(sys.argv[1:]))
