@@ -22,6 +22,7 @@ from typing import NamedTuple
 from .checks import (
     ArrayInfo,
     Shape,
+    _is_int,
     check_float_inputs,
     check_int,
     check_scale,
@@ -202,32 +203,43 @@ def check_pool(fn: str, needed: int, free: int, num_blocks: int) -> None:
         )
 
 
-def check_sequences(fn: str, seqs: list[int], known: object = None) -> None:
-    """``seqs``: distinct ints ``>= 0``; each in ``known`` when given (ValueError otherwise)."""
+def check_sequences(fn: str, seqs: list, known: object = None, name: str = "seqs") -> list[int]:
+    """``seqs``: distinct ids, Python or NumPy ints ``>= 0``; each in ``known`` when given
+    (ValueError naming the argument ``name`` otherwise). Returns them as Python ints."""
+    ids = []
     for seq in seqs:
-        if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
-            raise ValueError(f"{fn}: seqs must be sequence ids, ints >= 0; got {seq!r}")
-        if known is not None and seq not in known:  # type: ignore[operator]
-            raise ValueError(f"{fn}: sequence {seq} holds no positions in this cache; "
+        if not _is_int(seq) or int(seq) < 0:
+            raise ValueError(f"{fn}: {name} must be sequence ids, ints >= 0; got {seq!r}")
+        ids.append(int(seq))
+        if known is not None and int(seq) not in known:  # type: ignore[operator]
+            raise ValueError(f"{fn}: sequence {int(seq)} holds no positions in this cache; "
                              f"its sequences are {sorted(known)}")  # type: ignore[call-overload]
-    if len(set(seqs)) != len(seqs):
-        raise ValueError(f"{fn}: seqs must be distinct; got seqs={list(seqs)}")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{fn}: {name} must be distinct; got {name}={ids}")
+    return ids
 
 
 def check_paged_append(
     fn: str, k_shape: Shape, v_shape: Shape, k_pages: Shape, v_pages: Shape, batch: int
 ) -> None:
     """Keys ``(batch, kv_heads, n, head_dim)`` and values ``(batch, kv_heads, n, v_dim)`` that
-    fit pages ``(num_blocks, block_size, kv_heads, head_dim | v_dim)``, one row per sequence."""
+    fit pages ``(num_blocks, block_size, kv_heads, head_dim | v_dim)`` (ValueError naming
+    keys and values), one row per sequence of ``seqs`` (``batch`` ids; ValueError naming
+    seqs)."""
     k_shape, v_shape = tuple(k_shape), tuple(v_shape)
     fits = (len(k_shape) == 4 and len(v_shape) == 4 and k_shape[:3] == v_shape[:3]
-            and k_shape[0] == batch and k_shape[1] == k_pages[2] and k_shape[3] == k_pages[3]
+            and k_shape[1] == k_pages[2] and k_shape[3] == k_pages[3]
             and v_shape[3] == v_pages[3])
     if not fits:
         raise ValueError(
             f"{fn}: keys and values must be (batch, kv_heads, n, head_dim | v_dim) = "
             f"({batch}, {k_pages[2]}, n, {k_pages[3]} | {v_pages[3]}), one row per sequence; "
             f"got keys.shape={k_shape}, values.shape={v_shape}"
+        )
+    if k_shape[0] != batch:
+        raise ValueError(
+            f"{fn}: seqs must name one sequence per row of keys and values; "
+            f"got len(seqs)={batch}, keys.shape={k_shape}, values.shape={v_shape}"
         )
 
 
@@ -256,7 +268,7 @@ def book_append(
       ``len(seqs) · n`` of each), the page and the row within the page to write to.
       ValueError (``check_sequences``, ``check_pool``) before anything changes.
     """
-    check_sequences(fn, seqs)
+    seqs = check_sequences(fn, seqs)
     lengths = {seq: book.lengths.get(seq, 0) for seq in seqs}
     needed = sum(pages_needed(lengths[s] + n, block_size) - len(book.pages.get(s, ()))
                  for s in seqs)
@@ -278,7 +290,7 @@ def book_append(
 
 def book_free(fn: str, book: PageBook, seq: int) -> PageBook:
     """The book without sequence ``seq``, its pages free again (ValueError for an unknown id)."""
-    check_sequences(fn, [seq], book.lengths)
+    [seq] = check_sequences(fn, [seq], book.lengths, name="seq")
     pages, lengths = dict(book.pages), dict(book.lengths)
     freed = pages.pop(seq)
     del lengths[seq]
@@ -291,7 +303,7 @@ def book_tables(fn: str, book: PageBook, seqs: list[int] | None) -> tuple[list, 
     sequence's last page, and the lengths (0 for an id the book does not hold)."""
     if seqs is None:
         seqs = list(range(max(book.lengths, default=-1) + 1))
-    check_sequences(fn, seqs)
+    seqs = check_sequences(fn, seqs)
     rows = [book.pages.get(seq, ()) for seq in seqs]
     width = max([1] + [len(row) for row in rows])
     table = [list(row) + [-1] * (width - len(row)) for row in rows]

@@ -32,9 +32,14 @@ from .functional import scaled_dot_product_attention
 from .paged import PagedKVCache, split_kv_attention
 
 
-def _dtype(dtype: Any) -> jnp.dtype:
-    """A dtype name (``"float32"``) or a JAX/NumPy dtype."""
-    return jnp.dtype(dtype)
+def _dtype(fn: str, dtype: Any) -> jnp.dtype:
+    """A dtype name (``"float32"``) or a JAX/NumPy dtype; the spec's TypeError naming ``dtype``
+    for a name JAX does not know."""
+    try:
+        return jnp.dtype(dtype)
+    except TypeError:
+        rules.check_float_inputs(fn, dtype=str(dtype))  # raises: not a supported dtype
+        raise
 
 
 @jax.tree_util.register_pytree_node_class
@@ -82,7 +87,7 @@ class KVCache:
         head_dim = rules.check_int(fn, "head_dim", head_dim)
         v_dim = head_dim if v_dim is None else rules.check_int(fn, "v_dim", v_dim)
         device = _check_device(fn, device)  # jax: a device or a platform name
-        dtype = _dtype(dtype)
+        dtype = _dtype(fn, dtype)
         rules.check_float_inputs(fn, dtype=dtype.name)
         shape = tuple(batch_shape) + (kv_heads, max_len)
         return cls(_place(jnp.zeros(shape + (head_dim,), dtype), device),
@@ -119,6 +124,8 @@ class KVCache:
         (cast to the cache's dtype); returns a new cache (jax: immutable)."""
         fn = "KVCache.append"
         key, value = jnp.asarray(key), jnp.asarray(value)
+        rules.check_float_inputs(fn, key=jnp.dtype(key.dtype).name)  # cast to the cache's
+        rules.check_float_inputs(fn, value=jnp.dtype(value.dtype).name)
         rules.check_cache_append(fn, tuple(key.shape), tuple(value.shape),
                                  tuple(self.key_buffer.shape), tuple(self.value_buffer.shape))
         start, stop = self._length, self._length + key.shape[-2]

@@ -23,8 +23,9 @@ head_dim)`` against the query rows of every kv head, each head's own block kept 
 heads to the front costs a transposing copy); with more, per head. Why, and the figures:
 ``docs/paged_decoding.md`` and ``benchmarks/RESULTS.md`` (decoding at scale). A concrete table
 is checked (``rules.check_block_table``); a traced one cannot raise, so a used entry outside the
-pool makes that sequence's output (and lse) NaN, never a finite wrong number, and reads no other
-sequence's page (nor sends it a gradient). Differentiable by autodiff (copies and scans).
+pool, or a length outside ``[0, max_blocks · block_size]``, makes that sequence's output (and
+lse) NaN, never a finite wrong number, and reads no other sequence's page (nor sends it a
+gradient; ``spec.PAGED_CACHE``). Differentiable by autodiff (copies and scans).
 """
 
 from __future__ import annotations
@@ -54,9 +55,14 @@ FLAT_KV_HEADS = 8
 TAKE_POSITIONS = 256
 
 
-def _dtype(dtype: Any) -> jnp.dtype:
-    """A dtype name (``"float32"``) or a JAX/NumPy dtype."""
-    return jnp.dtype(dtype)
+def _dtype(fn: str, dtype: Any) -> jnp.dtype:
+    """A dtype name (``"float32"``) or a JAX/NumPy dtype; the spec's TypeError naming ``dtype``
+    for a name JAX does not know."""
+    try:
+        return jnp.dtype(dtype)
+    except TypeError:
+        rules.check_float_inputs(fn, dtype=str(dtype))  # raises: not a supported dtype
+        raise
 
 
 class PagedKVCache:
@@ -83,7 +89,7 @@ class PagedKVCache:
         num_blocks, block_size, kv_heads, head_dim, v_dim = rules.check_page_pool(
             fn, num_blocks, block_size, kv_heads, head_dim, v_dim)
         device = _check_device(fn, device)  # jax: a device or a platform name
-        dtype = _dtype(dtype)
+        dtype = _dtype(fn, dtype)
         rules.check_float_inputs(fn, dtype=dtype.name)
         shape = (num_blocks, block_size, kv_heads)
         self.key_pages = _place(jnp.zeros(shape + (head_dim,), dtype), device)
@@ -111,6 +117,8 @@ class PagedKVCache:
         cache (jax: immutable; outside jit)."""
         fn = "PagedKVCache.append"
         keys, values = jnp.asarray(keys), jnp.asarray(values)
+        rules.check_float_inputs(fn, keys=jnp.dtype(keys.dtype).name)  # cast to the pages'
+        rules.check_float_inputs(fn, values=jnp.dtype(values.dtype).name)
         seqs = list(range(keys.shape[0] if keys.ndim else 0)) if seqs is None else list(seqs)
         rules.check_paged_append(fn, keys.shape, values.shape, self.key_pages.shape,
                                  self.value_pages.shape, len(seqs))
@@ -133,6 +141,7 @@ class PagedKVCache:
 
     def seq_len(self, seq: int) -> int:
         """Positions held for sequence ``seq`` (0 for one the cache does not hold)."""
+        [seq] = rules.check_sequences("PagedKVCache.seq_len", [seq], name="seq")
         return self._book.lengths.get(seq, 0)
 
     def tables(self, seqs: Any = None) -> tuple[jax.Array, jax.Array]:
@@ -154,6 +163,7 @@ class PagedKVCache:
     ) -> Any:
         """``paged_attention`` of ``query (batch, heads, q_len, head_dim)`` over the pages of
         ``seqs`` (default ``0..batch-1``): ``(batch, heads, q_len, v_dim)`` (and the lse)."""
+        rules.check_flag("PagedKVCache.attend", "return_lse", return_lse)
         seqs = range(np.shape(query)[0]) if seqs is None else seqs
         block_table, seq_lens = self.tables(seqs)
         return paged_attention(query, self.key_pages, self.value_pages, block_table, seq_lens,
@@ -204,6 +214,7 @@ def paged_attention(
         _describe(fn, "value_pages", value_pages), _describe(fn, "block_table", block_table),
         _describe(fn, "seq_lens", seq_lens), scale=scale, softcap=softcap,
         sinks=_describe(fn, "sinks", sinks))
+    return_lse = rules.check_flag(fn, "return_lse", return_lse)
     if not any(isinstance(x, jax.core.Tracer) for x in (block_table, seq_lens)):  # concrete
         rules.check_block_table(fn, np.asarray(block_table).tolist(),
                                 np.asarray(seq_lens).tolist(), args.num_blocks, args.block_size)
@@ -316,6 +327,7 @@ def _paged(
     # jax: a traced table cannot raise; a used entry outside the pool makes its sequence NaN
     # (the NaN goes into the scores), never another page's numbers nor their gradients
     bad = (used & ((table < 0) | (table >= args.num_blocks))).any(axis=(1, 2))  # (batch,)
+    bad |= (lens < 0) | (lens > args.max_blocks * bs)  # a length the table cannot hold
     pages = jnp.where(used, table, 0)  # unread slots read page 0, masked
     pages = pages.reshape(batch, count, per // step, step).transpose(1, 2, 0, 3)  # scans' order
     stops = jnp.minimum(jnp.asarray([stop for _, stop in chunks])[:, None], lens)  # (ch, b)
@@ -345,6 +357,8 @@ def _paged(
         return None, (acc / safe, jnp.where(empty, NEG_INF, row_max + jnp.log(safe))[..., 0])
 
     _, (output, lse) = jax.lax.scan(chunk_step, None, (first, stops, pages))
+    # a bad sequence that reads no page (a negative length) is NaN too; 0 for the others
+    output, lse = output + poison[None], lse + poison[None, ..., 0]
     shape = (count, batch, args.heads, args.q_len)  # (chunks, batch, kv_heads, rows, ...)
     return output.reshape(shape + (args.v_dim,)), lse.reshape(shape)
 

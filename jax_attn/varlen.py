@@ -301,6 +301,7 @@ def _masked(
     """The traced-offsets path: one ``pipeline`` call over ``(heads, total_q, head_dim)``
     against every packed key, with the ``(total_q, total_k)`` mask of segment ids, windows and
     keys in use (pages gathered to ``(N · pages · page_size, kv_heads, dim)`` first)."""
+    pool = key.shape[0]  # packed keys, or pages with block_table
     if block_table is not None:  # sequence i's keys: the slots [i · room, (i + 1) · room)
         room = block_table.shape[1] * args.page_size
         key = key[block_table].reshape((-1,) + key.shape[2:])
@@ -341,4 +342,40 @@ def _masked(
                       None, attention, sinks)
     out, lse = result if args.return_lse else (result, None)
     output = out.transpose(1, 0, 2)  # (total_q, heads, v_dim)
+    if args.count and args.total_q:  # jax: traced indices cannot raise; bad ones give NaN
+        poison = _poisoned_rows(args, cu_seq_q, cu_seq_k, seqused_k, block_table, total_k,
+                                pool, seq_q)
+        output = jnp.where(poison[:, None, None], jnp.nan, output)
+        lse = None if lse is None else jnp.where(poison[None, :], jnp.nan, lse)
     return output if lse is None else (output, lse)
+
+
+def _poisoned_rows(
+    args: varlen_rules.VarlenArguments, cu_seq_q: jax.Array, cu_seq_k: jax.Array | None,
+    seqused_k: jax.Array | None, block_table: jax.Array | None, total_k: int, pool: int,
+    seq_q: jax.Array,
+) -> jax.Array:
+    """``(total_q,)``: the query rows the masked path makes NaN (``spec.PAGED_CACHE``), where
+    eager raises ValueError: every row when an offsets array does not start at 0, goes down,
+    or ends before or after its tokens (``pool``: the packed keys, or the pages), or a
+    sequence is longer than ``max_q`` / ``max_k``; a sequence's rows when its ``seqused_k`` is
+    negative or more than its keys, or a page it uses is outside the pool."""
+    q_lens = cu_seq_q[1:] - cu_seq_q[:-1]
+    bad_all = (cu_seq_q[0] != 0) | (cu_seq_q[-1] != args.total_q) | (q_lens < 0).any()
+    bad_all |= (q_lens > args.max_q).any()
+    if cu_seq_k is not None:
+        k_lens = cu_seq_k[1:] - cu_seq_k[:-1]
+        bad_all |= (cu_seq_k[0] != 0) | (k_lens < 0).any()
+        if block_table is None:
+            bad_all |= cu_seq_k[-1] != pool
+    room = total_k if block_table is None else block_table.shape[1] * args.page_size
+    own = jnp.full((args.count,), room) if cu_seq_k is None else jnp.minimum(k_lens, room)
+    used = own if seqused_k is None else seqused_k
+    bad_all |= (used > args.max_k).any()
+    bad_seq = (used < 0) | (used > own)
+    if block_table is not None:
+        first = jnp.arange(block_table.shape[1]) * args.page_size  # each page's first slot
+        read = first[None, :] < used[:, None]  # (count, pages): the pages the sequence uses
+        outside = (block_table < 0) | (block_table >= pool)
+        bad_seq |= (read & outside).any(axis=1)
+    return bad_all | bad_seq[seq_q]

@@ -20,13 +20,18 @@ from .functional import scaled_dot_product_attention
 from .paged import PagedKVCache, split_kv_attention
 
 
-def _dtype(dtype: Any) -> np.dtype:
-    """A dtype name (``"bfloat16"`` via ml_dtypes) or a NumPy dtype."""
+def _dtype(fn: str, dtype: Any) -> np.dtype:
+    """A dtype name (``"bfloat16"`` via ml_dtypes) or a NumPy dtype; the spec's TypeError naming
+    ``dtype`` for a name NumPy does not know."""
     if isinstance(dtype, str) and dtype == "bfloat16":
         import ml_dtypes
 
         return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(dtype)
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        rules.check_float_inputs(fn, dtype=str(dtype))  # raises: not a supported dtype
+        raise
 
 
 class KVCache:
@@ -61,7 +66,7 @@ class KVCache:
         head_dim = rules.check_int(fn, "head_dim", head_dim)
         v_dim = head_dim if v_dim is None else rules.check_int(fn, "v_dim", v_dim)
         _check_device(fn, device)  # numpy: the CPU only
-        dtype = _dtype(dtype)
+        dtype = _dtype(fn, dtype)
         rules.check_float_inputs(fn, dtype=dtype.name)
         shape = tuple(batch_shape) + (kv_heads, max_len)
         return cls(np.zeros(shape + (head_dim,), dtype), np.zeros(shape + (v_dim,), dtype), 0)
@@ -97,6 +102,8 @@ class KVCache:
         (cast to the cache's dtype); returns the cache, updated in place."""
         fn = "KVCache.append"
         key, value = np.asarray(key), np.asarray(value)
+        rules.check_float_inputs(fn, key=key.dtype.name)  # cast to the cache's dtype after
+        rules.check_float_inputs(fn, value=value.dtype.name)
         rules.check_cache_append(fn, tuple(key.shape), tuple(value.shape),
                                  tuple(self.key_buffer.shape), tuple(self.value_buffer.shape))
         start, stop = self._length, self._length + key.shape[-2]

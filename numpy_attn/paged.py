@@ -44,13 +44,18 @@ PART_BYTES = 1 << 20
 _local = threading.local()  # each thread's buffer for the copied pages (``_buffer``)
 
 
-def _dtype(dtype: Any) -> np.dtype:
-    """A dtype name (``"bfloat16"`` via ml_dtypes) or a NumPy dtype."""
+def _dtype(fn: str, dtype: Any) -> np.dtype:
+    """A dtype name (``"bfloat16"`` via ml_dtypes) or a NumPy dtype; the spec's TypeError naming
+    ``dtype`` for a name NumPy does not know."""
     if isinstance(dtype, str) and dtype == "bfloat16":
         import ml_dtypes
 
         return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(dtype)
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        rules.check_float_inputs(fn, dtype=str(dtype))  # raises: not a supported dtype
+        raise
 
 
 class PagedKVCache:
@@ -76,12 +81,15 @@ class PagedKVCache:
         num_blocks, block_size, kv_heads, head_dim, v_dim = rules.check_page_pool(
             fn, num_blocks, block_size, kv_heads, head_dim, v_dim)
         _check_device(fn, device)  # numpy: the CPU only
-        dtype = _dtype(dtype)
+        dtype = _dtype(fn, dtype)
         rules.check_float_inputs(fn, dtype=dtype.name)
         shape = (num_blocks, block_size, kv_heads)
         self.key_pages = np.zeros(shape + (head_dim,), dtype)
         self.value_pages = np.zeros(shape + (v_dim,), dtype)
         self._book = rules.new_book(num_blocks)
+        # appends and frees of different sequences from several threads take turns here
+        # (spec.CONCURRENCY): the book is read, the pages written and the new book set at once
+        self._lock = threading.Lock()
 
     @property
     def num_blocks(self) -> int:
@@ -104,26 +112,31 @@ class PagedKVCache:
         cache, updated in place (nothing changes when it raises)."""
         fn = "PagedKVCache.append"
         keys, values = np.asarray(keys), np.asarray(values)
+        rules.check_float_inputs(fn, keys=keys.dtype.name)  # cast to the pages' dtype after
+        rules.check_float_inputs(fn, values=values.dtype.name)
         seqs = list(range(keys.shape[0] if keys.ndim else 0)) if seqs is None else list(seqs)
         rules.check_paged_append(fn, keys.shape, values.shape, self.key_pages.shape,
                                  self.value_pages.shape, len(seqs))
-        book, pages, rows = rules.book_append(fn, self._book, seqs, keys.shape[2],
-                                              self.block_size, self.num_blocks)
-        # (batch, kv_heads, n, dim) → one (kv_heads, dim) row per new position, row-major
-        self.key_pages[pages, rows] = keys.transpose(0, 2, 1, 3).reshape(
-            -1, keys.shape[1], keys.shape[3])
-        self.value_pages[pages, rows] = values.transpose(0, 2, 1, 3).reshape(
-            -1, values.shape[1], values.shape[3])
-        self._book = book
+        with self._lock:  # one append or free at a time (spec.CONCURRENCY)
+            book, pages, rows = rules.book_append(fn, self._book, seqs, keys.shape[2],
+                                                  self.block_size, self.num_blocks)
+            # (batch, kv_heads, n, dim) → one (kv_heads, dim) row per new position, row-major
+            self.key_pages[pages, rows] = keys.transpose(0, 2, 1, 3).reshape(
+                -1, keys.shape[1], keys.shape[3])
+            self.value_pages[pages, rows] = values.transpose(0, 2, 1, 3).reshape(
+                -1, values.shape[1], values.shape[3])
+            self._book = book
         return self
 
     def free(self, seq: int) -> PagedKVCache:
         """Give sequence ``seq``'s pages back to the free list; returns the cache."""
-        self._book = rules.book_free("PagedKVCache.free", self._book, seq)
+        with self._lock:
+            self._book = rules.book_free("PagedKVCache.free", self._book, seq)
         return self
 
     def seq_len(self, seq: int) -> int:
         """Positions held for sequence ``seq`` (0 for one the cache does not hold)."""
+        [seq] = rules.check_sequences("PagedKVCache.seq_len", [seq], name="seq")
         return self._book.lengths.get(seq, 0)
 
     def tables(self, seqs: Any = None) -> tuple[np.ndarray, np.ndarray]:
@@ -145,6 +158,7 @@ class PagedKVCache:
     ) -> Any:
         """``paged_attention`` of ``query (batch, heads, q_len, head_dim)`` over the pages of
         ``seqs`` (default ``0..batch-1``): ``(batch, heads, q_len, v_dim)`` (and the lse)."""
+        rules.check_flag("PagedKVCache.attend", "return_lse", return_lse)
         seqs = range(np.shape(query)[0]) if seqs is None else seqs
         block_table, seq_lens = self.tables(seqs)
         return paged_attention(query, self.key_pages, self.value_pages, block_table, seq_lens,
@@ -186,6 +200,7 @@ def paged_attention(
         _describe(fn, "value_pages", value_pages), _describe(fn, "block_table", block_table),
         _describe(fn, "seq_lens", seq_lens), scale=scale, softcap=softcap,
         sinks=_describe(fn, "sinks", sinks))
+    return_lse = rules.check_flag(fn, "return_lse", return_lse)
     table, lens = _array(block_table).tolist(), _array(seq_lens).tolist()
     rules.check_block_table(fn, table, lens, args.num_blocks, args.block_size)
     query = _array(query)

@@ -21,14 +21,18 @@ import torch
 
 import attention_rules as rules
 
-from ._arrays import _as_tensor
+from ._arrays import _as_tensor, _dtype_name
 from .functional import merge_attention, scaled_dot_product_attention
 from .paged import PagedKVCache, paged_cached_part, split_kv_attention
 
 
-def _dtype(dtype: Any) -> torch.dtype:
-    """A dtype name (``"float32"``) or a ``torch.dtype``."""
-    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+def _dtype(fn: str, dtype: Any) -> torch.dtype:
+    """A dtype name (``"float32"``) or a ``torch.dtype``; the spec's TypeError naming ``dtype``
+    for anything else (torch: ``getattr`` alone would raise AttributeError)."""
+    found = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(found, torch.dtype):
+        rules.check_float_inputs(fn, dtype=str(dtype))  # raises: not a supported dtype
+    return found
 
 
 class KVCache:
@@ -63,7 +67,7 @@ class KVCache:
         max_len = rules.check_int(fn, "max_len", max_len)
         head_dim = rules.check_int(fn, "head_dim", head_dim)
         v_dim = head_dim if v_dim is None else rules.check_int(fn, "v_dim", v_dim)
-        dtype = _dtype(dtype)
+        dtype = _dtype(fn, dtype)
         rules.check_float_inputs(fn, dtype=str(dtype).removeprefix("torch."))
         shape = tuple(batch_shape) + (kv_heads, max_len)
         like = {"dtype": dtype, "device": device}  # torch: the device of the buffers
@@ -101,6 +105,8 @@ class KVCache:
         (cast to the cache's dtype, detached); returns the cache, updated in place."""
         fn = "KVCache.append"
         key, value = _as_tensor(key), _as_tensor(value)
+        rules.check_float_inputs(fn, key=_dtype_name(key))  # cast to the cache's dtype after
+        rules.check_float_inputs(fn, value=_dtype_name(value))
         rules.check_cache_append(fn, tuple(key.shape), tuple(value.shape),
                                  tuple(self.key_buffer.shape), tuple(self.value_buffer.shape))
         start, stop = self._length, self._length + key.shape[-2]

@@ -39,9 +39,13 @@ PART_BYTES = 1 << 21
 _local = threading.local()  # each thread's buffers for the copied pages, per device (_buffer)
 
 
-def _dtype(dtype: Any) -> torch.dtype:
-    """A dtype name (``"float32"``) or a ``torch.dtype``."""
-    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+def _dtype(fn: str, dtype: Any) -> torch.dtype:
+    """A dtype name (``"float32"``) or a ``torch.dtype``; the spec's TypeError naming ``dtype``
+    for anything else (torch: ``getattr`` alone would raise AttributeError)."""
+    found = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(found, torch.dtype):
+        rules.check_float_inputs(fn, dtype=str(dtype))  # raises: not a supported dtype
+    return found
 
 
 class PagedKVCache:
@@ -67,13 +71,16 @@ class PagedKVCache:
         fn = "PagedKVCache"
         num_blocks, block_size, kv_heads, head_dim, v_dim = rules.check_page_pool(
             fn, num_blocks, block_size, kv_heads, head_dim, v_dim)
-        dtype = _dtype(dtype)
+        dtype = _dtype(fn, dtype)
         rules.check_float_inputs(fn, dtype=str(dtype).removeprefix("torch."))
         shape = (num_blocks, block_size, kv_heads)
         like = {"dtype": dtype, "device": device}  # torch: the device of the pages
         self.key_pages = torch.zeros(shape + (head_dim,), **like)
         self.value_pages = torch.zeros(shape + (v_dim,), **like)
         self._book = rules.new_book(num_blocks)
+        # appends and frees of different sequences from several threads take turns here
+        # (spec.CONCURRENCY): the book is read, the pages written and the new book set at once
+        self._lock = threading.Lock()
 
     @property
     def num_blocks(self) -> int:
@@ -96,31 +103,36 @@ class PagedKVCache:
         the cache, updated in place (nothing changes when it raises)."""
         fn = "PagedKVCache.append"
         keys, values = _as_tensor(keys), _as_tensor(values)
+        rules.check_float_inputs(fn, keys=_dtype_name(keys))  # cast to the pages' dtype after
+        rules.check_float_inputs(fn, values=_dtype_name(values))
         seqs = list(range(keys.shape[0] if keys.ndim else 0)) if seqs is None else list(seqs)
         rules.check_paged_append(fn, tuple(keys.shape), tuple(values.shape),
                                  tuple(self.key_pages.shape), tuple(self.value_pages.shape),
                                  len(seqs))
-        book, pages, rows = rules.book_append(fn, self._book, seqs, keys.shape[2],
-                                              self.block_size, self.num_blocks)
         device = self.key_pages.device
-        pages = torch.tensor(pages, dtype=torch.long, device=device)
-        rows = torch.tensor(rows, dtype=torch.long, device=device)
-        # (batch, kv_heads, n, dim) → one (kv_heads, dim) row per new position, row-major;
-        # torch: without autograd history, as KVCache
-        self.key_pages[pages, rows] = keys.detach().transpose(1, 2).reshape(
-            -1, keys.shape[1], keys.shape[3]).to(device, self.key_pages.dtype)
-        self.value_pages[pages, rows] = values.detach().transpose(1, 2).reshape(
-            -1, values.shape[1], values.shape[3]).to(device, self.value_pages.dtype)
-        self._book = book
+        with self._lock:  # one append or free at a time (spec.CONCURRENCY)
+            book, pages, rows = rules.book_append(fn, self._book, seqs, keys.shape[2],
+                                                  self.block_size, self.num_blocks)
+            pages = torch.tensor(pages, dtype=torch.long, device=device)
+            rows = torch.tensor(rows, dtype=torch.long, device=device)
+            # (batch, kv_heads, n, dim) → one (kv_heads, dim) row per new position, row-major;
+            # torch: without autograd history, as KVCache
+            self.key_pages[pages, rows] = keys.detach().transpose(1, 2).reshape(
+                -1, keys.shape[1], keys.shape[3]).to(device, self.key_pages.dtype)
+            self.value_pages[pages, rows] = values.detach().transpose(1, 2).reshape(
+                -1, values.shape[1], values.shape[3]).to(device, self.value_pages.dtype)
+            self._book = book
         return self
 
     def free(self, seq: int) -> PagedKVCache:
         """Give sequence ``seq``'s pages back to the free list; returns the cache."""
-        self._book = rules.book_free("PagedKVCache.free", self._book, seq)
+        with self._lock:
+            self._book = rules.book_free("PagedKVCache.free", self._book, seq)
         return self
 
     def seq_len(self, seq: int) -> int:
         """Positions held for sequence ``seq`` (0 for one the cache does not hold)."""
+        [seq] = rules.check_sequences("PagedKVCache.seq_len", [seq], name="seq")
         return self._book.lengths.get(seq, 0)
 
     def tables(self, seqs: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,6 +156,7 @@ class PagedKVCache:
     ) -> Any:
         """``paged_attention`` of ``query (batch, heads, q_len, head_dim)`` over the pages of
         ``seqs`` (default ``0..batch-1``): ``(batch, heads, q_len, v_dim)`` (and the lse)."""
+        rules.check_flag("PagedKVCache.attend", "return_lse", return_lse)
         seqs = range(_as_tensor(query).shape[0]) if seqs is None else seqs
         block_table, seq_lens = self.tables(seqs)
         return paged_attention(query, self.key_pages, self.value_pages, block_table, seq_lens,
@@ -186,6 +199,7 @@ def paged_attention(
         _describe(fn, "value_pages", value_pages), _describe(fn, "block_table", block_table),
         _describe(fn, "seq_lens", seq_lens), scale=scale, softcap=softcap,
         sinks=_describe(fn, "sinks", sinks))
+    return_lse = rules.check_flag(fn, "return_lse", return_lse)
     table, lens = _array(block_table).tolist(), _array(seq_lens).tolist()  # torch: on the host
     rules.check_block_table(fn, table, lens, args.num_blocks, args.block_size)
     query = _array(query)

@@ -25,11 +25,18 @@ CONCURRENCY = {
         "(core count, BLAS build) and NumPy versions. "
         "Modules' forward and backward only read the weights and "
         "may run concurrently; load_weights, KVCache.append and decode write in place (one "
-        "thread per cache). Dropout: the same seeded Generator state gives the same bits; a "
+        "thread per cache, and one thread per module's decode state). PagedKVCache may be "
+        "shared: append and free of different sequences may run from several threads at once "
+        "(each takes the cache's lock for its bookkeeping and page writes), and tables and "
+        "attend read a consistent book; calls on the same sequence must be ordered by the "
+        "caller. Dropout: the same seeded Generator state gives the same bits; a "
         "numpy Generator is not thread-safe, so give each thread its own."
     ),
     "jax_attn": (
-        "Every function is pure; arrays and KVCache are immutable, so any thread may use them, "
+        "Every function is pure; arrays, KVCache and PagedKVCache are immutable, so any thread "
+        "may use them (an append or free returns a new cache: threads appending to one shared "
+        "PagedKVCache each get their own new cache, so chain a shared pool's appends in one "
+        "thread or under the caller's lock; a module's decode state likewise), "
         "and jitted functions may be called from several threads at once. On CPU the same "
         "compiled function gives the same bits for the same inputs, call after call and from "
         "several threads at once (XLA fixes its algorithms and its work split at compile "
@@ -49,9 +56,12 @@ CONCURRENCY = {
         "gave other bits, until torch.set_num_threads(2) was called again in the main thread). "
         "On CUDA the fused SDPA kernels' backward may be non-deterministic "
         "unless torch.use_deterministic_algorithms(True) (not checked here). KVCache.append and "
-        "decode write the cache in place (one thread per cache); load_weights writes the "
-        "parameters. Dropout with rng=None draws from torch's global generator, shared by all "
-        "threads: pass a torch.Generator per thread for repeatable masks."
+        "decode write the cache in place (one thread per cache, and one thread per module's "
+        "decode state). PagedKVCache may be shared: append and free of different sequences may "
+        "run from several threads at once (each takes the cache's lock for its bookkeeping and "
+        "page writes); calls on the same sequence must be ordered by the caller. load_weights "
+        "writes the parameters. Dropout with rng=None draws from torch's global generator, "
+        "shared by all threads: pass a torch.Generator per thread for repeatable masks."
     ),
 }
 

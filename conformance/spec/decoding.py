@@ -223,9 +223,15 @@ def paged_attention(
     ValueError (via ``attention_rules``, naming the entry and the numbers) for a used entry
     outside ``[0, num_blocks)``, a page used twice (by another sequence, or twice by one),
     ``seq_lens[b]`` outside ``[0, max_blocks · block_size]``; under ``jax.jit``, where the
-    table is traced and nothing can raise, an out-of-range used entry gives NaN in that
-    sequence's output (never a finite wrong number) and reads no other sequence's page, nor
-    sends one a gradient.
+    table is traced and nothing can raise, every index or length the library reads poisons
+    the rows it governs instead: an out-of-range used entry or a ``seq_lens[b]`` outside
+    ``[0, max_blocks · block_size]`` gives NaN in that sequence's output and lse (never a
+    finite wrong number, nor zeros) and reads no other sequence's page, nor sends one a
+    gradient. ``varlen_attention`` follows the same rule with traced offsets: a ``block_table``
+    entry a sequence uses outside the pool, or a ``seqused_k[i]`` outside its keys, makes that
+    sequence's query rows NaN; ``cu_seq_q`` / ``cu_seq_k`` that do not start at 0, go down, or
+    end before or after their tokens, or a sequence longer than ``max_q`` / ``max_k``, make
+    every row NaN.
 
     Args:
       query: ``(batch, heads, q_len, head_dim)``; ``heads`` a multiple of ``kv_heads``.
