@@ -169,3 +169,18 @@ def test_two_threads_give_the_cells_of_one() -> None:
     assert [repr(dataclasses.asdict(c)) for c in two.cells] == [
         repr(dataclasses.asdict(c)) for c in one.cells]
     assert [c.status for c in two.cells] == ["ok"] * 6
+
+
+def test_each_order_sensitive_pair_meets_in_a_quick_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every pair of ``profiles.ORDER_SENSITIVE`` is used together by one quick row; without
+    the case that puts sinks and dropout together, that pair (and only it) is uncovered."""
+    rows = profiles.quick_rows()
+    met = set().union(*(profiles.covers(_expected(case, dtype)) for case, dtype in rows))
+    assert {f"order:{a}+{b}" for a, b in profiles.ORDER_SENSITIVE} <= met
+    monkeypatch.setattr(cases, "CASES", tuple(c for c in cases.CASES
+                                              if c.name != "combined_masked_dropout"))
+    profiles.quick_rows.cache_clear()
+    try:
+        assert profiles.uncovered(profiles.quick_rows()) == {"order:sinks+dropout"}
+    finally:
+        profiles.quick_rows.cache_clear()

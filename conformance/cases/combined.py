@@ -52,7 +52,7 @@ def _documents_in_chunks(rng: np.random.Generator) -> CaseData:
 
 def _masked_dropout(rng: np.random.Generator) -> CaseData:
     arrays = {**qkv(rng), "mask": fully_masked_mask(rng), "bias": rng.standard_normal((H, TQ, TK)),
-              "dropout_mask": rng.random((B, H, TQ, TK)) >= 0.3}
+              "dropout_mask": rng.random((B, H, TQ, TK)) >= 0.3, "sinks": sink_logits(rng)}
     return CaseData(arrays, {"dropout_p": 0.3, "scale": 0.7})
 
 
@@ -66,8 +66,8 @@ COMBINED_CASES: tuple[Case, ...] = (
          "4, causal top-left and a sliding-window mask_mod, 4 heads over 1",
          _documents_in_chunks),
     Case("combined_masked_dropout",
-         "a boolean mask with fully masked rows and a fully masked head, a bias, dropout 0.3 "
-         "with a keep-mask, scale 0.7",
+         "a boolean mask with fully masked rows and a fully masked head, a bias, sinks, dropout "
+         "0.3 with a keep-mask (after the softmax with the sinks), scale 0.7",
          _masked_dropout),
 )
 

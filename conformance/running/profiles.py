@@ -59,6 +59,8 @@ def covers(exp: Expected) -> frozenset[str]:
     items.update(f"step:{s}" for s in steps)
     if exp.dtype in HALF:
         items.add(HALF_ITEM)
+    used = items | ({"masking"} if items & MASKING else set())
+    items.update(f"order:{a}+{b}" for a, b in ORDER_SENSITIVE if {a, b} <= used)
     return frozenset(items)
 
 
@@ -78,17 +80,28 @@ def cover(rows: dict[tuple[str, str], frozenset[str]]) -> list[tuple[str, str]]:
 
 #: Behaviours the spec singles out that no argument names: coverage items of their own.
 BEHAVIOURS = ("causal_top_left", "fully_masked_rows", "gradients")
+#: The features that mask positions (``spec.PIPELINE_WITH_MODS``'s "masking" step).
+MASKING = frozenset({"mask", "causal", "window", "chunked", "segments", "mask_mod"})
+#: Pairs of steps of ``spec.PIPELINE_WITH_MODS`` whose order changes the result when both are
+#: used: the soft-cap before the bias, ALiBi and score_mod; bias and ALiBi before score_mod;
+#: score_mod before the masking; the masking before the softmax with the sinks (which are
+#: never masked); dropout after the softmax with the sinks. Each pair meets in one quick row
+#: at least (an item ``order:a+b``), so a step in the wrong order cannot pass it.
+ORDER_SENSITIVE = (("softcap", "bias"), ("softcap", "alibi"), ("softcap", "score_mod"),
+                   ("bias", "score_mod"), ("alibi", "score_mod"), ("score_mod", "masking"),
+                   ("masking", "sinks"), ("sinks", "dropout"))
 
 
 def required_items() -> frozenset[str]:
     """What the quick profile must cover, from the spec alone (not from the catalogue): the
     row features of ``spec.PLUGIN_FEATURES``, ``BEHAVIOURS``, every module class of
-    ``spec.MODULES``, every compared step, and ``HALF_ITEM``."""
+    ``spec.MODULES``, every compared step, every pair of ``ORDER_SENSITIVE`` and
+    ``HALF_ITEM``."""
     from .steps import STEPS
 
     return frozenset({*(set(spec.PLUGIN_FEATURES) - _NOT_ROW_FEATURES), *BEHAVIOURS,
                       *(f"module:{m}" for m in spec.MODULES), *(f"step:{s}" for s in STEPS),
-                      HALF_ITEM})
+                      *(f"order:{a}+{b}" for a, b in ORDER_SENSITIVE), HALF_ITEM})
 
 
 def uncovered(rows: Iterable[tuple[str, str]]) -> frozenset[str]:
@@ -163,6 +176,6 @@ FULL_PROPERTY_EXAMPLES = 100
 #: The peers of the quick profile: the frameworks' own fused attention.
 QUICK_PEERS = ("torch.sdpa", "jax.nn")
 
-__all__ = ["BEHAVIOURS", "HALF", "FULL_PROPERTY_EXAMPLES", "HALF_ITEM", "QUICK_PEERS", "Profile",
-           "choose", "cover", "covers", "get", "quick_rows", "required_items",
-           "uncovered"]
+__all__ = ["BEHAVIOURS", "FULL_PROPERTY_EXAMPLES", "HALF", "HALF_ITEM", "MASKING",
+           "ORDER_SENSITIVE", "QUICK_PEERS", "Profile", "choose", "cover", "covers", "get",
+           "quick_rows", "required_items", "uncovered"]
