@@ -64,7 +64,8 @@ PROFILES = {
     "quick": "the default, a first answer in seconds: the smallest set of case x dtype rows, "
              "chosen by rule (greedy set cover), that together use every feature of "
              "PLUGIN_FEATURES any case uses (dtypes aside), both causal alignments, fully masked "
-             "rows, gradients, every module class of MODULES, every compared step, and one half "
+             "rows, gradients, every module class of MODULES, every compared step, every pair "
+             "of order-sensitive steps of PIPELINE_WITH_MODS together in one row, and one half "
              "dtype; every row on every spec backend, plus the frameworks' own attention "
              "(torch.sdpa, jax.nn) as peers and the bad inputs of ERRORS; no property checks",
     "full": "every case in every dtype on every backend and every installed peer, the bad "
