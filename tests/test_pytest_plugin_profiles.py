@@ -117,6 +117,8 @@ def test_the_plugin_collects_quick_by_default_and_every_case_and_dtype_in_full()
     cells, total = _collected("--attention-profile", "full")
     assert cells == _steps(_every_row())
     assert total == len(cells) + others
+    cells, total = _collected("--attention-no-errors")  # as the CLI's --no-errors
+    assert total == len(cells) + 1
 
 
 @pytest.mark.slow

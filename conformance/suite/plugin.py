@@ -98,6 +98,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--attention-hypothesis", metavar="N", type=at_least(0), default=None,
                     help="property-check examples (default: the profile's, quick 0, full 100; "
                          "0 when cases or dtypes are selected)")
+    group.addoption("--attention-no-errors", action="store_true", default=False,
+                    help="no bad-input items (as python -m conformance --no-errors)")
     group.addoption("--attention-timeout", metavar="S", type=seconds, default=None,
                     help="seconds one call of the module may take (0: no limit; default: that "
                          "of python -m conformance)")
