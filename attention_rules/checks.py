@@ -251,7 +251,7 @@ def causal_offset(causal_alignment: str, q_len: int, kv_len: int) -> int:
     return 0 if causal_alignment == "top_left" else kv_len - q_len
 
 
-def _is_int(x: object) -> bool:
+def is_int(x: object) -> bool:
     """A Python or NumPy integer (NumPy registers its integer types as ``numbers.Integral``);
     never a bool, a float or an array."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
@@ -261,7 +261,7 @@ def check_window(fn: str, window: object) -> tuple[int | None, int | None]:
     """A pair ``(left, right)`` of non-negative ints or None (ValueError otherwise)."""
     ok = isinstance(window, Sequence) and not isinstance(window, str) and len(window) == 2
     if ok:
-        ok = all(w is None or (_is_int(w) and int(w) >= 0) for w in window)
+        ok = all(w is None or (is_int(w) and int(w) >= 0) for w in window)
     if not ok:
         raise ValueError(
             f"{fn}: window must be a pair (left, right) of non-negative ints or None; "
@@ -283,7 +283,7 @@ def check_structure(
 
 def check_int(fn: str, name: str, value: object, minimum: int | None = 0) -> int:
     """A Python or NumPy integer, at least ``minimum`` (ValueError otherwise)."""
-    if not _is_int(value) or (minimum is not None and int(value) < minimum):  # type: ignore[arg-type]
+    if not is_int(value) or (minimum is not None and int(value) < minimum):  # type: ignore[arg-type]
         bound = "" if minimum is None else f" >= {minimum}"
         raise ValueError(f"{fn}: {name} must be an int{bound}; got {name}={value!r}")
     return int(value)  # type: ignore[arg-type]

@@ -15,10 +15,9 @@ chunk).
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable
 
-from .checks import SUPPORTED_DTYPES, ArrayInfo, Shape, broadcast_shapes
+from .checks import SUPPORTED_DTYPES, ArrayInfo, Shape, broadcast_shapes, is_int
 from .tiles import key_range
 
 #: A tile's status: no allowed position, some, or every position allowed.
@@ -29,7 +28,7 @@ def check_chunk_size(fn: str, chunk_size: object) -> int | None:
     """``chunk_size``: None or a positive int (ValueError otherwise); returns it as an int."""
     if chunk_size is None:
         return None
-    if not _is_int(chunk_size) or int(chunk_size) < 1:  # type: ignore[arg-type]
+    if not is_int(chunk_size) or int(chunk_size) < 1:  # type: ignore[arg-type]
         raise ValueError(
             f"{fn}: chunk_size must be a positive int (keys per chunk) or None; "
             f"got chunk_size={chunk_size!r}"
@@ -230,11 +229,6 @@ def structural_statuses(
                 row[block] = chunk_status(q0, q1, b0, b1, lo, hi, offset, chunk_size)
         rows.append(row)
     return rows
-
-
-def _is_int(x: object) -> bool:
-    """A Python or NumPy integer, never a bool (``checks``' rule, kept private to each file)."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _is_int_dtype(dtype: str) -> bool:

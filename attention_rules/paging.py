@@ -22,13 +22,13 @@ from typing import NamedTuple
 from .checks import (
     ArrayInfo,
     Shape,
-    _is_int,
     check_float_inputs,
     check_int,
     check_scale,
     check_sinks,
     check_softcap,
     compute_dtype,
+    is_int,
 )
 
 #: Split-KV decoding (``spec.SPLIT_KV``): a step with at most ``max_q_len`` query rows over at
@@ -208,7 +208,7 @@ def check_sequences(fn: str, seqs: list, known: object = None, name: str = "seqs
     (ValueError naming the argument ``name`` otherwise). Returns them as Python ints."""
     ids = []
     for seq in seqs:
-        if not _is_int(seq) or int(seq) < 0:
+        if not is_int(seq) or int(seq) < 0:
             raise ValueError(f"{fn}: {name} must be sequence ids, ints >= 0; got {seq!r}")
         ids.append(int(seq))
         if known is not None and int(seq) not in known:  # type: ignore[operator]

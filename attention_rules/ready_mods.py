@@ -12,13 +12,15 @@ mods that hold an array (segment ids, slopes, a bias table) or call a function (
 it from the backend's ``masks`` module, already converted to that backend's arrays, with the
 array functions they need; nothing here imports an array library.
 
-Two mods made from equal arguments are equal and hash alike (arrays by identity, functions by
-identity), so under a JIT a mod made again is not a new static argument; ``repr`` shows how it
-was made.
+Two mods made from equal arguments are equal and hash alike (arrays by their contents: shape,
+dtype and bytes; functions by identity), so under a JIT a mod made again is not a new static
+argument, and a mod made from other ids is never taken for an earlier one (a freed array's
+``id`` is reused); ``repr`` shows how it was made.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +31,7 @@ from .mods import check_chunk_size
 class MaskMod:
     """A ready-made ``mask_mod(batch, head, q_idx, kv_idx) -> bool`` (``spec.MASK_MOD``).
 
-    Two made from equal arguments are equal and hash alike (arrays by identity), so under a
+    Two made from equal arguments are equal and hash alike (arrays by contents), so under a
     JIT a mod made again is not a new static argument. ``repr`` shows how it was made."""
 
     def __init__(self, fn: Any, name: str, key: tuple) -> None:
@@ -69,6 +71,16 @@ class ScoreMod(MaskMod):
 def _here(array: Any, like: Any) -> Any:
     """``array`` where ``like`` lives: NumPy and JAX index across devices themselves."""
     return array
+
+
+def _contents_key(array: Any, to_bytes: Callable) -> tuple:
+    """A mod's key for an array it holds: ``(shape, dtype, sha256 of its bytes)``, so equal
+    contents key alike and other contents never do; ``to_bytes`` is the backend's (None for
+    an array without values, a JAX tracer: keyed by the identity of the array the mod holds)."""
+    data = to_bytes(array)
+    if data is None:
+        return ("id", id(array))
+    return (tuple(array.shape), str(array.dtype), hashlib.sha256(data).hexdigest())
 
 
 # ------------------------------------------------------------------------------------------
@@ -148,10 +160,12 @@ def or_masks(*mask_mods: Any) -> MaskMod:
 # ------------------------------------------------------------------------------------------
 
 
-def document_mod(segment_ids: Any, as_array: Callable, place: Callable = _here) -> MaskMod:
+def document_mod(segment_ids: Any, as_array: Callable, place: Callable = _here, *,
+                 to_bytes: Callable) -> MaskMod:
     """Equal segment ids only: ``segment_ids`` one array ``(..., seq)`` or a pair ``((...,
     q_len), (..., kv_len))``; ``(seq,)`` ids serve every batch entry. ``as_array`` converts an
-    id array to the backend's arrays, ``place(ids, index)`` moves ids to the index's device."""
+    id array to the backend's arrays, ``place(ids, index)`` moves ids to the index's device,
+    ``to_bytes(ids)`` gives their bytes (the mod's key: contents, never the caller's ``id``)."""
     pair = segment_ids if isinstance(segment_ids, (list, tuple)) else (segment_ids, segment_ids)
     q_ids, kv_ids = (as_array(x) for x in pair)
     q_ids, kv_ids = (x.reshape(-1, x.shape[-1]) for x in (q_ids, kv_ids))  # (batch | 1, seq)
@@ -161,7 +175,8 @@ def document_mod(segment_ids: Any, as_array: Callable, place: Callable = _here) 
         bk = b if kv_ids.shape[0] > 1 else b * 0
         return place(q_ids, q)[bq, q] == place(kv_ids, k)[bk, k]
 
-    return MaskMod(mod, "document_mod(...)", ("document", id(pair[0]), id(pair[-1])))
+    return MaskMod(mod, "document_mod(...)", ("document", _contents_key(q_ids, to_bytes),
+                                              _contents_key(kv_ids, to_bytes)))
 
 
 def alibi_mod(slopes: Any, offset: int, ones_like: Callable, place: Callable = _here

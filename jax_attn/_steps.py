@@ -62,14 +62,35 @@ def _mask_scores(
     ``mods``), then ``-inf`` wherever a position is not allowed (``_allowed``)."""
     if bias is not None:
         scores = scores + bias.astype(scores.dtype)  # (..., heads, q_len, kv_len)
-    scores = _mods_scores(scores, mods, 0, 0)
     q_len, kv_len = scores.shape[-2:]
     allowed = _allowed(q_len, kv_len, mask, is_causal, causal_alignment, window, mods)
+    if allowed is not None and mods is not None and mods.score_mod is not None:
+        scores = _masked_gradient_zero(scores, allowed)  # score_mod's NaN there: gradient 0
+    scores = _mods_scores(scores, mods, 0, 0)
     if allowed is not None:
         # replaced, not added: a NaN score at a masked position does not spread; and where,
         # not scores + log(mask): the gradient at a masked position is exactly 0
         scores = jnp.where(allowed, scores, NEG_INF)
     return scores
+
+
+@jax.custom_vjp
+def _masked_gradient_zero(scores: jax.Array, allowed: jax.Array) -> jax.Array:
+    """``scores`` as they are; their gradient exactly 0 where ``allowed`` is False, by
+    ``where``: a ``score_mod`` that is NaN (or infinite) only at masked positions gives a
+    masked score, whose cotangent 0 times the mod's NaN derivative would be NaN."""
+    return scores
+
+
+def _masked_gradient_zero_fwd(scores: jax.Array, allowed: jax.Array) -> tuple:
+    return scores, allowed
+
+
+def _masked_gradient_zero_bwd(allowed: jax.Array, grad: jax.Array) -> tuple:
+    return jnp.where(allowed, grad, jnp.zeros_like(grad)), None
+
+
+_masked_gradient_zero.defvjp(_masked_gradient_zero_fwd, _masked_gradient_zero_bwd)
 
 
 def _softmax(scores: jax.Array) -> jax.Array:
@@ -168,7 +189,9 @@ def _merge_attention(
     empty = total == 0.0  # no key in any part
     safe_total = jnp.where(empty, 1.0, total)
     lse = jnp.where(empty, NEG_INF, shift + jnp.log(safe_total))
-    output = functools.reduce(jnp.add, [a * out for a, out in zip(scales, outputs, strict=False)])
+    output = functools.reduce(jnp.add, [  # a part with lse -inf adds 0, even a NaN output
+        a * jnp.where(part == NEG_INF, 0.0, out) for a, part, out in zip(scales, lses, outputs,
+                                                                         strict=False)])
     return output / safe_total, lse
 
 

@@ -189,8 +189,8 @@ def backward_tiles(
         grad_p = _matmul_grouped(d_out_tile, jnp.swapaxes(v_tile, -1, -2), groups)
         # dS = P ⊙ (dP - rowsum(dO ⊙ O))
         grad_s = p * (grad_p - _slice(row_dot, q_start, cfg.block_q, -2))
-        if through_mod is not None:  # d score_mod / d score, by autodiff of the tile
-            grad_s = through_mod(grad_s)[0]
+        if through_mod is not None:  # d score_mod / d score, by autodiff of the tile; 0
+            grad_s = jnp.where(p == 0.0, 0.0, through_mod(grad_s)[0])  # where P is 0 (masked)
         if grad_bias is not None:
             grad_bias = _add_bias_tile(grad_bias, grad_s, q_start, kv_start)
         if cfg.softcap is not None:  # tanh': 1 - (S1 / c)²

@@ -149,11 +149,19 @@ def combine_masks(*masks: Any) -> jax.Array | None:
 # ------------------------------------------------------------------------------------------
 
 
+def _to_bytes(ids: jax.Array) -> bytes | None:
+    """The bytes of ``ids``, a ready-made mod's key (its contents); None for a tracer (a mod
+    made inside a traced function), which has no values to read."""
+    if isinstance(ids, jax.core.Tracer):
+        return None
+    return np.asarray(ids).tobytes()
+
+
 def document_mod(segment_ids: Any) -> MaskMod:
     """Equal segment ids only: ``segment_ids`` one array ``(..., seq)`` or a pair ``((...,
     q_len), (..., kv_len))`` as ``scaled_dot_product_attention``'s; ``(seq,)`` ids serve every
     batch entry. Equals ``segment_ids=``."""
-    return ready_mods.document_mod(segment_ids, jnp.asarray)
+    return ready_mods.document_mod(segment_ids, jnp.asarray, to_bytes=_to_bytes)
 
 
 def alibi_mod(slopes: Any, offset: int = 0) -> ScoreMod:

@@ -169,7 +169,9 @@ def _merge_attention(
     total = functools.reduce(np.add, scales)
     with np.errstate(divide="ignore"):  # log(0) = -inf: no key in any part
         lse = shift + np.log(total)
-    output = functools.reduce(np.add, [a * out for a, out in zip(scales, outputs, strict=False)])
+    output = functools.reduce(np.add, [  # a part with lse -inf adds 0, even a NaN output
+        a * np.where(part == NEG_INF, 0.0, out) for a, part, out in zip(scales, lses, outputs,
+                                                                         strict=False)])
     return output / np.where(total == 0.0, 1.0, total).astype(total.dtype), lse
 
 

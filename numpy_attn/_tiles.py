@@ -164,8 +164,8 @@ def backward_tiles(
             grad_p = _matmul_grouped(d_out_tile, np.swapaxes(v[..., cols, :], -1, -2), groups)
             # dS = P ⊙ (dP - rowsum(dO ⊙ O))
             grad_s = p * (grad_p - row_dot[..., rows, :])
-            if mod_slope is not None:  # through score_mod
-                grad_s *= mod_slope
+            if mod_slope is not None:  # through score_mod; 0 where P is 0 (masked), even NaN
+                np.multiply(grad_s, mod_slope, out=grad_s, where=p != 0.0)
             if grad_bias is not None:
                 index = _bias_tile(grad_bias, *tile)
                 grad_bias[index] += _sum_to_shape(grad_s, grad_bias[index].shape)

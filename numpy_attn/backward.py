@@ -155,7 +155,9 @@ def scaled_dot_product_attention_vjp(
     grad_scores = weights * (grad_weights - row_dot)
     if args.score_mod is not None:  # dS ⊙ score_mod'(S1 + bias + ALiBi)
         pre = capped + bias.astype(capped.dtype, copy=False) if bias is not None else capped.copy()
-        grad_scores *= _mods_slope(_add_alibi(pre, mods, 0, 0), mods, 0, 0)
+        slope = _mods_slope(_add_alibi(pre, mods, 0, 0), mods, 0, 0)
+        # where, not times: 0 where the weight is 0 (masked), even where the slope is NaN
+        np.multiply(grad_scores, slope, out=grad_scores, where=weights != 0.0)
     # a copy: grad_scores is scaled in place below
     grad_bias = None if bias is None else np.array(_sum_to_shape(grad_scores, bias.shape))
     if softcap is not None:  # d/dx c·tanh(x/c) = 1 - tanh²(x/c) = 1 - (S1/c)²
@@ -215,6 +217,7 @@ def merge_attention_vjp(
     for out, part, given_out, given_lse in zip(parts, lse_parts, outputs, lses, strict=True):
         a = np.exp(part - shift)  # a_i: (..., q_len, 1)
         grad_outputs.append((a * d_out).astype(_array(given_out).dtype, copy=False))
+        out = np.where(part == -np.inf, 0.0, out)  # no key: its output (even NaN) adds nothing
         grad = a * ((d_out * (out - output)).sum(axis=-1, keepdims=True) + d_lse)
         grad_lses.append(grad[..., 0].astype(_array(given_lse).dtype, copy=False))
     grads = (tuple(grad_outputs), tuple(grad_lses))

@@ -138,11 +138,16 @@ def combine_masks(*masks: Any) -> np.ndarray | None:
 # ------------------------------------------------------------------------------------------
 
 
+def _to_bytes(ids: np.ndarray) -> bytes:
+    """The bytes of ``ids``, a ready-made mod's key (its contents)."""
+    return np.ascontiguousarray(ids).tobytes()
+
+
 def document_mod(segment_ids: Any) -> MaskMod:
     """Equal segment ids only: ``segment_ids`` one array ``(..., seq)`` or a pair ``((...,
     q_len), (..., kv_len))`` as ``scaled_dot_product_attention``'s; ``(seq,)`` ids serve every
     batch entry. Equals ``segment_ids=``."""
-    return ready_mods.document_mod(segment_ids, np.asarray)
+    return ready_mods.document_mod(segment_ids, np.asarray, to_bytes=_to_bytes)
 
 
 def alibi_mod(slopes: Any, offset: int = 0) -> ScoreMod:

@@ -67,14 +67,34 @@ def _mask_scores(
     = may attend); out of place."""
     if bias is not None:
         scores = scores + bias.to(scores.device, scores.dtype)  # (..., heads, q_len, kv_len)
-    scores = _mods_scores(scores, mods, 0, 0)
     q_len, kv_len = scores.shape[-2:]
     allowed = _allowed(q_len, kv_len, mask, is_causal, causal_alignment, window, scores.device,
                        mods)
+    if allowed is not None and mods is not None and mods.score_mod is not None and \
+            scores.requires_grad:  # score_mod's NaN at a masked position: gradient 0 there
+        scores = _MaskedGradientZero.apply(scores, allowed)
+    scores = _mods_scores(scores, mods, 0, 0)
     if allowed is not None:
         # replaced, not added: a NaN score at a masked position does not spread; gradient 0
         scores = scores.masked_fill(~allowed, NEG_INF)
     return scores
+
+
+class _MaskedGradientZero(torch.autograd.Function):
+    """``scores`` as they are; their gradient exactly 0 where ``allowed`` is False, by
+    ``where``: a ``score_mod`` that is NaN (or infinite) only at masked positions gives a
+    masked score, whose gradient 0 times the mod's NaN derivative would be NaN (torch's flex
+    attention zeroes it too)."""
+
+    @staticmethod
+    def forward(ctx: Any, scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(allowed)
+        return scores.view_as(scores)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (allowed,) = ctx.saved_tensors
+        return torch.where(allowed, grad, 0.0), None
 
 
 def _softmax(scores: torch.Tensor) -> torch.Tensor:
@@ -185,7 +205,9 @@ def _merge_attention(
     empty = total == 0.0  # no key in any part
     safe_total = torch.where(empty, 1.0, total)
     lse = torch.where(empty, NEG_INF, shift + torch.log(safe_total))
-    output = functools.reduce(torch.add, [a * out for a, out in zip(scales, outputs, strict=False)])
+    output = functools.reduce(torch.add, [  # a part with lse -inf adds 0, even a NaN output
+        a * torch.where(part == NEG_INF, 0.0, out) for a, part, out in zip(scales, lses, outputs,
+                                                                         strict=False)])
     return output / safe_total, lse
 
 

@@ -166,8 +166,9 @@ def backward_tiles(
             grad_p = _matmul_grouped(d_out_tile, v[..., cols, :].transpose(-1, -2), groups)
             # dS = P ⊙ (dP - rowsum(dO ⊙ O))
             grad_s = grad_p.sub_(row_dot[..., rows, :]).mul_(p)  # in place: dP is not needed
-            if post is not None:  # through score_mod: its vector-Jacobian product
-                grad_s = torch.autograd.grad(post, pre, grad_s)[0]
+            if post is not None:  # through score_mod: its vector-Jacobian product; 0 where P
+                grad_s = torch.autograd.grad(post, pre, grad_s)[0]  # is 0 (masked), even NaN
+                grad_s = torch.where(p == 0.0, 0.0, grad_s)
             if grad_bias is not None:
                 index = _bias_tile(grad_bias, *tile)
                 grad_bias[index] += _sum_to_shape(grad_s, grad_bias[index].shape)

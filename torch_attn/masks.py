@@ -143,11 +143,16 @@ def _place(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return x.to(like.device)
 
 
+def _to_bytes(ids: torch.Tensor) -> bytes:
+    """The bytes of ``ids``, a ready-made mod's key (its contents), read on the CPU."""
+    return ids.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
 def document_mod(segment_ids: Any) -> MaskMod:
     """Equal segment ids only: ``segment_ids`` one array ``(..., seq)`` or a pair ``((...,
     q_len), (..., kv_len))`` as ``scaled_dot_product_attention``'s; ``(seq,)`` ids serve every
     batch entry. Equals ``segment_ids=``."""
-    return ready_mods.document_mod(segment_ids, _as_tensor, _place)
+    return ready_mods.document_mod(segment_ids, _as_tensor, _place, to_bytes=_to_bytes)
 
 
 def alibi_mod(slopes: Any, offset: int = 0) -> ScoreMod:

@@ -196,8 +196,8 @@ def _vjp_heads(
         grad_v = _sum_groups(_matmul(d_out_t, p), groups)  # dVᵀ = dOᵀ P: (..., v_dim, n)
         grad_p = _steps._scores(d_out_seg, v_blk, 1.0, None)  # dP = dO Vᵀ
         grad_s = p * (grad_p - dot_seg)  # dS: (..., heads, rows, n)
-        if through_mod is not None:  # d score_mod / d score, by autodiff of the block
-            grad_s = through_mod(grad_s)[0]
+        if through_mod is not None:  # d score_mod / d score, by autodiff of the block; 0
+            grad_s = jnp.where(p == 0.0, 0.0, through_mod(grad_s)[0])  # where P is 0 (masked)
         grad_bias_blk = None
         if bias_seg is not None:
             grad_bias_blk = _sum_to_shape(grad_s, _cols(bias_seg, j0, n).shape)

@@ -191,8 +191,9 @@ def blocked_attention_vjp(
                 grad_s = scratch["grads"][: keys * rows].reshape(keys, rows)
                 np.matmul(value_block, grad_output_delta[index][c0:c1].T, out=grad_s)
                 grad_s *= weights_t
-                if mod_slope is not None:  # through score_mod: dS ⊙ its derivative
-                    grad_s *= mod_slope
+                if mod_slope is not None:  # through score_mod: dS ⊙ its derivative, and 0
+                    # where Pᵀ is 0 (masked), also where the derivative is NaN there
+                    np.multiply(grad_s, mod_slope, out=grad_s, where=weights_t != 0.0)
                 if grad_bias is not None:
                     _add_bias_grad(scratch.get("grad_bias", grad_bias), grad_s, index, c0, c1,
                                    k0, k1, bias_lock)

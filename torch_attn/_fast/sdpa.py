@@ -192,12 +192,12 @@ def _sdpa_blocks(
     spans = [(parts[0][0], parts[-1][1]) if parts else (0, 0) for _, _, parts in runs]
     keys, values = _key_spans(key, spans), _key_spans(value, spans)
     outputs = []
-    for (r0, r1, parts), rows, (k0, _), k, v in zip(
+    for (r0, _, parts), rows, (k0, _), k, v in zip(
             runs, query.split([r1 - r0 for r0, r1, _ in runs], dim=-2), spans, keys, values,
             strict=True):
         kept = [part for part in parts if part[2] != "none"]
         if not kept:  # no row of the run sees a key: 0, gradient 0
-            outputs.append(query.new_zeros(query.shape[:-2] + (r1 - r0, value.shape[-1])))
+            outputs.append(_no_key(rows, k, v, value.shape[-1]))
         elif plain and len(kept) == 1 and kept[0][2] != "mask":  # no mask at all
             outputs.append(F.scaled_dot_product_attention(
                 rows, k, v, is_causal=kept[0][2] == "causal", scale=args.scale,
@@ -210,6 +210,16 @@ def _sdpa_blocks(
                                      (lo, hi)))
     output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-2)
     return output.to(dtype)
+
+
+def _no_key(rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_dim: int) -> torch.Tensor:
+    """The output of query rows ``(..., rows, head_dim)`` that see no key: 0 ``(..., rows,
+    v_dim)``, yet in the autograd graph of the query, key and value (a ``where`` that never
+    picks them: gradient exactly 0, also for a NaN value), so ``backward`` runs on a fully
+    masked input as on any other."""
+    zeros = rows.new_zeros(rows.shape[:-1] + (v_dim,))
+    anchor = rows.sum() + k.sum() + v.sum()  # () the inputs, never picked
+    return torch.where(torch.zeros((), dtype=torch.bool, device=rows.device), anchor, zeros)
 
 
 def _key_spans(x: torch.Tensor, spans: list[tuple[int, int]]) -> list[torch.Tensor]:
