@@ -292,3 +292,7 @@ def test_the_module_in_docs_checking_passes(registered) -> None:  # noqa: ANN001
     assert result.ok, terminal.text(result)
     assert {c.case for c in result.cells if c.status == "ok"} == {
         "self", "cross", "scale", "huge_logits", "nan_query"}
+    for profile in ("quick", "full"):  # every case: nothing it swallows goes undeclared
+        result = runner.run(["doc_attention"], profile=profile, hypothesis=0)
+        assert result.ok, terminal.text(result)
+        assert any(c.status == "ok" for c in result.cells)

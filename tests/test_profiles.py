@@ -184,3 +184,23 @@ def test_each_order_sensitive_pair_meets_in_a_quick_row(monkeypatch: pytest.Monk
         assert profiles.uncovered(profiles.quick_rows()) == {"order:sinks+dropout"}
     finally:
         profiles.quick_rows.cache_clear()
+
+
+def test_a_module_gets_the_cover_of_what_it_supports() -> None:
+    """A checked module that declares features unsupported gets the quick cover of the cases it
+    can run: none of its rows uses what it lacks, and every item those cases reach is covered
+    (a plain module of docs/checking.md gets rows, not a run where nothing is checked)."""
+    lacks = frozenset({"mask", "bias", "causal", "window", "dropout", "softcap", "grouped_query",
+                       "2d_inputs", "sinks", "lse", "chunked", "alibi", "segments",
+                       "score_mod", "mask_mod", "bfloat16"})
+    rows = profiles.quick_rows(lacks)
+    assert rows and all(not profiles._case_items(c) & lacks for c, _ in rows)
+    assert ("float16" in {d for _, d in rows}) and "bfloat16" not in {d for _, d in rows}
+    reachable = set().union(*(profiles._case_items(c.name) for c in cases.CASES
+                              if not profiles._case_items(c.name) & lacks))
+    # everything the module can reach is covered, the half item by its float16 row
+    assert profiles.uncovered(rows) == profiles.required_items() - reachable - {
+        profiles.HALF_ITEM}
+    assert profiles.quick_rows(frozenset()) == profiles.quick_rows()
+    chosen, _ = profiles.choose(profiles.get("quick"), None, None, None, [lacks, frozenset()])
+    assert set(chosen) == set(rows) | set(profiles.quick_rows())

@@ -56,7 +56,8 @@ def _seq_first(query: Any, key: Any, value: Any, *, scale: float | None = None,
 
 
 DOC_UNSUPPORTED = {"mask", "bias", "causal", "window", "dropout", "softcap", "grouped_query",
-                   "2d_inputs", "return_weights", "sinks", "lse", "errors"}
+                   "2d_inputs", "return_weights", "sinks", "lse", "errors", "chunked", "alibi",
+                   "segments", "score_mod", "mask_mod"}
 
 
 def _scale_over_sqrt_d(q: Any, k: Any, v: Any, *, scale: float | None = None,

@@ -118,15 +118,29 @@ def _case_items(name: str) -> frozenset[str]:
     return covers(expected(cases_mod.get(name), "float32"))
 
 
+#: The dtype of the cover's rows, then the others in the order a module's lacks make it fall
+#: back to them.
+DTYPE_ORDER = ("float32", "float64", "bfloat16", "float16")
+
+
 @functools.cache
-def quick_rows() -> tuple[tuple[str, str], ...]:
+def quick_rows(unsupported: frozenset[str] = frozenset()) -> tuple[tuple[str, str], ...]:
     """The quick profile's rows (case, dtype): ``cover`` of every case in float32, then the
     covering case with the most items again in bfloat16 (``HALF_ITEM``); in the catalogue's
-    order, the half row last."""
-    rows = {(case.name, "float32"): _case_items(case.name) for case in cases_mod.CASES}
+    order, the half row last. For a checked module that declares ``unsupported`` features
+    (``spec.PLUGIN_FEATURES`` names), the cover of the cases it can run, in the first dtype it
+    supports, and its first supported half dtype: every feature it has reaches it."""
+    dtypes = [d for d in DTYPE_ORDER if d not in unsupported]
+    if not dtypes:
+        return ()
+    rows = {(case.name, dtypes[0]): items for case in cases_mod.CASES
+            if not (items := _case_items(case.name)) & unsupported}
     chosen = cover(rows)
+    half = [d for d in HALF if d in dtypes and d != dtypes[0]]
+    if not chosen or not half:
+        return tuple(chosen)
     richest = max(chosen, key=lambda r: (len(rows[r]), -chosen.index(r)))
-    return (*chosen, (richest[0], HALF[0]))
+    return (*chosen, (richest[0], half[0]))
 
 
 @dataclass(frozen=True)
@@ -152,12 +166,15 @@ def get(name: str) -> Profile:
 
 
 def choose(profile: Profile, cases: list[str] | None, dtypes: list[str] | None,
-           hypothesis: int | None) -> tuple[list[tuple[str, str]], int]:
+           hypothesis: int | None, unsupported: Iterable[frozenset[str]] = ()
+           ) -> tuple[list[tuple[str, str]], int]:
     """The rows (case name, dtype) and property examples of a run of ``profile``: named
     ``cases`` (glob patterns) or ``dtypes`` select from the whole catalogue (the matching cases,
     in the named dtypes or all four; naming a case means wanting it, whatever the profile) and
     turn the property checks off unless ``hypothesis`` is given; else the profile's rows and
-    examples. The command line and the pytest plugin both choose this way."""
+    examples. ``unsupported``: what each checked module of the run declares; the quick
+    profile's rows are then those of ``quick_rows`` for each (and the spec backends'), in
+    order. The command line and the pytest plugin both choose this way."""
     from .backends import DTYPES
 
     selecting = bool(cases or dtypes)
@@ -165,7 +182,8 @@ def choose(profile: Profile, cases: list[str] | None, dtypes: list[str] | None,
         rows = [(case.name, dtype) for case in cases_mod.select(cases)
                 for dtype in dict.fromkeys(dtypes or DTYPES)]
     else:
-        rows = list(profile.rows)
+        lacks = list(dict.fromkeys(frozenset(u) for u in unsupported)) or [frozenset()]
+        rows = list(dict.fromkeys(r for u in lacks for r in quick_rows(u)))
     if hypothesis is None:
         hypothesis = 0 if selecting else profile.hypothesis
     return rows, hypothesis
@@ -176,6 +194,6 @@ FULL_PROPERTY_EXAMPLES = 100
 #: The peers of the quick profile: the frameworks' own fused attention.
 QUICK_PEERS = ("torch.sdpa", "jax.nn")
 
-__all__ = ["BEHAVIOURS", "FULL_PROPERTY_EXAMPLES", "HALF", "HALF_ITEM", "MASKING",
+__all__ = ["BEHAVIOURS", "DTYPE_ORDER", "FULL_PROPERTY_EXAMPLES", "HALF", "HALF_ITEM", "MASKING",
            "ORDER_SENSITIVE", "QUICK_PEERS", "Profile", "choose", "cover", "covers", "get",
            "quick_rows", "required_items", "uncovered"]

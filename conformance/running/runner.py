@@ -492,7 +492,9 @@ def run(
             else:
                 missing[peer.name] = peer.install
     selecting = bool(case_patterns or dtypes)
-    rows, hypothesis = profiles.choose(chosen, case_patterns, dtypes, hypothesis)
+    lacks = [c.backend.contract.unsupported if c.backend.contract is not None else frozenset()
+             for c in columns if c.backend is not None and c.backend.module is not None]
+    rows, hypothesis = profiles.choose(chosen, case_patterns, dtypes, hypothesis, lacks)
     expectations = (expected(cases_mod.get(case), dtype) for case, dtype in rows)
     result = run_expectations(columns, expectations, missing, total=len(rows),
                               check_errors=check_errors, hypothesis=hypothesis,

@@ -151,7 +151,9 @@ class Suite:
         #: True when cases or dtypes were named: the rows are not the profile's.
         self.selecting = bool(cases or dtypes)
         self._examples_given = hypothesis is not None
-        self.rows, hypothesis = profiles.choose(self.profile, cases, dtypes, hypothesis)
+        self._choice = (cases, dtypes, hypothesis)
+        self._rows: list[tuple[str, str]] | None = None
+        _, hypothesis = profiles.choose(self.profile, cases, dtypes, hypothesis)
         if isinstance(hypothesis, bool) or not isinstance(hypothesis, int) or hypothesis < 0:
             raise UsageError(f"--attention-hypothesis is {hypothesis!r}; expected an integer "
                              f">= 0 (0: no property checks)")
@@ -188,6 +190,18 @@ class Suite:
                              else self._source)
             self._backend.set_timeout(self.limit)
         return self._backend
+
+    @property
+    def rows(self) -> list[tuple[str, str]]:
+        """The (case, dtype) rows of the run (``profiles.choose``): in the quick profile, the
+        cover of what the module supports (its contract read once the module is loaded)."""
+        if self._rows is None:
+            lacks = []
+            if self._source is not None:
+                contract = self.backend.contract if self.backend.module is not None else None
+                lacks = [contract.unsupported] if contract is not None else []
+            self._rows = profiles.choose(self.profile, *self._choice, lacks)[0]
+        return self._rows
 
     def load(self) -> None:
         """Import the module now (its worker started): a module that does not exist or breaks
