@@ -67,7 +67,9 @@ PROFILES = {
              "rows, gradients, every module class of MODULES, every compared step, every pair "
              "of order-sensitive steps of PIPELINE_WITH_MODS together in one row, and one half "
              "dtype; every row on every spec backend, plus the frameworks' own attention "
-             "(torch.sdpa, jax.nn) as peers and the bad inputs of ERRORS; no property checks",
+             "(torch.sdpa, jax.nn) as peers and the bad inputs of ERRORS; no property checks. "
+             "A checked module that declares UNSUPPORTED features gets the same cover over the "
+             "cases it can run, in dtypes it supports",
     "full": "every case in every dtype on every backend and every installed peer, the bad "
             "inputs, and 100 property-based examples per backend (for CI)",
 }
