@@ -37,10 +37,14 @@ VARLEN = (
     "need not end at the pool's size); gradients flow into the pool's pages (a page shared by "
     "two sequences adds both). enable_gqa=False requires heads == kv_heads (torch's rule); "
     "with True, query head h uses kv head h // (heads // kv_heads). return_lse=True returns "
-    "(output, lse) with lse (heads, total_q) in the compute dtype: what torch's kernel and "
-    "flash-attn return (torch 2.13's docstring says (T_q, H_q), its kernel and meta function "
-    "(H_q, T_q)). torch's return_aux=AuxRequest(lse=True) is return_lse=True here; num_splits "
-    "(a CUDA scheduling choice) has no meaning here and is not taken."
+    "(output, lse) with lse (heads, total_q) in the compute dtype: the layout torch's kernel "
+    "and flash-attn return (torch 2.13's docstring says (T_q, H_q), its kernel and meta "
+    "function (H_q, T_q)). The value of a row with no key is not theirs: flash-attn (and "
+    "torch's varlen_attn, which calls it) gives such a row lse +inf, this spec -inf "
+    "(LOG_SUM_EXP), the value merge_attention needs to give the part no weight; a flash lse "
+    "given to merge_attention makes such rows NaN, so map +inf to -inf first (lse = "
+    "where(lse == inf, -inf, lse)). torch's return_aux=AuxRequest(lse=True) is return_lse=True "
+    "here; num_splits (a CUDA scheduling choice) has no meaning here and is not taken."
 )
 
 #: How every backend computes it: only the work inside the sequences.
