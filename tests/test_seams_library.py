@@ -283,3 +283,27 @@ def test_a_fresh_lock_per_call_fails_the_same_check(monkeypatch):
     monkeypatch.setitem(_threads._state, "lock", _FreshLock())
     with pytest.raises(AssertionError, match="BLAS limit"):
         _concurrent_calls_keep_the_limit(_threads._state["controller"])
+
+
+@pytest.mark.parametrize("sink", [np.nan, np.inf])
+def test_a_nan_or_inf_sink_makes_every_row_of_its_head_nan_in_every_backend(sink: float) -> None:
+    """spec.SINKS: a NaN or +inf sink gives NaN output and lse on every row of its head (a fully
+    masked row too), in every backend; the other head is untouched."""
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal(s).astype(np.float32)
+               for s in ((1, 2, 2, 4), (1, 2, 3, 4), (1, 2, 3, 4)))
+    mask = np.ones((1, 2, 2, 3), bool)
+    mask[:, :, 1] = False  # row 1 fully masked in both heads
+    sinks = np.array([sink, 0.5], np.float32)
+    results = [numpy_attn.scaled_dot_product_attention(q, k, v, mask=mask, sinks=sinks,
+                                                        return_lse=True),
+               jax_attn.scaled_dot_product_attention(q, k, v, mask=mask,
+                                                      sinks=jnp.asarray(sinks), return_lse=True),
+               torch_attn.scaled_dot_product_attention(
+                   *(torch.tensor(x) for x in (q, k, v)), mask=torch.tensor(mask),
+                   sinks=torch.tensor(sinks), return_lse=True)]
+    for out, lse in results:
+        out, lse = np.asarray(out), np.asarray(lse)
+        assert np.isnan(out[0, 0]).all() and np.isnan(lse[0, 0]).all()
+        assert np.isfinite(out[0, 1]).all() and np.isfinite(lse[0, 1, 0])
+        assert (out[0, 1, 1] == 0).all() and lse[0, 1, 1] == 0.5  # the sink's row: 0, lse sink

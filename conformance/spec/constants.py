@@ -172,6 +172,9 @@ SINKS = (
     "row without a sink. Query heads sharing a kv head keep their own sink. Gradients reach the "
     "sink logits: dsink_h = -sum over batch and queries of p_sink · rowsum(dO ⊙ O) (plus p_sink "
     "times the lse's cotangent), with p_sink = exp(sink_h - lse). A sink of -inf is no sink. "
+    "A NaN or +inf sink follows IEEE arithmetic in the max-subtracted softmax: every row of "
+    "its head, fully masked or not, has a NaN output and lse (+inf - +inf is NaN; the weights "
+    "are not taken as all on the sink), as transformers' gpt_oss eager attention gives. "
     "Wrong dtype: TypeError; wrong shape: ValueError (scaled_dot_product_attention: sinks must "
     "have shape (heads,) = (4,), one logit per query head; got sinks.shape=(3,))."
 )
