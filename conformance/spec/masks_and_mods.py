@@ -87,7 +87,11 @@ SCORE_MOD = (
     "ready-made score mods have; for a callable without one they raise NotImplementedError "
     "naming the ways out (a ready-made mod, a derivative method, jax_attn or torch_attn). "
     "Arrays the callable closes over are constants: no gradient reaches them (a learned bias "
-    "is the bias argument). Not callable: TypeError."
+    "is the bias argument). Not callable: TypeError. A dtype trap of torch (FlexAttention "
+    "shares it): an integer index tensor times a Python float is computed in torch's default "
+    "dtype, float32, so a float64 score_mod loses precision in that term silently; multiply by "
+    "a tensor of the score's dtype, or cast the indices first (score.new_tensor(q_idx)). The "
+    "ready-made mods multiply the indices by arrays of the score's dtype."
 )
 
 #: ``mask_mod``, in words.
