@@ -22,7 +22,7 @@ import numpy_attn
 from conformance import spec
 from conformance.cases import catalogue as cases
 from conformance.cases import expected, reference
-from conformance.cases.inputs import varlen_pieces
+from conformance.cases.inputs import contiguous, varlen_pieces
 from conformance.diagnosing import diagnose
 from conformance.reporting import groups, terminal
 from conformance.running import backends, runner
@@ -238,3 +238,45 @@ def test_a_varlen_batch_aligned_top_left_is_named() -> None:
         out[piece.q] = np.swapaxes(np.asarray(res), 0, 1)
     assert diagnose.diagnose(exp, "varlen_output", out).startswith(
         "wrong causal alignment in the packed batch")
+
+
+def _score_mod_after_mask_mod(q: Any, k: Any, v: Any, *, score_mod: Any = None,
+                              mask_mod: Any = None, **kw: Any) -> Any:
+    """numpy_attn with the mask_mod applied first (-inf) and the score_mod after it, to every
+    position (the mod sees -inf; a soft-cap makes it -softcap, finite)."""
+    if score_mod is None or mask_mod is None:
+        return SDPA(q, k, v, score_mod=score_mod, mask_mod=mask_mod, **kw)
+
+    def late(score: Any, b: Any, h: Any, i: Any, j: Any) -> Any:
+        return score_mod(np.where(mask_mod(b, h, i, j), score, -np.inf), b, h, i, j)
+
+    return SDPA(q, k, v, score_mod=late, **kw)
+
+
+def test_a_score_mod_applied_after_the_masking_is_named(registered) -> None:  # noqa: ANN001
+    registered("fake_mod_late", scaled_dot_product_attention=_score_mod_after_mask_mod)
+    assert _headline("fake_mod_late", ["mods_window_softcap", "self"]) == (
+        "FAIL: fake_mod_late: score_mod is applied after the masking (1 case)")
+
+
+def _table_read_ahead(q: Any, key_pages: Any, value_pages: Any, block_table: Any, seq_lens: Any,
+                      *, scale: float | None = None, softcap: float | None = None,
+                      sinks: Any = None, return_lse: bool = False) -> Any:
+    """paged_attention reading block_table[b, i + 1] for entry i, the table read flat (past a
+    row's end, the next row's first entry; an unused entry -1 is the last page, as NumPy
+    indexes): the pages gathered, then numpy_attn's attention under the paged rule's mask."""
+    table = np.asarray(block_table)
+    ahead = np.take(table.ravel(), np.arange(table.size) + 1, mode="wrap").reshape(table.shape)
+    kv = contiguous({"query": q, "key_pages": key_pages, "value_pages": value_pages,
+                     "block_table": ahead, "seq_lens": seq_lens})
+    return SDPA(q, kv["key"], kv["value"], mask=kv["mask"], scale=scale, softcap=softcap,
+                sinks=sinks, return_lse=return_lse)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_page_table_read_at_the_next_entry_is_named(registered, dtype: str) -> None:  # noqa: ANN001
+    registered("fake_table_ahead", scaled_dot_product_attention=SDPA,
+               paged_attention=_table_read_ahead)
+    assert _headline("fake_table_ahead", ["paged_decode_gqa", "paged_two_queries_sinks"],
+                     (dtype,)) == (
+        "FAIL: fake_table_ahead: the page table is read at entry i +1 (2 cases)")

@@ -264,3 +264,135 @@ def test_a_module_object_runs_in_process_with_the_same_guard() -> None:
         assert cell.status == "error" and cell.reasons == [reason], cell
     assert calls and set(calls) == {os.getpid()}
     np.testing.assert_array_equal(query, before)  # the harness's array is untouched
+
+
+# ---------------------------------------------------------------------- a module that keeps hanging
+
+#: Five cases, more than ``module_worker.TIMEOUTS_IN_A_ROW``; in float32.
+CASE_NAMES = ["self", "cross", "causal_top_left", "causal_bottom_right", "padding"]
+FIVE_CASES = [*(a for c in CASE_NAMES for a in ("--case", c)), "--dtype", "float32"]
+#: A module whose first call in each process never returns: every fresh worker hangs.
+HANGS_FIRST = f"""
+    FIRST = True
+
+    def {SDPA}(query, key, value, **kw):
+        global FIRST
+        log()
+        while FIRST:
+            time.sleep(0.1)
+        return numpy_attn.{SDPA}(query, key, value, **kw)
+"""
+
+
+def _given_up(limit: str) -> str:
+    n = module_worker.TIMEOUTS_IN_A_ROW
+    return (f"{n} calls in a row did not return within {limit} s (--timeout {limit}): the rest "
+            f"of the run was not called")
+
+
+@pytest.mark.slow
+def test_a_module_that_hangs_in_every_worker_is_not_called_after_three_timeouts_in_a_row(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    name = _plugin(tmp_path, monkeypatch, "hangs_first_attention", HANGS_FIRST)
+    n = module_worker.TIMEOUTS_IN_A_ROW
+    report = tmp_path / "report.json"
+    start = time.perf_counter()
+    code = main(["--backend", name, *FIVE_CASES, "--hypothesis", "0", "--timeout", "1",
+                 "--json", str(report)])
+    took = time.perf_counter() - start
+    assert code == 1 and took < timeout(n * 1 + 30), (code, took)  # not one limit per call
+    captured = capsys.readouterr()
+    restarts = [line for line in captured.err.splitlines() if "did not return" in line]
+    assert len(restarts) == n, captured.err
+    for i, line in enumerate(restarts[:-1], 1):
+        assert line.startswith(f"{name}: a call did not return within 1 s ({SDPA}"), line
+        assert line.endswith(f"); worker restarted ({module_worker.ordinal(i)} time)"), line
+    assert restarts[-1].endswith(f"); {n} calls in a row did not return: not restarted, the "
+                                 f"rest of the run is not called"), restarts[-1]
+    cells = _cells(json.loads(report.read_text()), name)
+    assert len(cells) == 5 and {c["status"] for c in cells.values()} == {"timeout"}
+    details = sorted(c["detail"] for c in cells.values())
+    hung = f"{SDPA} did not return within 1 s (--timeout 1)"
+    assert details == sorted([hung] * n + [_given_up("1")] * (5 - n)), details
+    assert _given_up("1") in " ".join(captured.out.split())  # the report says why
+    pids = _pids(tmp_path, name)
+    assert len(pids) == len(set(pids)) == n  # one call per worker, none after the rule
+
+
+def test_a_call_that_answers_starts_the_count_again_and_the_line_names_the_cell(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """Timeouts count only in a row; the line on stderr names what ``calling`` says."""
+    name = _plugin(tmp_path, monkeypatch, "hangs_on_4d_attention", f"""
+        def {SDPA}(query, key, value, **kw):
+            log()
+            while query.ndim == 4:
+                time.sleep(0.1)
+            return numpy_attn.{SDPA}(query, key, value, **kw)
+    """)
+    monkeypatch.setattr(module_worker, "TIMEOUTS_IN_A_ROW", 2)
+    limit = timeout(1.0)
+    worker = module_worker.Worker(name, timeout=limit)
+    sdpa = getattr(worker.view(), SDPA)
+    q2, q4 = np.ones((3, 2)), np.ones((1, 1, 3, 2))
+    hung = f"{SDPA} did not return within {limit:g} s (--timeout {limit:g})"
+    for q, where in ((q4, "case a dtype float32"), (q2, ""), (q4, "case b dtype float16")):
+        with module_worker.calling(where):
+            if q.ndim == 2:
+                np.testing.assert_array_equal(sdpa(q, q, q), q)
+                continue
+            with pytest.raises(module_worker.PluginFault) as fault:
+                sdpa(q, q, q)
+        assert (fault.value.status, fault.value.reason) == ("timeout", hung)
+    assert not worker.given_up  # an answer came between the two timeouts
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        f"{name}: a call did not return within {limit:g} s ({SDPA}, case a dtype float32); "
+        f"worker restarted (1st time)",
+        f"{name}: a call did not return within {limit:g} s ({SDPA}, case b dtype float16); "
+        f"worker restarted (2nd time)"]
+    with pytest.raises(module_worker.PluginFault):
+        sdpa(q4, q4, q4)  # the 2nd in a row: given up
+    assert capsys.readouterr().err.endswith(
+        "; 2 calls in a row did not return: not restarted, the rest of the run is not called\n")
+    calls = len(_pids(tmp_path, name))
+    with pytest.raises(module_worker.PluginFault) as fault:
+        sdpa(q2, q2, q2)  # at once, uncalled
+    assert (fault.value.status, fault.value.fatal) == ("timeout", True)
+    assert fault.value.reason == (f"2 calls in a row did not return within {limit:g} s "
+                                  f"(--timeout {limit:g}): the rest of the run was not called")
+    assert len(_pids(tmp_path, name)) == calls and capsys.readouterr().err == ""
+    worker.stop()
+
+
+def test_ordinals() -> None:
+    assert [module_worker.ordinal(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 101, 112)] == [
+        "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "101st", "112th"]
+
+
+@pytest.mark.slow
+def test_the_pytest_plugin_fails_fast_on_a_module_that_keeps_hanging(tmp_path: Path) -> None:
+    from plugin_runs import ROOT, counts, run_suite
+
+    (tmp_path / "always_hangs.py").write_text(textwrap.dedent(f"""
+        import time
+
+        def {SDPA}(query, key, value, **kw):
+            while True:
+                time.sleep(0.1)
+    """))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    n = module_worker.TIMEOUTS_IN_A_ROW
+    cases = [a for c in CASE_NAMES for a in ("--attention-case", c)]
+    start = time.perf_counter()
+    result = run_suite("--attention-backend", "always_hangs", *cases, "--attention-dtype",
+                       "float32", "--attention-no-errors", "--attention-timeout", "1",
+                       "-p", "no:xdist", cwd=tmp_path, env=env)
+    took = time.perf_counter() - start
+    out = result.stdout + result.stderr
+    assert result.returncode == 1, out
+    assert took < timeout(n * 1 + 60), took
+    assert counts(result.stdout)["failed"] >= 5, out
+    assert out.count("worker restarted (") == n - 1, out
+    assert f"{SDPA}, case self dtype float32); worker restarted (1st time)" in out, out
+    assert _given_up("1") in out, out

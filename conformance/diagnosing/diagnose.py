@@ -18,10 +18,13 @@
   is a merge with a flipped mask) replays the merge of the parts' float64 attention with one
   mistake at a time: ``exp(lse_i)`` without subtracting the largest lse (in the compute dtype,
   where it overflows), partial lses in log2, the sinks left out of the merge;
-* ``paged_mistakes`` (paged cases) replays the contiguous attention over the pages a page table
-  read off by one page names (``block_table ± 1``);
+* ``paged_table_mistakes`` (paged cases) replays the contiguous attention over the pages a page
+  table read at the wrong entry names (``block_table[b, i ± 1]``, ``paged_entry_mistakes``:
+  the closer replay wins, half precision's tolerance passing both), else over pages off by one
+  (``block_table[b, i] ± 1``, ``paged_mistakes``);
 * ``diagnose_packed``: ALiBi's sign flipped, the chunk boundary shifted by one, a rule or mod
-  ignored (hypotheses) and a varlen case's offsets off by one (``varlen_mistakes``).
+  ignored (hypotheses), a ``score_mod`` applied after the masking (``score_mod_after_mask``)
+  and a varlen case's offsets off by one (``varlen_mistakes``).
 
 A wrong layout (a ``(..., seq, heads, head_dim)`` module without ``LAYOUT = "bshd"``) needs the
 module itself, not one result: ``reporting.groups`` reruns the failing cells transposed.
@@ -44,7 +47,7 @@ from ..cases.catalogue import CaseData
 from ..cases.expected import Expected, pipeline, reference_attention
 from ..cases.inputs import contiguous, key_parts
 from ..comparing.compare import compare
-from .diagnose_packed import PACKED_HYPOTHESES, varlen_mistakes
+from .diagnose_packed import PACKED_HYPOTHESES, score_mod_after_mask, varlen_mistakes
 
 #: Joins the diagnoses of one step (a diagnosis itself may contain "; ").
 SEPARATOR = "; also: "
@@ -383,6 +386,60 @@ def paged_mistakes(exp: Expected, step: str, actual: np.ndarray) -> str:
     return ""
 
 
+def _entry_tables(table: np.ndarray, shift: int, num_blocks: int) -> list[np.ndarray]:
+    """The block tables a kernel reads when it takes entry ``i + shift`` for entry ``i``: the
+    table read flat, row after row (past a row's end, the next row's first entry; past the
+    table's, its first), or each row clipped to its own entries; an unused entry (-1) read as a
+    page is the last page (as NumPy, torch and JAX index). Each distinct table once."""
+    rows, cols = np.indices(table.shape)
+    flat = np.take(table.ravel(), rows * table.shape[1] + cols + shift, mode="wrap")
+    clipped = table[rows, np.clip(cols + shift, 0, table.shape[1] - 1)]
+    out: list[np.ndarray] = []
+    for moved in (flat, clipped):
+        moved = moved % num_blocks
+        if not any(np.array_equal(moved, t) for t in out):
+            out.append(moved)
+    return out
+
+
+def _paged_replay(exp: Expected, step: str, arrays: dict[str, np.ndarray]) -> np.ndarray:
+    """``step`` (a paged output or lse) of the contiguous attention ``arrays`` gives."""
+    alt = pipeline(CaseData(arrays, exp.data.options), "sdpa", exp.dtype, naive=False)
+    return alt["lse" if step.endswith("lse") else "output"]
+
+
+def _distance(actual: np.ndarray, alt: np.ndarray) -> float:
+    """The largest difference where both are finite (inf where they share no finite value)."""
+    both = np.isfinite(actual) & np.isfinite(alt)
+    return float(np.max(np.abs(actual[both] - alt[both]))) if both.any() else np.inf
+
+
+def paged_entry_mistakes(exp: Expected, step: str, actual: np.ndarray) -> str:
+    """A paged case's result that the table read at entry ``i ± 1`` reproduces
+    (``_entry_tables``) and that no page ``block_table ± 1`` reproduces as closely (under half
+    precision's tolerance both can pass)."""
+    a = exp.data.arrays
+    num_blocks = np.shape(a["key_pages"])[0]
+    for shift in (1, -1):
+        for table in _entry_tables(np.asarray(a["block_table"]), shift, num_blocks):
+            alt = _paged_replay(exp, step, contiguous({**a, "block_table": table}))
+            if not _matches(exp, step, actual, alt, rescale=True):
+                continue
+            near = _distance(actual, alt)
+            pages = (_paged_replay(exp, step, contiguous(a, page_shift=s)) for s in (1, -1))
+            if all(_distance(actual, page) > near for page in pages):
+                return (f"the page table is read at entry i {shift:+d}: page block_table[b, i "
+                        f"{shift:+d}] instead of block_table[b, i] (position j lives in row j % "
+                        f"block_size of page block_table[b, j // block_size])")
+    return ""
+
+
+def paged_table_mistakes(exp: Expected, step: str, actual: np.ndarray) -> str:
+    """``paged_entry_mistakes``, else ``paged_mistakes``: the table read at the wrong entry or
+    a wrong page read from the right entry."""
+    return paged_entry_mistakes(exp, step, actual) or paged_mistakes(exp, step, actual)
+
+
 #: The diagnosis of a function that returns only the output where ``return_weights=True``
 #: asks for ``(output, weights)``.
 ONE_ARRAY = ("returns one array where return_weights=True asks for (output, weights): the "
@@ -402,6 +459,7 @@ def one_array(exp: Expected, step: str, actual: np.ndarray) -> str:
 
 DIAGNOSES: tuple[Callable[[Expected, str, np.ndarray], str], ...] = (
     planted_mistake, non_finite_rows, mean_of_value, lse_mistakes, sink_in_numerator,
+    score_mod_after_mask,
 )
 
 
@@ -418,7 +476,7 @@ def diagnose(exp: Expected, step: str, actual: Any) -> str:
         return ""  # the values conform: the step failed on its dtype (``seams.cell_reasons``)
     reasons = []
     kinds = {"sdpa": DIAGNOSES, "merge": (planted_mistake, merge_mistakes),
-             "paged": (paged_mistakes,), "varlen": (varlen_mistakes,)}
+             "paged": (paged_table_mistakes,), "varlen": (varlen_mistakes,)}
     for diagnosis in kinds[exp.kind]:
         text = diagnosis(exp, step, actual)
         if text and text not in reasons:
@@ -439,5 +497,5 @@ def short(reason: str) -> str:
 
 __all__ = ["DIAGNOSES", "HYPOTHESES", "MERGE_MISTAKES", "ONE_ARRAY", "SEPARATOR", "diagnose",
            "lse_mistakes", "mean_of_value", "merge_mistakes", "non_finite_rows", "one_array",
-           "paged_mistakes", "planted_mistake",
+           "paged_entry_mistakes", "paged_mistakes", "paged_table_mistakes", "planted_mistake",
            "sink_in_numerator", "short", "split"]

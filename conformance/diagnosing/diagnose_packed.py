@@ -10,7 +10,8 @@ ignored (ALiBi, the chunk rule, the segment ids, ``mask_mod`` — by a blocked p
 evaluate it on its tiles, say — and ``score_mod``). ``varlen_mistakes`` replays a varlen case
 aligned top-left (``top_left_varlen``) and with its offsets off by one (``cu_seq_q`` or
 ``cu_seq_k`` with every inner offset moved by ±1: a sequence that starts one token early or
-late).
+late). ``score_mod_after_mask`` replays a ``score_mod`` applied after the masking (to every
+position, so that the mod sees ``-inf`` and a soft-cap turns it finite again).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ..cases import mods, reference
 from ..cases.expected import Expected, reference_attention, varlen_values
 from ..cases.inputs import CaseData, varlen_pieces
 from ..comparing.compare import compare
@@ -86,6 +88,45 @@ PACKED_HYPOTHESES = (
 )
 
 
+#: The masking rules of ``reference.attention``: those the score_mod comes before.
+_RULES = ("mask", "is_causal", "window", "chunk_size", "segment_ids", "mask_mod")
+#: The steps ``score_mod_after_mask`` replays: the result of every rule and mod.
+_AFTER_MASK_STEPS = {"output": "output", "output_weights": "weights", "lse": "lse",
+                     "blockwise_output": "output", "blockwise_lse": "lse"}
+
+SCORE_MOD_AFTER_MASK = ("score_mod is applied after the masking: the spec applies it before, "
+                        "and masked positions stay -inf (a mod applied to every position sees "
+                        "-inf and may make it finite again: softcap(-inf) is -softcap)")
+
+
+def score_mod_after_mask(exp: Expected, step: str, actual: np.ndarray) -> str:
+    """``SCORE_MOD_AFTER_MASK`` when the float64 reference with the masking first (every rule:
+    the masked positions ``-inf``) and then ``score_mod`` on every position reproduces the
+    result."""
+    if exp.kind != "sdpa" or exp.data.options.get("score_mod") is None or \
+            step not in _AFTER_MASK_STEPS:
+        return ""
+    a = {k: v for k, v in exp.data.arrays.items() if k != "grad_output"}
+    kwargs = mods.sdpa_kwargs(a, exp.data.options)
+    score_mod = kwargs.pop("score_mod")
+    with np.errstate(all="ignore"):
+        q, k, v = a["query"], a["key"], a["value"]
+        allowed = ~np.isneginf(reference.attention(q, k, v, **kwargs).masked_scores)
+
+        def late(score: np.ndarray, *grid: np.ndarray) -> np.ndarray:
+            return score_mod(np.where(allowed, score, -np.inf), *grid)
+
+        free = {n: x for n, x in kwargs.items() if n not in _RULES}
+        steps = reference.attention(q, k, v, score_mod=late, **free)
+    alt = getattr(steps, _AFTER_MASK_STEPS[step])
+    if alt.shape != exp.values[step].shape or np.array_equal(alt, exp.values[step],
+                                                             equal_nan=True):
+        return ""
+    res = compare(step, actual, alt, exp.baseline[step], exp.dtype,
+                  unspecified=exp.unspecified.get(step))
+    return SCORE_MOD_AFTER_MASK if res.passed else ""
+
+
 def shifted_offsets(cu_seq: np.ndarray, shift: int) -> np.ndarray:
     """``cu_seq`` with every inner offset moved by ``shift``, kept in ``[0, total]`` and
     non-decreasing (still valid offsets)."""
@@ -141,4 +182,5 @@ def varlen_mistakes(exp: Expected, step: str, actual: np.ndarray) -> str:
     return ""
 
 
-__all__ = ["PACKED_HYPOTHESES", "shifted_offsets", "top_left_varlen", "varlen_mistakes"]
+__all__ = ["PACKED_HYPOTHESES", "SCORE_MOD_AFTER_MASK", "score_mod_after_mask", "shifted_offsets",
+           "top_left_varlen", "varlen_mistakes"]

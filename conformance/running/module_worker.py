@@ -15,7 +15,14 @@ seconds (``DEFAULT_TIMEOUT_S``, ``check_timeout``, ``seconds_argument``).
   (``--timeout``; None: no limit); then it kills the worker and the call is a ``PluginFault``
   with status "timeout" ("scaled_dot_product_attention did not return within 2 s"). A worker
   that dies (``os._exit``, a segfault) is a ``PluginFault`` naming its exit code. Both are
-  ``fatal``: the next call starts a new worker;
+  ``fatal``: the next call starts a new worker. Each timeout says so on stderr, with what
+  was being checked (``calling``): "mypkg.attention: a call did not return within 60 s
+  (scaled_dot_product_attention, case gqa dtype float32); worker restarted (2nd time)";
+* **a module that keeps hanging**: after ``TIMEOUTS_IN_A_ROW`` timeouts in a row it is not
+  called again for the rest of the run: every later call is at once a ``PluginFault`` with
+  status "timeout" and the rule as its reason ("3 calls in a row did not return within 60 s
+  (--timeout 60): the rest of the run was not called"), so a module that hangs in every fresh
+  worker ends the run in bounded time (about ``TIMEOUTS_IN_A_ROW`` × ``--timeout``);
 * **importing**: the worker (``serve``) imports the module by its path, with the harness's
   ``sys.path``; its first message is the module's contract, or its import error: a missing
   module or a broken contract is the same one-line ``UsageError`` as in-process, a failing
@@ -38,17 +45,21 @@ from __future__ import annotations
 
 import argparse
 import builtins
+import contextlib
+import contextvars
 import math
 import os
 import pickle
 import signal
 import subprocess
+import sys
 import threading
 import time
 import traceback
 import types
 import warnings
 import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -61,6 +72,12 @@ from .guard import Guard, PluginFault
 
 #: Seconds one call of a checked module may take (``--timeout``; 0: no limit).
 DEFAULT_TIMEOUT_S = 60.0
+#: After this many calls in a row that did not return within ``--timeout``, a module is not
+#: called again for the rest of the run: its remaining cells and checks are "timeout" at once,
+#: their detail naming this rule (``Worker.call``; docs/checking.md, "Isolation"). A module
+#: that hangs in every fresh worker then costs about this many time limits, not one per cell.
+#: ``--timeout 0`` (no limit) never times out, so never stops calling.
+TIMEOUTS_IN_A_ROW = 3
 
 
 def check_timeout(seconds: float) -> float | None:
@@ -89,6 +106,27 @@ IMPORT_LIMIT_S = 120.0
 #: A worker with no call for this many seconds ends itself (the next call starts a new one).
 IDLE_EXIT_S = 60.0
 _ENTRY = "conformance.running.module_worker:serve"
+#: What the harness checks while it calls, and where a timeout's line goes (``calling``).
+_CALLING: contextvars.ContextVar[tuple[str, Callable[[str], None] | None]] = (
+    contextvars.ContextVar("calling", default=("", None)))
+
+
+@contextlib.contextmanager
+def calling(where: str, say: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Within this block (in this thread), a call that times out names ``where`` ("case gqa
+    dtype float32") in the line it writes, and ``say`` writes that line (default: stderr;
+    the pytest plugin's is its terminal, which pytest's capture does not hide)."""
+    token = _CALLING.set((where, say))
+    try:
+        yield
+    finally:
+        _CALLING.reset(token)
+
+
+def ordinal(n: int) -> str:
+    """``1st``, ``2nd``, ``3rd``, ``4th``, ``11th``, ``22nd``."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 # ---------------------------------------------------------------------------- the harness side
@@ -140,6 +178,10 @@ class Worker:
         self._held: weakref.WeakValueDictionary[int, RemoteObject] = (
             weakref.WeakValueDictionary())
         self._dropped: list[int] = []
+        self.timeouts = 0  # calls that did not return in time, this run
+        self.timeouts_in_a_row = 0  # ... since the last call that answered
+        #: Why the module is not called any more (``TIMEOUTS_IN_A_ROW``); "" while it is.
+        self.given_up = ""
 
     # -- the process ----------------------------------------------------------------------
 
@@ -240,22 +282,50 @@ class Worker:
             pass  # the worker is gone: what it said last (bye?) or EOF tells why
         if not conn.poll(self.timeout):
             self.stop()
-            raise PluginFault(f"{label} did not return within {self.timeout:g} s "
-                              f"(--timeout {self.timeout:g})", status="timeout", fatal=True)
+            raise self._timed_out(label)
         try:
             reply = workers.receive(conn)
         except (EOFError, OSError, pickle.UnpicklingError):
+            self.timeouts_in_a_row = 0
             raise PluginFault(f"the worker process died with exit code {self._exit_code()} in "
                               f"{label}", fatal=True) from None
         if reply[0] == "bye":
             raise _Bye
+        self.timeouts_in_a_row = 0
         return reply
+
+    def _timed_out(self, label: str) -> PluginFault:
+        """The fault of a call that did not return in time (its worker already killed), after
+        the line on stderr that says so; the ``TIMEOUTS_IN_A_ROW``-th in a row gives up."""
+        self.timeouts += 1
+        self.timeouts_in_a_row += 1
+        limit = f"{self.timeout:g} s"
+        where, say = _CALLING.get()
+        where = ", ".join(w for w in (label, where) if w)
+        if self.timeouts_in_a_row >= TIMEOUTS_IN_A_ROW:
+            self.given_up = (f"{self.timeouts_in_a_row} calls in a row did not return within "
+                             f"{limit} (--timeout {self.timeout:g}): the rest of the run was "
+                             f"not called")
+            then = (f"{self.timeouts_in_a_row} calls in a row did not return: not restarted, "
+                    f"the rest of the run is not called")
+        else:
+            then = f"worker restarted ({ordinal(self.timeouts)} time)"
+        line = f"{self.path}: a call did not return within {limit} ({where}); {then}"
+        if say is None:
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+        else:
+            say(line)
+        return PluginFault(f"{label} did not return within {limit} (--timeout "
+                           f"{self.timeout:g})", status="timeout", fatal=True)
 
     def call(self, target: RemoteObject, method: str | None, args: tuple[Any, ...],
              kwargs: dict[str, Any], label: str) -> Any:
         """``target.method(*args, **kwargs)`` in the worker (``method`` None: ``target``
         itself), guarded there; a ``PluginFault`` when it fails beyond raising."""
         with self._lock:
+            if self.given_up:
+                raise PluginFault(self.given_up, status="timeout", fatal=True)
             for _ in range(3):
                 try:
                     self.start()
@@ -442,6 +512,6 @@ def serve(fd: str, path: str, idle: str = str(IDLE_EXIT_S)) -> None:
         return
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "IDLE_EXIT_S", "IMPORT_LIMIT_S", "Handle", "RemoteObject",
-           "Worker", "WorkerGuard", "check_timeout", "exception_parts", "seconds_argument",
-           "serve"]
+__all__ = ["DEFAULT_TIMEOUT_S", "IDLE_EXIT_S", "IMPORT_LIMIT_S", "TIMEOUTS_IN_A_ROW", "Handle",
+           "RemoteObject", "Worker", "WorkerGuard", "calling", "check_timeout", "exception_parts",
+           "ordinal", "seconds_argument", "serve"]

@@ -48,7 +48,7 @@ from . import errors as errors_mod
 from . import plugins
 from .backends import Backend
 from .guard import PluginFault
-from .module_worker import DEFAULT_TIMEOUT_S, check_timeout
+from .module_worker import DEFAULT_TIMEOUT_S, calling, check_timeout
 from .room import Room
 from .steps import STEPS, Execution, Step, steps_for
 
@@ -251,8 +251,9 @@ def run_columns(columns: list[Column], expectations: Iterable[Expected], *,
         def cell(col: Column, exp: Expected) -> Cell:  # a peer's through the room
             if progress:
                 progress.running(col, exp)
-            out = cells.cell(col.peer, exp) if col.kind == "peer" else run_cell(
-                col.backend, exp, column=col.name)
+            with calling(f"case {exp.case} dtype {exp.dtype}"):  # named if a call hangs
+                out = cells.cell(col.peer, exp) if col.kind == "peer" else run_cell(
+                    col.backend, exp, column=col.name)
             out.rerun = rerun(exp.case, exp.dtype, col.name)
             if progress:
                 progress.done(col)

@@ -133,7 +133,11 @@ SPLIT_DECODING = (
 PAGED_CACHE = (
     "PagedKVCache keeps the keys and values of many sequences in one pool of pages, key_pages "
     "(num_blocks, block_size, kv_heads, head_dim) and value_pages (num_blocks, block_size, "
-    "kv_heads, v_dim) (the layout of flash-attn's flash_attn_with_kvcache and of vLLM): "
+    "kv_heads, v_dim) (the layout of flash-attn's flash_attn_with_kvcache and of vLLM's "
+    "FlashAttention backend, whose kv_cache (2, num_blocks, block_size, kv_heads, head_dim) "
+    "holds the two pools; vLLM's own PagedAttention kernels, paged_attention_v1 and v2, use "
+    "other layouts: keys (num_blocks, kv_heads, head_dim / x, block_size, x), values "
+    "(num_blocks, kv_heads, head_dim, block_size)): "
     "position t of sequence b lives in row t % block_size of page block_table[b, t // "
     "block_size]. Sequences are ints >= 0: append(keys, values, seqs) adds n positions to each "
     "sequence of the batch (an id the cache does not hold starts an empty sequence), taking a "

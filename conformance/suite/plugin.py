@@ -29,6 +29,10 @@ but add its options (the harness is not even imported), so other test runs are u
 * **xdist** (``-n auto``): every worker collects the same items; with xdist's default
   distribution (``load``) the items of one case × dtype go to one worker together (a scope
   per cell, ``CellScheduling``), so each cell is computed once;
+* **a module that keeps hanging**: each call that does not return within the time limit
+  writes a line on the terminal naming the item's case and dtype (``module_worker.calling``);
+  after ``running.module_worker.TIMEOUTS_IN_A_ROW`` in a row the module is not called again,
+  and every later item fails at once, saying why (as ``python -m conformance`` does);
 * **nothing checked**: when every item of the suite that ran was skipped (the module supports
   or provides nothing selected), the run says so and exits with code 5 (pytest's "no tests
   ran"), never 0: a pass on nothing is not a pass (``python -m conformance`` exits 2 then).
@@ -178,6 +182,41 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
             f"attention conformance: {suite_of(config).scope()}"]
 
 
+def checking(item: pytest.Item) -> str:
+    """What a suite's item checks, as a call that times out names it: "case gqa dtype
+    float32", "bad input <name>", "property checks"; "" for any other item."""
+    key = getattr(item, "key", None)
+    if not is_suite_item(item.nodeid):
+        return ""
+    if isinstance(key, tuple) and len(key) == 3:
+        return f"case {key[0]} dtype {key[1]}"
+    return f"bad input {key}" if key is not None else "property checks"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    """A suite's item runs ``running.module_worker.calling`` what it checks (``checking``):
+    a call that times out names it in a line on the terminal (pytest's capture would hide it
+    on stderr: the item that computes a cell may be one that is skipped); on stderr in an
+    xdist worker, which has no terminal."""
+    where = checking(item)
+    if not where:
+        yield
+        return
+    from ..running.module_worker import calling
+
+    reporter = item.config.pluginmanager.get_plugin("terminalreporter")
+    capture = item.config.pluginmanager.get_plugin("capturemanager")
+
+    def say(line: str) -> None:
+        with capture.global_and_fixture_disabled():  # the item's output is captured
+            reporter.write("\n")  # after the progress dots
+            reporter.write_line(line, yellow=True)
+
+    with calling(where, say if reporter is not None and capture is not None else None):
+        yield
+
+
 def cell_scope(nodeid: str) -> str:
     """xdist's scope of an item: its case × dtype for a suite's ``test_cell`` item
     (``…::test_cell[gqa-float32``), the item itself otherwise."""
@@ -249,7 +288,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int,
             f"exit code {int(NOTHING_CHECKED_EXIT)}", red=True)
 
 
-__all__ = ["NOTHING_CHECKED_EXIT", "cell_scope", "load", "nothing_checked", "pytest_addoption",
-           "pytest_collect_file", "pytest_collection_modifyitems", "pytest_configure",
-           "pytest_report_header", "pytest_sessionfinish", "pytest_terminal_summary",
-           "pytest_xdist_make_scheduler", "seconds"]
+__all__ = ["NOTHING_CHECKED_EXIT", "cell_scope", "checking", "load", "nothing_checked",
+           "pytest_addoption", "pytest_collect_file", "pytest_collection_modifyitems",
+           "pytest_configure", "pytest_report_header", "pytest_runtest_call",
+           "pytest_sessionfinish", "pytest_terminal_summary", "pytest_xdist_make_scheduler",
+           "seconds"]
