@@ -4,6 +4,8 @@
 * the checks of ``chunk_size``, ``alibi_slopes``, ``segment_ids`` (one array, or a pair for
   queries and keys), ``score_mod`` and ``mask_mod``, and of what a mod returns: the same
   exception type and message in every backend;
+* ``captures``: whether a mod closes over an array that is being differentiated, which sends
+  jax_attn and torch_attn to their differentiable explicit steps (``spec.SCORE_MOD``);
 * ``chunk_status``: whether the chunk rule and the band (causal rule, window) leave a tile
   nothing, part of it or all of it, so that every blocked path skips the same tiles.
 
@@ -15,6 +17,8 @@ chunk).
 
 from __future__ import annotations
 
+import functools
+import types
 from collections.abc import Callable
 
 from .checks import SUPPORTED_DTYPES, ArrayInfo, Shape, broadcast_shapes, is_int
@@ -153,6 +157,63 @@ def check_mod_derivative(fn: str, score_mod: object) -> None:
             f"q_idx, kv_idx) returning d score_mod / d score, or use jax_attn or torch_attn "
             f"(autodiff)"
         )
+
+
+#: How deep ``captures`` looks: a mod's closure, a container in it, a callable in that, ...
+CAPTURE_DEPTH = 6
+
+
+def captures(mod: object, is_differentiated: Callable[[object], bool]) -> bool:
+    """Whether the callable ``mod`` captures a value ``is_differentiated`` accepts (the backend
+    says which: a torch tensor requiring grad under grad mode, a jax tracer): in a function's
+    closure cells, defaults and keyword defaults, a ``functools.partial``'s function and
+    arguments, a bound method's object, a callable object's attributes, and the lists, tuples,
+    dicts and callables in those (``CAPTURE_DEPTH`` levels). The ready-made mods
+    (``ready_mods.MaskMod`` / ``ScoreMod``) capture nothing by this rule: the arrays they hold
+    are constants by design (``spec.SCORE_MOD``). Module globals are not captures."""
+    seen: set[int] = set()
+
+    def walk(value: object, depth: int) -> bool:
+        if is_differentiated(value):
+            return True
+        if depth >= CAPTURE_DEPTH or id(value) in seen or _ready_made(value):
+            return False
+        seen.add(id(value))
+        if isinstance(value, (list, tuple, set, frozenset)):
+            return any(walk(item, depth + 1) for item in value)
+        if isinstance(value, dict):
+            return any(walk(item, depth + 1) for item in value.values())
+        if isinstance(value, (type, types.ModuleType)) or not callable(value):
+            return False
+        return any(walk(item, depth + 1) for item in _captured(value))
+
+    return mod is not None and walk(mod, 0)
+
+
+def _captured(fn: object) -> list:
+    """What one callable holds: closure cells, defaults, a partial's parts, attributes."""
+    if isinstance(fn, types.FunctionType):
+        cells = [cell.cell_contents for cell in fn.__closure__ or () if _filled(cell)]
+        return cells + list(fn.__defaults__ or ()) + list((fn.__kwdefaults__ or {}).values())
+    if isinstance(fn, functools.partial):
+        return [fn.func, *fn.args, *fn.keywords.values()]
+    if isinstance(fn, types.MethodType):
+        return [fn.__func__, fn.__self__]
+    return list(getattr(fn, "__dict__", {}).values())
+
+
+def _ready_made(value: object) -> bool:
+    """A ``ready_mods.MaskMod`` / ``ScoreMod`` (by its class's module: ``ready_mods`` imports
+    this module, so this one does not import it)."""
+    return type(value).__module__ == __name__.rsplit(".", 1)[0] + ".ready_mods"
+
+
+def _filled(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 -- an empty cell raises
+    except ValueError:
+        return False
+    return True
 
 
 def _band_status(q0: int, q1: int, k0: int, k1: int, lo: float, hi: float) -> int:

@@ -211,6 +211,17 @@ def _mods_item(mods: _Mods, item: jax.Array, kv_heads: int, groups: int) -> _Mod
                          item=(batch, first))
 
 
+def _mods_capture_tracers(args: rules.Arguments) -> bool:
+    """Whether ``score_mod`` or ``mask_mod`` captures a tracer (``rules.mods.captures``): a
+    traced array may be differentiated, and only the explicit steps, plain autodiff, give it
+    its gradient (spec.SCORE_MOD); the blocked path's ``custom_vjp`` cannot close over it."""
+    return any(rules.mods.captures(mod, _is_tracer) for mod in (args.score_mod, args.mask_mod))
+
+
+def _is_tracer(value: object) -> bool:
+    return isinstance(value, jax.core.Tracer)
+
+
 def _describe_segments(fn: str, segment_ids: Any) -> tuple | None:
     """``segment_ids`` (one array or a pair) as the rules see it: ``(query ids, key ids,
     one)``, each ``(shape, dtype name)``."""

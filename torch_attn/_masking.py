@@ -207,6 +207,20 @@ def _mods(
                  offset, batch, heads, device)
 
 
+def _mods_capture_grads(args: rules.Arguments) -> bool:
+    """Whether ``score_mod`` or ``mask_mod`` captures a tensor that requires grad, under grad
+    mode (``rules.mods.captures``): then only the explicit steps, plain autograd, give it its
+    gradient (spec.SCORE_MOD); the fast paths' Function would leave it None."""
+    if not torch.is_grad_enabled() or (args.score_mod is None and args.mask_mod is None):
+        return False
+    return any(rules.mods.captures(mod, _requires_grad) for mod in (args.score_mod,
+                                                                     args.mask_mod))
+
+
+def _requires_grad(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.requires_grad
+
+
 def _describe_segments(fn: str, segment_ids: Any) -> tuple | None:
     """``segment_ids`` (one array or a pair) as the rules see it: ``(query ids, key ids,
     one)``, each ``(shape, dtype name)``."""

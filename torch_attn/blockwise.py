@@ -33,7 +33,7 @@ import torch
 import attention_rules as rules
 
 from ._arrays import _array, _as_tensor, _describe, _describe_lengths
-from ._masking import _describe_segments, _Mods, _mods, _plan_with_mods
+from ._masking import _describe_segments, _Mods, _mods, _mods_capture_grads, _plan_with_mods
 from ._steps import _with_sinks
 from ._tiles import BlockwiseFunction
 
@@ -92,7 +92,8 @@ def blockwise_attention(
       return_lse: also return each row's log-sum-exp (differentiable).
       chunk_size, alibi_slopes, segment_ids, score_mod, mask_mod: as in
         ``scaled_dot_product_attention``, per tile; the tiles that chunks, segment ids or
-        ``mask_mod`` mask entirely are skipped.
+        ``mask_mod`` mask entirely are skipped. A mod capturing a tensor that requires grad,
+        under grad mode: NotImplementedError (``spec.SCORE_MOD``).
 
     Returns:
       ``(..., heads, q_len, v_dim)`` in the input dtype (fully masked rows give 0), and with
@@ -103,6 +104,11 @@ def blockwise_attention(
                       window, scale, softcap, block_q, block_kv, sinks, return_lse,
                       (chunk_size, alibi_slopes, segment_ids, score_mod,
                        mask_mod))  # every rule of the spec, once
+    if _mods_capture_grads(args):  # the tiles' Function gives its inputs gradients, no others
+        raise NotImplementedError(
+            f"{fn}: a score_mod or mask_mod capturing a tensor that requires grad gets no "
+            f"gradient from the tiles' custom backward pass; use scaled_dot_product_attention "
+            f"(autograd through the explicit steps), or detach the captured tensor")
     query, key, value, bias = _array(query), _array(key), _array(value), _array(bias)
     mods = _mods(fn, args, query, key, alibi_slopes, rules.segment_pair(segment_ids))
     bias, kv_lengths, plan, lo, hi = _prepare(fn, query, key, bias, kv_lengths, args, mods)

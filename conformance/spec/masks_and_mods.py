@@ -86,8 +86,20 @@ SCORE_MOD = (
     "derivative(score, batch, head, q_idx, kv_idx) -> d score_mod / d score, which the "
     "ready-made score mods have; for a callable without one they raise NotImplementedError "
     "naming the ways out (a ready-made mod, a derivative method, jax_attn or torch_attn). "
-    "Arrays the callable closes over are constants: no gradient reaches them (a learned bias "
-    "is the bias argument). Not callable: TypeError. A dtype trap of torch (FlexAttention "
+    "Arrays the callable captures (closure cells, defaults, a callable object's attributes) "
+    "get their gradients, FlexAttention's rule, at every size: in torch_attn a captured "
+    "tensor that requires grad under grad mode, in jax_attn a captured tracer (under jit "
+    "every array passed in is one), sends the call past the fast paths, whose custom "
+    "gradients know only their inputs, to the explicit steps differentiated by autodiff: the "
+    "same results within the tolerance rule, holding O(q_len · kv_len) scores per head. "
+    "score_mod and mask_mod alike. The ready-made mods' arrays are constants by design (they "
+    "are not inspected: give a learned table by a callable of your own, or the bias "
+    "argument). numpy_attn has no autodiff: it cannot differentiate an arbitrary callable, "
+    "so its VJPs return no gradient for captured arrays. blockwise_attention's custom "
+    "gradient is its tiles' alone: torch_attn's raises NotImplementedError for a captured "
+    "tensor that requires grad under grad mode, and jax_attn's custom_vjp cannot close over "
+    "a differentiated tracer (jax raises UnexpectedTracerError). Not callable: TypeError. "
+    "A dtype trap of torch (FlexAttention "
     "shares it): an integer index tensor times a Python float is computed in torch's default "
     "dtype, float32, so a float64 score_mod loses precision in that term silently; multiply by "
     "a tensor of the score's dtype, or cast the indices first (score.new_tensor(q_idx)). The "
@@ -157,4 +169,6 @@ MASKS_AND_MODS_ERRORS = {
     "alibi_slopes not floating point, segment_ids not integers, score_mod or mask_mod not "
     "callable, or a mod returning the wrong dtype": "TypeError",
     "numpy_attn's VJPs given a score_mod without a derivative method": "NotImplementedError",
+    "torch_attn's blockwise_attention given a score_mod or mask_mod that captures a tensor "
+    "requiring grad, under grad mode": "NotImplementedError",
 }

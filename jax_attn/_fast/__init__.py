@@ -36,6 +36,12 @@ its VJP gives the sinks' gradient; cuDNN is never taken then), ``jit``, ``vmap``
 ``forward.py`` and ``backward.py`` at each call (the tests shrink them). A ``mask_mod``
 whose values, known at trace time, are exactly the top-left causal triangle (and no other
 rule but ``is_causal``) runs as ``is_causal=True`` (``_causal_mask_mod``).
+
+Neither path runs when ``score_mod`` or ``mask_mod`` captures a tracer (``_masking.
+_mods_capture_tracers``: a closure cell, a default, an attribute of a callable object): the
+``custom_vjp`` cannot close over a traced array, nor give it a gradient, so the explicit steps
+run, differentiated by plain autodiff (``spec.SCORE_MOD``). Under ``jit`` every array is a
+tracer, so a mod capturing any array passed into the jitted function takes the steps.
 """
 
 from __future__ import annotations
@@ -94,6 +100,8 @@ def use_fast_path(
     """
     if args.return_weights or args.dropout_p > 0.0:
         return None  # neither path returns the weights or takes a keep-mask
+    if _masking._mods_capture_tracers(args):
+        return None  # a captured tracer's gradient: plain autodiff through the steps
     platforms = _platforms(query) if backend is None else {backend}
     lse_or_sinks = args.return_lse or args.has_sinks  # jax.nn here has neither: blocked only
     if platforms <= set(CUDNN_PLATFORMS) and not lse_or_sinks and _cudnn_fits(

@@ -16,7 +16,11 @@ path can follow the spec:
   the mask to the scores instead of replacing them, so a NaN or infinite key at a masked
   position spreads NaN to rows that do not attend it (``NaN + -inf = NaN``), and a row whose
   allowed scores are all ``-inf`` gives NaN, not 0 (torch 2.13, CPU). The spec's IEEE rule
-  (``spec.NON_FINITE``) is what the explicit steps compute.
+  (``spec.NON_FINITE``) is what the explicit steps compute;
+* a ``score_mod`` or ``mask_mod`` that captures a tensor requiring grad, under grad mode
+  (``_masking._mods_capture_grads``): the tiles' ``BlockwiseFunction`` returns gradients for
+  its inputs only, so the captured tensor would get none; the steps give it its gradient
+  (``spec.SCORE_MOD``), holding ``(..., heads, q_len, kv_len)`` scores for autograd.
 
 ``"blocked"``: a soft-cap, a window, or the causal rule bottom-right with ``q_len != kv_len``
 (SDPA's ``is_causal`` is top-left) are beyond SDPA's own options. ``_tiles.BlockwiseFunction``
@@ -55,7 +59,7 @@ import torch
 
 import attention_rules as rules
 
-from .._masking import _Mods, _plan_with_mods
+from .._masking import _Mods, _mods_capture_grads, _plan_with_mods
 from .._steps import _with_sinks
 from .._tiles import BlockwiseFunction
 from .sdpa import _sdpa_attention, _sdpa_blocks
@@ -90,6 +94,8 @@ def use_fast_path(
         return None  # empty axes are not worth a kernel
     if not _finite(query, key):
         return None  # NaN/inf: SDPA adds the mask instead of replacing masked scores
+    if _mods_capture_grads(args):
+        return None  # a captured tensor's gradient: plain autograd through the steps
     if args.has_sinks or args.return_lse:  # SDPA has neither: the tiles, or the steps
         return "blocked" if rules.large_enough(*shapes, MIN_SCORES, MIN_Q_LEN) else None
     if args.has_mods:  # large inputs: SDPA by blocks of queries, or the tiles for score_mod
