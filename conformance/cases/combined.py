@@ -11,11 +11,19 @@ weights. They are also what the quick profile (``running.profiles``)
 runs first: one row that uses many features costs JAX one program, where one row per
 feature costs one each.
 
+The ``combined_pairs_*`` cases complete the pairwise coverage: every pair of features of
+``running.profiles.PAIR_FEATURES`` that the spec lets meet meets in one case at least
+(``profiles.uncovered_pairs``). They were chosen greedily, each a valid call with many rules at
+once, loose enough that every masking rule still removes some keys and leaves most rows some: one
+without a boolean mask or dropout (so the blockwise steps run it), and one per causal alignment
+with both (a call has one alignment, and both disable the blockwise steps).
+
 They share the common shape (batch 2, heads 4, q_len 5, kv_len 7, head_dim 8).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -56,6 +64,51 @@ def _masked_dropout(rng: np.random.Generator) -> CaseData:
     return CaseData(arrays, {"dropout_p": 0.3, "scale": 0.7})
 
 
+def _mostly_true(rng: np.random.Generator, p: float = 0.8) -> np.ndarray:
+    """A random boolean ``(B, H, TQ, TK)``, each entry True with probability ``p``."""
+    return rng.random((B, H, TQ, TK)) < p
+
+
+def _pairs(rng: np.random.Generator, kv_heads: int, offset: int,
+           kv_ids: list[list[int]]) -> dict[str, np.ndarray]:
+    """The arrays every ``combined_pairs_*`` case has: scores x5 (the soft-cap saturates),
+    ALiBi and an ALiBi ``score_mod`` of other slopes, segment ids (the queries' those of their
+    key positions, query i at i + ``offset``) and a ``mask_mod`` table, v_dim 6."""
+    base = qkv(rng, kv_heads=kv_heads, v_dim=V_DIM)
+    ids = np.array(kv_ids)
+    return {**base, "query": base["query"] * 5.0 ** 0.5, "key": base["key"] * 5.0 ** 0.5,
+            "alibi_slopes": SLOPES, "mod_slopes": SLOPES[::-1] / 2,
+            "q_segment_ids": ids[:, offset:offset + TQ], "kv_segment_ids": ids,
+            "mod_table": _mostly_true(rng, 0.85)}
+
+
+def _pairs_blockwise(rng: np.random.Generator) -> CaseData:
+    arrays = {**_pairs(rng, 2, 0, [[0, 0, 1, 1, 1, 1, 2], [0, 0, 0, 0, 0, 1, 1]]),
+              "bias": rng.standard_normal((1, H, TQ, TK)), "sinks": sink_logits(rng)}
+    options: dict[str, Any] = {
+        "scale": 0.6, "softcap": 2.5, "is_causal": True, "window": (2, None), "chunk_size": 4,
+        "score_mod": {"name": "alibi", "offset": 0}, "mask_mod": {"name": "table"}}
+    return CaseData(arrays, options)
+
+
+def _pairs_masked_dropout(offset: int) -> Callable[[np.random.Generator], CaseData]:
+    alignment = "bottom_right" if offset else "top_left"
+
+    def build(rng: np.random.Generator) -> CaseData:
+        arrays = {**_pairs(rng, 1 if offset else 2, offset,
+                           [[0, 0, 0, 1, 1, 1, 1], [3, 3, 5, 5, 5, 5, 5]]),
+                  "bias": rng.standard_normal((H, TQ, TK)), "mask": _mostly_true(rng),
+                  "dropout_mask": rng.random((B, H, TQ, TK)) >= 0.25}
+        options: dict[str, Any] = {
+            "scale": 0.8, "softcap": 3.0, "is_causal": True, "causal_alignment": alignment,
+            "window": (3, None), "dropout_p": 0.25,
+            "score_mod": {"name": "alibi", "offset": offset}, "mask_mod": {"name": "table"}}
+        if offset:  # chunks of 5 bite bottom-right only (top-left, queries 0-4 share one)
+            options["chunk_size"] = 5
+        return CaseData(arrays, options)
+    return build
+
+
 COMBINED_CASES: tuple[Case, ...] = (
     Case("combined_order_of_steps",
          "soft-cap 2.5, then bias, ALiBi and an ALiBi score_mod (the spec's order), scale 0.5, "
@@ -69,6 +122,21 @@ COMBINED_CASES: tuple[Case, ...] = (
          "a boolean mask with fully masked rows and a fully masked head, a bias, sinks, dropout "
          "0.3 with a keep-mask (after the softmax with the sinks), scale 0.7",
          _masked_dropout),
+    Case("combined_pairs_blockwise",
+         "causal top-left, window (2, None), chunks of 4, segment ids, a mask_mod table, "
+         "soft-cap 2.5, bias, ALiBi and an ALiBi score_mod, sinks, scale 0.6, 4 over 2 heads, "
+         "v_dim 6 (blockwise too)",
+         _pairs_blockwise),
+    Case("combined_pairs_masked_dropout_top_left",
+         "a boolean mask and dropout 0.25 with causal top-left, window (3, None), segment ids, "
+         "a mask_mod table, soft-cap 3, bias, ALiBi and an ALiBi score_mod, scale 0.8, "
+         "4 over 2 heads, v_dim 6",
+         _pairs_masked_dropout(0)),
+    Case("combined_pairs_masked_dropout_bottom_right",
+         "a boolean mask and dropout 0.25 with causal bottom-right, window (3, None), chunks of "
+         "5, segment ids, a mask_mod table, soft-cap 3, bias, ALiBi and an ALiBi score_mod, "
+         "scale 0.8, 4 over 1 head, v_dim 6",
+         _pairs_masked_dropout(TK - TQ)),
 )
 
 __all__ = ["COMBINED_CASES", "V_DIM"]

@@ -20,6 +20,7 @@ every row, so every item reaches every backend.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -143,6 +144,46 @@ def quick_rows(unsupported: frozenset[str] = frozenset()) -> tuple[tuple[str, st
     return (*chosen, (richest[0], half[0]))
 
 
+#: The features of an sdpa call whose every pair must meet in one case at least (of the full
+#: catalogue, any dtype): the scores' steps, the masking rules (the causal rule by its
+#: alignment), sinks, grouped query heads, v_dim, dropout and scale. A bug that shows only where
+#: two of them meet (one rule's positions read with the other's offset, a step skipped when
+#: another is given) then fails a case.
+PAIR_FEATURES = ("softcap", "bias", "alibi", "score_mod", "mask", "causal_top_left",
+                 "causal_bottom_right", "window", "chunked", "segments", "mask_mod", "sinks",
+                 "grouped_query", "v_dim", "dropout", "scale")
+#: The pairs of ``PAIR_FEATURES`` that cannot meet, and why.
+IMPOSSIBLE_PAIRS = frozenset({
+    # A call has one causal_alignment: is_causal is top-left or bottom-right, never both.
+    frozenset({"causal_top_left", "causal_bottom_right"}),
+})
+
+
+def pair_features(items: frozenset[str]) -> frozenset[str]:
+    """The ``PAIR_FEATURES`` among a row's coverage items (``covers``): ``causal`` is
+    ``causal_top_left`` or ``causal_bottom_right``, by the call's alignment (a bottom-right
+    window without the causal rule is ``window``)."""
+    used = set(items)
+    if "causal" in used and "causal_top_left" not in used:
+        used.add("causal_bottom_right")
+    return frozenset(used & set(PAIR_FEATURES))
+
+
+def required_pairs() -> frozenset[frozenset[str]]:
+    """Every pair of ``PAIR_FEATURES`` but ``IMPOSSIBLE_PAIRS``."""
+    pairs = {frozenset(p) for p in itertools.combinations(PAIR_FEATURES, 2)}
+    return frozenset(pairs - IMPOSSIBLE_PAIRS)
+
+
+def uncovered_pairs() -> frozenset[frozenset[str]]:
+    """The pairs of ``required_pairs`` that meet in no case of the catalogue."""
+    met: set[frozenset[str]] = set()
+    for case in cases_mod.CASES:
+        met.update(frozenset(p) for p in
+                   itertools.combinations(sorted(pair_features(_case_items(case.name))), 2))
+    return required_pairs() - met
+
+
 @dataclass(frozen=True)
 class Profile:
     """What a run has when the command line names no case, dtype or property examples."""
@@ -194,6 +235,7 @@ FULL_PROPERTY_EXAMPLES = 100
 #: The peers of the quick profile: the frameworks' own fused attention.
 QUICK_PEERS = ("torch.sdpa", "jax.nn")
 
-__all__ = ["BEHAVIOURS", "DTYPE_ORDER", "FULL_PROPERTY_EXAMPLES", "HALF", "HALF_ITEM", "MASKING",
-           "ORDER_SENSITIVE", "QUICK_PEERS", "Profile", "choose", "cover", "covers", "get",
-           "quick_rows", "required_items", "uncovered"]
+__all__ = ["BEHAVIOURS", "DTYPE_ORDER", "FULL_PROPERTY_EXAMPLES", "HALF", "HALF_ITEM",
+           "IMPOSSIBLE_PAIRS", "MASKING", "ORDER_SENSITIVE", "PAIR_FEATURES", "QUICK_PEERS",
+           "Profile", "choose", "cover", "covers", "get", "pair_features", "quick_rows",
+           "required_items", "required_pairs", "uncovered", "uncovered_pairs"]
