@@ -179,14 +179,15 @@ def document_mod(segment_ids: Any, as_array: Callable, place: Callable = _here, 
                                               _contents_key(kv_ids, to_bytes)))
 
 
-def alibi_mod(slopes: Any, offset: int, ones_like: Callable, place: Callable = _here
-              ) -> ScoreMod:
+def alibi_mod(slopes: Any, offset: int, ones_like: Callable, place: Callable = _here, *,
+              to_bytes: Callable) -> ScoreMod:
     """``score - slopes[head] · |q_idx + offset - kv_idx|`` (derivative 1): ``slopes`` already
-    the backend's array, ``ones_like`` the backend's."""
+    the backend's array, cut from autodiff (a constant, ``spec.SCORE_MOD``), ``ones_like`` and
+    ``to_bytes`` the backend's."""
     offset = check_int("alibi_mod", "offset", offset, minimum=None)
     return ScoreMod(lambda s, b, h, q, k: s - place(slopes, s)[h] * abs(q + offset - k),
                     lambda s, *indices: ones_like(s), f"alibi_mod(..., offset={offset})",
-                    ("alibi", id(slopes), offset))
+                    ("alibi", _contents_key(slopes, to_bytes), offset))
 
 
 def softcap_mod(softcap: float, tanh: Callable, square: Callable) -> ScoreMod:
@@ -199,11 +200,13 @@ def softcap_mod(softcap: float, tanh: Callable, square: Callable) -> ScoreMod:
 
 
 def relative_bias_mod(table: Any, offset: int, clip: Callable, ones_like: Callable,
-                      place: Callable = _here) -> ScoreMod:
+                      place: Callable = _here, *, to_bytes: Callable) -> ScoreMod:
     """``score + table[head, clip(kv_idx - q_idx - offset, -m, m) + m]`` for a ``(heads,
-    2m + 1)`` table (derivative 1), with the backend's ``clip`` and ``ones_like``."""
+    2m + 1)`` table (derivative 1): ``table`` already the backend's array, cut from autodiff
+    (a constant, ``spec.SCORE_MOD``), with the backend's ``clip``, ``ones_like`` and
+    ``to_bytes``."""
     offset = check_int("relative_bias_mod", "offset", offset, minimum=None)
     m = (table.shape[-1] - 1) // 2
     return ScoreMod(lambda s, b, h, q, k: s + place(table, s)[h, clip(k - q - offset, -m, m) + m],
                     lambda s, *indices: ones_like(s), f"relative_bias_mod(..., offset={offset})",
-                    ("relative", id(table), offset))
+                    ("relative", _contents_key(table, to_bytes), offset))

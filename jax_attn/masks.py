@@ -150,11 +150,18 @@ def combine_masks(*masks: Any) -> jax.Array | None:
 
 
 def _to_bytes(ids: jax.Array) -> bytes | None:
-    """The bytes of ``ids``, a ready-made mod's key (its contents); None for a tracer (a mod
-    made inside a traced function), which has no values to read."""
+    """The bytes of ``ids`` (or slopes, a table), a ready-made mod's key (its contents); None
+    for a tracer (a mod made inside a traced function), which has no values to read."""
     if isinstance(ids, jax.core.Tracer):
         return None
     return np.asarray(ids).tobytes()
+
+
+def _constant(x: Any) -> jax.Array:
+    """A ready-made score mod's array (slopes, a table) cut from autodiff: a constant by design
+    (``spec.SCORE_MOD``), on every path (a learned table: a callable of your own, or
+    ``bias=``)."""
+    return jax.lax.stop_gradient(jnp.asarray(x))
 
 
 def document_mod(segment_ids: Any) -> MaskMod:
@@ -167,7 +174,7 @@ def document_mod(segment_ids: Any) -> MaskMod:
 def alibi_mod(slopes: Any, offset: int = 0) -> ScoreMod:
     """``score - slopes[head] · |q_idx + offset - kv_idx|``: equals ``alibi_slopes=slopes``
     with ``offset`` the causal alignment's (derivative 1)."""
-    return ready_mods.alibi_mod(jnp.asarray(slopes), offset, jnp.ones_like)
+    return ready_mods.alibi_mod(_constant(slopes), offset, jnp.ones_like, to_bytes=_to_bytes)
 
 
 def softcap_mod(softcap: float) -> ScoreMod:
@@ -180,7 +187,8 @@ def relative_bias_mod(table: Any, offset: int = 0) -> ScoreMod:
     """``score + table[head, clip(kv_idx - q_idx - offset, -m, m) + m]`` for a ``(heads,
     2m + 1)`` table (T5-like relative position bias, distances clipped at ``m``): equals
     ``bias=`` its tabulation (derivative 1)."""
-    return ready_mods.relative_bias_mod(jnp.asarray(table), offset, jnp.clip, jnp.ones_like)
+    return ready_mods.relative_bias_mod(_constant(table), offset, jnp.clip, jnp.ones_like,
+                                        to_bytes=_to_bytes)
 
 
 # The mask mods use Python's operators only: the same objects in every backend

@@ -139,7 +139,7 @@ def combine_masks(*masks: Any) -> np.ndarray | None:
 
 
 def _to_bytes(ids: np.ndarray) -> bytes:
-    """The bytes of ``ids``, a ready-made mod's key (its contents)."""
+    """The bytes of ``ids`` (or slopes, a table), a ready-made mod's key (its contents)."""
     return np.ascontiguousarray(ids).tobytes()
 
 
@@ -153,7 +153,7 @@ def document_mod(segment_ids: Any) -> MaskMod:
 def alibi_mod(slopes: Any, offset: int = 0) -> ScoreMod:
     """``score - slopes[head] · |q_idx + offset - kv_idx|``: equals ``alibi_slopes=slopes``
     with ``offset`` the causal alignment's (derivative 1)."""
-    return ready_mods.alibi_mod(np.asarray(slopes), offset, np.ones_like)
+    return ready_mods.alibi_mod(np.asarray(slopes), offset, np.ones_like, to_bytes=_to_bytes)
 
 
 def softcap_mod(softcap: float) -> ScoreMod:
@@ -166,7 +166,8 @@ def relative_bias_mod(table: Any, offset: int = 0) -> ScoreMod:
     """``score + table[head, clip(kv_idx - q_idx - offset, -m, m) + m]`` for a ``(heads,
     2m + 1)`` table (T5-like relative position bias, distances clipped at ``m``): equals
     ``bias=`` its tabulation (derivative 1)."""
-    return ready_mods.relative_bias_mod(np.asarray(table), offset, np.clip, np.ones_like)
+    return ready_mods.relative_bias_mod(np.asarray(table), offset, np.clip, np.ones_like,
+                                        to_bytes=_to_bytes)
 
 
 # The mask mods use Python's operators only: the same objects in every backend

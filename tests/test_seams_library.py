@@ -11,6 +11,11 @@ thread's BLAS limit) keeps the spec's promise.
   gradients exactly 0.
 * A ``score_mod`` that is NaN only at masked positions: gradients finite, 0 where masked, equal
   to those of a mod that is finite there, every backend, small and fast-path sizes.
+* A plugin computing float16 in float16 (sums accumulated in float16, not the compute dtype)
+  fails ``combined_long_keys`` in float16; the common shape's cases cannot tell.
+* The ready-made score mods' arrays are constants (``spec.SCORE_MOD``): a learned table or
+  slopes get no gradient in torch_attn and jax_attn, explicit and fast-path sizes; the mods
+  are equal by their arrays' contents.
 * numpy_attn's threaded path under concurrent calls leaves the process's BLAS limit as it was;
   the planted bug (a fresh lock per call) fails the same check.
 
@@ -307,3 +312,134 @@ def test_a_nan_or_inf_sink_makes_every_row_of_its_head_nan_in_every_backend(sink
         assert np.isnan(out[0, 0]).all() and np.isnan(lse[0, 0]).all()
         assert np.isfinite(out[0, 1]).all() and np.isfinite(lse[0, 1, 0])
         assert (out[0, 1, 1] == 0).all() and lse[0, 1, 1] == 0.5  # the sink's row: 0, lse sink
+
+
+# ------------------------------------------------------------------------------------------
+# A plugin that computes float16 in float16 (not in the compute dtype) fails a case
+# ------------------------------------------------------------------------------------------
+
+
+def _half_sum(terms: np.ndarray) -> np.ndarray:
+    """The sum over the last axis, one float16 addition at a time (NumPy's own float16 sums and
+    products accumulate in float32)."""
+    total = np.zeros(terms.shape[:-1], np.float16)
+    for j in range(terms.shape[-1]):
+        total = (total + terms[..., j]).astype(np.float16)
+    return total
+
+
+def _all_half_sdpa(query, key, value, mask=None, bias=None, *, is_causal=False,  # noqa: ANN001, ANN202
+                   causal_alignment="top_left", scale=None, return_lse=False,
+                   return_weights=False, **options):
+    """The planted bug: every step in float16 (scores, exp, the row sum, the weighted sum),
+    where spec.COMPUTE_DTYPE says float32; the lse cast to float32 at the end, as the spec's
+    dtypes ask, so only the values can tell."""
+    half = np.float16
+    q, k, v = (np.asarray(x).astype(half) for x in (query, key, value))
+    if q.ndim >= 3 and q.shape[-3] != k.shape[-3]:
+        k, v = (np.repeat(x, q.shape[-3] // x.shape[-3], axis=-3) for x in (k, v))
+    scale = half(1.0 / np.sqrt(q.shape[-1]) if scale is None else scale)
+    scores = (_half_sum(q[..., :, None, :] * k[..., None, :, :]) * scale).astype(half)
+    if bias is not None:
+        scores = (scores + np.asarray(bias).astype(half)).astype(half)
+    allowed = np.ones(scores.shape[-2:], bool)
+    if is_causal:
+        q_len, kv_len = scores.shape[-2:]
+        allowed = np.tril(allowed, k=kv_len - q_len if causal_alignment == "bottom_right" else 0)
+    if mask is not None:
+        allowed = allowed & np.asarray(mask)
+    scores = np.where(allowed, scores, half(-np.inf))
+    row_max = scores.max(axis=-1, keepdims=True)
+    shift = np.where(np.isfinite(row_max), row_max, half(0))
+    exp = np.exp((scores - shift).astype(half)).astype(half)
+    total = _half_sum(exp)[..., None]
+    weights = (exp / np.where(total > 0, total, half(1))).astype(half)
+    out = _half_sum(np.swapaxes(weights[..., :, :, None] * v[..., None, :, :], -1, -2))
+    extra = [weights.astype(query.dtype)] if return_weights else []
+    if return_lse:
+        with np.errstate(divide="ignore"):
+            extra.append((np.log(total[..., 0]) + shift[..., 0]).astype(np.float32))
+    out = out.astype(query.dtype)
+    return (out, *extra) if extra else out
+
+
+def test_a_plugin_computing_float16_in_float16_fails_the_long_keys_case():
+    """No case of the common shape (7 keys) tells a float16 accumulation from the float32 one
+    (the naive baseline rounds every intermediate to float16 too); combined_long_keys' 384 keys
+    do, by a clear margin (3.5x the bound when written), in float16 only."""
+    import types
+
+    from conformance.running import runner
+
+    module = types.ModuleType("fake_all_half")
+    module.scaled_dot_product_attention = _all_half_sdpa
+    backends.register(backends.from_module(module, name="fake_all_half"))
+    try:
+        result = runner.run(["fake_all_half"], ["combined_long_keys"], ["float16"],
+                            check_errors=False, hypothesis=0)
+        [cell] = result.cells
+        assert cell.status == "FAIL", cell
+        self_case = runner.run(["fake_all_half"], ["self", "bias"], ["float16"],
+                               check_errors=False, hypothesis=0)
+        assert all(c.status == "ok" for c in self_case.cells)  # the common shape cannot tell
+    finally:
+        backends.unregister("fake_all_half")
+
+
+# ------------------------------------------------------------------------------------------
+# The ready-made score mods' arrays are constants (spec.SCORE_MOD), on every path
+# ------------------------------------------------------------------------------------------
+
+
+def _mod_inputs(tokens: int) -> tuple[np.ndarray, ...]:
+    rng = np.random.default_rng(tokens)
+    q, k, v, g = (rng.standard_normal((1, 2, tokens, 16)) for _ in range(4))
+    return q, k, v, g, rng.standard_normal((2, 9)), rng.uniform(0.1, 1.0, 2)
+
+
+@pytest.mark.parametrize("tokens", [8, 512], ids=["explicit", "fast_path"])
+def test_torch_ready_made_mods_give_their_arrays_no_gradient(tokens):
+    """A table (slopes) requiring grad given to relative_bias_mod (alibi_mod): no gradient, at
+    the explicit steps' size and the fast path's, the output that of the plain tensor."""
+    q, k, v, g, table, slopes = (torch.tensor(x, dtype=torch.float32)
+                                 for x in _mod_inputs(tokens))
+    masks = torch_attn.masks
+    for make, array in ((masks.relative_bias_mod, table), (masks.alibi_mod, slopes)):
+        learned = array.clone().requires_grad_(True)
+        value = v.clone().requires_grad_(True)
+        out = torch_attn.scaled_dot_product_attention(q, k, value, score_mod=make(learned))
+        (out * g).sum().backward()
+        assert learned.grad is None or not learned.grad.any(), (make, tokens, learned.grad)
+        assert value.grad is not None  # the inputs still get theirs
+        plain = torch_attn.scaled_dot_product_attention(q, k, v, score_mod=make(array))
+        torch.testing.assert_close(out.detach(), plain, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tokens", [8, 512], ids=["explicit", "fast_path"])
+def test_jax_ready_made_mods_give_their_arrays_no_gradient(tokens):
+    """jax.grad with respect to the table (slopes) of relative_bias_mod (alibi_mod): zeros, at
+    both sizes, the output that of the constant array."""
+    q, k, v, g, table, slopes = (jnp.asarray(x, jnp.float32) for x in _mod_inputs(tokens))
+    masks = jax_attn.masks
+    for make, array in ((masks.relative_bias_mod, table), (masks.alibi_mod, slopes)):
+        def loss(learned, make=make):  # noqa: ANN001, ANN202
+            out = jax_attn.scaled_dot_product_attention(q, k, v, score_mod=make(learned))
+            return jnp.sum(out * g)
+
+        grad = np.asarray(jax.grad(loss)(array))
+        assert grad.shape == array.shape and not grad.any(), (make, tokens, grad)
+        np.testing.assert_array_equal(float(loss(array)), float(jnp.sum(
+            jax_attn.scaled_dot_product_attention(q, k, v, score_mod=make(array)) * g)))
+
+
+def test_ready_made_score_mods_are_equal_by_contents():
+    """Like document_mod: a mod made again from an equal array is equal (the same static
+    argument under a JIT), one made from other values is not."""
+    for masks, asarray in ((numpy_attn.masks, np.asarray), (jax_attn.masks, jnp.asarray),
+                           (torch_attn.masks, torch.tensor)):
+        table = np.arange(18.0).reshape(2, 9)
+        first, again = (masks.relative_bias_mod(asarray(table)) for _ in range(2))
+        assert first == again and hash(first) == hash(again)
+        assert masks.relative_bias_mod(asarray(table + 1)) != first
+        assert masks.alibi_mod(asarray([0.5, 0.25])) == masks.alibi_mod(asarray([0.5, 0.25]))
+        assert masks.alibi_mod(asarray([0.5, 0.25])) != masks.alibi_mod(asarray([0.5, 0.5]))

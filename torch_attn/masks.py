@@ -144,8 +144,16 @@ def _place(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def _to_bytes(ids: torch.Tensor) -> bytes:
-    """The bytes of ``ids``, a ready-made mod's key (its contents), read on the CPU."""
+    """The bytes of ``ids`` (or slopes, a table), a ready-made mod's key (its contents), read
+    on the CPU."""
     return ids.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _constant(x: Any) -> torch.Tensor:
+    """A ready-made score mod's array (slopes, a table) as a tensor cut from autograd: a
+    constant by design (``spec.SCORE_MOD``), on every path (a learned table: a callable of
+    your own, or ``bias=``)."""
+    return _as_tensor(x).detach()
 
 
 def document_mod(segment_ids: Any) -> MaskMod:
@@ -158,7 +166,8 @@ def document_mod(segment_ids: Any) -> MaskMod:
 def alibi_mod(slopes: Any, offset: int = 0) -> ScoreMod:
     """``score - slopes[head] · |q_idx + offset - kv_idx|``: equals ``alibi_slopes=slopes``
     with ``offset`` the causal alignment's (derivative 1)."""
-    return ready_mods.alibi_mod(_as_tensor(slopes), offset, torch.ones_like, _place)
+    return ready_mods.alibi_mod(_constant(slopes), offset, torch.ones_like, _place,
+                                to_bytes=_to_bytes)
 
 
 def softcap_mod(softcap: float) -> ScoreMod:
@@ -171,8 +180,8 @@ def relative_bias_mod(table: Any, offset: int = 0) -> ScoreMod:
     """``score + table[head, clip(kv_idx - q_idx - offset, -m, m) + m]`` for a ``(heads,
     2m + 1)`` table (T5-like relative position bias, distances clipped at ``m``): equals
     ``bias=`` its tabulation (derivative 1)."""
-    return ready_mods.relative_bias_mod(_as_tensor(table), offset, torch.clamp, torch.ones_like,
-                                        _place)
+    return ready_mods.relative_bias_mod(_constant(table), offset, torch.clamp, torch.ones_like,
+                                        _place, to_bytes=_to_bytes)
 
 
 # The mask mods use Python's operators only: the same objects in every backend

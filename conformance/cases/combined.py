@@ -18,7 +18,10 @@ once, loose enough that every masking rule still removes some keys and leaves mo
 without a boolean mask or dropout (so the blockwise steps run it), and one per causal alignment
 with both (a call has one alignment, and both disable the blockwise steps).
 
-They share the common shape (batch 2, heads 4, q_len 5, kv_len 7, head_dim 8).
+They share the common shape (batch 2, heads 4, q_len 5, kv_len 7, head_dim 8), but for
+``combined_long_keys``: one head, 3 queries over 384 keys, where a softmax sum or a weighted
+sum accumulated in float16 instead of the compute dtype (float32) fails the float16 row, which
+the common shape's 7 keys cannot show.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from .inputs import TK, TQ, B, Case, CaseData, H, fully_masked_mask, qkv, sink_logits
+from .inputs import TK, TQ, B, Case, CaseData, D, H, fully_masked_mask, qkv, sink_logits
 from .packed import OFFSET, SLOPES
 
 #: The value feature size of the combined cases (not head_dim: v_dim is used too).
@@ -114,6 +117,22 @@ def _pairs_masked_dropout(offset: int) -> Callable[[np.random.Generator], CaseDa
     return build
 
 
+#: The key axis of ``combined_long_keys``: long enough that a row sum and a weighted sum
+#: accumulated in float16 drift past the tolerance (spec.COMPUTE_DTYPE: float32 for half
+#: inputs), short enough to stay a small program.
+LONG_KV = 384
+
+
+def _long_keys(rng: np.random.Generator) -> CaseData:
+    """One sequence, one head, 3 queries over ``LONG_KV`` keys: small scores (the weights near
+    uniform, so the row sum reaches hundreds, where float16 steps are 0.25) and values of
+    mean 1 (outputs about 1, whose running sum in float16 rounds at every key), a bias."""
+    base = {"query": rng.standard_normal((1, 1, 3, D)) * 0.3,
+            "key": rng.standard_normal((1, 1, LONG_KV, D)),
+            "value": rng.standard_normal((1, 1, LONG_KV, D)) * 0.5 + 1.0}
+    return CaseData({**base, "bias": rng.standard_normal((1, 1, 3, LONG_KV)) * 0.2})
+
+
 COMBINED_CASES: tuple[Case, ...] = (
     Case("combined_order_of_steps",
          "soft-cap 2.5, then bias, ALiBi and an ALiBi score_mod (the spec's order), scale 0.5, "
@@ -142,6 +161,11 @@ COMBINED_CASES: tuple[Case, ...] = (
          "5, segment ids, a mask_mod table, soft-cap 3, bias, ALiBi and an ALiBi score_mod, "
          "scale 0.8, 4 over 1 head, v_dim 6",
          _pairs_masked_dropout(TK - TQ)),
+    Case("combined_long_keys",
+         f"{LONG_KV} keys, 3 queries, one head: near-uniform weights over values of mean 1, a "
+         "bias (sums over the keys must be accumulated in the compute dtype: float32 for half "
+         "inputs)",
+         _long_keys),
 )
 
 __all__ = ["COMBINED_CASES", "V_DIM"]
