@@ -212,10 +212,11 @@ def _mods_item(mods: _Mods, item: jax.Array, kv_heads: int, groups: int) -> _Mod
 
 
 def _mods_capture_tracers(args: rules.Arguments) -> bool:
-    """Whether ``score_mod`` or ``mask_mod`` captures a tracer (``rules.mods.captures``): a
-    traced array may be differentiated, and only the explicit steps, plain autodiff, give it
-    its gradient (spec.SCORE_MOD); the blocked path's ``custom_vjp`` cannot close over it."""
-    return any(rules.mods.captures(mod, _is_tracer) for mod in (args.score_mod, args.mask_mod))
+    """Whether ``score_mod`` captures a tracer (``rules.mods.captures``): a traced array may
+    be differentiated, and only the explicit steps, plain autodiff, give it its gradient
+    (spec.SCORE_MOD); the blocked path's ``custom_vjp`` cannot close over it. A ``mask_mod``'s
+    arrays get no gradient (its result is boolean): it keeps the blocked path."""
+    return rules.mods.captures(args.score_mod, _is_tracer)
 
 
 def _is_tracer(value: object) -> bool:

@@ -31,6 +31,7 @@ from subprocesses import timeout
 import numpy_attn
 from conformance import golden
 from conformance.__main__ import main
+from conformance.cases import catalogue as cases
 from conformance.comparing.results import Cell, Column, RunResult
 from conformance.reporting import json_report, terminal
 from conformance.running import backends, plugins, runner
@@ -70,7 +71,8 @@ def test_sdpa_only_passes_with_a_short_report(tmp_path: Path,
     lines = out.strip().splitlines()
     assert code == 0, out
     assert lines[0].startswith("PASS: examples.sdpa_only") and lines[-1].startswith("PASS:")
-    assert len(lines) <= 84, f"{len(lines)} lines"  # 9 rows of cases it declares unsupported
+    # a row per case in the table (those it declares unsupported too), 22 lines around it
+    assert len(lines) <= len(cases.CASES) + 22, f"{len(lines)} lines"
     assert out.count("not provided (optional): causal_mask") == 1
     assert [line for line in lines if "FAIL" in line or "error:" in line] == [
         next(line for line in lines if "FAIL f16: fails in float16" in line)]  # the legend
@@ -148,12 +150,12 @@ def test_wrong_module_verdict_names_the_bug_with_a_runnable_smallest_case(
     first = out.splitlines()[0]
     assert first.startswith("FAIL: examples.wrong_attention:")
     assert "wrong causal alignment" in first and "mask polarity flipped" in first
-    # nan_key_masked, the merge cases and combined_masked_dropout too
-    assert "1. mask · examples.wrong_attention: 10 cases" in out
+    # nan_key_masked, the merge cases, combined_masked_dropout and the top-left pairs case too
+    assert "1. mask · examples.wrong_attention: 11 cases" in out
     assert "2. causal, bottom_right · examples.wrong_attention" in out
     assert "query (1, 1, 1, 1)" in out  # shrunk from (2, 4, 5, 8)
     scripts = _reproducers(out)
-    assert len(scripts) == 2
+    assert len(scripts) == 3  # and the pairs case with both bugs at once (no diagnosis)
     for script in scripts:
         printed = io.StringIO()
         with contextlib.redirect_stdout(printed):

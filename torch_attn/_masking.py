@@ -208,13 +208,13 @@ def _mods(
 
 
 def _mods_capture_grads(args: rules.Arguments) -> bool:
-    """Whether ``score_mod`` or ``mask_mod`` captures a tensor that requires grad, under grad
-    mode (``rules.mods.captures``): then only the explicit steps, plain autograd, give it its
-    gradient (spec.SCORE_MOD); the fast paths' Function would leave it None."""
-    if not torch.is_grad_enabled() or (args.score_mod is None and args.mask_mod is None):
+    """Whether ``score_mod`` captures a tensor that requires grad, under grad mode
+    (``rules.mods.captures``): then only the explicit steps, plain autograd, give it its
+    gradient (spec.SCORE_MOD); the fast paths' Function would leave it None. A ``mask_mod``'s
+    arrays get no gradient (its result is boolean)."""
+    if not torch.is_grad_enabled() or args.score_mod is None:
         return False
-    return any(rules.mods.captures(mod, _requires_grad) for mod in (args.score_mod,
-                                                                     args.mask_mod))
+    return rules.mods.captures(args.score_mod, _requires_grad)
 
 
 def _requires_grad(value: object) -> bool:

@@ -106,7 +106,7 @@ def blockwise_attention(
                        mask_mod))  # every rule of the spec, once
     if _mods_capture_grads(args):  # the tiles' Function gives its inputs gradients, no others
         raise NotImplementedError(
-            f"{fn}: a score_mod or mask_mod capturing a tensor that requires grad gets no "
+            f"{fn}: a score_mod capturing a tensor that requires grad gets no "
             f"gradient from the tiles' custom backward pass; use scaled_dot_product_attention "
             f"(autograd through the explicit steps), or detach the captured tensor")
     query, key, value, bias = _array(query), _array(key), _array(value), _array(bias)

@@ -307,13 +307,18 @@ def full_table(result: RunResult, width: int | None = None) -> str:
     names = [c.name for c in result.columns]
     label_width = max([len(f"{c} {d}") for c, d in result.rows] + [10])
     widths = [max(CELL_WIDTH, len(n)) for n in names]
+    if width is not None:  # a long case name is cut (…) so that one cell fits beside it
+        label_width = max(min(label_width, width - max(widths) - 1), 10)
     blocks = []
     for panel in panels(label_width, widths, width):
         head = ("case".ljust(label_width) + " " + " ".join(
             names[i].ljust(widths[i]) for i in panel)).rstrip()
         lines = [head, "-" * len(head)]
         for case, dtype in result.rows:
-            lines.append((f"{case} {dtype}".ljust(label_width) + " " + " ".join(
+            label = f"{case} {dtype}"
+            if len(label) > label_width:
+                label = case[: label_width - len(dtype) - 2] + "… " + dtype
+            lines.append((label.ljust(label_width) + " " + " ".join(
                 (cell_text(grid[(case, dtype, names[i])], widths[i])
                  if (case, dtype, names[i]) in grid else "").ljust(widths[i])
                 for i in panel)).rstrip())

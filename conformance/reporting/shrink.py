@@ -245,9 +245,14 @@ def reproducer(backend: Backend, exp: Expected, step: str, why: str = "") -> str
     lines += [_literal(n, x) for n, x in zip(names, call.args, strict=True)]
     arrays = {k: v for k, v in call.kwargs.items() if isinstance(v, np.ndarray)}
     lines += [_literal(n, x) for n, x in arrays.items()]
+    pairs = {k: v for k, v in call.kwargs.items()  # segment_ids=(q_ids, kv_ids)
+             if isinstance(v, tuple) and v and all(isinstance(x, np.ndarray) for x in v)}
+    lines += [_literal(f"{k}_{i}", x) for k, v in pairs.items() for i, x in enumerate(v)]
     args = [f"attn.asarray({n})" for n in names]
     args += [f"{k}=attn.asarray({k})" for k in arrays]
-    args += [f"{k}={v!r}" for k, v in call.kwargs.items() if k not in arrays]
+    args += [f"{k}=(" + ", ".join(f"attn.asarray({k}_{i})" for i in range(len(v))) + ")"
+             for k, v in pairs.items()]
+    args += [f"{k}={v!r}" for k, v in call.kwargs.items() if k not in arrays and k not in pairs]
     lines += [f"result = attn.module.{call.fn}(" + ", ".join(args) + ")",
               "actual = attn.to_numpy(result" + (f"[{pick}]" if pick is not None else "") + ")",
               f"expected = np.array({np.asarray(exp.values[step], np.float64).tolist()!r})"

@@ -91,8 +91,9 @@ SCORE_MOD = (
     "tensor that requires grad under grad mode, in jax_attn a captured tracer (under jit "
     "every array passed in is one), sends the call past the fast paths, whose custom "
     "gradients know only their inputs, to the explicit steps differentiated by autodiff: the "
-    "same results within the tolerance rule, holding O(q_len · kv_len) scores per head. "
-    "score_mod and mask_mod alike. The ready-made mods' arrays are constants by design (they "
+    "same results within the tolerance rule, holding O(q_len · kv_len) scores per head. A "
+    "mask_mod's arrays get none (its result is boolean), so it keeps the fast paths. The "
+    "ready-made mods' arrays are constants by design (they "
     "are not inspected, and no gradient reaches them on any path: torch_attn detaches them, "
     "jax_attn stops their gradient; give a learned table by a callable of your own, or the "
     "bias argument). numpy_attn has no autodiff: it cannot differentiate an arbitrary callable, "
@@ -170,6 +171,6 @@ MASKS_AND_MODS_ERRORS = {
     "alibi_slopes not floating point, segment_ids not integers, score_mod or mask_mod not "
     "callable, or a mod returning the wrong dtype": "TypeError",
     "numpy_attn's VJPs given a score_mod without a derivative method": "NotImplementedError",
-    "torch_attn's blockwise_attention given a score_mod or mask_mod that captures a tensor "
-    "requiring grad, under grad mode": "NotImplementedError",
+    "torch_attn's blockwise_attention given a score_mod that captures a tensor requiring "
+    "grad, under grad mode": "NotImplementedError",
 }

@@ -37,7 +37,7 @@ its VJP gives the sinks' gradient; cuDNN is never taken then), ``jit``, ``vmap``
 whose values, known at trace time, are exactly the top-left causal triangle (and no other
 rule but ``is_causal``) runs as ``is_causal=True`` (``_causal_mask_mod``).
 
-Neither path runs when ``score_mod`` or ``mask_mod`` captures a tracer (``_masking.
+Neither path runs when ``score_mod`` captures a tracer (``_masking.
 _mods_capture_tracers``: a closure cell, a default, an attribute of a callable object): the
 ``custom_vjp`` cannot close over a traced array, nor give it a gradient, so the explicit steps
 run, differentiated by plain autodiff (``spec.SCORE_MOD``). Under ``jit`` every array is a

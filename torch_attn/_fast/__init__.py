@@ -17,7 +17,7 @@ path can follow the spec:
   position spreads NaN to rows that do not attend it (``NaN + -inf = NaN``), and a row whose
   allowed scores are all ``-inf`` gives NaN, not 0 (torch 2.13, CPU). The spec's IEEE rule
   (``spec.NON_FINITE``) is what the explicit steps compute;
-* a ``score_mod`` or ``mask_mod`` that captures a tensor requiring grad, under grad mode
+* a ``score_mod`` that captures a tensor requiring grad, under grad mode
   (``_masking._mods_capture_grads``): the tiles' ``BlockwiseFunction`` returns gradients for
   its inputs only, so the captured tensor would get none; the steps give it its gradient
   (``spec.SCORE_MOD``), holding ``(..., heads, q_len, kv_len)`` scores for autograd.
