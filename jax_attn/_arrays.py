@@ -98,3 +98,15 @@ def _check_device(fn: str, device: Any) -> Any:
 def _place(array: jax.Array, device: Any) -> jax.Array:
     # Only an explicit device moves the mask; None keeps JAX's default placement (and jit's).
     return array if device is None else jax.device_put(array, device)
+
+
+def _cache_dtype(fn: str, dtype: Any) -> jnp.dtype:
+    """A cache's ``dtype`` argument (``KVCache.empty``, ``PagedKVCache``): a dtype name
+    (``"float32"``) or a JAX/NumPy dtype; the spec's TypeError naming ``dtype`` for a name
+    JAX does not know."""
+    try:
+        return jnp.dtype(dtype)
+    except TypeError:
+        rules.check_float_inputs(fn, dtype=str(dtype))  # raises: not a supported dtype
+        raise
+

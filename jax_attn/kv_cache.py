@@ -27,19 +27,9 @@ import jax.numpy as jnp
 
 import attention_rules as rules
 
-from ._arrays import _check_device, _place
+from ._arrays import _cache_dtype, _check_device, _place
 from .functional import scaled_dot_product_attention
 from .paged import PagedKVCache, split_kv_attention
-
-
-def _dtype(fn: str, dtype: Any) -> jnp.dtype:
-    """A dtype name (``"float32"``) or a JAX/NumPy dtype; the spec's TypeError naming ``dtype``
-    for a name JAX does not know."""
-    try:
-        return jnp.dtype(dtype)
-    except TypeError:
-        rules.check_float_inputs(fn, dtype=str(dtype))  # raises: not a supported dtype
-        raise
 
 
 @jax.tree_util.register_pytree_node_class
@@ -87,7 +77,7 @@ class KVCache:
         head_dim = rules.check_int(fn, "head_dim", head_dim)
         v_dim = head_dim if v_dim is None else rules.check_int(fn, "v_dim", v_dim)
         device = _check_device(fn, device)  # jax: a device or a platform name
-        dtype = _dtype(fn, dtype)
+        dtype = _cache_dtype(fn, dtype)
         rules.check_float_inputs(fn, dtype=dtype.name)
         shape = tuple(batch_shape) + (kv_heads, max_len)
         return cls(_place(jnp.zeros(shape + (head_dim,), dtype), device),

@@ -39,7 +39,7 @@ import numpy as np
 
 import attention_rules as rules
 
-from ._arrays import _array, _check_device, _describe, _place
+from ._arrays import _array, _cache_dtype, _check_device, _describe, _place
 from ._steps import NEG_INF, _merge_attention, _softcap
 
 #: ``paged_attention`` reads the copied pages in the pool's layout, every kv head's query rows
@@ -53,17 +53,6 @@ FLAT_KV_HEADS = 8
 #: is a ``dynamic_slice`` in XLA, on one thread; several pages a gather split over the threads,
 #: 1.5× slower per step with pages of 256 positions on the loaded 2-core machine).
 TAKE_POSITIONS = 256
-
-
-def _dtype(fn: str, dtype: Any) -> jnp.dtype:
-    """A dtype name (``"float32"``) or a JAX/NumPy dtype; the spec's TypeError naming ``dtype``
-    for a name JAX does not know."""
-    try:
-        return jnp.dtype(dtype)
-    except TypeError:
-        rules.check_float_inputs(fn, dtype=str(dtype))  # raises: not a supported dtype
-        raise
-
 
 class PagedKVCache:
     """Pages ``(num_blocks, block_size, kv_heads, head_dim | v_dim)`` of keys and values shared
@@ -89,7 +78,7 @@ class PagedKVCache:
         num_blocks, block_size, kv_heads, head_dim, v_dim = rules.check_page_pool(
             fn, num_blocks, block_size, kv_heads, head_dim, v_dim)
         device = _check_device(fn, device)  # jax: a device or a platform name
-        dtype = _dtype(fn, dtype)
+        dtype = _cache_dtype(fn, dtype)
         rules.check_float_inputs(fn, dtype=dtype.name)
         shape = (num_blocks, block_size, kv_heads)
         self.key_pages = _place(jnp.zeros(shape + (head_dim,), dtype), device)

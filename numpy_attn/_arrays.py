@@ -85,3 +85,19 @@ def _check_device(fn: str, device: Any) -> None:
     the CPU only, the Array API's ``device="cpu"``); ValueError otherwise."""
     if device not in (None, "cpu"):
         raise ValueError(f"{fn}: numpy_attn creates arrays on the CPU only; got device={device!r}")
+
+
+def _cache_dtype(fn: str, dtype: Any) -> np.dtype:
+    """A cache's ``dtype`` argument (``KVCache.empty``, ``PagedKVCache``): a dtype name
+    (``"bfloat16"`` via ml_dtypes) or a NumPy dtype; the spec's TypeError naming ``dtype``
+    for a name NumPy does not know."""
+    if isinstance(dtype, str) and dtype == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        rules.check_float_inputs(fn, dtype=str(dtype))  # raises: not a supported dtype
+        raise
+

@@ -15,23 +15,9 @@ import numpy as np
 
 import attention_rules as rules
 
-from ._arrays import _check_device
+from ._arrays import _cache_dtype, _check_device
 from .functional import scaled_dot_product_attention
 from .paged import PagedKVCache, split_kv_attention
-
-
-def _dtype(fn: str, dtype: Any) -> np.dtype:
-    """A dtype name (``"bfloat16"`` via ml_dtypes) or a NumPy dtype; the spec's TypeError naming
-    ``dtype`` for a name NumPy does not know."""
-    if isinstance(dtype, str) and dtype == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    try:
-        return np.dtype(dtype)
-    except TypeError:
-        rules.check_float_inputs(fn, dtype=str(dtype))  # raises: not a supported dtype
-        raise
 
 
 class KVCache:
@@ -66,7 +52,7 @@ class KVCache:
         head_dim = rules.check_int(fn, "head_dim", head_dim)
         v_dim = head_dim if v_dim is None else rules.check_int(fn, "v_dim", v_dim)
         _check_device(fn, device)  # numpy: the CPU only
-        dtype = _dtype(fn, dtype)
+        dtype = _cache_dtype(fn, dtype)
         rules.check_float_inputs(fn, dtype=dtype.name)
         shape = tuple(batch_shape) + (kv_heads, max_len)
         return cls(np.zeros(shape + (head_dim,), dtype), np.zeros(shape + (v_dim,), dtype), 0)

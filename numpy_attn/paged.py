@@ -35,28 +35,13 @@ import numpy as np
 import attention_rules as rules
 
 from . import _threads
-from ._arrays import _array, _check_device, _describe
+from ._arrays import _array, _cache_dtype, _check_device, _describe
 from ._steps import NEG_INF, _merge_attention, _softcap
 
 #: Bytes of pages copied at a time by ``paged_attention`` (at least one page): half of a common
 #: L2 cache, so a part is still there when its product reads it (numpy_attn's choice).
 PART_BYTES = 1 << 20
 _local = threading.local()  # each thread's buffer for the copied pages (``_buffer``)
-
-
-def _dtype(fn: str, dtype: Any) -> np.dtype:
-    """A dtype name (``"bfloat16"`` via ml_dtypes) or a NumPy dtype; the spec's TypeError naming
-    ``dtype`` for a name NumPy does not know."""
-    if isinstance(dtype, str) and dtype == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    try:
-        return np.dtype(dtype)
-    except TypeError:
-        rules.check_float_inputs(fn, dtype=str(dtype))  # raises: not a supported dtype
-        raise
-
 
 class PagedKVCache:
     """Pages ``(num_blocks, block_size, kv_heads, head_dim | v_dim)`` of keys and values shared
@@ -81,7 +66,7 @@ class PagedKVCache:
         num_blocks, block_size, kv_heads, head_dim, v_dim = rules.check_page_pool(
             fn, num_blocks, block_size, kv_heads, head_dim, v_dim)
         _check_device(fn, device)  # numpy: the CPU only
-        dtype = _dtype(fn, dtype)
+        dtype = _cache_dtype(fn, dtype)
         rules.check_float_inputs(fn, dtype=dtype.name)
         shape = (num_blocks, block_size, kv_heads)
         self.key_pages = np.zeros(shape + (head_dim,), dtype)

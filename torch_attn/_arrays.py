@@ -112,3 +112,14 @@ def _to_numpy(x: Any) -> np.ndarray:
 
         return x.float().numpy().astype(ml_dtypes.bfloat16)
     return x.numpy().copy()
+
+
+def _cache_dtype(fn: str, dtype: Any) -> torch.dtype:
+    """A cache's ``dtype`` argument (``KVCache.empty``, ``PagedKVCache``): a dtype name
+    (``"float32"``) or a ``torch.dtype``; the spec's TypeError naming ``dtype`` for anything
+    else (torch: ``getattr`` alone would raise AttributeError)."""
+    found = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(found, torch.dtype):
+        rules.check_float_inputs(fn, dtype=str(dtype))  # raises: not a supported dtype
+    return found
+

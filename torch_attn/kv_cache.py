@@ -21,18 +21,9 @@ import torch
 
 import attention_rules as rules
 
-from ._arrays import _as_tensor, _dtype_name
+from ._arrays import _as_tensor, _cache_dtype, _dtype_name
 from .functional import merge_attention, scaled_dot_product_attention
 from .paged import PagedKVCache, paged_cached_part, split_kv_attention
-
-
-def _dtype(fn: str, dtype: Any) -> torch.dtype:
-    """A dtype name (``"float32"``) or a ``torch.dtype``; the spec's TypeError naming ``dtype``
-    for anything else (torch: ``getattr`` alone would raise AttributeError)."""
-    found = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
-    if not isinstance(found, torch.dtype):
-        rules.check_float_inputs(fn, dtype=str(dtype))  # raises: not a supported dtype
-    return found
 
 
 class KVCache:
@@ -67,7 +58,7 @@ class KVCache:
         max_len = rules.check_int(fn, "max_len", max_len)
         head_dim = rules.check_int(fn, "head_dim", head_dim)
         v_dim = head_dim if v_dim is None else rules.check_int(fn, "v_dim", v_dim)
-        dtype = _dtype(fn, dtype)
+        dtype = _cache_dtype(fn, dtype)
         rules.check_float_inputs(fn, dtype=str(dtype).removeprefix("torch."))
         shape = tuple(batch_shape) + (kv_heads, max_len)
         like = {"dtype": dtype, "device": device}  # torch: the device of the buffers

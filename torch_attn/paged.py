@@ -29,7 +29,7 @@ import torch
 
 import attention_rules as rules
 
-from ._arrays import _array, _as_tensor, _describe, _dtype_name
+from ._arrays import _array, _as_tensor, _cache_dtype, _describe, _dtype_name
 from ._steps import NEG_INF, _softcap
 
 #: Bytes of pages copied at a time by ``paged_attention`` (at least one page): the keys of a
@@ -37,16 +37,6 @@ from ._steps import NEG_INF, _softcap
 #: measured 1.1-1.2x slower), and the L2 cache here (torch_attn's choice).
 PART_BYTES = 1 << 21
 _local = threading.local()  # each thread's buffers for the copied pages, per device (_buffer)
-
-
-def _dtype(fn: str, dtype: Any) -> torch.dtype:
-    """A dtype name (``"float32"``) or a ``torch.dtype``; the spec's TypeError naming ``dtype``
-    for anything else (torch: ``getattr`` alone would raise AttributeError)."""
-    found = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
-    if not isinstance(found, torch.dtype):
-        rules.check_float_inputs(fn, dtype=str(dtype))  # raises: not a supported dtype
-    return found
-
 
 class PagedKVCache:
     """Pages ``(num_blocks, block_size, kv_heads, head_dim | v_dim)`` of keys and values shared
@@ -71,7 +61,7 @@ class PagedKVCache:
         fn = "PagedKVCache"
         num_blocks, block_size, kv_heads, head_dim, v_dim = rules.check_page_pool(
             fn, num_blocks, block_size, kv_heads, head_dim, v_dim)
-        dtype = _dtype(fn, dtype)
+        dtype = _cache_dtype(fn, dtype)
         rules.check_float_inputs(fn, dtype=str(dtype).removeprefix("torch."))
         shape = (num_blocks, block_size, kv_heads)
         like = {"dtype": dtype, "device": device}  # torch: the device of the pages
