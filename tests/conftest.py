@@ -26,6 +26,8 @@ import ctypes
 import gc
 import os
 import sys
+import types
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -115,6 +117,23 @@ def _resident_mib() -> float | None:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     except (OSError, ValueError, IndexError):
         return None
+
+
+@pytest.fixture
+def registered() -> Iterator[Callable[..., backends.Backend]]:
+    """Registers fake modules (``backends.load(name)`` finds them) and forgets them after."""
+    names: list[str] = []
+
+    def make(name: str, **attrs: object) -> backends.Backend:
+        module = types.ModuleType(name)
+        for key, value in attrs.items():
+            setattr(module, key, value)
+        names.append(name)
+        return backends.register(backends.from_module(module, name=name))
+
+    yield make
+    for name in names:
+        backends.unregister(name)
 
 
 @pytest.fixture(autouse=True)

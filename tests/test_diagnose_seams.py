@@ -11,8 +11,7 @@ batch aligned top-left) are written out with numpy_attn and handed to ``diagnose
 
 from __future__ import annotations
 
-import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,26 +24,9 @@ from conformance.cases import expected, reference
 from conformance.cases.inputs import contiguous, varlen_pieces
 from conformance.diagnosing import diagnose
 from conformance.reporting import groups, terminal
-from conformance.running import backends, runner
+from conformance.running import runner
 
 SDPA = numpy_attn.scaled_dot_product_attention
-
-
-@pytest.fixture
-def registered() -> Iterator[Callable[..., backends.Backend]]:
-    """Registers fake modules (``backends.load(name)`` finds them) and forgets them after."""
-    names: list[str] = []
-
-    def make(name: str, **attrs: object) -> backends.Backend:
-        module = types.ModuleType(name)
-        for key, value in attrs.items():
-            setattr(module, key, value)
-        names.append(name)
-        return backends.register(backends.from_module(module, name=name))
-
-    yield make
-    for name in names:
-        backends.unregister(name)
 
 
 def _headline(name: str, run_cases: list[str], dtypes: tuple[str, ...] = ("float32",)) -> str:

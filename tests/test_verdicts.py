@@ -8,8 +8,7 @@ small (a few cases, float32, at most 30 property examples).
 
 from __future__ import annotations
 
-import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -26,23 +25,6 @@ from conformance.reporting.shrink import shrink
 from conformance.running import backends, errors, plugins, properties, runner
 
 FN = "scaled_dot_product_attention"
-
-
-@pytest.fixture
-def registered() -> Iterator[Callable[..., backends.Backend]]:
-    """Registers fake modules (``backends.load(name)`` finds them) and forgets them after."""
-    names: list[str] = []
-
-    def make(name: str, **attrs: object) -> backends.Backend:
-        module = types.ModuleType(name)
-        for key, value in attrs.items():
-            setattr(module, key, value)
-        names.append(name)
-        return backends.register(backends.from_module(module, name=name))
-
-    yield make
-    for name in names:
-        backends.unregister(name)
 
 
 def _seq_first(query: Any, key: Any, value: Any, *, scale: float | None = None,
