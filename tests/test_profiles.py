@@ -43,10 +43,15 @@ def test_a_feature_whose_cases_are_deleted_is_noticed(monkeypatch: pytest.Monkey
     ``uncovered`` names it (and nothing else)."""
     chunked = {c.name for c in cases.CASES if "chunked" in profiles._case_items(c.name)}
     assert chunked
-    monkeypatch.setattr(cases, "CASES", tuple(c for c in cases.CASES if c.name not in chunked))
+    assert _uncovered_without(monkeypatch, chunked) == {"chunked"}
+
+
+def _uncovered_without(monkeypatch: pytest.MonkeyPatch, names: set[str]) -> frozenset[str]:
+    """``uncovered`` of the quick cover of the catalogue without the cases ``names``."""
+    monkeypatch.setattr(cases, "CASES", tuple(c for c in cases.CASES if c.name not in names))
     profiles.quick_rows.cache_clear()
     try:
-        assert profiles.uncovered(profiles.quick_rows()) == {"chunked"}
+        return profiles.uncovered(profiles.quick_rows())
     finally:
         profiles.quick_rows.cache_clear()
 
@@ -177,13 +182,7 @@ def test_each_order_sensitive_pair_meets_in_a_quick_row(monkeypatch: pytest.Monk
     rows = profiles.quick_rows()
     met = set().union(*(profiles.covers(_expected(case, dtype)) for case, dtype in rows))
     assert {f"order:{a}+{b}" for a, b in profiles.ORDER_SENSITIVE} <= met
-    monkeypatch.setattr(cases, "CASES", tuple(c for c in cases.CASES
-                                              if c.name != "combined_masked_dropout"))
-    profiles.quick_rows.cache_clear()
-    try:
-        assert profiles.uncovered(profiles.quick_rows()) == {"order:sinks+dropout"}
-    finally:
-        profiles.quick_rows.cache_clear()
+    assert _uncovered_without(monkeypatch, {"combined_masked_dropout"}) == {"order:sinks+dropout"}
 
 
 def test_a_module_gets_the_cover_of_what_it_supports() -> None:
