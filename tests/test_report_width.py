@@ -33,7 +33,7 @@ from conformance.comparing.results import (
 )
 from conformance.reporting import overview, sections, terminal
 from conformance.reporting.textwidth import fit_code, resolve_width
-from conformance.running import backends, runner
+from conformance.running import backends, progress, runner
 
 ROOT = Path(__file__).resolve().parents[1]
 LONG = ("the implementation treats True as 'masked out' where the spec's True means 'may "
@@ -262,7 +262,7 @@ def test_one_install_line_per_missing_package(monkeypatch: pytest.MonkeyPatch) -
 
 def test_progress_bar_on_a_terminal_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a terminal the bar shows the share done and the time left, a JAX cell weighing
-    more than a NumPy one (``runner.CELL_WEIGHTS``); piped, nothing."""
+    more than a NumPy one (``progress.CELL_WEIGHTS``); piped, nothing."""
     pytest.importorskip("tqdm", reason="pip install tqdm")
 
     class Tty(io.StringIO):
@@ -273,13 +273,13 @@ def test_progress_bar_on_a_terminal_only(monkeypatch: pytest.MonkeyPatch) -> Non
     exp = _expected("self", "float32")
     for stream, shown in ((Tty(), True), (io.StringIO(), False)):
         monkeypatch.setattr(sys, "stderr", stream)
-        bar = runner.Progress(columns, 2)
+        bar = progress.Progress(columns, 2)
         for col in (columns[0], columns[0], columns[1]):  # numpy's two cells, one of jax's
             bar.running(col, exp)
             bar.done(col)
             bar._bar.refresh() if shown else None
         if shown:
-            eager, compiles = runner.CELL_WEIGHTS["eager"], runner.CELL_WEIGHTS["compiles"]
+            eager, compiles = progress.CELL_WEIGHTS["eager"], progress.CELL_WEIGHTS["compiles"]
             percent = int(re.findall(r"(\d+)% ", stream.getvalue())[-1])
             assert percent == round(100 * (2 * eager + compiles) / (2 * (eager + compiles)))
             assert "left" in stream.getvalue() and "jax self float32" in stream.getvalue()

@@ -26,8 +26,9 @@ Where it runs (the execution room):
 ``peer_worker``     inside the background peer worker: the peers' cells, judged there
 ``keras_worker``    one Keras backend per worker process, its requests pipelined
 ``room``            where and in which order a run's cells are computed: ``Room`` (here, each
-                    when its turn comes) or ``Ahead`` (the command line's: the peers' cells
-                    computed ahead in the workers, ``gc.freeze`` after the first case)
+                    when its turn comes), ``Threads`` (the quick command line's: JAX's cells two
+                    at a time) or ``Ahead`` (the full command line's: the peers' cells computed
+                    ahead in the workers, ``gc.freeze`` after the first case)
 ==================  ============================================================================
 
 The run:
@@ -35,6 +36,9 @@ The run:
 ==================  ============================================================================
 ``errors``          bad inputs of ``spec.ERRORS`` — **add a bad input here**
 ``properties``      Hypothesis property checks (``--hypothesis N``)
+``profiles``        the quick and full profiles (``spec.PROFILES``): the quick rows by a greedy
+                    cover of every feature, step and module class
+``progress``        the progress bar: each cell weighted by its column, the time left
 ``runner``          runs cells, bad inputs and properties into one ``RunResult``; its loop
                     hands each cell to the room and takes them back in the run's order
 ``repeat``          the bitwise-repeat promises of ``spec.REPEATABLE``, sequential and threaded
