@@ -262,3 +262,30 @@ def test_a_page_table_read_at_the_next_entry_is_named(registered, dtype: str) ->
     assert _headline("fake_table_ahead", ["paged_decode_gqa", "paged_two_queries_sinks"],
                      (dtype,)) == (
         "FAIL: fake_table_ahead: the page table is read at entry i +1 (2 cases)")
+
+
+def test_the_default_scale_and_batch_zero_replays_apply_only_where_they_can() -> None:
+    """``_default_scale_over_d`` replays 1/head_dim only without a custom scale;
+    ``_mask_batch_zero`` keeps batch 0's mask and lets every other entry attend freely, and
+    does not apply without a mask, with one batch entry or without a heads axis."""
+    from conformance.diagnosing import diagnose as d
+
+    rng = np.random.default_rng(0)
+    q, k = rng.standard_normal((2, 3, 4, 8)), rng.standard_normal((2, 3, 5, 8))
+    a = {"query": q, "key": k, "value": k}
+    assert d._default_scale_over_d(a, {"scale": 0.3}) is None
+    assert d._default_scale_over_d(a, {"is_causal": True}) == (a, {"is_causal": True,
+                                                                   "scale": 1.0 / 8})
+    mask = rng.random((2, 1, 4, 5)) < 0.5  # broadcast over the heads
+    arrays, options = d._mask_batch_zero({**a, "mask": mask}, {"window": (1, 1)})
+    assert options == {"window": (1, 1)} and arrays["query"] is q
+    assert arrays["mask"].shape == (2, 3, 4, 5)
+    assert (arrays["mask"][0] == np.broadcast_to(mask[0], (3, 4, 5))).all()
+    assert arrays["mask"][1].all() and not mask[0].all() and not mask[1].all()
+    assert d._mask_batch_zero(a, {}) is None
+    one = {"query": q[:1], "key": k[:1], "value": k[:1], "mask": mask[:1]}
+    assert d._mask_batch_zero(one, {}) is None
+    flat = {"query": q[0, 0], "key": k[0, 0], "value": k[0, 0], "mask": mask[0, 0]}
+    assert d._mask_batch_zero(flat, {}) is None
+    three = {"query": q[:, 0], "key": k[:, 0], "value": k[:, 0], "mask": mask[:, 0]}
+    assert d._mask_batch_zero(three, {}) is None  # (batch, seq, dim): no heads axis
