@@ -241,27 +241,33 @@ def test_a_score_mod_applied_after_the_masking_is_named(registered) -> None:  # 
         "FAIL: fake_mod_late: score_mod is applied after the masking (1 case)")
 
 
-def _table_read_ahead(q: Any, key_pages: Any, value_pages: Any, block_table: Any, seq_lens: Any,
-                      *, scale: float | None = None, softcap: float | None = None,
-                      sinks: Any = None, return_lse: bool = False) -> Any:
-    """paged_attention reading block_table[b, i + 1] for entry i, the table read flat (past a
-    row's end, the next row's first entry; an unused entry -1 is the last page, as NumPy
+def _table_read(shift: int) -> Callable[..., Any]:
+    """paged_attention reading block_table[b, i + shift] for entry i, the table read flat (past
+    a row's end, the next row's first entry; an unused entry -1 is the last page, as NumPy
     indexes): the pages gathered, then numpy_attn's attention under the paged rule's mask."""
-    table = np.asarray(block_table)
-    ahead = np.take(table.ravel(), np.arange(table.size) + 1, mode="wrap").reshape(table.shape)
-    kv = contiguous({"query": q, "key_pages": key_pages, "value_pages": value_pages,
-                     "block_table": ahead, "seq_lens": seq_lens})
-    return SDPA(q, kv["key"], kv["value"], mask=kv["mask"], scale=scale, softcap=softcap,
-                sinks=sinks, return_lse=return_lse)
+    def paged(q: Any, key_pages: Any, value_pages: Any, block_table: Any, seq_lens: Any, *,
+              scale: float | None = None, softcap: float | None = None, sinks: Any = None,
+              return_lse: bool = False) -> Any:
+        table = np.asarray(block_table)
+        off = np.take(table.ravel(), np.arange(table.size) + shift, mode="wrap").reshape(
+            table.shape)
+        kv = contiguous({"query": q, "key_pages": key_pages, "value_pages": value_pages,
+                         "block_table": off, "seq_lens": seq_lens})
+        return SDPA(q, kv["key"], kv["value"], mask=kv["mask"], scale=scale, softcap=softcap,
+                    sinks=sinks, return_lse=return_lse)
+
+    return paged
 
 
+@pytest.mark.parametrize("shift", [1, -1])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_a_page_table_read_at_the_next_entry_is_named(registered, dtype: str) -> None:  # noqa: ANN001
-    registered("fake_table_ahead", scaled_dot_product_attention=SDPA,
-               paged_attention=_table_read_ahead)
-    assert _headline("fake_table_ahead", ["paged_decode_gqa", "paged_two_queries_sinks"],
+def test_a_page_table_read_one_entry_off_is_named(registered, dtype: str,  # noqa: ANN001
+                                                   shift: int) -> None:
+    registered("fake_table_off", scaled_dot_product_attention=SDPA,
+               paged_attention=_table_read(shift))
+    assert _headline("fake_table_off", ["paged_decode_gqa", "paged_two_queries_sinks"],
                      (dtype,)) == (
-        "FAIL: fake_table_ahead: the page table is read at entry i +1 (2 cases)")
+        f"FAIL: fake_table_off: the page table is read at entry i {shift:+d} (2 cases)")
 
 
 def test_the_default_scale_and_batch_zero_replays_apply_only_where_they_can() -> None:
