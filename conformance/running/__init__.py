@@ -22,7 +22,8 @@ Where it runs (the execution room):
 ``workers``         the one protocol of every worker process: a fresh interpreter, a socket,
                     pickled messages; ``Channel``, the harness's side of a helper
 ``module_worker``   a checked module given by its path, in one worker process with a per-call
-                    ``--timeout``
+                    ``--timeout``: the harness's side (``Worker``, ``RemoteObject``)
+``module_serve``    inside that worker process: the import, the calls, the handles
 ``peer_worker``     inside the background peer worker: the peers' cells, judged there
 ``keras_worker``    one Keras backend per worker process, its requests pipelined
 ``room``            where and in which order a run's cells are computed: ``Room`` (here, each

@@ -23,19 +23,20 @@ seconds (``DEFAULT_TIMEOUT_S``, ``check_timeout``, ``seconds_argument``).
   status "timeout" and the rule as its reason ("3 calls in a row did not return within 60 s
   (--timeout 60): the rest of the run was not called"), so a module that hangs in every fresh
   worker ends the run in bounded time (about ``TIMEOUTS_IN_A_ROW`` × ``--timeout``);
-* **importing**: the worker (``serve``) imports the module by its path, with the harness's
-  ``sys.path``; its first message is the module's contract, or its import error: a missing
-  module or a broken contract is the same one-line ``UsageError`` as in-process, a failing
-  import a ``PluginImportError`` with the worker's traceback; the import may take
-  ``max(timeout, IMPORT_LIMIT_S)`` seconds;
+* **importing**: the worker (``module_serve.serve``) imports the module by its path, with
+  the harness's ``sys.path``; its first message is the module's contract, or its import
+  error: a missing module or a broken contract is the same one-line ``UsageError`` as
+  in-process, a failing import a ``PluginImportError`` with the worker's traceback; the
+  import may take ``max(timeout, IMPORT_LIMIT_S)`` seconds;
 * **objects**: functions and classes are called by name (``RemoteObject``); an object a call
   returns (a module instance, a KV cache) stays in the worker, which sends a ``Handle`` (its
   number, type name and methods), and the harness holds a ``RemoteObject`` whose methods are
   calls too; the worker forgets it when the harness drops the handle;
 * **exceptions** the module raises come back with their class name, module, nearest built-in
-  base class (``NotImplementedError`` stays one) and message (``exception_parts``); the harness
-  never unpickles a class of the module, so it never imports the module itself. Warnings are
-  ignored in the worker, as the harness runs every call of a backend.
+  base class (``NotImplementedError`` stays one) and message (``exception_parts``); the
+  harness never unpickles a class of the module, so it never imports the module itself.
+  Warnings are ignored in the worker, as the harness runs every call of a backend.
+* the worker's side of all this is ``module_serve``; this file is the harness's.
 
 The runner turns a ``PluginFault`` into the cell's failure (status "error" or "timeout"), a
 failed bad-input check or a failed property check; the run goes on.
@@ -48,27 +49,21 @@ import builtins
 import contextlib
 import contextvars
 import math
-import os
 import pickle
 import signal
 import subprocess
 import sys
 import threading
-import time
-import traceback
 import types
-import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-import numpy as np
-
 from ..usage import UsageError
 from . import plugins, workers
-from .guard import Guard, PluginFault
+from .guard import PluginFault
+from .module_serve import Handle
 
 #: Seconds one call of a checked module may take (``--timeout``; 0: no limit).
 DEFAULT_TIMEOUT_S = 60.0
@@ -105,7 +100,7 @@ def seconds_argument(text: str) -> float:
 IMPORT_LIMIT_S = 120.0
 #: A worker with no call for this many seconds ends itself (the next call starts a new one).
 IDLE_EXIT_S = 60.0
-_ENTRY = "conformance.running.module_worker:serve"
+_ENTRY = "conformance.running.module_serve:serve"
 #: What the harness checks while it calls, and where a timeout's line goes (``calling``).
 _CALLING: contextvars.ContextVar[tuple[str, Callable[[str], None] | None]] = (
     contextvars.ContextVar("calling", default=("", None)))
@@ -391,127 +386,5 @@ class RemoteObject:
         return f"<{self.label} in the worker process of {self.worker.path}>"
 
 
-# ---------------------------------------------------------------------------- inside the worker
-
-
-@dataclass(frozen=True)
-class Handle:
-    """An object that lives in the worker: its number, its type's name, its public methods."""
-
-    number: int
-    label: str = ""
-    methods: tuple[str, ...] = ()
-
-
-def _methods(obj: Any) -> tuple[str, ...]:
-    return tuple(n for n in dir(obj) if not n.startswith("_")
-                 and callable(getattr(obj, n, None)))
-
-
-class WorkerGuard(Guard):
-    """The guard inside the worker: objects become handles, handles objects again."""
-
-    def __init__(self, module: types.ModuleType) -> None:
-        super().__init__(module, own_interrupts=False)
-        self.objects: dict[int, Any] = {}
-        self.numbers: dict[int, int] = {}  # id(object) -> its handle's number
-        self.made = 0
-
-    def wrap(self, obj: Any) -> Handle:
-        number = self.numbers.get(id(obj))
-        if number is None:
-            self.made = number = self.made + 1
-            self.objects[number], self.numbers[id(obj)] = obj, number
-        return Handle(number, type(obj).__name__, _methods(obj))
-
-    def unwrap(self, x: Any) -> Any:
-        if not isinstance(x, Handle):
-            return x
-        if x.number not in self.objects:
-            raise LookupError(f"object {x.number} is not held by this worker process")
-        return self.objects[x.number]
-
-    def answer(self, request: tuple[Any, ...]) -> tuple[Any, ...]:
-        """One request ``(target, method, args, kwargs, dropped)`` → ``("ok", value)``,
-        ``("fault", reason)`` or ``("raise", exception)``."""
-        target, method, args, kwargs, dropped = request
-        for number in dropped:
-            self.numbers.pop(id(self.objects.pop(number, None)), None)
-        try:
-            obj = self.unwrap(target) if isinstance(target, Handle) else getattr(self.module,
-                                                                                 target)
-            label = target.label if isinstance(target, Handle) else target
-            fn = obj if method is None else getattr(obj, method)
-            label = label if method is None else f"{label}.{method}"
-            return ("ok", self.call(fn, label, args, kwargs))
-        except PluginFault as fault:
-            return ("fault", fault.reason, fault.raised)
-        except Exception as exc:  # noqa: BLE001 - the module's answer, sent back
-            return ("raise", exception_parts(exc))
-
-
-def exception_parts(exc: Exception) -> tuple[str, str, str, str]:
-    """``(class name, module, nearest built-in base class name, message)`` of an exception."""
-    base = next(c for c in type(exc).__mro__ if c.__module__ == "builtins")
-    try:
-        text = str(exc)
-    except Exception:  # noqa: BLE001 - a message that cannot be printed
-        text = f"<unprintable {type(exc).__name__}>"
-    return type(exc).__name__, type(exc).__module__, base.__name__, text
-
-
-def _send(conn: Connection, message: tuple[Any, ...]) -> None:
-    try:
-        data = workers.encode(message)
-    except Exception as exc:  # noqa: BLE001 - a result pickle cannot carry
-        error = TypeError(f"the result cannot be sent back to the harness ({exc})")
-        data = workers.encode(("raise", exception_parts(error)))
-    conn.send_bytes(data)
-
-
-def _orphaned(parent: int) -> None:
-    """Watch the harness: when it is gone (killed, even in the middle of a call that hangs),
-    end this process too."""
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    os._exit(0)
-
-
-def serve(fd: str, path: str, idle: str = str(IDLE_EXIT_S)) -> None:
-    """The worker's main loop (``Worker`` starts it): import ``path``, then answer calls on the
-    connection ``fd`` until it closes or ``idle`` seconds pass without one."""
-    conn = workers.connect(fd)  # SIGINT ignored: Ctrl-C is the harness's to handle
-    threading.Thread(target=_orphaned, args=(os.getppid(),), daemon=True).start()
-    warnings.simplefilter("ignore")  # as the harness runs every call of a backend
-    np.seterr(all="ignore")
-    try:
-        module = plugins.import_plugin(path)
-        contract = plugins.contract_of(module, path)
-        guard = WorkerGuard(plugins.view(module, contract))
-        entries = {n: _methods(getattr(guard.module, n)) for n in contract.provided}
-    except plugins.PluginImportError as exc:
-        _send(conn, ("import", exc.traceback))
-        return
-    except UsageError as exc:
-        _send(conn, ("usage", str(exc)))
-        return
-    except BaseException:  # noqa: BLE001 - SystemExit at import time & co.
-        _send(conn, ("import", traceback.format_exc()))
-        return
-    _send(conn, ("ready", contract, entries))
-    try:
-        while conn.poll(float(idle)):
-            data = conn.recv_bytes()
-            try:
-                reply = guard.answer(workers.decode(data))
-            except Exception as exc:  # noqa: BLE001 - a request this worker cannot read
-                reply = ("raise", exception_parts(exc))
-            _send(conn, reply)
-        _send(conn, ("bye",))
-    except (EOFError, OSError):  # the harness has gone
-        return
-
-
-__all__ = ["DEFAULT_TIMEOUT_S", "IDLE_EXIT_S", "IMPORT_LIMIT_S", "TIMEOUTS_IN_A_ROW", "Handle",
-           "RemoteObject", "Worker", "WorkerGuard", "calling", "check_timeout", "exception_parts",
-           "ordinal", "seconds_argument", "serve"]
+__all__ = ["DEFAULT_TIMEOUT_S", "IDLE_EXIT_S", "IMPORT_LIMIT_S", "TIMEOUTS_IN_A_ROW",
+           "RemoteObject", "Worker", "calling", "check_timeout", "ordinal", "seconds_argument"]
