@@ -6,7 +6,8 @@ Each planted module is the float64 reference pipeline (``reference.attention``) 
 before the masking done in its own order: the scores after scale, soft-cap, bias, ALiBi and
 score_mod (in the order planted) are handed to the reference as a ``score_mod`` that returns
 them, so masking, the softmax with sinks and the output are the reference's own. The module in
-the spec's order passes the case, each planted order fails it.
+the spec's order passes the case, each planted order fails it with its own diagnosis
+(``conformance.diagnosing.order_of_steps``), named in the verdict's headline, in every dtype.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import pytest
 
 from conformance import spec
 from conformance.cases import reference
+from conformance.diagnosing import diagnose
+from conformance.reporting import terminal
 from conformance.running import backends, runner
 
 CASE = "combined_order_of_steps"
@@ -73,18 +76,35 @@ PLANTED = {
     "bias_before_softcap": ("bias", "softcap", "alibi", "score_mod"),
 }
 
+#: The name of the diagnosis each planted order must get (the words before its first colon),
+#: as the spec's pipeline (spec.PIPELINE_WITH_MODS) names the steps moved.
+DIAGNOSIS = {
+    "alibi_before_softcap": "ALiBi added before the soft-cap",
+    "score_mod_first": "score_mod applied before the soft-cap, the bias and ALiBi",
+    "bias_before_softcap": "the bias added before the soft-cap",
+}
 
-def _cell(name: str, order: tuple[str, ...]) -> Any:
-    """The one cell of ``CASE`` in float32 for a module with the steps in ``order``."""
+
+def _run(name: str, order: tuple[str, ...], dtypes: tuple[str, ...] = ("float32",)) -> Any:
+    """``runner.run`` of ``CASE`` in ``dtypes`` for a module with the steps in ``order``."""
     module = types.ModuleType(name)
     module.scaled_dot_product_attention = _planted(order)  # type: ignore[attr-defined]
     backends.register(backends.from_module(module, name=name))
     try:
-        result = runner.run([name], [CASE], ["float32"], check_errors=False, hypothesis=0)
+        return runner.run([name], [CASE], list(dtypes), check_errors=False, hypothesis=0)
     finally:
         backends.unregister(name)
-    (cell,) = [c for c in result.cells if c.case == CASE]
+
+
+def _cell(name: str, order: tuple[str, ...]) -> Any:
+    """The one cell of ``CASE`` in float32 for a module with the steps in ``order``."""
+    (cell,) = [c for c in _run(name, order).cells if c.case == CASE]
     return cell
+
+
+def _names(cell: Any) -> list[str]:
+    """The names of the diagnoses of a cell (``diagnose.short``), in order."""
+    return [diagnose.short(r) for reasons in cell.reasons for r in diagnose.split(reasons)]
 
 
 def test_the_spec_order_passes_the_case() -> None:
@@ -96,3 +116,23 @@ def test_the_spec_order_passes_the_case() -> None:
 def test_each_planted_order_fails_the_case(bug: str) -> None:
     cell = _cell(f"planted_{bug}", PLANTED[bug])
     assert cell.status == "FAIL", (cell.status, cell.detail)
+
+
+@pytest.mark.parametrize("bug", sorted(PLANTED))
+def test_each_planted_order_fails_with_its_diagnosis(bug: str) -> None:
+    """Every failing step of the float32 cell names the planted order, and nothing else."""
+    cell = _cell(f"planted_{bug}", PLANTED[bug])
+    assert _names(cell) == [DIAGNOSIS[bug]], cell.reasons
+    failed = [s for s in cell.steps if not s.passed]
+    assert failed and all(DIAGNOSIS[bug] in (s.note or "") for s in failed), failed
+
+
+@pytest.mark.parametrize("bug", sorted(PLANTED))
+def test_the_headline_names_each_planted_order_in_every_dtype(bug: str) -> None:
+    """The verdict's first paragraph names the planted order alone, one group of the four dtypes'
+    cells (in bfloat16 the looser tolerance also passes an ignored bias or ALiBi on a step: the
+    name most cells share wins)."""
+    result = _run(f"planted_{bug}", PLANTED[bug], ("float64", "float32", "float16", "bfloat16"))
+    assert [c.status for c in result.cells] == ["FAIL"] * 4
+    headline = " ".join(terminal.text(result).split("\n\n")[0].split())
+    assert headline == f"FAIL: planted_{bug}: {DIAGNOSIS[bug]} (1 case)", headline

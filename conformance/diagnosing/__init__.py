@@ -5,6 +5,8 @@
                       mask, the other causal alignment, a missing scale, ...) tried on the
                       case's inputs until one reproduces the result — **add a diagnosis here**
 ``diagnose_packed``   the mistakes of varlen, chunks, ALiBi, segment ids and mods
+``order_of_steps``    the mistakes the combined cases show: the steps before masking in a wrong
+                      order, negative segment ids as padding, half precision summed in half
 ``lse_alternatives``  the alternatives of the row log-sum-exp (a finite fill, ``+inf``, the
                       input dtype) that ``alternatives`` applies
 ``alternatives``      a peer's difference: the alternative semantics each entry of

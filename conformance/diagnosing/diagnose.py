@@ -24,7 +24,10 @@
   (``block_table[b, i] ± 1``, ``paged_mistakes``);
 * ``diagnose_packed``: ALiBi's sign flipped, the chunk boundary shifted by one, a rule or mod
   ignored (hypotheses), a ``score_mod`` applied after the masking (``score_mod_after_mask``)
-  and a varlen case's offsets off by one (``varlen_mistakes``).
+  and a varlen case's offsets off by one (``varlen_mistakes``);
+* ``order_of_steps`` (the combined cases): the soft-cap, bias, ALiBi and ``score_mod`` in a
+  wrong order (``order_of_steps``), negative segment ids taken for padding (hypotheses) and
+  half precision accumulated in half precision (``half_accumulation``).
 
 A wrong layout (a ``(..., seq, heads, head_dim)`` module without ``LAYOUT = "bshd"``) needs the
 module itself, not one result: ``reporting.groups`` reruns the failing cells transposed.
@@ -48,6 +51,7 @@ from ..cases.expected import Expected, pipeline, reference_attention
 from ..cases.inputs import contiguous, key_parts
 from ..comparing.compare import compare
 from .diagnose_packed import PACKED_HYPOTHESES, score_mod_after_mask, varlen_mistakes
+from .order_of_steps import ORDER_HYPOTHESES, half_accumulation, order_of_steps
 
 #: Joins the diagnoses of one step (a diagnosis itself may contain "; ").
 SEPARATOR = "; also: "
@@ -152,6 +156,7 @@ HYPOTHESES: tuple[tuple[str, Hypothesis], ...] = (
     ("the sinks are ignored: each head's sink logit joins its rows' softmax denominator (a "
      "module without sinks declares UNSUPPORTED = {'sinks'})", _drop("sinks")),
     *PACKED_HYPOTHESES,  # ALiBi's sign, the chunk boundary, a rule or mod ignored
+    *ORDER_HYPOTHESES,  # negative segment ids taken for padding
 )
 
 
@@ -459,7 +464,7 @@ def one_array(exp: Expected, step: str, actual: np.ndarray) -> str:
 
 DIAGNOSES: tuple[Callable[[Expected, str, np.ndarray], str], ...] = (
     planted_mistake, non_finite_rows, mean_of_value, lse_mistakes, sink_in_numerator,
-    score_mod_after_mask,
+    score_mod_after_mask, order_of_steps, half_accumulation,
 )
 
 
