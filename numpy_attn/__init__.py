@@ -27,6 +27,13 @@ from .modules import (
     SelfAttention,
 )
 from .paged import PagedKVCache, paged_attention
+from .rotary import (
+    RoPE,
+    permute_for_rotary_layout,
+    rope_frequencies,
+    rotary_embedding,
+    rotary_embedding_vjp,
+)
 from .varlen import (
     pack_sequences,
     unpack_sequences,
@@ -67,4 +74,9 @@ __all__ = [
     "unpack_sequences",
     "varlen_attention",
     "varlen_attention_vjp",
+    "RoPE",
+    "permute_for_rotary_layout",
+    "rope_frequencies",
+    "rotary_embedding",
+    "rotary_embedding_vjp",
 ]

@@ -12,6 +12,8 @@ it can be read and imported anywhere. One file per chapter, every name re-export
 * ``masks_and_mods``: chunked local attention, ALiBi, segment ids, ``score_mod`` and
   ``mask_mod``, and the ready-made mods;
 * ``varlen``: packed variable-length batches (``varlen_attention``, the converters);
+* ``rotary``: the rotary position embedding (``rotary_embedding``, ``rope_frequencies``, the
+  layouts of the model families, ``RoPE``);
 * ``modules``: one stub class per public module, with its constructor and methods;
 * ``decoding``: the key/value cache and the modules' ``decode`` method, split-KV decoding
   and the paged cache (``paged_attention``);
@@ -149,6 +151,20 @@ from .modules import (
     MultiHeadAttentionWrapper,
     SelfAttention,
 )
+from .rotary import (
+    ROTARY,
+    ROTARY_ERRORS,
+    ROTARY_LAYOUTS,
+    ROTARY_PERMUTATION,
+    ROTARY_POSITIONS,
+    ROTARY_PRECISION,
+    ROTARY_SCALING,
+    RoPE,
+    permute_for_rotary_layout,
+    rope_frequencies,
+    rotary_embedding,
+    rotary_embedding_vjp,
+)
 from .varlen import (
     VARLEN,
     VARLEN_COMPUTATION,
@@ -175,6 +191,10 @@ __all__ = [
     # varlen
     "VARLEN", "VARLEN_COMPUTATION", "VARLEN_ERRORS", "varlen_attention", "varlen_attention_vjp",
     "pack_sequences", "unpack_sequences",
+    # rotary
+    "ROTARY", "ROTARY_LAYOUTS", "ROTARY_PERMUTATION", "ROTARY_SCALING", "ROTARY_PRECISION",
+    "ROTARY_POSITIONS", "ROTARY_ERRORS", "rotary_embedding", "rotary_embedding_vjp",
+    "rope_frequencies", "permute_for_rotary_layout", "RoPE",
     # masks_and_mods
     "PIPELINE_WITH_MODS", "CHUNKED", "ALIBI", "SEGMENT_IDS", "SCORE_MOD", "MASK_MOD",
     "MOD_INDICES", "TILE_SKIPPING", "READY_MADE_MODS", "MASKS_AND_MODS_ERRORS",

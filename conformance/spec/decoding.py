@@ -10,8 +10,8 @@ from typing import Any
 
 from attention_rules import SPLIT_KV  # noqa: F401 - data of the spec, shown in the docs
 
-#: Public classes that are not modules (no weights).
-CLASSES = ("KVCache", "PagedKVCache")
+#: Public classes that are not modules (no weights); RoPE's stub is in rotary.py.
+CLASSES = ("KVCache", "PagedKVCache", "RoPE")
 
 #: Modules with a ``decode`` method (``DecodingModule.decode`` gives its signature).
 DECODING_MODULES = ("CausalSelfAttention", "MultiHeadAttention")

@@ -30,6 +30,11 @@ FUNCTIONS = (
     "pack_sequences",
     "unpack_sequences",
     "paged_attention",  # the paged KV cache's kernel: its stub is in decoding.py
+    # the rotary position embedding: its stubs are in rotary.py
+    "rotary_embedding",
+    "rotary_embedding_vjp",
+    "rope_frequencies",
+    "permute_for_rotary_layout",
 )
 
 

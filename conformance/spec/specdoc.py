@@ -29,14 +29,15 @@ from . import (
     known_differences,
     masks_and_mods,
     modules,
+    rotary,
     varlen,
 )
 
 DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "spec.md"
 
 #: The spec's chapters, one file each, in the document's order.
-CHAPTERS = (constants, functions, masks_and_mods, varlen, modules, decoding, concurrency,
-            context_parallel, extras, checking, known_differences)
+CHAPTERS = (constants, functions, masks_and_mods, varlen, rotary, modules, decoding,
+            concurrency, context_parallel, extras, checking, known_differences)
 
 #: Public names of ``spec`` that are not rules to print: they index the sections below.
 STRUCTURE = ("FUNCTIONS", "MODULES", "MODULE_METHODS", "CLASSES", "DECODING_MODULES",
