@@ -25,9 +25,22 @@ compares and diagnoses each cell as it comes, sits above those two stages):
 ``suite/``             the pytest plugin (``pytest --pyargs conformance.suite``)
 ``teaching/``          the seed article step by step and the graded exercises of ``learn/``
 ``context_parallel/``  context parallelism (``python -m conformance context-parallel``)
+``locating/``          where two attention blocks part, stage by stage (``locate``,
+                       ``python -m conformance locate``)
 ``__main__``           ``python -m conformance``
 =====================  =========================================================================
 
 Backends are imported lazily, so a user with only NumPy installed can run the harness on
 ``numpy_attn``.
 """
+
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    """``conformance.locate``: imported when first used (``locating.locate``)."""
+    if name == "locate":
+        from .locating import locate
+
+        return locate
+    raise AttributeError(f"module 'conformance' has no attribute {name!r}")

@@ -13,6 +13,7 @@ Subcommands (``run`` is the default)::
     python -m conformance exercise N --backend B --file F  # grade a learn/ exercise (--list)
     python -m conformance context-parallel [...]  # context parallelism, world sizes 2 and 4
     python -m conformance repeat [...]          # same inputs, same bits (spec.REPEATABLE)
+    python -m conformance locate A B [...]      # where two attention blocks part, stage by stage
 
 ``--backend`` takes ``numpy``, ``jax``, ``torch``, a peer (``torch.sdpa``, ``torch.MHA``,
 ``jax.nn``) or the dotted path of your own module (``mypkg.attention``, see ``running.plugins``: its
@@ -289,6 +290,12 @@ def _cmd_repeat(argv: list[str]) -> int:
     return int(repeat.main(argv) or 0)
 
 
+def _cmd_locate(argv: list[str]) -> int:
+    from .locating import cli
+
+    return cli.main(argv)
+
+
 #: name → (add arguments, handler); handlers taking raw argv are listed in RAW_COMMANDS.
 COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
                           Callable[[argparse.Namespace], int]]] = {
@@ -302,6 +309,7 @@ COMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None],
 #: Subcommands that own their argument parsing: name → handler(argv).
 RAW_COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "spec": _cmd_spec, "context-parallel": _cmd_context_parallel, "repeat": _cmd_repeat,
+    "locate": _cmd_locate,
 }
 
 HELP = {
@@ -316,6 +324,8 @@ HELP = {
     "walkthrough": "the seed article's worked example, step by step, backends side by side",
     "pictures": "write attention-weight heatmaps (PNG) for every mask type (needs matplotlib)",
     "exercise": "grade your answer to an exercise of learn/ (build attention step by step)",
+    "locate": "where two attention blocks part: the first stage whose error exceeds the "
+    "tolerance, per position, on the smallest input (docs/checking.md)",
 }
 
 

@@ -22,11 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import attention_rules as rules
+from attention_rules import rotary as rotary_rules
 
 from ._steps import HIGHEST
 from .backward import module_weight_grads
-from .functional import scaled_dot_product_attention
+from .functional import attention_scores, mask_scores, scaled_dot_product_attention
 from .kv_cache import KVCache, decode_step
+from .paged import PagedKVCache
+from .rotary import RoPE, rope_frequencies, rotary_embedding
 
 
 def _uniform(rng: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -128,6 +131,24 @@ def _check_no_dropout(module: _Module) -> None:
     rules.check_backward_without_dropout(
         type(module).__name__, module.training and module.dropout_p > 0, module.dropout_p
     )
+
+
+def _check_rope(fn: str, rope: Any, head_dim: int) -> None:
+    """``rope``: None or a ``RoPE`` whose ``rotary_dim`` fits ``head_dim`` (TypeError;
+    ValueError naming both)."""
+    if rope is not None and not isinstance(rope, RoPE):
+        raise TypeError(f"{fn}: rope must be a RoPE or None; got rope={rope!r}")
+    if rope is not None:
+        rotary_rules.check_rotary_dim(fn, rope.rotary_dim, head_dim)
+
+
+def _check_key_positions(fn: str, context: Any, key_positions: Any) -> None:
+    """``key_positions`` belongs to cross-attention: self-attention rotates its keys at
+    ``positions`` (ValueError)."""
+    if context is None and key_positions is not None:
+        raise ValueError(f"{fn}: key_positions is for cross-attention (a context); "
+                         "self-attention rotates its keys at positions; got key_positions "
+                         "with context=None")
 
 
 @jax.tree_util.register_pytree_node_class
@@ -310,9 +331,14 @@ class MultiHeadAttention(_Module):
     ``b_out`` (zeros), and with ``sinks=True`` ``sinks (num_heads,)``: GPT-OSS's learned
     attention sinks, one logit per query head joining every softmax denominator (zeros; no key
     is split for them, so the other weights are those of the same module without sinks).
+
+    With ``rope`` (a ``RoPE``) the projected queries and keys are rotated (``rotary_embedding``
+    with the rope's layout and rotary_dim, and ``rope_frequencies``' inverse frequencies and
+    attention factor) at their positions before the attention; the rope is no weight (jax:
+    part of the static half of the pytree).
     """
 
-    _static_names = ("d_model", "num_heads", "num_kv_heads", "head_dim", "dropout_p")
+    _static_names = ("d_model", "num_heads", "num_kv_heads", "head_dim", "dropout_p", "rope")
 
     def __init__(
         self,
@@ -324,14 +350,16 @@ class MultiHeadAttention(_Module):
         sinks: bool = False,
         dropout_p: float = 0.0,
         rng: Any = None,
+        rope: RoPE | None = None,
     ) -> None:
         fn = "MultiHeadAttention"
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         rules.check_module_heads(fn, d_model, num_heads, num_kv_heads)
         rules.check_dropout(fn, dropout_p, False)
+        _check_rope(fn, rope, d_model // num_heads)
         rng_q, rng_k, rng_v, rng_o = _rng(fn, rng, 4)
         self._set(d_model=d_model, num_heads=num_heads, num_kv_heads=num_kv_heads)
-        self._set(head_dim=d_model // num_heads, dropout_p=float(dropout_p))
+        self._set(head_dim=d_model // num_heads, dropout_p=float(dropout_p), rope=rope)
         q_size, kv_size = num_heads * self.head_dim, num_kv_heads * self.head_dim
         self._set(W_query=_xavier(rng_q, d_model, q_size), W_key=_xavier(rng_k, d_model, kv_size),
                   W_value=_xavier(rng_v, d_model, kv_size), W_out=_xavier(rng_o, q_size, d_model))
@@ -363,6 +391,48 @@ class MultiHeadAttention(_Module):
         split = projected.reshape(projected.shape[:-1] + (heads, self.head_dim))
         return jnp.swapaxes(split, -2, -3)  # (..., heads, seq, head_dim)
 
+    def _rope_arguments(self) -> dict[str, Any]:
+        """``rotary_embedding``'s keywords for this module's rope: layout, rotary_dim, and the
+        inverse frequencies and attention factor of ``rope_frequencies``."""
+        rotary_dim = self.head_dim if self.rope.rotary_dim is None else self.rope.rotary_dim
+        inv_freq, attention_factor = rope_frequencies(
+            rotary_dim, theta=self.rope.theta, scaling=self.rope.scaling,
+            max_position_embeddings=self.rope.max_position_embeddings)
+        return {"layout": self.rope.layout, "rotary_dim": rotary_dim, "inv_freq": inv_freq,
+                "attention_factor": attention_factor}
+
+    def _rotate(self, x: jax.Array, positions: Any) -> jax.Array:
+        """``x: (..., heads, seq, head_dim)`` rotated at ``positions (..., seq)`` (unchanged
+        without a rope)."""
+        if self.rope is None:
+            return x
+        return rotary_embedding(x, positions, **self._rope_arguments())
+
+    def _positions(self, fn: str, x: jax.Array, context: Any, positions: Any,
+                   key_positions: Any) -> tuple[Any, Any]:
+        """The queries' positions ``(..., q_len)`` (default ``0..q_len-1``) and the keys':
+        the same in self-attention, ``key_positions`` (default ``0..kv_len-1``) over a
+        ``context``."""
+        _check_key_positions(fn, context, key_positions)
+        q_pos = jnp.arange(x.shape[-2]) if positions is None else positions  # (..., q_len)
+        if context is None:
+            return q_pos, q_pos
+        kv_len = jnp.shape(context)[-2]
+        return q_pos, jnp.arange(kv_len) if key_positions is None else key_positions
+
+    def _projections(
+        self, x: jax.Array, context: Any, q_pos: Any, k_pos: Any
+    ) -> dict[str, jax.Array]:
+        """The stages up to the rotation: ``q_proj``, ``k_proj``, ``v_proj`` (``(..., heads |
+        kv_heads, seq, head_dim)``), ``rotated_q`` and ``rotated_k`` (at ``q_pos``,
+        ``k_pos``)."""
+        source = x if context is None else jnp.asarray(context)  # (..., kv_len, d_model)
+        q_proj = self._project(x, "query", self.num_heads)  # (..., heads, q_len, head_dim)
+        k_proj = self._project(source, "key", self.num_kv_heads)  # (..., kv_heads, kv_len, hd)
+        v_proj = self._project(source, "value", self.num_kv_heads)
+        return {"q_proj": q_proj, "k_proj": k_proj, "v_proj": v_proj,
+                "rotated_q": self._rotate(q_proj, q_pos), "rotated_k": self._rotate(k_proj, k_pos)}
+
     def forward(
         self,
         x: Any,
@@ -374,6 +444,8 @@ class MultiHeadAttention(_Module):
         window: tuple | None = None,
         return_weights: bool = False,
         rng: Any = None,
+        positions: Any = None,
+        key_positions: Any = None,
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
         """Attention of ``x`` over ``context`` (self-attention when ``context`` is None).
 
@@ -384,18 +456,22 @@ class MultiHeadAttention(_Module):
           is_causal, causal_alignment, window: as in ``scaled_dot_product_attention``.
           return_weights: also return weights ``(..., num_heads, q_len, kv_len)``.
           rng: a ``jax.random`` key; dropout (``dropout_p > 0``, training mode) needs one.
+          positions: integer ``(..., q_len)``, the queries' positions for the rope (default
+            ``0..q_len-1``; the keys' too in self-attention); no effect without a rope.
+          key_positions: integer ``(..., kv_len)``, the context's positions (default
+            ``0..kv_len-1``); only with a ``context``.
 
         Returns:
           ``(..., q_len, d_model)``, and the weights with ``return_weights``.
         """
         x = jnp.asarray(x)
-        context = x if context is None else jnp.asarray(context)
-        query = self._project(x, "query", self.num_heads)  # (..., heads, q_len, head_dim)
-        key = self._project(context, "key", self.num_kv_heads)  # (..., kv_heads, kv_len, head_dim)
-        value = self._project(context, "value", self.num_kv_heads)
+        q_pos, k_pos = self._positions("MultiHeadAttention.forward", x, context, positions,
+                                       key_positions)
+        stages = self._projections(x, context, q_pos, k_pos)
         result = scaled_dot_product_attention(
-            query, key, value, mask=mask, is_causal=is_causal, causal_alignment=causal_alignment,
-            window=window, dropout_p=self.dropout_p if self.training and rng is not None else 0.0,
+            stages["rotated_q"], stages["rotated_k"], stages["v_proj"], mask=mask,
+            is_causal=is_causal, causal_alignment=causal_alignment, window=window,
+            dropout_p=self.dropout_p if self.training and rng is not None else 0.0,
             rng=rng, return_weights=return_weights, sinks=self._sinks(),
         )
         context_vec, weights = result if return_weights else (result, None)
@@ -412,20 +488,24 @@ class MultiHeadAttention(_Module):
         is_causal: bool = False,
         causal_alignment: str = "top_left",
         window: tuple | None = None,
+        positions: Any = None,
+        key_positions: Any = None,
     ) -> dict[str, np.ndarray]:
         """Weight gradients of ``forward(x, context, ...)`` (without dropout).
 
         Args:
           x: ``(..., q_len, d_model)``.
           grad_output: ``(..., q_len, d_model)``.
-          context, mask, is_causal, causal_alignment, window: as in ``forward``.
+          context, mask, is_causal, causal_alignment, window, positions, key_positions: as in
+            ``forward``.
 
         Returns: weight name → gradient, for every weight.
         """
         _check_no_dropout(self)
         static = tuple(zip(("is_causal", "causal_alignment", "window"),
                            (is_causal, causal_alignment, window), strict=True))
-        return module_weight_grads(self, (x, context), grad_output, {"mask": mask}, static)
+        arrays = {"mask": mask, "positions": positions, "key_positions": key_positions}
+        return module_weight_grads(self, (x, context), grad_output, arrays, static)
 
     def decode(
         self, x: Any, cache: KVCache | None = None, *, max_len: int | None = None
@@ -440,11 +520,69 @@ class MultiHeadAttention(_Module):
         Returns:
           ``(output (..., n, d_model), cache)``; equals ``forward(x_all, is_causal=True)`` at
           these positions (the sinks included). No dropout. The cache is a new one (jax:
-          immutable); jit-friendly.
+          immutable); jit-friendly. With a rope the new tokens sit at positions ``length ..
+          length + n - 1`` after the cached ones (a ``PagedKVCache``: each sequence's own
+          length), and the cache holds rotated keys.
         """
         x = jnp.asarray(x)
+        positions = _decode_positions(cache, x.shape[:-2], x.shape[-2])  # (..., n)
         query = self._project(x, "query", self.num_heads)  # (..., heads, n, head_dim)
         key = self._project(x, "key", self.num_kv_heads)  # (..., kv_heads, n, head_dim)
         value = self._project(x, "value", self.num_kv_heads)
+        query, key = self._rotate(query, positions), self._rotate(key, positions)
         context_vec, cache = decode_step(query, key, value, cache, max_len, sinks=self._sinks())
         return self._out(context_vec), cache  # (..., n, d_model)
+
+    def stages(
+        self,
+        x: Any,
+        context: Any = None,
+        *,
+        mask: Any = None,
+        is_causal: bool = False,
+        causal_alignment: str = "top_left",
+        window: tuple | None = None,
+        positions: Any = None,
+        key_positions: Any = None,
+    ) -> dict[str, jax.Array]:
+        """Every intermediate tensor of ``forward`` (no dropout), named, in the pipeline's order.
+
+        Args:
+          x, context, mask, is_causal, causal_alignment, window, positions, key_positions: as
+            in ``forward``.
+
+        Returns:
+          ``q_proj (..., heads, q_len, head_dim)``, ``k_proj``, ``v_proj (..., kv_heads,
+          kv_len, head_dim)``, ``rotated_q``, ``rotated_k`` (the projections without a rope),
+          ``scores (..., heads, q_len, kv_len)`` (``mask_scores(attention_scores(...))``:
+          scaled, masked with ``-inf``), ``weights (..., heads, q_len, kv_len)``, ``context
+          (..., heads, q_len, head_dim)`` and ``output (..., q_len, d_model)``, which equals
+          ``forward``'s result.
+        """
+        x = jnp.asarray(x)
+        q_pos, k_pos = self._positions("MultiHeadAttention.stages", x, context, positions,
+                                       key_positions)
+        stages = self._projections(x, context, q_pos, k_pos)
+        query, key, value = stages["rotated_q"], stages["rotated_k"], stages["v_proj"]
+        stages["scores"] = mask_scores(attention_scores(query, key), mask=mask,
+                                       is_causal=is_causal, causal_alignment=causal_alignment,
+                                       window=window)  # (..., heads, q_len, kv_len)
+        context_vec, stages["weights"] = scaled_dot_product_attention(
+            query, key, value, mask=mask, is_causal=is_causal, causal_alignment=causal_alignment,
+            window=window, return_weights=True, sinks=self._sinks(),
+        )
+        stages["context"] = context_vec  # (..., heads, q_len, head_dim)
+        stages["output"] = self._out(context_vec)  # (..., q_len, d_model)
+        return stages
+
+
+def _decode_positions(cache: Any, batch_shape: tuple[int, ...], n: int) -> jax.Array:
+    """The positions ``(..., n)`` of ``n`` new tokens after the cached ones: ``length + 0..n-1``
+    (a ``PagedKVCache``: sequence ``b``'s own length, ``(batch, n)``)."""
+    steps = jnp.arange(n)
+    if cache is None:
+        return steps
+    if isinstance(cache, PagedKVCache):
+        lengths = jnp.array([cache.seq_len(b) for b in range(batch_shape[0])])  # (batch,)
+        return lengths[:, None] + steps  # (batch, n)
+    return cache.length + steps  # jax: length may be traced

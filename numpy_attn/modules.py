@@ -18,10 +18,13 @@ from typing import Any
 import numpy as np
 
 import attention_rules as rules
+from attention_rules import rotary as rotary_rules
 
 from .backward import projection_grads, scaled_dot_product_attention_vjp
-from .functional import scaled_dot_product_attention
+from .functional import attention_scores, mask_scores, scaled_dot_product_attention
 from .kv_cache import KVCache, decode_step
+from .paged import PagedKVCache
+from .rotary import RoPE, rope_frequencies, rotary_embedding, rotary_embedding_vjp
 
 
 def _uniform(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
@@ -90,6 +93,24 @@ def _check_no_dropout(module: _Module) -> None:
     rules.check_backward_without_dropout(
         type(module).__name__, module.training and module.dropout_p > 0, module.dropout_p
     )
+
+
+def _check_rope(fn: str, rope: Any, head_dim: int) -> None:
+    """``rope``: None or a ``RoPE`` whose ``rotary_dim`` fits ``head_dim`` (TypeError;
+    ValueError naming both)."""
+    if rope is not None and not isinstance(rope, RoPE):
+        raise TypeError(f"{fn}: rope must be a RoPE or None; got rope={rope!r}")
+    if rope is not None:
+        rotary_rules.check_rotary_dim(fn, rope.rotary_dim, head_dim)
+
+
+def _check_key_positions(fn: str, context: Any, key_positions: Any) -> None:
+    """``key_positions`` belongs to cross-attention: self-attention rotates its keys at
+    ``positions`` (ValueError)."""
+    if context is None and key_positions is not None:
+        raise ValueError(f"{fn}: key_positions is for cross-attention (a context); "
+                         "self-attention rotates its keys at positions; got key_positions "
+                         "with context=None")
 
 
 class SelfAttention(_Module):
@@ -274,6 +295,10 @@ class MultiHeadAttention(_Module):
     ``b_out`` (zeros), and with ``sinks=True`` ``sinks (num_heads,)``: GPT-OSS's learned
     attention sinks, one logit per query head joining every softmax denominator (zeros; drawn
     after nothing, so the other weights are those of the same module without sinks).
+
+    With ``rope`` (a ``RoPE``) the projected queries and keys are rotated (``rotary_embedding``
+    with the rope's layout and rotary_dim, and ``rope_frequencies``' inverse frequencies and
+    attention factor) at their positions before the attention; the rope is no weight.
     """
 
     def __init__(
@@ -286,15 +311,18 @@ class MultiHeadAttention(_Module):
         sinks: bool = False,
         dropout_p: float = 0.0,
         rng: Any = None,
+        rope: RoPE | None = None,
     ) -> None:
         fn = "MultiHeadAttention"
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         rules.check_module_heads(fn, d_model, num_heads, num_kv_heads)
         rules.check_dropout(fn, dropout_p, False)
+        _check_rope(fn, rope, d_model // num_heads)
         rng = _rng(rng)
         self.d_model, self.num_heads, self.num_kv_heads = d_model, num_heads, num_kv_heads
         self.head_dim = d_model // num_heads
         self.dropout_p = float(dropout_p)
+        self.rope = rope
         q_size, kv_size = num_heads * self.head_dim, num_kv_heads * self.head_dim
         self.W_query = _xavier(rng, d_model, q_size)
         self.W_key = _xavier(rng, d_model, kv_size)
@@ -333,6 +361,48 @@ class MultiHeadAttention(_Module):
         split = projected.reshape(projected.shape[:-1] + (heads, self.head_dim))
         return np.swapaxes(split, -2, -3)  # (..., heads, seq, head_dim)
 
+    def _rope_arguments(self) -> dict[str, Any]:
+        """``rotary_embedding``'s keywords for this module's rope: layout, rotary_dim, and the
+        inverse frequencies and attention factor of ``rope_frequencies``."""
+        rotary_dim = self.head_dim if self.rope.rotary_dim is None else self.rope.rotary_dim
+        inv_freq, attention_factor = rope_frequencies(
+            rotary_dim, theta=self.rope.theta, scaling=self.rope.scaling,
+            max_position_embeddings=self.rope.max_position_embeddings)
+        return {"layout": self.rope.layout, "rotary_dim": rotary_dim, "inv_freq": inv_freq,
+                "attention_factor": attention_factor}
+
+    def _rotate(self, x: np.ndarray, positions: Any) -> np.ndarray:
+        """``x: (..., heads, seq, head_dim)`` rotated at ``positions (..., seq)`` (unchanged
+        without a rope)."""
+        if self.rope is None:
+            return x
+        return rotary_embedding(x, positions, **self._rope_arguments())
+
+    def _positions(self, fn: str, x: np.ndarray, context: Any, positions: Any,
+                   key_positions: Any) -> tuple[Any, Any]:
+        """The queries' positions ``(..., q_len)`` (default ``0..q_len-1``) and the keys':
+        the same in self-attention, ``key_positions`` (default ``0..kv_len-1``) over a
+        ``context``."""
+        _check_key_positions(fn, context, key_positions)
+        q_pos = np.arange(x.shape[-2]) if positions is None else positions  # (..., q_len)
+        if context is None:
+            return q_pos, q_pos
+        kv_len = np.shape(context)[-2]
+        return q_pos, np.arange(kv_len) if key_positions is None else key_positions
+
+    def _projections(
+        self, x: np.ndarray, context: Any, q_pos: Any, k_pos: Any
+    ) -> dict[str, np.ndarray]:
+        """The stages up to the rotation: ``q_proj``, ``k_proj``, ``v_proj`` (``(..., heads |
+        kv_heads, seq, head_dim)``), ``rotated_q`` and ``rotated_k`` (at ``q_pos``,
+        ``k_pos``)."""
+        source = x if context is None else np.asarray(context)  # (..., kv_len, d_model)
+        q_proj = self._project(x, "query", self.num_heads)  # (..., heads, q_len, head_dim)
+        k_proj = self._project(source, "key", self.num_kv_heads)  # (..., kv_heads, kv_len, hd)
+        v_proj = self._project(source, "value", self.num_kv_heads)
+        return {"q_proj": q_proj, "k_proj": k_proj, "v_proj": v_proj,
+                "rotated_q": self._rotate(q_proj, q_pos), "rotated_k": self._rotate(k_proj, k_pos)}
+
     def forward(
         self,
         x: Any,
@@ -344,6 +414,8 @@ class MultiHeadAttention(_Module):
         window: tuple | None = None,
         return_weights: bool = False,
         rng: Any = None,
+        positions: Any = None,
+        key_positions: Any = None,
     ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         """Attention of ``x`` over ``context`` (self-attention when ``context`` is None).
 
@@ -354,18 +426,22 @@ class MultiHeadAttention(_Module):
           is_causal, causal_alignment, window: as in ``scaled_dot_product_attention``.
           return_weights: also return weights ``(..., num_heads, q_len, kv_len)``.
           rng: ``numpy.random.Generator`` for dropout.
+          positions: integer ``(..., q_len)``, the queries' positions for the rope (default
+            ``0..q_len-1``; the keys' too in self-attention); no effect without a rope.
+          key_positions: integer ``(..., kv_len)``, the context's positions (default
+            ``0..kv_len-1``); only with a ``context``.
 
         Returns:
           ``(..., q_len, d_model)``, and the weights with ``return_weights``.
         """
         x = np.asarray(x)
-        context = x if context is None else np.asarray(context)
-        query = self._project(x, "query", self.num_heads)  # (..., heads, q_len, head_dim)
-        key = self._project(context, "key", self.num_kv_heads)  # (..., kv_heads, kv_len, head_dim)
-        value = self._project(context, "value", self.num_kv_heads)
+        q_pos, k_pos = self._positions("MultiHeadAttention.forward", x, context, positions,
+                                       key_positions)
+        stages = self._projections(x, context, q_pos, k_pos)
         result = scaled_dot_product_attention(
-            query, key, value, mask=mask, is_causal=is_causal, causal_alignment=causal_alignment,
-            window=window, dropout_p=self.dropout_p if self.training else 0.0, rng=rng,
+            stages["rotated_q"], stages["rotated_k"], stages["v_proj"], mask=mask,
+            is_causal=is_causal, causal_alignment=causal_alignment, window=window,
+            dropout_p=self.dropout_p if self.training else 0.0, rng=rng,
             return_weights=return_weights, sinks=self._sinks(),
         )
         context_vec, weights = result if return_weights else (result, None)
@@ -382,25 +458,30 @@ class MultiHeadAttention(_Module):
         is_causal: bool = False,
         causal_alignment: str = "top_left",
         window: tuple | None = None,
+        positions: Any = None,
+        key_positions: Any = None,
     ) -> dict[str, np.ndarray]:
         """Weight gradients of ``forward(x, context, ...)`` (without dropout).
 
         Args:
           x: ``(..., q_len, d_model)``.
           grad_output: ``(..., q_len, d_model)``.
-          context, mask, is_causal, causal_alignment, window: as in ``forward``.
+          context, mask, is_causal, causal_alignment, window, positions, key_positions: as in
+            ``forward``.
 
         Returns:
           weight name → gradient, for every weight (``sinks``: the attention's own sinks
-          gradient, ``scaled_dot_product_attention_vjp``'s fifth result).
+          gradient, ``scaled_dot_product_attention_vjp``'s fifth result). With a rope, the
+          gradients of the rotated queries and keys go back through ``rotary_embedding_vjp``.
         """
         _check_no_dropout(self)
         x = np.asarray(x)
+        q_pos, k_pos = self._positions("MultiHeadAttention.parameter_gradients", x, context,
+                                       positions, key_positions)
+        stages = self._projections(x, context, q_pos, k_pos)
         context = x if context is None else np.asarray(context)
         grad_output = np.asarray(grad_output)
-        query = self._project(x, "query", self.num_heads)  # (..., heads, q_len, head_dim)
-        key = self._project(context, "key", self.num_kv_heads)
-        value = self._project(context, "value", self.num_kv_heads)
+        query, key, value = stages["rotated_q"], stages["rotated_k"], stages["v_proj"]
         context_vec = scaled_dot_product_attention(
             query, key, value, mask=mask, is_causal=is_causal,
             causal_alignment=causal_alignment, window=window, sinks=self._sinks(),
@@ -414,6 +495,10 @@ class MultiHeadAttention(_Module):
             query, key, value, np.swapaxes(grad_split, -2, -3), mask=mask, is_causal=is_causal,
             causal_alignment=causal_alignment, window=window, sinks=self._sinks(),
         )  # grad_sinks: [(num_heads,)] with sinks, else []
+        if self.rope is not None:  # back through the rotation: the transpose of each rotation
+            rope = self._rope_arguments()
+            grad_q = rotary_embedding_vjp(stages["q_proj"], q_pos, grad_q, **rope)
+            grad_k = rotary_embedding_vjp(stages["k_proj"], k_pos, grad_k, **rope)
         for name, source, grad in (("query", x, grad_q), ("key", context, grad_k),
                                    ("value", context, grad_v)):
             joined = np.swapaxes(grad, -2, -3)  # (..., seq, heads, head_dim)
@@ -440,10 +525,69 @@ class MultiHeadAttention(_Module):
         Returns:
           ``(output (..., n, d_model), cache)``; equals ``forward(x_all, is_causal=True)`` at
           these positions (the sinks included). No dropout. The cache is updated in place.
+          With a rope the new tokens sit at positions ``length .. length + n - 1`` after the
+          cached ones (a ``PagedKVCache``: each sequence's own length), and the cache holds
+          rotated keys.
         """
         x = np.asarray(x)
+        positions = _decode_positions(cache, x.shape[:-2], x.shape[-2])  # (..., n)
         query = self._project(x, "query", self.num_heads)  # (..., heads, n, head_dim)
         key = self._project(x, "key", self.num_kv_heads)  # (..., kv_heads, n, head_dim)
         value = self._project(x, "value", self.num_kv_heads)
+        query, key = self._rotate(query, positions), self._rotate(key, positions)
         context_vec, cache = decode_step(query, key, value, cache, max_len, sinks=self._sinks())
         return self._out(context_vec), cache  # (..., n, d_model)
+
+    def stages(
+        self,
+        x: Any,
+        context: Any = None,
+        *,
+        mask: Any = None,
+        is_causal: bool = False,
+        causal_alignment: str = "top_left",
+        window: tuple | None = None,
+        positions: Any = None,
+        key_positions: Any = None,
+    ) -> dict[str, np.ndarray]:
+        """Every intermediate tensor of ``forward`` (no dropout), named, in the pipeline's order.
+
+        Args:
+          x, context, mask, is_causal, causal_alignment, window, positions, key_positions: as
+            in ``forward``.
+
+        Returns:
+          ``q_proj (..., heads, q_len, head_dim)``, ``k_proj``, ``v_proj (..., kv_heads,
+          kv_len, head_dim)``, ``rotated_q``, ``rotated_k`` (the projections without a rope),
+          ``scores (..., heads, q_len, kv_len)`` (``mask_scores(attention_scores(...))``:
+          scaled, masked with ``-inf``), ``weights (..., heads, q_len, kv_len)``, ``context
+          (..., heads, q_len, head_dim)`` and ``output (..., q_len, d_model)``, which equals
+          ``forward``'s result.
+        """
+        x = np.asarray(x)
+        q_pos, k_pos = self._positions("MultiHeadAttention.stages", x, context, positions,
+                                       key_positions)
+        stages = self._projections(x, context, q_pos, k_pos)
+        query, key, value = stages["rotated_q"], stages["rotated_k"], stages["v_proj"]
+        stages["scores"] = mask_scores(attention_scores(query, key), mask=mask,
+                                       is_causal=is_causal, causal_alignment=causal_alignment,
+                                       window=window)  # (..., heads, q_len, kv_len)
+        context_vec, stages["weights"] = scaled_dot_product_attention(
+            query, key, value, mask=mask, is_causal=is_causal, causal_alignment=causal_alignment,
+            window=window, return_weights=True, sinks=self._sinks(),
+        )
+        stages["context"] = context_vec  # (..., heads, q_len, head_dim)
+        stages["output"] = self._out(context_vec)  # (..., q_len, d_model)
+        return stages
+
+
+def _decode_positions(cache: Any, batch_shape: tuple[int, ...], n: int) -> np.ndarray:
+    """The positions ``(..., n)`` of ``n`` new tokens after the cached ones: ``length + 0..n-1``
+    (a ``PagedKVCache``: sequence ``b``'s own length, ``(batch, n)``)."""
+    steps = np.arange(n)
+    if cache is None:
+        return steps
+    if isinstance(cache, PagedKVCache):
+        lengths = np.array([cache.seq_len(b) for b in range(batch_shape[0])])  # (batch,)
+        return lengths[:, None] + steps  # (batch, n)
+    return cache.length + steps

@@ -23,7 +23,7 @@ LAYERS = (
     ("diagnosing",),  # why a failing step or peer cell failed
     ("running", "peers"),  # where and how each cell runs; the frameworks' kernels as columns
     ("reporting",),  # terminal, JSON, Markdown, HTML
-    ("golden", "suite", "teaching", "context_parallel"),  # the harness's other uses
+    ("golden", "suite", "teaching", "context_parallel", "locating"),  # the harness's other uses
     ("__main__",),
 )
 #: The files the top level keeps beside the layers' folders.

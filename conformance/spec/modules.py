@@ -181,6 +181,31 @@ class MultiHeadAttention(_Module):
     every softmax denominator of its head (``SINKS``) in ``forward``, ``parameter_gradients``
     (the sinks' gradient under the key ``sinks``) and ``decode``. Self-attention when
     ``context`` is None, cross-attention otherwise.
+
+    With ``rope`` (a ``RoPE``, ``rotary.py``) the projected queries and keys are rotated before
+    the attention: ``rotary_embedding`` with the rope's layout and rotary_dim (None: all of
+    head_dim) and the inverse frequencies and attention factor of ``rope_frequencies(rotary_dim,
+    theta=rope.theta, scaling=rope.scaling, max_position_embeddings=rope.max_position_embeddings)``
+    (computed without ``seq_len``). Positions, integers: ``forward``'s ``positions (...,
+    q_len)`` (default ``0..q_len-1``) place the queries and, in self-attention, the keys
+    (a packed batch passes positions that restart at 0 per sequence; a context-parallel shard
+    the global positions of its tokens). Over a ``context`` the keys sit at ``key_positions
+    (..., kv_len)``, default ``0..kv_len-1`` (the context is a sequence of its own, starting
+    at 0; a context that continues the queries' sequence passes both); ``key_positions``
+    without a context is a ValueError. ``decode`` places its ``n`` new tokens at ``length +
+    0..n-1``, after the cached ones (a ``PagedKVCache``: each sequence's own length), and
+    caches rotated keys, so decoding token by token equals ``forward(x_all, is_causal=True)``.
+    Without a rope positions have no effect. ``parameter_gradients`` goes back through the
+    rotation (numpy_attn: ``rotary_embedding_vjp``; the others: autodiff).
+
+    ``stages(x, ...)`` returns every intermediate tensor of ``forward`` (no dropout) as a dict,
+    in this order: ``q_proj (..., heads, q_len, head_dim)``, ``k_proj``, ``v_proj (...,
+    kv_heads, kv_len, head_dim)``, ``rotated_q``, ``rotated_k`` (equal to the projections
+    without a rope), ``scores (..., heads, q_len, kv_len)`` (``mask_scores(attention_scores(q,
+    k), ...)``: scaled, ``-inf`` where masked), ``weights (..., heads, q_len, kv_len)``,
+    ``context (..., heads, q_len, head_dim)``, ``output (..., q_len, d_model)``, equal to
+    ``forward``'s result. ``python -m conformance locate`` compares two attention blocks stage
+    by stage through it.
     """
 
     def __init__(
@@ -193,9 +218,12 @@ class MultiHeadAttention(_Module):
         sinks: bool = False,
         dropout_p: float = 0.0,
         rng: Any = None,
+        rope: Any = None,
     ) -> None:
         """``rng``: the backend's random source for the initial weights; ``sinks``: a learned
-        sink logit per query head (initialised to 0, drawing nothing)."""
+        sink logit per query head (initialised to 0, drawing nothing); ``rope``: None or a
+        ``RoPE`` (not a weight; its rotary_dim at most head_dim, else ValueError; anything
+        else TypeError)."""
 
     def forward(
         self,
@@ -208,6 +236,8 @@ class MultiHeadAttention(_Module):
         window: tuple | None = None,
         return_weights: bool = False,
         rng: Any = None,
+        positions: Any = None,
+        key_positions: Any = None,
     ) -> Any:
         """Attention of ``x`` over ``context`` (or over itself).
 
@@ -218,6 +248,10 @@ class MultiHeadAttention(_Module):
           is_causal, causal_alignment, window: as in ``scaled_dot_product_attention``.
           return_weights: also return weights ``(..., num_heads, q_len, kv_len)``.
           rng: random source for dropout.
+          positions: integer ``(..., q_len)``: the queries' positions for the rope (default
+            ``0..q_len-1``), the keys' too in self-attention.
+          key_positions: integer ``(..., kv_len)``: the context's positions (default
+            ``0..kv_len-1``); only with a ``context``.
 
         Returns:
           ``(..., q_len, d_model)`` (and the weights).
@@ -233,6 +267,8 @@ class MultiHeadAttention(_Module):
         is_causal: bool = False,
         causal_alignment: str = "top_left",
         window: tuple | None = None,
+        positions: Any = None,
+        key_positions: Any = None,
     ) -> dict:
         """Weight gradients of ``forward(x, context, ...)`` (no dropout).
 
@@ -244,3 +280,20 @@ class MultiHeadAttention(_Module):
 
     def load_weights(self, weights: dict) -> Any:
         """Load weights exported by any backend; returns the module."""
+
+    def stages(
+        self,
+        x: Any,
+        context: Any = None,
+        *,
+        mask: Any = None,
+        is_causal: bool = False,
+        causal_alignment: str = "top_left",
+        window: tuple | None = None,
+        positions: Any = None,
+        key_positions: Any = None,
+    ) -> dict:
+        """Every intermediate tensor of ``forward`` (no dropout), named, in the pipeline's
+        order: ``q_proj``, ``k_proj``, ``v_proj``, ``rotated_q``, ``rotated_k``, ``scores``,
+        ``weights``, ``context``, ``output`` (shapes in the class's text); the arguments as in
+        ``forward``."""
