@@ -147,3 +147,33 @@ def test_a_child_that_ends_without_an_answer_is_a_verdict(tmp_path):
     text = "import os\n\n\ndef context_vectors(w, v):\n    os._exit(0)\n"
     verdict = _grade(4, _write(tmp_path, "exits", text))
     assert not verdict.passed and verdict.diagnosis == "crashed", verdict.text()
+
+
+#: Exercise 11's answer with one classic mistake planted, the same edit in every backend's
+#: solution: the mistake's key → (text of the answer, its replacement).
+ROPE_PLANTED = {
+    "interleaved": ("x[..., :half], x[..., half:rotary_dim]",
+                    "x[..., 0:rotary_dim:2], x[..., 1:rotary_dim:2]"),
+    "backwards": ("x1 * cos - x2 * sin, x2 * cos + x1 * sin",
+                  "x1 * cos + x2 * sin, x2 * cos - x1 * sin"),
+    "off_by_one": ("* inv_freq  # (..., 1, seq, r/2)", "* inv_freq + inv_freq"),
+    "all_dims": ("half = rotary_dim // 2", "rotary_dim = x.shape[-1]\n    half = rotary_dim // 2"),
+    "exponent_head_dim": ("2.0 / rotary_dim", "2.0 / x.shape[-1]"),
+}
+
+
+@pytest.mark.parametrize("backend", ["numpy", "jax", "torch"])
+def test_the_rope_exercises_mistakes_are_named_in_every_backend(backend, tmp_path):
+    """The layout swapped (pairs (2i, 2i+1), written back as halves as transformers'
+    DeepSeek-V3 apply_rotary_pos_emb_interleave does), the sine's sign flipped, positions off
+    by one, every dim rotated and the exponent over head_dim: each named, in a child process."""
+    pytest.importorskip(backend)
+    ex = exercises.exercise("rope")
+    text = exercises.stub_path(ex, backend, solution=True).read_text(encoding="utf-8")
+    for key, (old, new) in ROPE_PLANTED.items():
+        assert old in text, (backend, old)
+        verdict = _grade(11, _write(tmp_path, f"{backend}_{key}", text.replace(old, new)),
+                         backend)
+        assert not verdict.passed and verdict.diagnosis == key, verdict.text()
+        says = next(m.says for m in ex.mistakes if m.key == key)
+        assert f"FAIL: {says.split(':')[0]}" in verdict.text() and verdict.hint, verdict.text()

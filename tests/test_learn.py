@@ -116,6 +116,37 @@ MISTAKES = {
     (10, "wrong_axis"): ("softmax_backward(w, g)",
                          "return w * (g - (g * w).sum(-2, keepdims=True))"),
 }
+#: Exercise 11's answer (half layout), and one edit of it per mistake: key → (old, new).
+_ROPE = ("h = r // 2\n"
+         "    inv = 1.0 / theta ** (np.arange(h) * 2.0 / r)\n"
+         "    a = np.asarray(p)[..., None, :, None] * inv\n"
+         "    c, s = np.cos(a), np.sin(a)\n"
+         "    x1, x2 = x[..., :h], x[..., h:r]\n"
+         "    o = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1)\n"
+         "    return np.concatenate([o, x[..., r:]], -1)")
+_ROPE_EDITS = {
+    "interleaved": [("x[..., :h], x[..., h:r]", "x[..., 0:r:2], x[..., 1:r:2]"),
+                    ("np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], -1)",
+                     "np.stack([x1 * c - x2 * s, x2 * c + x1 * s], -1).reshape(x[..., :r].shape)")],
+    "backwards": [("x1 * c - x2 * s, x2 * c + x1 * s", "x1 * c + x2 * s, x2 * c - x1 * s")],
+    "off_by_one": [("np.asarray(p)", "(np.asarray(p) + 1)")],
+    "index": [("np.asarray(p)", "np.arange(x.shape[-2])")],
+    "all_dims": [("h = r // 2", "r = x.shape[-1]\n    h = r // 2")],
+    "exponent_head_dim": [("* 2.0 / r)", "* 2.0 / x.shape[-1])")],
+    "no_minus": [("x1 * c - x2 * s", "x1 * c + x2 * s")],
+}
+
+
+def _rope_answer(edits: list[tuple[str, str]]) -> str:
+    body = _ROPE
+    for old, new in edits:
+        assert old in body, old
+        body = body.replace(old, new)
+    return body
+
+
+MISTAKES.update({(11, key): ("rotary_embedding(x, p, theta, r)", _rope_answer(edits))
+                 for key, edits in _ROPE_EDITS.items()})
 
 
 def _write(tmp_path: Path, name: str, text: str) -> Path:
@@ -231,7 +262,7 @@ def test_the_command_grades_in_a_child_process_with_a_time_limit(tmp_path, capsy
     endless = _write(tmp_path, "endless", "def softmax(s):\n    while True:\n        pass\n")
     assert main(["exercise", "softmax", "--file", str(endless), "--timeout", "1"]) == 1
     assert "grading stopped after 1 s" in capsys.readouterr().out
-    for argv, error in ((["exercise", "11"], "unknown exercise '11'"),
+    for argv, error in ((["exercise", "12"], "unknown exercise '12'"),
                         (["exercise", "3", "--file", str(tmp_path / "nope.py")], "no such file"),
                         (["exercise"], "give its number")):
         assert main(argv) == 2
@@ -306,3 +337,68 @@ def test_every_exercise_has_a_stub_and_a_solution_per_backend():
         stubs = sorted(p.name for p in (ROOT / "learn" / folder).glob("*.py"))
         solutions = sorted(p.name for p in (ROOT / "learn" / "solutions" / folder).glob("*.py"))
         assert stubs == solutions == [f"{ex.stem}.py" for ex in EXERCISES]
+
+
+def test_the_rope_checks_are_the_rotation_and_position_zero_alone_cannot_pass(tmp_path):
+    """Exercise 11's expected values are the rotation written as complex numbers here (each
+    pair ``x[i] + i·x[i + r/2]`` times ``e^{i·p·θ^(−2i/r)}``) and numpy_attn's
+    ``rotary_embedding`` in float64; every check has tokens past position 0, where a turn by 0
+    hides every layout and direction: an answer that does not rotate at all fails."""
+    import numpy_attn
+
+    ex = exercises.exercise("rope")
+    for check in ex.checks:
+        x, positions, theta, r = check.args
+        x = x.astype(np.float64)
+        half = r // 2
+        turn = np.exp(1j * positions[..., None, :, None] * theta ** (-2.0 * np.arange(half) / r))
+        z = (x[..., :half] + 1j * x[..., half:r]) * turn
+        complex_form = np.concatenate([z.real, z.imag, x[..., r:]], axis=-1)
+        np.testing.assert_allclose(check.expected, complex_form, rtol=0, atol=1e-12)
+        library = numpy_attn.rotary_embedding(x, positions, theta=theta, rotary_dim=r)
+        np.testing.assert_allclose(check.expected, library, rtol=0, atol=1e-12)
+        assert (positions != 0).sum() >= positions.size // 2, check.name
+    still = exercises.grade("rope", "numpy", _write(
+        tmp_path, "no_turn", "def rotary_embedding(x, p, theta, r):\n    return x.copy()\n"),
+        isolated=False)
+    assert not still.passed and still.check == ex.checks[0].name, still.text()
+    first = ex.checks[0]  # positions 0 … 5: the layouts and directions agree at 0 only
+    for key in ("interleaved", "backwards", "no_minus"):
+        mistake = next(m for m in ex.mistakes if m.key == key)
+        wrong = mistake.compute(*first.args)[0]
+        np.testing.assert_array_equal(wrong[..., 0, :], first.expected[..., 0, :])
+        assert np.abs(wrong[..., 1:, :] - first.expected[..., 1:, :]).max() > 0.1, key
+
+
+def test_the_rope_picture_shows_the_pairs_and_angles_it_says():
+    """rope_pairs.png: the pairs read off numpy_attn are Meta's (2i, 2i+1) and rotate_half's
+    (i, i + d/2), pair 0 turning fastest; the angles are p · θ^(−2i/d) (written out here); the
+    committed PNG is a PNG under 80 kB, drawn (a figure with the three panels), and linked
+    from the section of docs/backend_differences.md that explains it."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from conformance.teaching import pictures
+
+    d = pictures.ROPE_HEAD_DIM
+    assert pictures.rope_pairs("interleaved") == [(2 * i, 2 * i + 1) for i in range(d // 2)]
+    assert pictures.rope_pairs("half") == [(i, i + d // 2) for i in range(d // 2)]
+    positions, angles = pictures.rope_angles()
+    expected = positions * pictures.ROPE_THETA ** (-2.0 * np.arange(d // 2)[:, None] / d)
+    np.testing.assert_allclose(angles, expected, rtol=1e-14)
+    fig = pictures.draw("rope_pairs.png")
+    assert len(fig.axes) == 3 and "RoPE" in fig.get_suptitle()
+    drawn = [line.get_ydata() for line in fig.axes[2].get_lines()[: d // 2]]
+    np.testing.assert_allclose(drawn, angles, rtol=1e-14)
+    plt.close(fig)
+    data = (ROOT / "docs" / "images" / "rope_pairs.png").read_bytes()
+    assert data.startswith(b"\x89PNG") and 10_000 < len(data) < 80_000
+    page = (ROOT / "docs" / "backend_differences.md").read_text(encoding="utf-8")
+    section = page.split("## 19. Same weights, two RoPE layouts")[1].split("\n## ")[0]
+    assert "images/rope_pairs.png" in section
+    for cited in ("transformers#25199", "flash-attention#288", "keras-hub#1416", "unsloth#837",
+                  "candle#3948"):
+        assert cited in section, cited

@@ -1,4 +1,4 @@
-"""The ten graded exercises of ``learn/``, in order: attention built up from the seed article.
+"""The eleven graded exercises of ``learn/``, in order: attention built up from the seed article.
 
 =====  ======================================  ================================================
   1    ``attention_scores(queries, keys)``      ω = queries @ keysᵀ (batched: swap two axes)
@@ -11,6 +11,7 @@
   8    ``multi_head_attention(x, W…, heads)``   the wrapper's heads, fused into one product
   9    ``grouped_query_attention(q, k, v)``     query head h uses kv head h // group
  10    ``softmax_backward(weights, grad)``      one backward pass: softmax's Jacobian
+ 11    ``rotary_embedding(x, positions, …)``    RoPE: pairs (i, i + r/2) turn by p · θ^(−2i/r)
 =====  ======================================  ================================================
 
 Each exercise's checks start from the article's numbers where it has them (the article prints
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from .exercise_catalogue_heads import GQA, MULTI_HEAD, PADDING, SOFTMAX_BACKWARD
+from .exercise_catalogue_rope import ROPE
 from .exercise_kit import (
     Check,
     Exercise,
@@ -295,6 +297,7 @@ CAUSAL_MASK = Exercise(
 
 
 EXERCISES: tuple[Exercise, ...] = (SCORES, SCALING, SOFTMAX, CONTEXT, CAUSAL_RENORMALISED,
-                                   CAUSAL_MASK, PADDING, MULTI_HEAD, GQA, SOFTMAX_BACKWARD)
+                                   CAUSAL_MASK, PADDING, MULTI_HEAD, GQA, SOFTMAX_BACKWARD,
+                                   ROPE)
 
 __all__ = ["EXERCISES"]

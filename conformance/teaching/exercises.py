@@ -102,7 +102,7 @@ class Verdict:
 
 
 def exercise(key: int | str) -> Exercise:
-    """An exercise by number (1–10) or slug (``softmax``); ``UsageError`` otherwise."""
+    """An exercise by number (1–11) or slug (``softmax``); ``UsageError`` otherwise."""
     for ex in EXERCISES:
         if str(key) in (str(ex.number), ex.slug, ex.stem):
             return ex
@@ -344,7 +344,8 @@ def _worst(res: compare.StepResult) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``exercise`` subcommand's arguments."""
-    p.add_argument("number", nargs="?", help="the exercise: 1–10 or its name (see --list)")
+    p.add_argument("number", nargs="?",
+                   help=f"the exercise: 1–{len(EXERCISES)} or its name (see --list)")
     p.add_argument("--backend", default="numpy", choices=list(BACKENDS),
                    help="the framework your file uses (default numpy)")
     p.add_argument("--file", metavar="PATH",
@@ -376,7 +377,7 @@ def main(args: argparse.Namespace) -> int:
         print(listing(width))
         return 0
     if args.number is None:
-        raise UsageError("exercise: give its number (1–10) or --list")
+        raise UsageError(f"exercise: give its number (1–{len(EXERCISES)}) or --list")
     ex = exercise(args.number)
     path = Path(args.file) if args.file else stub_path(ex, args.backend)
     if not args.file and not LEARN.is_dir():

@@ -11,8 +11,10 @@ Issue 23's and 24's features have a picture each, computed with numpy_attn's pub
 a fully masked row puts all its weight on it), ``packed.png`` (``varlen_attention``'s weights
 over a packed batch, read through identity values: block-diagonal, then causal within each
 sequence), ``chunked.png`` (``chunk_size``, alone and with ``is_causal``) and ``alibi.png``
-(``alibi_slopes`` with every score 0, so the picture is ALiBi's bias alone). Each PNG stays
-under 80 kB (100 dpi).
+(``alibi_slopes`` with every score 0, so the picture is ALiBi's bias alone). Issue 41's
+``rope_pairs.png`` is a diagram (``DIAGRAMS``), not weights: the pairs of RoPE's two layouts and
+each pair's angle against the position, both read off numpy_attn's ``rotary_embedding``. Each
+PNG stays under 80 kB (100 dpi).
 """
 
 from __future__ import annotations
@@ -40,7 +42,12 @@ PICTURES = {
     "chunked.png": "chunked local attention (Llama 4) over 12 tokens, chunk_size=4",
     "alibi.png": "ALiBi over 10 tokens, causal, with equal scores: the bias −slope·(i − j) "
                  "alone",
+    "rope_pairs.png": "RoPE, head_dim 8, θ = 10000: which dims turn together, and by what angle",
 }
+#: Pictures that are diagrams, not attention weights: no weights colour bar, no masked cells.
+DIAGRAMS = ("rope_pairs.png",)
+#: ``rope_pairs.png``: the head size, the base and the positions of its angle panel.
+ROPE_HEAD_DIM, ROPE_THETA, ROPE_POSITIONS = 8, 10000.0, 48
 
 #: ``packed.png``'s sequences: cumulative offsets into the 10 packed tokens.
 PACKED_CU_SEQ = (0, 3, 8, 10)
@@ -124,6 +131,77 @@ def alibi_weights() -> np.ndarray:
     return w
 
 
+def rope_pairs(layout: str, head_dim: int = ROPE_HEAD_DIM) -> list[tuple[int, int]]:
+    """``rope_pairs.png``'s pairs, read off numpy_attn's ``rotary_embedding``: dim ``j`` alone
+    (a one-hot ``x``) turned at position 1 spills into exactly one other dim, its partner;
+    ``(first, second)`` per pair, in the order of the frequencies (pair 0 turns fastest)."""
+    import numpy_attn as na
+
+    turned = na.rotary_embedding(np.eye(head_dim)[None], np.ones(head_dim, np.int64),
+                                 theta=ROPE_THETA, layout=layout)[0]  # row j: e_j turned
+    partners = [int(np.flatnonzero((np.abs(row) > 1e-12) & (np.arange(head_dim) != j))[0])
+                for j, row in enumerate(turned)]
+    # the dim that goes first has +sin in its partner: out[b] = x[b] cos + x[a] sin
+    pairs = sorted({(j, b) for j, b in enumerate(partners) if turned[j, b] > 0},
+                   key=lambda ab: -abs(turned[ab[0], ab[1]]))
+    return pairs
+
+
+def rope_angles(head_dim: int = ROPE_HEAD_DIM) -> tuple[np.ndarray, np.ndarray]:
+    """``rope_pairs.png``'s angle panel: positions ``1 … 10**5`` (log-spaced, ``(n,)``) and the
+    angle of each pair there, ``p · θ^(−2i/head_dim)`` radians, ``(head_dim/2, n)``, with the
+    frequencies of numpy_attn's ``rope_frequencies``."""
+    import numpy_attn as na
+
+    inv_freq, _ = na.rope_frequencies(head_dim, theta=ROPE_THETA)
+    positions = np.logspace(0, 5, 41)
+    return positions, inv_freq[:, None] * positions
+
+
+def _draw_rope() -> Any:
+    """``rope_pairs.png``: the pairs of both layouts (arcs over the dims, one colour per pair,
+    its frequency named) and ``cos`` of each pair's angle over the positions."""
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(10.0, 3.9), layout="constrained")
+    grid = fig.add_gridspec(2, 2, width_ratios=(1.0, 1.15))
+    colours = plt.get_cmap("tab10").colors
+    for row, (layout, label) in enumerate((
+            ("interleaved", "interleaved: pairs (2i, 2i+1) — Meta's Llama code, GPT-J"),
+            ("half", "half: pairs (i, i + d/2) — transformers' rotate_half, GPT-NeoX"))):
+        ax = fig.add_subplot(grid[row, 0])
+        for i, (a, b) in enumerate(rope_pairs(layout)):
+            for dim in (a, b):
+                ax.add_patch(plt.Rectangle((dim - 0.4, -0.4), 0.8, 0.8, color=colours[i]))
+            t = np.linspace(0, np.pi, 40)
+            height = 0.45 + 0.18 * (b - a)
+            ax.plot(a + (b - a) * (1 - np.cos(t)) / 2, 0.4 + height * np.sin(t),
+                    color=colours[i], linewidth=2)
+            ax.text((a + b) / 2, 0.45 + height, f"pair {i}", ha="center", va="bottom",
+                    fontsize=8, color=colours[i])
+        for dim in range(ROPE_HEAD_DIM):
+            ax.text(dim, 0, str(dim), ha="center", va="center", color="white", fontsize=10)
+        ax.set_xlim(-0.6, ROPE_HEAD_DIM - 0.4)
+        ax.set_ylim(-0.6, 2.0)
+        ax.set_axis_off()
+        ax.set_title(label, fontsize=10)
+    ax = fig.add_subplot(grid[:, 1])
+    positions, angles = rope_angles()
+    for i, angle in enumerate(angles):
+        frequency = ROPE_THETA ** (-2 * i / ROPE_HEAD_DIM)
+        ax.loglog(positions, angle, color=colours[i], linewidth=2,
+                  label=f"pair {i}: p · θ^(−{2 * i}/{ROPE_HEAD_DIM}) = p · {frequency:g}")
+    ax.axhline(2 * np.pi, color="0.3", linestyle="--", linewidth=1)
+    ax.text(1.2, 2 * np.pi * 1.3, "one full turn (2π)", fontsize=8, color="0.3")
+    ax.set_xlabel("position p (at p = 0 every angle is 0: both layouts are the identity)",
+                  fontsize=9)
+    ax.set_ylabel("angle of the pair (radians)")
+    ax.set_title("pair i turns by p · θ^(−2i/d): pair 0 fastest", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.suptitle(PICTURES["rope_pairs.png"])
+    return fig
+
+
 def _panel(ax: Any, weights: np.ndarray, title: str, xlabels: list[str] | None = None,
            ylabels: list[str] | None = None, annotate: bool = False) -> Any:
     import matplotlib.pyplot as plt
@@ -162,6 +240,8 @@ def _figure(ncols: int, width: float = 4.2, height: float = 4.0) -> tuple[Any, A
 
 def draw(name: str) -> Any:
     """The matplotlib figure of picture ``name`` (a key of ``PICTURES``)."""
+    if name == "rope_pairs.png":
+        return _draw_rope()
     if name == "walkthrough.png":
         plain, causal = _article_weights()
         tokens = seed_example.SENTENCE.split()
@@ -254,6 +334,20 @@ def draw(name: str) -> Any:
     return fig
 
 
+def _palette_png(path: Path) -> bytes:
+    """The PNG at ``path`` with a palette of at most 256 colours (Pillow, matplotlib's own
+    dependency): a diagram of a few flat colours looks the same at a quarter of the bytes."""
+    import io
+
+    from PIL import Image
+
+    with Image.open(path) as image:
+        palette = image.convert("RGB").quantize(colors=256)
+    out = io.BytesIO()
+    palette.save(out, format="PNG", optimize=True)
+    return out.getvalue()
+
+
 def write(directory: str | Path, names: list[str] | None = None) -> list[Path]:
     """Write the pictures (all by default) as PNG files into ``directory``; their paths."""
     import matplotlib
@@ -269,6 +363,8 @@ def write(directory: str | Path, names: list[str] | None = None) -> list[Path]:
         path = out / name
         fig.savefig(path, dpi=100)
         plt.close(fig)
+        if name in DIAGRAMS:  # antialiased lines and text: a palette keeps it under 80 kB
+            path.write_bytes(_palette_png(path))
         written.append(path)
     return written
 
