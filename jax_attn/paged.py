@@ -163,7 +163,8 @@ class PagedKVCache:
 def _write(pages: jax.Array, page: jax.Array, row: jax.Array, x: jax.Array) -> jax.Array:
     """``pages`` with ``x (batch, kv_heads, n, dim)`` written to rows ``row`` of pages ``page``
     (``(batch · n,)`` each, row-major): one compiled scatter per shape."""
-    x = x.transpose(0, 2, 1, 3).reshape(-1, x.shape[1], x.shape[3])  # one row per position
+    # one row per position (the count is explicit: -1 is ambiguous for zero-width values)
+    x = x.transpose(0, 2, 1, 3).reshape(x.shape[0] * x.shape[2], x.shape[1], x.shape[3])
     return pages.at[page, row].set(x.astype(pages.dtype))
 
 

@@ -106,10 +106,12 @@ class PagedKVCache:
             book, pages, rows = rules.book_append(fn, self._book, seqs, keys.shape[2],
                                                   self.block_size, self.num_blocks)
             # (batch, kv_heads, n, dim) → one (kv_heads, dim) row per new position, row-major
+            # (the row count is explicit: -1 is ambiguous for zero-width values)
+            count = keys.shape[0] * keys.shape[2]
             self.key_pages[pages, rows] = keys.transpose(0, 2, 1, 3).reshape(
-                -1, keys.shape[1], keys.shape[3])
+                count, keys.shape[1], keys.shape[3])
             self.value_pages[pages, rows] = values.transpose(0, 2, 1, 3).reshape(
-                -1, values.shape[1], values.shape[3])
+                count, values.shape[1], values.shape[3])
             self._book = book
         return self
 

@@ -267,6 +267,23 @@ def test_paged_cache_methods_follow_the_spec(backend):
         assert params(getattr(cls, name)) == params(getattr(stub, name)), name
 
 
+def test_a_pool_without_values_takes_appends(backend):
+    """``v_dim=0``: a pool of keys only (a latent cache reads its values from the keys). Its
+    appends land where the tables say; a ``reshape(-1, ...)`` of the empty values raised."""
+    rng = np.random.default_rng(3)
+    cache = backend.module.PagedKVCache(NUM_BLOCKS, BLOCK, 1, HEAD_DIM, 0)
+    keys = rng.standard_normal((2, 1, 5, HEAD_DIM)).astype(np.float32)
+    cache = cache.append(backend.asarray(keys), backend.asarray(np.zeros((2, 1, 5, 0),
+                                                                         np.float32)))
+    table, lens = (backend.to_numpy(t) for t in cache.tables([0, 1]))
+    assert lens.tolist() == [5, 5]
+    pages = backend.to_numpy(cache.key_pages)
+    for seq in (0, 1):
+        held = np.concatenate([pages[p] for p in table[seq] if p >= 0])[:5]  # (5, 1, dim)
+        np.testing.assert_array_equal(held[:, 0], keys[seq, 0])
+    assert backend.to_numpy(cache.value_pages).shape == (NUM_BLOCKS, BLOCK, 1, 0)
+
+
 # ------------------------------------------------------------------ planted bugs: must fail
 
 

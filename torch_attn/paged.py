@@ -106,11 +106,13 @@ class PagedKVCache:
             pages = torch.tensor(pages, dtype=torch.long, device=device)
             rows = torch.tensor(rows, dtype=torch.long, device=device)
             # (batch, kv_heads, n, dim) → one (kv_heads, dim) row per new position, row-major;
-            # torch: without autograd history, as KVCache
+            # torch: without autograd history, as KVCache (the row count is explicit: -1 is
+            # ambiguous for zero-width values)
+            count = keys.shape[0] * keys.shape[2]
             self.key_pages[pages, rows] = keys.detach().transpose(1, 2).reshape(
-                -1, keys.shape[1], keys.shape[3]).to(device, self.key_pages.dtype)
+                count, keys.shape[1], keys.shape[3]).to(device, self.key_pages.dtype)
             self.value_pages[pages, rows] = values.detach().transpose(1, 2).reshape(
-                -1, values.shape[1], values.shape[3]).to(device, self.value_pages.dtype)
+                count, values.shape[1], values.shape[3]).to(device, self.value_pages.dtype)
             self._book = book
         return self
 
