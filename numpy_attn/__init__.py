@@ -18,6 +18,7 @@ from .functional import (
     scaled_dot_product_attention,
 )
 from .kv_cache import KVCache
+from .latent_attention import MultiHeadLatentAttention
 from .masks import causal_mask, combine_masks, padding_mask, sliding_window_mask
 from .modules import (
     CausalSelfAttention,
@@ -27,6 +28,13 @@ from .modules import (
     SelfAttention,
 )
 from .paged import PagedKVCache, paged_attention
+from .quantized_cache import (
+    KVQuantization,
+    QuantizedArray,
+    QuantizedKVCache,
+    dequantize_kv,
+    quantize_kv,
+)
 from .rotary import (
     RoPE,
     permute_for_rotary_layout,
@@ -47,6 +55,7 @@ __all__ = [
     "CrossAttention",
     "KVCache",
     "MultiHeadAttention",
+    "MultiHeadLatentAttention",
     "MultiHeadAttentionWrapper",
     "PagedKVCache",
     "SelfAttention",
@@ -79,4 +88,9 @@ __all__ = [
     "rope_frequencies",
     "rotary_embedding",
     "rotary_embedding_vjp",
+    "KVQuantization",
+    "QuantizedArray",
+    "QuantizedKVCache",
+    "dequantize_kv",
+    "quantize_kv",
 ]

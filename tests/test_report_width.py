@@ -251,7 +251,9 @@ def test_one_install_line_per_missing_package(monkeypatch: pytest.MonkeyPatch) -
     assert torch_lines[0].startswith("missing: torch (torch, torch.sdpa, torch.MHA, "
                                      "torch.MHA[sdpa], torch.flex, keras[torch], "
                                      "transformers.eager, transformers.sdpa, "
-                                     "transformers.gpt_oss)")
+                                     "transformers.gpt_oss, transformers.rope[llama], "
+                                     "transformers.rope[deepseek_v3], "
+                                     "transformers.rope[gpt_neox])")
     assert "missing: hypothesis (the property checks); install: pip install hypothesis" in lines
     assert lines[-1] == "everything at once, from a clone: pip install -r requirements.txt"
     keras_missing = {p.name: p.install for p in peers.PEERS if p.framework == "keras"}

@@ -5,7 +5,7 @@ NumPy's seeded generator (the seed is derived from the name, so a case's data ne
 which other cases run). ``prepare_inputs(case, dtype)`` casts those inputs once to the dtype
 under test; every backend then receives exactly the same bits.
 
-Five kinds of case exist (``conformance.cases.inputs`` builds the inputs of the newer ones;
+Six kinds of case exist (``conformance.cases.inputs`` builds the inputs of the newer ones;
 ``conformance.cases.packed`` holds the cases of chunks, ALiBi, segment ids, mods and varlen):
 
 ``sdpa``
@@ -34,6 +34,9 @@ Five kinds of case exist (``conformance.cases.inputs`` builds the inputs of the 
   (and ``context``/``x_2``, ``mask``), with forward options ``options["forward"]``; with
   ``options["decode"]`` (chunk sizes) the module also decodes ``x`` with a KV cache, which
   must equal the causal forward pass.
+``rotary``
+  ``rotary_embedding`` of ``x`` at integer ``positions`` (and its VJP, and ``rope_frequencies``
+  of the case's scaling method): ``conformance.cases.rotary``.
 
 sdpa cases without a general boolean mask and without dropout also run ``blockwise_attention``
 (and its VJP) with small tiles (``BLOCKWISE_TILES``) that do not divide the lengths;
@@ -91,6 +94,7 @@ from .inputs import (
 )
 from .inputs import normal as _normal
 from .packed import PACKED_CASES
+from .rotary import ROTARY_CASES
 
 
 def cast(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -409,7 +413,8 @@ CASES: tuple[Case, ...] = (
          _module("MultiHeadAttention", {"d_model": 16, "num_heads": 4, "num_kv_heads": 2},
                  _mha_self, {"is_causal": True}, decode=(1, 2, 3)),
          kind="module"),
-) + PACKED_CASES + COMBINED_CASES  # chunks, ALiBi, segments, mods, varlen; features together
+) + PACKED_CASES + COMBINED_CASES + ROTARY_CASES  # chunks, ALiBi, segments, mods, varlen;
+# features together; the rotary position embedding (``cases.rotary``)
 
 CASE_NAMES = tuple(c.name for c in CASES)
 

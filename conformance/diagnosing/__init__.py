@@ -7,6 +7,8 @@
 ``diagnose_packed``   the mistakes of varlen, chunks, ALiBi, segment ids and mods
 ``order_of_steps``    the mistakes the combined cases show: the steps before masking in a wrong
                       order, negative segment ids as padding, half precision summed in half
+``rotary``            the usual mistakes of a rotary embedding (layout swapped, positions off
+                      by one or restarted, theta, scaling, rotary_dim, attention factor)
 ``lse_alternatives``  the alternatives of the row log-sum-exp (a finite fill, ``+inf``, the
                       input dtype) that ``alternatives`` applies
 ``alternatives``      a peer's difference: the alternative semantics each entry of

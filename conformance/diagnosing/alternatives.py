@@ -51,6 +51,7 @@ from ..cases.expected import Expected, expected_for, unspecified_positions
 from ..comparing.compare import StepResult, compare
 from ..comparing.results import Cell, error_text, known_differences
 from .lse_alternatives import LSE_STAGE
+from .rotary import rotary_hypothesis
 
 #: Rules for fully masked rows: at most one of them in a combination.
 EMPTY_ROW_RULES = ("mean_of_value", "unmasked_row", "nan_rows")
@@ -159,10 +160,16 @@ def float32_tolerance(sem: Semantics) -> None:
         sem.dtype = "float32"
 
 
+def float32_angles(sem: Semantics) -> None:
+    """A rotary case's angles in float32 (``rotary.rotary_hypothesis`` computes it): float64
+    is compared with float32's tolerance."""
+    float32_tolerance(sem)
+
+
 INPUT_STAGE: dict[str, Callable[[Semantics], None]] = {
     "float32": float32, "top_left": top_left, "float32_scale": float32_scale,
     "additive_mask": additive_mask, "mixed_heads": mixed_heads,
-    "float32_softmax": float32_tolerance}
+    "float32_softmax": float32_tolerance, "float32_angles": float32_angles}
 
 # ------------------------------------------------------------------------------ row stage
 
@@ -248,6 +255,9 @@ def hypothesis(exp: Expected, names: tuple[str, ...] | list[str]) -> Hypothesis:
         raise ValueError(f"names: unknown alternative(s) {', '.join(unknown)}; known: "
                          f"{', '.join(ORDER)}")
     chosen = tuple(n for n in ORDER if n in names)
+    if exp.kind == "rotary":  # the rotation's alternatives: diagnosing.rotary
+        values, baseline, row = rotary_hypothesis(exp, chosen)
+        return Hypothesis(chosen, values, baseline, row, exp.dtype)
     sem = Semantics(dict(exp.data.arrays), dict(exp.data.options), exp.dtype, exp.dtype, chosen)
     for name in chosen:
         if name in INPUT_STAGE:

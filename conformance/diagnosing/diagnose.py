@@ -27,7 +27,9 @@
   and a varlen case's offsets off by one (``varlen_mistakes``);
 * ``order_of_steps`` (the combined cases): the soft-cap, bias, ALiBi and ``score_mod`` in a
   wrong order (``order_of_steps``), negative segment ids taken for padding (hypotheses) and
-  half precision accumulated in half precision (``half_accumulation``).
+  half precision accumulated in half precision (``half_accumulation``);
+* ``rotary`` (rotary cases): the layout swapped, positions off by one or restarted, the base
+  theta, the scaling, rotary_dim or the attention factor ignored (``rotary_mistakes``).
 
 A wrong layout (a ``(..., seq, heads, head_dim)`` module without ``LAYOUT = "bshd"``) needs the
 module itself, not one result: ``reporting.groups`` reruns the failing cells transposed.
@@ -52,6 +54,7 @@ from ..cases.inputs import contiguous, key_parts
 from ..comparing.compare import compare
 from .diagnose_packed import PACKED_HYPOTHESES, score_mod_after_mask, varlen_mistakes
 from .order_of_steps import ORDER_HYPOTHESES, half_accumulation, order_of_steps
+from .rotary import rotary_mistakes
 
 #: Joins the diagnoses of one step (a diagnosis itself may contain "; ").
 SEPARATOR = "; also: "
@@ -471,7 +474,8 @@ DIAGNOSES: tuple[Callable[[Expected, str, np.ndarray], str], ...] = (
 def diagnose(exp: Expected, step: str, actual: Any) -> str:
     """Plain-words reasons for a failed step of an sdpa, merge or paged case ("" when none
     applies)."""
-    if exp.kind not in ("sdpa", "merge", "paged", "varlen") or step not in exp.values:
+    if exp.kind not in ("sdpa", "merge", "paged", "varlen", "rotary") or \
+            step not in exp.values:
         return ""
     actual = np.asarray(actual).astype(np.float64)
     if actual.shape != exp.values[step].shape:
@@ -481,7 +485,8 @@ def diagnose(exp: Expected, step: str, actual: Any) -> str:
         return ""  # the values conform: the step failed on its dtype (``seams.cell_reasons``)
     reasons = []
     kinds = {"sdpa": DIAGNOSES, "merge": (planted_mistake, merge_mistakes),
-             "paged": (paged_table_mistakes,), "varlen": (varlen_mistakes,)}
+             "paged": (paged_table_mistakes,), "varlen": (varlen_mistakes,),
+             "rotary": (rotary_mistakes,)}
     for diagnosis in kinds[exp.kind]:
         text = diagnosis(exp, step, actual)
         if text and text not in reasons:

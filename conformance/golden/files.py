@@ -32,7 +32,10 @@ OPTION_KEYS = {"sdpa": frozenset({*cases_mod.SDPA_OPTIONS, "mask_mod", "score_mo
                "merge": frozenset({*cases_mod.SDPA_OPTIONS, "parts"}),
                "paged": frozenset({"scale", "softcap"}),
                "varlen": packed.VARLEN_OPTIONS,
-               "module": frozenset({"module", "init", "forward", "decode"})}
+               "module": frozenset({"module", "init", "forward", "decode"}),
+               "rotary": frozenset({"layout", "theta", "rotary_dim", "scaling", "seq_len",
+                                    "max_position_embeddings", "inv_freq", "attention_factor",
+                                    "cu_seq"})}
 #: The most parts a merge case may split its keys into (the cases use 2 to 4).
 MAX_PARTS = 16
 _KINDS = ("in", "expected", "baseline", "zeros", "any", "table")
@@ -105,6 +108,13 @@ def _check_options(options: Any, case: cases_mod.Case, where: str) -> None:
             ok = value == case.data().options.get("module")
         elif name == "parts":
             ok = isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_PARTS
+        elif name == "scaling":  # a rotary case's transformers dict: numbers, lists of numbers
+            ok = value is None or (isinstance(value, dict) and all(
+                isinstance(k, str) and (_is_scalar(v) or (isinstance(v, list) and all(
+                    isinstance(f, (int, float)) for f in v))) for k, v in value.items()))
+        elif name in ("inv_freq", "cu_seq"):  # a rotary case's frequencies, packed offsets
+            ok = isinstance(value, list) and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
         else:
             ok = _is_scalar(value)
         if not ok:

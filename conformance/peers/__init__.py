@@ -22,6 +22,10 @@ adapters and what they cannot express:
 ``transformers_attention``  ``transformers.eager`` and ``transformers.sdpa``
 ``transformers_gpt_oss``    ``transformers.gpt_oss`` (GPT-OSS's ``eager_attention_forward``: the
                             attention sinks' reference semantics; the cases with sinks)
+``transformers_rotary``     ``transformers.rope[llama]``, ``transformers.rope[deepseek_v3]``,
+                            ``transformers.rope[gpt_neox]`` (each family's rotary module, its
+                            ``ROPE_INIT_FUNCTIONS`` frequencies and ``apply_rotary_pos_emb``;
+                            the rotary cases; JAX has no rotary embedding in ``jax.nn``)
 ``onnx_attention``          ``onnxruntime`` (one ONNX ``Attention`` node: opset 24, the CPU
                             kernel; opset 25 for a window, the function body) and
                             ``onnxruntime[nonpad]`` (key padding as ``nonpad_kv_seqlen``;
@@ -72,6 +76,7 @@ from . import (
     torch_nn,
     transformers_attention,
     transformers_gpt_oss,
+    transformers_rotary,
 )
 
 
@@ -126,6 +131,13 @@ PEERS: tuple[Peer, ...] = (
          transformers_attention.transformers_sdpa, ("torch",), background=True),
     Peer("transformers.gpt_oss", "transformers", install_command("transformers", "torch"),
          transformers_gpt_oss.transformers_gpt_oss, ("torch",), background=True),
+    Peer("transformers.rope[llama]", "transformers", install_command("transformers", "torch"),
+         transformers_rotary.transformers_llama_rope, ("torch",), background=True),
+    Peer("transformers.rope[deepseek_v3]", "transformers",
+         install_command("transformers", "torch"),
+         transformers_rotary.transformers_deepseek_v3_rope, ("torch",), background=True),
+    Peer("transformers.rope[gpt_neox]", "transformers", install_command("transformers", "torch"),
+         transformers_rotary.transformers_gpt_neox_rope, ("torch",), background=True),
     Peer("onnxruntime", "onnxruntime", install_command("onnxruntime", "onnx"),
          onnx_attention.onnxruntime_attention, ("onnx",), background=True),
     Peer("onnxruntime[nonpad]", "onnxruntime", install_command("onnxruntime", "onnx"),

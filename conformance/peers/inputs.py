@@ -32,7 +32,8 @@ _KINDS = {"module": "has no equivalent of the spec's modules",
           "varlen": "takes no packed batch of variable-length sequences (torch.flex, "
                     "jax.nn[lengths] and onnxruntime[nonpad] unpack one)",
           "merge": "is compared on single attention calls only, not on merging partial results",
-          "paged": "is compared on single attention calls only, not on a paged KV cache"}
+          "paged": "is compared on single attention calls only, not on a paged KV cache",
+          "rotary": "has no rotary embedding (the transformers.rope columns compare it)"}
 
 
 #: What a framework lacks for each argument of ``spec.PIPELINE_WITH_MODS`` (the inputs and

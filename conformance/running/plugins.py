@@ -17,7 +17,8 @@ its layout (``spec.PLUGIN_CONTRACT``; ``docs/checking.md`` for users).
   ``chunked``, ``alibi``, ``segments``, ``score_mod`` and ``mask_mod`` for the arguments of
   ``spec.PIPELINE_WITH_MODS`` (a mod is an option of the case, ``conformance.cases.mods``), and
   ``varlen`` for a packed batch (its ``cu_seq_q``; with ``causal``/``window`` from its
-  ``window_size``, ``grouped_query``, ``sinks``, ``softcap``, ``scale`` as it uses them).
+  ``window_size``, ``grouped_query``, ``sinks``, ``softcap``, ``scale`` as it uses them), and
+  ``rotary`` for a rotary case (its ``positions``).
 
 Standard library and NumPy only: ``backends`` builds a plugin's adapter on top of this file.
 """
@@ -156,6 +157,8 @@ _SEQUENCE_ARRAYS: dict[str, tuple[tuple[int, ...], Any]] = {
     "blockwise_attention": ((0, 1, 2), "first"),
     "merge_attention": ((0,), (0,)),
     "blockwise_attention_vjp": ((0, 1, 2, 3), (0, 1, 2)),
+    "rotary_embedding": ((0,), "all"),
+    "rotary_embedding_vjp": ((0, 2), "all"),
 }
 _KEYWORDS = ("query", "key", "value", "grad_output", "outputs")
 
@@ -277,6 +280,8 @@ def features(arrays: dict[str, Any], options: dict[str, Any], dtype: str,
     used = {dtype} if finite else {dtype, "non_finite"}
     if "parts" in options:
         used |= {"merge", "lse"}
+    if "positions" in arrays:  # a rotary case: rotary_embedding, its VJP, rope_frequencies
+        used.add("rotary")
     if "key_pages" in arrays:  # a paged case: its keyword features and grouped heads
         used |= {"paged"} | call_features((), {**options, "sinks": arrays.get("sinks")})
         if np.shape(arrays["key_pages"])[-2] != np.shape(arrays["query"])[-3]:

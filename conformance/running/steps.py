@@ -9,7 +9,9 @@ several steps share (``scaled_dot_product_attention`` gives ``output`` and ``out
 The row log-sum-exp is a call of its own (``return_lse=True`` without the weights), so a module
 whose lse is wrong, or that does not take ``return_lse``, fails that step alone; composite
 steps (merging split keys, a paged cache) are ``composite``'s, a packed batch's
-calls ``calls.varlen``'s (its offsets closed over, on the host). To compare a new
+calls ``calls.varlen``'s (its offsets closed over, on the host), a rotary case's
+``rotary_embedding`` and its VJP ordinary calls and ``rope_frequencies`` a host call (never
+compiled: its arguments are Python numbers and a dict). To compare a new
 step: give it an expected value in ``expected.pipeline`` and add a ``Step`` here.
 """
 
@@ -24,6 +26,7 @@ import numpy as np
 from .. import spec
 from ..cases import catalogue as cases_mod
 from ..cases import mods
+from ..cases import rotary as rotary_cases
 from ..cases.dtypes import numpy_dtype
 from ..cases.expected import GRAD_STEPS, Expected
 from . import calls as calls_mod
@@ -203,6 +206,35 @@ class Execution:
         return self.cached(f"varlen:{what}",
                            lambda: calls_mod.varlen(self.backend, self.exp, (what,))[0])
 
+    def rotary_call(self) -> Call:
+        """``rotary_embedding(x, positions, theta, layout, rotary_dim, inv_freq,
+        attention_factor)`` (``cases.rotary.rotary_kwargs``)."""
+        a = self.exp.data.arrays
+        return Call("rotary", "rotary_embedding", (a["x"], a["positions"]),
+                    rotary_cases.rotary_kwargs(self.exp.data.options))
+
+    def rotary_vjp_call(self) -> Call:
+        """``rotary_embedding_vjp(x, positions, grad_output, ...)``."""
+        a = self.exp.data.arrays
+        return Call("rotary_vjp", "rotary_embedding_vjp",
+                    (a["x"], a["positions"], a["grad_output"]),
+                    rotary_cases.rotary_kwargs(self.exp.data.options))
+
+    def frequencies(self) -> tuple[np.ndarray, np.ndarray]:
+        """``rope_frequencies(rotary_dim, theta, scaling, seq_len, max_position_embeddings)``:
+        ``(inv_freq, attention_factor)`` as NumPy; a host function, never compiled."""
+        def compute() -> tuple[np.ndarray, np.ndarray]:
+            o = self.exp.data.options
+            result = self.module.rope_frequencies(rotary_cases.rotary_dim_of(self.exp.data),
+                                                  **rotary_cases.frequencies_kwargs(o))
+            if not isinstance(result, (tuple, list)) or len(result) != 2:
+                raise ValueError("rope_frequencies(...) returned "
+                                 f"{type(result).__name__}, not (inv_freq, attention_factor)")
+            inv, factor = result
+            return self.to_numpy(inv), np.asarray(float(factor))
+
+        return self.cached("frequencies", compute)
+
     def paged_cache(self) -> np.ndarray:
         """A paged case decoded from the module's own ``PagedKVCache`` (``composite``)."""
         return self.cached("paged_cache", lambda: composite.paged_cache(self.backend, self.exp))
@@ -366,6 +398,18 @@ STEPS: dict[str, Step] = {
                f"varlen_attention_vjp(..., grad_output, ...) -> {name}",
                needs=_needs("varlen_attention_vjp"), pick=i)
           for i, name in enumerate(GRAD_STEPS[:3] + GRAD_STEPS[4:])),  # no grad_bias
+        Step("rotary_output", ("rotary",), lambda exe: exe.result(exe.rotary_call()), "input",
+             "rotary_embedding(x, positions, theta, layout, rotary_dim, inv_freq, "
+             "attention_factor)", lambda exe: (exe.rotary_call(),), _needs("rotary_embedding")),
+        Step("rotary_grad_x", ("rotary",), lambda exe: exe.result(exe.rotary_vjp_call()),
+             "input", "rotary_embedding_vjp(x, positions, grad_output, ...): the transpose "
+             "rotation", lambda exe: (exe.rotary_vjp_call(),), _needs("rotary_embedding_vjp")),
+        Step("rope_inv_freq", ("rotary",), lambda exe: exe.frequencies()[0], None,
+             "rope_frequencies(rotary_dim, theta, scaling, seq_len, max_position_embeddings)"
+             "[0]: the inverse frequencies", needs=_needs("rope_frequencies"), pick=0),
+        Step("rope_attention_factor", ("rotary",), lambda exe: exe.frequencies()[1], None,
+             "rope_frequencies(...)[1]: the attention factor (YaRN's and LongRoPE's mscale)",
+             needs=_needs("rope_frequencies"), pick=1),
         Step("grad_weights", ("module",), lambda exe: exe.module_backward(), None,
              "module.parameter_gradients(inputs, grad_output): every weight's gradient, "
              "flattened in sorted name order", needs=_needs_module("parameter_gradients")),

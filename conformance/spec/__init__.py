@@ -14,9 +14,13 @@ it can be read and imported anywhere. One file per chapter, every name re-export
 * ``varlen``: packed variable-length batches (``varlen_attention``, the converters);
 * ``rotary``: the rotary position embedding (``rotary_embedding``, ``rope_frequencies``, the
   layouts of the model families, ``RoPE``);
+* ``latent_attention``: multi-head latent attention (MLA), naive and absorbed, and the
+  latent cache;
 * ``modules``: one stub class per public module, with its constructor and methods;
 * ``decoding``: the key/value cache and the modules' ``decode`` method, split-KV decoding
   and the paged cache (``paged_attention``);
+* ``quantized_cache``: int8 / int4 / fp8 KV caches (``quantize_kv``, ``QuantizedKVCache``),
+  their rounding and saturation rules and the residual window;
 * ``concurrency``: repeatability and thread safety;
 * ``context_parallel``: one sequence split across devices;
 * ``extras``: the names and integrations of one backend only;
@@ -128,6 +132,13 @@ from .functions import (
     sliding_window_mask,
 )
 from .known_differences import KNOWN_ALTERNATIVES, KNOWN_DIFFERENCES
+from .latent_attention import (
+    LATENT_ABSORBED,
+    LATENT_ATTENTION,
+    LATENT_CACHE,
+    LATENT_ERRORS,
+    MultiHeadLatentAttention,
+)
 from .masks_and_mods import (
     ALIBI,
     CHUNKED,
@@ -150,6 +161,20 @@ from .modules import (
     MultiHeadAttention,
     MultiHeadAttentionWrapper,
     SelfAttention,
+)
+from .quantized_cache import (
+    QUANTIZATION_SCHEMES,
+    QUANTIZED_CACHE,
+    QUANTIZED_ERRORS,
+    QUANTIZED_PEERS,
+    QUANTIZED_RESIDUAL,
+    QUANTIZED_ROUNDING,
+    QUANTIZED_SPECIAL_VALUES,
+    KVQuantization,
+    QuantizedArray,
+    QuantizedKVCache,
+    dequantize_kv,
+    quantize_kv,
 )
 from .rotary import (
     ROTARY,
@@ -195,6 +220,9 @@ __all__ = [
     "ROTARY", "ROTARY_LAYOUTS", "ROTARY_PERMUTATION", "ROTARY_SCALING", "ROTARY_PRECISION",
     "ROTARY_POSITIONS", "ROTARY_ERRORS", "rotary_embedding", "rotary_embedding_vjp",
     "rope_frequencies", "permute_for_rotary_layout", "RoPE",
+    # latent_attention
+    "LATENT_ATTENTION", "LATENT_ABSORBED", "LATENT_CACHE", "LATENT_ERRORS",
+    "MultiHeadLatentAttention",
     # masks_and_mods
     "PIPELINE_WITH_MODS", "CHUNKED", "ALIBI", "SEGMENT_IDS", "SCORE_MOD", "MASK_MOD",
     "MOD_INDICES", "TILE_SKIPPING", "READY_MADE_MODS", "MASKS_AND_MODS_ERRORS",
@@ -204,6 +232,10 @@ __all__ = [
     # decoding
     "CLASSES", "DECODING_MODULES", "DECODING", "CACHE_OVERFLOW", "KVCache", "DecodingModule",
     "SPLIT_KV", "SPLIT_DECODING", "PAGED_CACHE", "PagedKVCache", "paged_attention",
+    # quantized_cache
+    "QUANTIZATION_SCHEMES", "QUANTIZED_ROUNDING", "QUANTIZED_SPECIAL_VALUES", "QUANTIZED_CACHE",
+    "QUANTIZED_RESIDUAL", "QUANTIZED_PEERS", "QUANTIZED_ERRORS", "quantize_kv", "dequantize_kv",
+    "KVQuantization", "QuantizedArray", "QuantizedKVCache",
     # concurrency
     "CONCURRENCY", "BLAS_LIMIT", "REPEATABLE", "REPEAT_CALLS",
     # context_parallel

@@ -21,7 +21,10 @@ PLUGIN_CONTRACT = (
     "packed batches (varlen_attention) and chunk_size, alibi_slopes, segment_ids, score_mod "
     "and mask_mod (varlen, chunked, alibi, segments, score_mod, mask_mod). A mod reaches the "
     "module as a callable with FlexAttention's signature that works on NumPy, jax and torch "
-    "arrays (conformance.cases.mods)."
+    "arrays (conformance.cases.mods). The rotary position embedding (rotary_embedding, its VJP "
+    "and rope_frequencies) is optional in the same way: a module without it lists those names "
+    "as not provided, one that has some of it may declare rotary; with LAYOUT = \"bshd\", "
+    "rotary_embedding's x (and grad_output) are (..., seq, heads, head_dim) too."
 )
 
 #: What a checked module may declare it does not support (``UNSUPPORTED = {...}``): each name,
@@ -51,6 +54,8 @@ PLUGIN_FEATURES = {
     "segments": "segment_ids: packed documents (SEGMENT_IDS)",
     "score_mod": "a score_mod callable (SCORE_MOD)",
     "mask_mod": "a mask_mod callable (MASK_MOD)",
+    "rotary": "the rotary position embedding: rotary_embedding, rotary_embedding_vjp and "
+              "rope_frequencies (ROTARY, ROTARY_SCALING)",
     "errors": "the bad inputs of ERRORS (exception type and message)",
     "float64": "float64 inputs",
     "float32": "float32 inputs",

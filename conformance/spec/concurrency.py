@@ -29,7 +29,10 @@ CONCURRENCY = {
         "shared: append and free of different sequences may run from several threads at once "
         "(each takes the cache's lock for its bookkeeping and page writes), and tables and "
         "attend read a consistent book; calls on the same sequence must be ordered by the "
-        "caller. Dropout: the same seeded Generator state gives the same bits; a "
+        "caller. QuantizedKVCache follows KVCache: append writes in place (one thread per "
+        "cache); attend, keys and values only read and may run from several threads while no "
+        "append runs; quantize_kv and dequantize_kv are pure. "
+        "Dropout: the same seeded Generator state gives the same bits; a "
         "numpy Generator is not thread-safe, so give each thread its own."
     ),
     "jax_attn": (
@@ -43,7 +46,9 @@ CONCURRENCY = {
         "time). An eager call and a jitted one, or two different jit boundaries around the "
         "same function, may differ in the last bits (XLA fuses differently). On GPU XLA may "
         "use non-deterministic reductions unless XLA_FLAGS=--xla_gpu_deterministic_ops=true "
-        "(not checked here). Dropout: the same key gives the same bits."
+        "(not checked here). QuantizedArray and QuantizedKVCache are immutable pytrees too: "
+        "append returns a new cache, any thread may read one. "
+        "Dropout: the same key gives the same bits."
     ),
     "torch_attn": (
         "Functions and modules' forward may be called from several threads at once (autograd "
@@ -59,7 +64,9 @@ CONCURRENCY = {
         "decode write the cache in place (one thread per cache, and one thread per module's "
         "decode state). PagedKVCache may be shared: append and free of different sequences may "
         "run from several threads at once (each takes the cache's lock for its bookkeeping and "
-        "page writes); calls on the same sequence must be ordered by the caller. load_weights "
+        "page writes); calls on the same sequence must be ordered by the caller. "
+        "QuantizedKVCache follows KVCache: append writes in place (one thread per cache); "
+        "attend, keys and values only read. load_weights "
         "writes the parameters. Dropout with rng=None draws from torch's global generator, "
         "shared by all threads: pass a torch.Generator per thread for repeatable masks."
     ),

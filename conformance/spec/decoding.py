@@ -10,8 +10,11 @@ from typing import Any
 
 from attention_rules import SPLIT_KV  # noqa: F401 - data of the spec, shown in the docs
 
-#: Public classes that are not modules (no weights); RoPE's stub is in rotary.py.
-CLASSES = ("KVCache", "PagedKVCache", "RoPE")
+#: Public classes outside MODULES: RoPE's stub is in rotary.py, MultiHeadLatentAttention's in
+#: latent_attention.py (its methods are checked there, tests/test_latent_attention.py).
+CLASSES = ("KVCache", "PagedKVCache", "RoPE", "MultiHeadLatentAttention")
+#: The quantised cache's classes (their stubs are in quantized_cache.py).
+CLASSES += ("KVQuantization", "QuantizedArray", "QuantizedKVCache")
 
 #: Modules with a ``decode`` method (``DecodingModule.decode`` gives its signature).
 DECODING_MODULES = ("CausalSelfAttention", "MultiHeadAttention")

@@ -35,6 +35,9 @@ FUNCTIONS = (
     "rotary_embedding_vjp",
     "rope_frequencies",
     "permute_for_rotary_layout",
+    # quantised KV caches: their stubs are in quantized_cache.py
+    "quantize_kv",
+    "dequantize_kv",
 )
 
 

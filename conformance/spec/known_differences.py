@@ -58,6 +58,9 @@ KNOWN_ALTERNATIVES = {
     "lse_masking_fill": "a fully masked row's lse is the log-sum-exp of the finite fill the "
     "kernel puts in masked logits, -0.7·finfo(float32).max + log(kv_len) (about -2.4e38), not "
     "-inf",
+    "float32_angles": "a rotary case's frequencies, angles, cos and sin computed in float32 "
+    "(transformers' inv_freq buffer and position_ids.float()), the rotation in x's dtype: in "
+    "float64, compared with float32's tolerance",
     "lse_plus_inf": "a row with a +inf score has lse +inf (the log of an infinite sum), not the "
     "NaN of the spec's IEEE rule (inf - inf once the row maximum is subtracted)",
     "lse_input_dtype": "the lse is rounded to, and returned in, the input dtype (bfloat16, "
@@ -147,6 +150,15 @@ _LSE_PLUS_INF = {
 #: padding mask and a packed batch (unpacked into a padded one).
 _LENGTHS = ["padding", "kv_lengths", "nan_key_masked", "varlen_causal_gqa"]
 _KEY_PADDING = ["kv_lengths", "nan_key_masked", "varlen_causal_gqa"]
+
+#: transformers' rotary modules in a float64 model (``transformers.rope`` columns).
+_ROPE_F32 = {"dtypes": _F64, "alternative": "float32_angles", "short": "f32 angles",
+             "differs": "float64: the angles, cos and sin are float32 (errors ~1e-7, growing "
+             "with the position)",
+             "why": "the rotary module's inv_freq buffer is float32 and forward computes "
+             "inv_freq @ position_ids.float() and cos, sin under autocast disabled in float32, "
+             "then casts them to x's dtype; the spec computes a float64 x in float64. In "
+             "float32, bfloat16 and float16 the column meets the spec."}
 
 KNOWN_DIFFERENCES = {
     "torch.sdpa": [
@@ -321,6 +333,23 @@ KNOWN_DIFFERENCES = {
         {**_MASKED_NAN,
          "why": "torch SDPA turns the boolean attention_mask into an additive mask (0 or "
          "-inf) added to the scores, and NaN + (-inf) is NaN."},
+    ],
+    "transformers.rope[llama]": [
+        {**_ROPE_F32, "cases": ["rotary_half", "rotary_packed_positions",
+                                "rotary_large_positions", "rope_dynamic", "rope_llama3",
+                                "rope_longrope"]},
+    ],
+    "transformers.rope[deepseek_v3]": [
+        {**_ROPE_F32, "cases": ["rope_yarn_interleaved_decode", "rotary_interleaved_partial",
+                                "rope_linear_interleaved"],
+         "why": _ROPE_F32["why"] + " apply_rotary_pos_emb_interleave also returns the rotated "
+         "dims de-interleaved (half order: q·k unchanged, the tensor not): the adapter "
+         "re-interleaves them before comparing, so that is no difference of the column."},
+    ],
+    "transformers.rope[gpt_neox]": [
+        {**_ROPE_F32, "cases": ["rotary_half", "rotary_partial_decode",
+                                "rotary_packed_positions", "rotary_large_positions",
+                                "rope_dynamic", "rope_llama3", "rope_longrope"]},
     ],
     "onnxruntime": [
         {"cases": ["kv_lengths", "nan_key_masked"], "dtypes": ["float32", "float16"],

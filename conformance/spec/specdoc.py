@@ -27,8 +27,10 @@ from . import (
     extras,
     functions,
     known_differences,
+    latent_attention,
     masks_and_mods,
     modules,
+    quantized_cache,
     rotary,
     varlen,
 )
@@ -37,7 +39,8 @@ DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "spec.md"
 
 #: The spec's chapters, one file each, in the document's order.
 CHAPTERS = (constants, functions, masks_and_mods, varlen, rotary, modules, decoding,
-            concurrency, context_parallel, extras, checking, known_differences)
+            latent_attention, quantized_cache, concurrency, context_parallel, extras, checking,
+            known_differences)
 
 #: Public names of ``spec`` that are not rules to print: they index the sections below.
 STRUCTURE = ("FUNCTIONS", "MODULES", "MODULE_METHODS", "CLASSES", "DECODING_MODULES",

@@ -1,0 +1,353 @@
+"""Quantised KV caches in PyTorch: ``quantize_kv`` / ``dequantize_kv`` and ``QuantizedKVCache``;
+``conformance/spec/quantized_cache.py`` is the spec, ``attention_rules.quantizing`` the rules.
+
+Integer codes: ``scale = amax / qmax`` per group (symmetric, codes in [-qmax, qmax]) or
+``scale = (max - min) / (2^bits - 1)`` with the group's minimum as zero point (codes in
+[0, 2^bits - 1]); ``code = clip(round_half_even(x / scale))``. fp8 codes: ``x / scale``
+clipped to ±fp8_max (saturation) and cast with round-to-nearest-even (torch.float8_e4m3fn /
+float8_e5m2). Every step in float32, rounded once per operation; a scale of 0 codes 0 and
+dequantises to exactly 0 (plus the zero point). int4 codes are stored unpacked, one per byte.
+The cache quantises on append and dequantises inside ``attend``; its most recent tokens may
+stay unquantised (``KVQuantization.residual``). ``append`` writes in place and returns the
+cache (jax_attn returns a new cache: write ``cache = cache.append(k, v)``). The cache holds
+values, never autograd history: ``append`` stores detached codes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import attention_rules as rules
+from attention_rules import quantizing as qrules
+from attention_rules.quantizing import KVQuantization  # noqa: F401 - re-exported
+
+from ._arrays import _as_tensor, _cache_dtype, _describe, _dtype_name
+from .functional import scaled_dot_product_attention
+from .paged import split_kv_attention
+
+#: torch: the code dtypes by name.
+_CODES = {"int8": torch.int8, "uint8": torch.uint8, "float8_e4m3fn": torch.float8_e4m3fn,
+          "float8_e5m2": torch.float8_e5m2}
+
+
+class QuantizedArray:
+    """Codes and scales of a quantised ``(..., kv_heads, n, head_dim)`` array.
+
+    ``codes`` ``(..., kv_heads, n, head_dim)`` (``scheme.code_dtype``); ``scales`` float32,
+    ``(..., kv_heads, n, groups)`` for integer codes, ``()`` (per tensor) or ``(kv_heads,)``
+    (per head) for fp8; ``zero_points`` like ``scales`` with zero points, else None;
+    ``scheme``; ``dtype`` the name of the dtype ``dequantize_kv`` returns.
+    """
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
+                 scheme: KVQuantization, dtype: str) -> None:
+        self.codes = codes
+        self.scales = scales
+        self.zero_points = zero_points
+        self.scheme = scheme
+        self.dtype = dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the quantised array: ``codes.shape``."""
+        return tuple(self.codes.shape)
+
+
+def quantize_kv(x: Any, scheme: KVQuantization) -> QuantizedArray:
+    """Quantise keys or values ``x (..., kv_heads, n, head_dim)`` by ``scheme``.
+
+    Args:
+      x: ``(..., kv_heads, n, head_dim)``, float16, bfloat16, float32 or float64 (rounded to
+        float32 first).
+      scheme: a ``KVQuantization`` (its ``residual`` is the cache's and is ignored here).
+
+    Returns:
+      a ``QuantizedArray``: codes ``x.shape``, scales (and zero points) as its docstring says.
+    """
+    fn = "quantize_kv"
+    plan = qrules.quantize_arguments(fn, _describe(fn, "x", x), scheme)
+    x32 = _as_tensor(x).detach().to(torch.float32)  # (..., kv_heads, n, head_dim)
+    if scheme.is_float8:
+        scales = _float8_scale(x32, scheme)
+        return QuantizedArray(_float8_codes(x32, scales, scheme), scales, None, scheme, plan.dtype)
+    codes, scales, zero_points = _integer_codes(x32, scheme, plan.group_size)
+    return QuantizedArray(codes, scales, zero_points, scheme, plan.dtype)
+
+
+def dequantize_kv(q: QuantizedArray) -> torch.Tensor:
+    """The values of ``q``: ``codes · scale (+ zero point)`` in float32, rounded to ``q.dtype``.
+
+    Args:
+      q: a ``QuantizedArray`` of ``(..., kv_heads, n, head_dim)``.
+
+    Returns:
+      ``(..., kv_heads, n, head_dim)`` in ``q.dtype``; a group of scale 0 is exactly 0 (its
+      zero point with zero points); a NaN scale makes its group NaN.
+    """
+    qrules.check_quantized("dequantize_kv", q, QuantizedArray)
+    values = q.codes.to(torch.float32)  # (..., kv_heads, n, head_dim)
+    if q.scheme.is_float8:
+        values = values * _head_axes(q.scales, values.ndim)
+    else:
+        groups = q.scales.shape[-1]
+        values = values.reshape(values.shape[:-1] + (groups, -1))  # (..., n, groups, size)
+        values = values * q.scales[..., None]
+        if q.zero_points is not None:
+            values = values + q.zero_points[..., None]  # two roundings: product, then sum
+        values = values.reshape(q.codes.shape)
+    return values.to(_cache_dtype("dequantize_kv", q.dtype))
+
+
+def _integer_codes(
+    x32: torch.Tensor, scheme: KVQuantization, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Integer codes ``x32.shape``, scales and zero points ``(..., n, groups)`` float32."""
+    grouped = x32.reshape(x32.shape[:-1] + (-1, group_size))  # (..., n, groups, size)
+    low, high = scheme.code_range
+    if scheme.zero_point:
+        zero_points = grouped.amin(dim=-1)  # (..., n, groups); NaN propagates
+        spread = grouped.amax(dim=-1) - zero_points
+        scales = _divide(spread, high)
+        shifted = grouped - zero_points[..., None]
+    else:
+        zero_points = None
+        scales = _divide(grouped.abs().amax(dim=-1), high)
+        shifted = grouped
+    scales = torch.where(scales.isfinite(), scales, torch.nan)  # a NaN/inf group: NaN
+    usable = scales > 0  # a scale of 0 (or NaN) codes 0
+    ratio = _divide(shifted, torch.where(usable, scales, 1.0)[..., None])
+    ratio = torch.where(usable[..., None], ratio, 0.0)
+    codes = torch.clamp(torch.round(ratio), low, high)  # torch: round is half to even
+    codes = codes.reshape(x32.shape).to(_CODES[scheme.code_dtype])
+    return codes, scales, zero_points
+
+
+def _float8_scale(x32: torch.Tensor, scheme: KVQuantization) -> torch.Tensor:
+    """fp8 scales: ``()`` per tensor or ``(kv_heads,)`` per head, float32; the given ones, or
+    ``amax / fp8_max`` (NaN where amax is not finite)."""
+    if scheme.scale is not None:
+        return torch.tensor(scheme.scale, dtype=torch.float32, device=x32.device)
+    magnitudes = x32.abs()
+    if scheme.granularity == "head":  # every axis but kv_heads
+        axes = tuple(a for a in range(x32.ndim) if a != x32.ndim - 3)
+        amax = magnitudes.amax(dim=axes) if x32.numel() else x32.new_zeros(x32.shape[-3])
+    else:
+        amax = magnitudes.amax() if x32.numel() else x32.new_zeros(())
+    scales = _divide(amax, scheme.code_range[1])
+    return torch.where(scales.isfinite(), scales, torch.nan)
+
+
+def _float8_codes(x32: torch.Tensor, scales: torch.Tensor, scheme: KVQuantization) -> torch.Tensor:
+    """fp8 codes of ``x32 / scale``, saturated to ±fp8_max (NaN stays NaN)."""
+    scale = _head_axes(scales, x32.ndim)
+    usable = scale > 0
+    ratio = torch.where(usable, _divide(x32, torch.where(usable, scale, 1.0)), 0.0)
+    low, high = scheme.code_range
+    ratio = torch.clamp(ratio, low, high)  # saturate; NaN passes
+    return ratio.to(_CODES[scheme.code_dtype])  # round to nearest even
+
+
+def _divide(a: torch.Tensor, b: Any) -> torch.Tensor:
+    """``a / b`` (broadcast), rounded once: IEEE division."""
+    return a / b
+
+
+def _head_axes(scales: torch.Tensor, ndim: int) -> torch.Tensor:
+    """fp8 scales shaped to broadcast against ``(..., kv_heads, n, head_dim)``."""
+    return scales.reshape(tuple(scales.shape) + (1, 1)) if scales.ndim == 1 else scales
+
+
+class QuantizedKVCache:
+    """A KV cache that stores quantised keys and values (``spec.QUANTIZED_CACHE``): codes of
+    ``length - residual_length`` positions, then ``residual_length`` positions unquantised."""
+
+    def __init__(self, key_store: QuantizedArray, value_store: QuantizedArray,
+                 key_residual: torch.Tensor, value_residual: torch.Tensor, stored: int,
+                 held: int) -> None:
+        self.key_store = key_store  # codes (..., kv_heads, max_len, head_dim)
+        self.value_store = value_store  # codes (..., kv_heads, max_len, v_dim)
+        self.key_residual = key_residual  # (..., kv_heads, residual, head_dim), the dtype
+        self.value_residual = value_residual  # (..., kv_heads, residual, v_dim)
+        self._stored = stored
+        self._held = held
+
+    @classmethod
+    def empty(
+        cls,
+        batch_shape: tuple,
+        kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        v_dim: int | None = None,
+        *,
+        scheme: KVQuantization,
+        value_scheme: KVQuantization | None = None,
+        dtype: Any = "float32",
+        device: Any = None,
+    ) -> QuantizedKVCache:
+        """An empty cache of ``max_len`` positions of ``(*batch_shape, kv_heads, *,
+        head_dim | v_dim)``: keys quantised by ``scheme``, values by ``value_scheme`` (default
+        ``scheme``; both with the same ``residual``); ``dtype`` of the residual window and of
+        the dequantised keys and values; ``device``: ``None`` or ``"cpu"``."""
+        fn = "QuantizedKVCache.empty"
+        kv_heads = rules.check_int(fn, "kv_heads", kv_heads, minimum=1)
+        max_len = rules.check_int(fn, "max_len", max_len)
+        head_dim = rules.check_int(fn, "head_dim", head_dim)
+        v_dim = head_dim if v_dim is None else rules.check_int(fn, "v_dim", v_dim)
+        scheme, value_scheme = qrules.cache_schemes(fn, scheme, value_scheme, kv_heads,
+                                                    head_dim, v_dim)
+        dtype = _cache_dtype(fn, dtype)
+        rules.check_float_inputs(fn, dtype=str(dtype).removeprefix("torch."))
+        shape = tuple(batch_shape) + (kv_heads,)
+        residual = (scheme.residual,)
+        like = {"dtype": dtype, "device": device}  # torch: the device of the buffers
+        name = str(dtype).removeprefix("torch.")
+        return cls(_empty_store(shape + (max_len, head_dim), scheme, name, device),
+                   _empty_store(shape + (max_len, v_dim), value_scheme, name, device),
+                   torch.zeros(shape + residual + (head_dim,), **like),
+                   torch.zeros(shape + residual + (v_dim,), **like), 0, 0)
+
+    @property
+    def length(self) -> int:
+        """Number of filled positions (quantised and residual)."""
+        return self._stored + self._held
+
+    @property
+    def stored_length(self) -> int:
+        """Positions in the quantised store: ``0 .. stored_length - 1``."""
+        return self._stored
+
+    @property
+    def residual_length(self) -> int:
+        """Positions in the unquantised window: the last ``residual_length``."""
+        return self._held
+
+    @property
+    def max_len(self) -> int:
+        """Capacity in positions."""
+        return self.key_store.codes.shape[-2]
+
+    @property
+    def overflowed(self) -> bool:
+        """True once an append went past ``max_len``: never here, where such an append raises."""
+        return self.length > self.max_len
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: codes, scales, zero points and both residual windows."""
+        stores = (self.key_store, self.value_store)
+        arrays = [a for s in stores for a in (s.codes, s.scales, s.zero_points) if a is not None]
+        tensors = arrays + [self.key_residual, self.value_residual]
+        return sum(a.numel() * a.element_size() for a in tensors)
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """``(..., kv_heads, length, head_dim)``: dequantised keys, then the residual ones."""
+        return _cached(self.key_store, self._stored, self.key_residual, self._held)
+
+    @property
+    def values(self) -> torch.Tensor:
+        """``(..., kv_heads, length, v_dim)``: dequantised values, then the residual ones."""
+        return _cached(self.value_store, self._stored, self.value_residual, self._held)
+
+    def append(self, key: Any, value: Any) -> QuantizedKVCache:
+        """Add ``key (..., kv_heads, n, head_dim)`` and ``value (..., kv_heads, n, v_dim)``
+        (cast to the cache's dtype, then quantised or held in the residual window by
+        ``spec.QUANTIZED_RESIDUAL``); returns the cache, updated in place."""
+        fn = "QuantizedKVCache.append"
+        key, value = _as_tensor(key), _as_tensor(value)
+        rules.check_float_inputs(fn, key=_dtype_name(key))  # cast to the cache's dtype after
+        rules.check_float_inputs(fn, value=_dtype_name(value))
+        rules.check_cache_append(fn, tuple(key.shape), tuple(value.shape),
+                                 tuple(self.key_store.codes.shape),
+                                 tuple(self.value_store.codes.shape))
+        n = key.shape[-2]
+        rules.check_cache_room(fn, self.length, self.length + n, self.max_len)
+        like = {"dtype": self.key_residual.dtype, "device": self.key_residual.device}
+        key, value = key.detach().to(**like), value.detach().to(**like)  # torch: no history
+        held, residual = self._held, self.key_residual.shape[-2]
+        if qrules.moves_to_store(self.length, held, n, residual):  # the window and the new
+            keys = torch.cat([self.key_residual[..., :held, :], key], dim=-2)
+            values = torch.cat([self.value_residual[..., :held, :], value], dim=-2)
+            _store(self.key_store, keys, self._stored)  # torch: in place
+            _store(self.value_store, values, self._stored)
+            self._stored, self._held = self._stored + held + n, 0
+        else:  # into the window
+            self.key_residual[..., held:held + n, :] = key
+            self.value_residual[..., held:held + n, :] = value
+            self._held = held + n
+        return self
+
+    def attend(
+        self,
+        query: Any,
+        *,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sinks: Any = None,
+    ) -> torch.Tensor:
+        """Attention of ``query (..., heads, q_len, head_dim)`` (the last ``q_len`` positions,
+        cast to the cache's dtype) over the dequantised keys and values and the residual
+        window, bottom-right causal: ``scaled_dot_product_attention`` of ``keys`` and
+        ``values``; ``(..., heads, q_len, v_dim)``."""
+        fn = "QuantizedKVCache.attend"
+        keys, values = self.keys, self.values
+        info = _describe(fn, "query", query)
+        rules.check_float_inputs(fn, query=info[1])
+        rules.check_query_key(fn, info[0], keys.shape)
+        query = _as_tensor(query).to(keys.dtype)
+        split = scale is None and softcap is None and query.shape[-2] <= keys.shape[-2]
+        chunk = rules.split_chunk(query.shape[-2], keys.shape[-2]) if split else None
+        if chunk is not None:  # few query rows over many keys: the chunks on every core
+            sinks = None if sinks is None else _as_tensor(sinks)
+            return split_kv_attention(query, keys, values, chunk, sinks=sinks)[0]
+        return scaled_dot_product_attention(
+            query, keys, values, is_causal=True, causal_alignment="bottom_right", scale=scale,
+            softcap=softcap, sinks=sinks)
+
+
+def _empty_store(shape: tuple, scheme: KVQuantization, dtype: str, device: Any) -> QuantizedArray:
+    """A store of zero codes ``shape`` ``(..., kv_heads, max_len, dim)``: scales (and zero
+    points) per position for integer codes; fp8: the given scales, or zeros until the first
+    append calibrates them."""
+    codes = torch.zeros(shape, dtype=_CODES[scheme.code_dtype], device=device)
+    like = {"dtype": torch.float32, "device": device}
+    if scheme.is_float8:
+        heads = (shape[-3],) if scheme.granularity == "head" else ()
+        given = scheme.scale is not None
+        scales = torch.tensor(scheme.scale, **like) if given else torch.zeros(heads, **like)
+        return QuantizedArray(codes, scales, None, scheme, dtype)
+    groups = 1 if scheme.granularity == "token" else shape[-1] // scheme.group_size
+    scales = torch.zeros(shape[:-1] + (groups,), **like)
+    zero_points = torch.zeros_like(scales) if scheme.zero_point else None
+    return QuantizedArray(codes, scales, zero_points, scheme, dtype)
+
+
+def _store(store: QuantizedArray, x: torch.Tensor, at: int) -> None:
+    """Quantise ``x (..., kv_heads, n, dim)`` into positions ``at .. at + n`` of ``store``;
+    a dynamic fp8 scale is calibrated by the first positions (``at == 0``) and kept."""
+    scheme, stop = store.scheme, at + x.shape[-2]
+    x32 = x.to(torch.float32)
+    if scheme.is_float8:
+        if at == 0 and scheme.scale is None:
+            store.scales = _float8_scale(x32, scheme)  # torch: the store is mutable
+        store.codes[..., at:stop, :] = _float8_codes(x32, store.scales, scheme)
+        return
+    codes, scales, zero_points = _integer_codes(x32, scheme, x.shape[-1] // store.scales.shape[-1])
+    store.codes[..., at:stop, :] = codes
+    store.scales[..., at:stop, :] = scales
+    if zero_points is not None:
+        store.zero_points[..., at:stop, :] = zero_points
+
+
+def _cached(store: QuantizedArray, stored: int, residual: torch.Tensor, held: int) -> torch.Tensor:
+    """The first ``stored`` positions of ``store`` dequantised, then ``held`` residual ones."""
+    per_position = not store.scheme.is_float8
+    part = QuantizedArray(
+        store.codes[..., :stored, :],
+        store.scales[..., :stored, :] if per_position else store.scales,
+        store.zero_points[..., :stored, :] if store.zero_points is not None else None,
+        store.scheme, store.dtype)
+    return torch.cat([dequantize_kv(part), residual[..., :held, :]], dim=-2)
