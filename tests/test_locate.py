@@ -78,6 +78,65 @@ def test_a_causal_mask_off_by_one_parts_at_the_scores():
     assert result.shrunk["seq"] == 2
 
 
+class _ShiftedPositions(_Planted):
+    """The spec's module with every position one later: q·k is unchanged (RoPE is relative),
+    so only the rotated stages show it."""
+
+    def stages(self, x, *, positions=None, is_causal=False) -> dict:
+        seq = np.shape(x)[-2]
+        positions = np.arange(seq) if positions is None else np.asarray(positions)
+        return self.inner.stages(x, positions=positions + 1, is_causal=is_causal)
+
+
+class _NoAttentionFactor(_Planted):
+    """YaRN's frequencies without its attention factor (cos and sin not scaled)."""
+
+    def __init__(self, scaling: dict) -> None:
+        super().__init__("none")
+        self.inner = numpy_attn.MultiHeadAttention(
+            D_MODEL, HEADS, rope=numpy_attn.RoPE(scaling=scaling), rng=np.random.default_rng(0))
+        self.scaling = scaling
+
+    def stages(self, x, *, positions=None, is_causal=False) -> dict:
+        stages = self.inner.stages(x, positions=positions, is_causal=is_causal)
+        _, factor = numpy_attn.rope_frequencies(D_MODEL // HEADS, scaling=self.scaling)
+        stages["rotated_q"] = stages["rotated_q"] / factor  # the rotated dims, all of them here
+        stages["rotated_k"] = stages["rotated_k"] / factor
+        return stages
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
+
+
+@pytest.mark.parametrize(("planted", "verdict"), [
+    ("theta", "grows with position"),  # position 0 is never rotated
+    ("rotary_dim", "grows with position"),
+    ("positions", "everywhere"),  # position 0 moves to 1
+    ("attention_factor", "everywhere"),  # cos and sin scaled at every position, 0 included
+])
+def test_each_planted_rope_mistake_parts_at_the_rotated_queries(planted, verdict):
+    """The mistakes the harness's diagnoses name (conformance/diagnosing/rotary.py), found
+    by stage: the base theta wrong, rotary_dim ignored, positions off by one, the attention
+    factor forgotten. The projections agree in each; the rotation is where they part."""
+    reference = _block()
+    if planted == "theta":
+        wrong = numpy_attn.MultiHeadAttention(D_MODEL, HEADS, rope=numpy_attn.RoPE(
+            theta=500000.0), rng=np.random.default_rng(0))
+    elif planted == "rotary_dim":  # the spec's rope rotates 2 of 4 dims, the wrong one all 4
+        reference = numpy_attn.MultiHeadAttention(D_MODEL, HEADS, rope=numpy_attn.RoPE(
+            rotary_dim=2), rng=np.random.default_rng(0))
+        wrong = _block()
+    elif planted == "positions":
+        wrong = _ShiftedPositions("none")
+    else:
+        reference = _NoAttentionFactor(YARN).inner
+        wrong = _NoAttentionFactor(YARN)
+    result = conformance.locate(reference, wrong)
+    assert [s.passed for s in result.stages[:3]] == [True, True, True], result.text()
+    assert result.first == "rotated_q", result.text()
+    assert result.verdict == verdict, result.text()
+
+
 def test_numpy_and_torch_agree_at_every_stage():
     torch_attn = pytest.importorskip("torch_attn")
     b = torch_attn.MultiHeadAttention(D_MODEL, HEADS, rope=torch_attn.RoPE())
