@@ -177,3 +177,40 @@ def test_the_rope_exercises_mistakes_are_named_in_every_backend(backend, tmp_pat
         assert not verdict.passed and verdict.diagnosis == key, verdict.text()
         says = next(m.says for m in ex.mistakes if m.key == key)
         assert f"FAIL: {says.split(':')[0]}" in verdict.text() and verdict.hint, verdict.text()
+
+
+#: Exercise 12's answer with one classic mistake planted, the same edits in every backend's
+#: solution: the mistake's key → [(text of the answer, its replacement), …].
+ABSORB_PLANTED = {
+    "uk_not_folded": [("q_nope @ w_uk.mT  #", "q_nope  #")],
+    "uk_transposed": [("q_nope @ w_uk.mT", "q_nope @ w_uk")],
+    "uv_forgotten": [("return context_latent @ w_uv", "return context_latent")],
+    "uv_transposed": [("return context_latent @ w_uv", "return context_latent @ w_uv.mT")],
+    "swapped": [("q_nope @ w_uk.mT", "q_nope @ w_uv.mT"),
+                ("return context_latent @ w_uv", "return context_latent @ w_uk")],
+    # sdpa's default scale over the absorbed query: right in the square toy, named on check 2
+    "latent_scale": [("q_nope.shape[-1] + q_pe.shape[-1]", "latent.shape[-1] + q_pe.shape[-1]")],
+    "one_head": [("return context_latent @ w_uv", "return context_latent @ w_uv[:1]")],
+}
+
+
+@pytest.mark.parametrize("backend", ["numpy", "jax", "torch"])
+def test_the_absorb_exercises_mistakes_are_named_in_every_backend(backend, tmp_path):
+    """W_UK not folded or transposed, W_UV forgotten or transposed, the two swapped, the
+    absorbed key's width as the softmax scale, one head's W_UV for every head: each named, in
+    a child process; the scale mistake passes the square toy (where r + d_r = d_n + d_r) and
+    is named on the next check."""
+    pytest.importorskip(backend)
+    ex = exercises.exercise("absorb")
+    text = exercises.stub_path(ex, backend, solution=True).read_text(encoding="utf-8")
+    for key, edits in ABSORB_PLANTED.items():
+        planted = text
+        for old, new in edits:
+            assert planted.count(old) == 1, (backend, old)
+            planted = planted.replace(old, new)
+        verdict = _grade(12, _write(tmp_path, f"{backend}_{key}", planted), backend)
+        assert not verdict.passed and verdict.diagnosis == key, verdict.text()
+        says = next(m.says for m in ex.mistakes if m.key == key)
+        assert f"FAIL: {says.split(':')[0]}" in verdict.text() and verdict.hint, verdict.text()
+        first = ex.checks[0].name
+        assert (first in verdict.passed_checks) == (key == "latent_scale"), verdict.text()

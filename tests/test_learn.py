@@ -147,6 +147,34 @@ def _rope_answer(edits: list[tuple[str, str]]) -> str:
 
 MISTAKES.update({(11, key): ("rotary_embedding(x, p, theta, r)", _rope_answer(edits))
                  for key, edits in _ROPE_EDITS.items()})
+#: Exercise 12's answer (the absorbed form), and one edit of it per mistake: key → edits.
+_ABSORB = ("ql = q @ np.swapaxes(wk, -1, -2)\n"
+           "    c, kr = lat[..., None, :, :], kp[..., None, :, :]\n"
+           "    s = (ql @ np.swapaxes(c, -1, -2) + qp @ np.swapaxes(kr, -1, -2))"
+           " / math.sqrt(q.shape[-1] + qp.shape[-1])\n"
+           "    e = np.exp(s - s.max(-1, keepdims=True))\n"
+           "    return e / e.sum(-1, keepdims=True) @ c @ wv")
+_ABSORB_EDITS = {
+    "uk_not_folded": [("ql = q @ np.swapaxes(wk, -1, -2)", "ql = q")],
+    "uk_transposed": [("ql = q @ np.swapaxes(wk, -1, -2)", "ql = q @ wk")],
+    "uv_forgotten": [("@ c @ wv", "@ c")],
+    "uv_transposed": [("@ c @ wv", "@ c @ np.swapaxes(wv, -1, -2)")],
+    "swapped": [("np.swapaxes(wk, -1, -2)", "np.swapaxes(wv, -1, -2)"), ("@ c @ wv", "@ c @ wk")],
+    "latent_scale": [("math.sqrt(q.shape[-1] + qp.shape[-1])", "math.sqrt(lat.shape[-1])")],
+    "one_head": [("np.swapaxes(wk, -1, -2)", "np.swapaxes(wk[:1], -1, -2)")],
+}
+
+
+def _edited(body: str, edits: list[tuple[str, str]]) -> str:
+    for old, new in edits:
+        assert old in body, old
+        body = body.replace(old, new)
+    return body
+
+
+MISTAKES.update({(12, key): ("absorbed_attention(q, qp, lat, kp, wk, wv)",
+                             _edited(_ABSORB, edits))
+                 for key, edits in _ABSORB_EDITS.items()})
 
 
 def _write(tmp_path: Path, name: str, text: str) -> Path:
@@ -262,7 +290,7 @@ def test_the_command_grades_in_a_child_process_with_a_time_limit(tmp_path, capsy
     endless = _write(tmp_path, "endless", "def softmax(s):\n    while True:\n        pass\n")
     assert main(["exercise", "softmax", "--file", str(endless), "--timeout", "1"]) == 1
     assert "grading stopped after 1 s" in capsys.readouterr().out
-    for argv, error in ((["exercise", "12"], "unknown exercise '12'"),
+    for argv, error in ((["exercise", "13"], "unknown exercise '13'"),
                         (["exercise", "3", "--file", str(tmp_path / "nope.py")], "no such file"),
                         (["exercise"], "give its number")):
         assert main(argv) == 2
@@ -402,3 +430,101 @@ def test_the_rope_picture_shows_the_pairs_and_angles_it_says():
     for cited in ("transformers#25199", "flash-attention#288", "keras-hub#1416", "unsloth#837",
                   "candle#3948"):
         assert cited in section, cited
+
+
+def test_the_absorb_checks_are_the_projects_mla_on_its_own_weights():
+    """Exercise 12's expected value (``naive64``: K and V materialised, float64) is what
+    numpy_attn's ``MultiHeadLatentAttention`` computes, naive and absorbed, when the exercise's
+    inputs are read off the module: its projections' q_nope, q_pe, latent and k_pe, and
+    ``w_uk``, ``w_uv`` cut from ``kv_b_proj.weight`` as the stubs say (transformers' layout, head
+    h's rows ``[w_uk[h]ᵀ ; w_uv[h]ᵀ]``), then ``o_proj``. On every check, the expected value
+    is also numpy_attn's ``scaled_dot_product_attention`` over the latent as one kv head (the
+    absorbed form as MQA: keys ``[c ; k_pe]``, values their first kv_lora_rank dims)."""
+    import numpy_attn
+    from conformance.teaching.exercise_catalogue_absorb import naive64
+
+    heads, r, d_n, d_r, d_v, d_model, seq = 4, 16, 8, 4, 6, 32, 5
+    mla = numpy_attn.MultiHeadLatentAttention(
+        d_model, heads, kv_lora_rank=r, qk_nope_head_dim=d_n, qk_rope_head_dim=d_r,
+        v_head_dim=d_v, rng=np.random.default_rng(12))
+    weights = {n: w.astype(np.float64) for n, w in mla.export_weights().items()}
+    mla.load_weights(weights)
+    x = np.random.default_rng(1).standard_normal((2, seq, d_model))
+    stages = mla._stages(x, np.arange(seq))
+    per_head = weights["kv_b_proj.weight"].reshape(heads, d_n + d_v, r)
+    w_uk, w_uv = np.swapaxes(per_head[:, :d_n], -1, -2), np.swapaxes(per_head[:, d_n:], -1, -2)
+    context = naive64(stages["q_nope"], stages["q_pe"], stages["c"][..., 0, :, :],
+                      stages["k_pe"][..., 0, :, :], w_uk, w_uv)  # (2, heads, seq, d_v)
+    out = np.swapaxes(context, -2, -3).reshape(2, seq, heads * d_v) @ weights["o_proj.weight"].T
+    for absorbed in (False, True):
+        np.testing.assert_allclose(mla.forward(x, absorbed=absorbed), out, rtol=0, atol=1e-12)
+    for check in exercises.exercise("absorb").checks:
+        q_nope, q_pe, latent, k_pe, w_uk, w_uv = (a.astype(np.float64) for a in check.args)
+        keys = np.concatenate([latent, k_pe], axis=-1)[..., None, :, :]  # one kv head
+        query = np.concatenate([q_nope @ np.swapaxes(w_uk, -1, -2), q_pe], axis=-1)
+        width = q_nope.shape[-1] + q_pe.shape[-1]
+        context = numpy_attn.scaled_dot_product_attention(
+            query, keys, keys[..., : latent.shape[-1]], scale=width ** -0.5)
+        np.testing.assert_allclose(check.expected, context @ w_uv, rtol=0, atol=1e-12)
+
+
+def test_the_cache_picture_is_the_projects_own_caches_bytes_per_token():
+    """kv_cache_per_token.png's bytes per token per layer: the configs' formula equals the
+    numbers written out here and what the project's own caches hold per position (numpy_attn's
+    ``KVCache`` buffers in bfloat16; ``QuantizedKVCache.nbytes`` with the latent as its keys
+    and values, halved, int4 codes packed two per byte; ``attention_rules``'
+    ``bytes_per_token``); the figure draws those bars; the committed PNG is a PNG under 80 kB;
+    docs/paged_decoding.md shows it with the table of the same numbers."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    import numpy_attn
+    from attention_rules import quantizing
+    from conformance.teaching import kv_cache_sizes, pictures
+
+    models = kv_cache_sizes.MODELS
+    sizes = [kv_cache_sizes.bytes_per_token(m) for m in models]
+    # 2 · kv_heads · head_dim · 2 bytes; 128 heads · (192 + 128) · 2; (512 + 64) · 2, · 1,
+    # · ½ + 9 scales · 4
+    assert sizes == [2 * 32 * 128 * 2, 2 * 8 * 128 * 2, 2 * 1 * 64 * 2, 128 * 320 * 2,
+                     576 * 2, 576 * 1, 576 / 2 + 9 * 4]
+    assert [m.kind for m in models] == ["MHA", "GQA", "MQA", "MLA naive", "MLA", "MLA", "MLA"]
+
+    def per_position(make):  # bytes held by a cache of 2 positions less one of 1
+        return make(2) - make(1)
+
+    for m, size in zip(models, sizes, strict=True):
+        if m.bits == 16:  # a KVCache: keys (kv_heads, head_dim), values (kv_heads, v_dim)
+            heads, k_dim, v_dim = ((1, m.kv_lora_rank + m.rope_dim, 0) if m.kind == "MLA" else
+                                   (m.kv_heads, m.head_dim, m.v_head_dim or m.head_dim))
+
+            def held(n, heads=heads, k_dim=k_dim, v_dim=v_dim):
+                c = numpy_attn.KVCache.empty((1,), heads, n, k_dim, v_dim, dtype="bfloat16")
+                return c.key_buffer.nbytes + c.value_buffer.nbytes
+
+            assert per_position(held) == size, m
+            continue
+        scheme = quantizing.KVQuantization("int4" if m.bits == 4 else "float8_e4m3")
+        dims = m.kv_lora_rank + m.rope_dim
+
+        def held(n, scheme=scheme, dims=dims):  # the latent as keys and as values: 2 stores
+            return numpy_attn.QuantizedKVCache.empty((1,), 1, n, dims, scheme=scheme,
+                                                     dtype="bfloat16").nbytes
+
+        unpacked = dims / 2 if m.bits == 4 else 0  # int4 stored one code per byte
+        assert per_position(held) / 2 - unpacked == size, m
+        assert quantizing.bytes_per_token(scheme, 1, dims) == size, m
+    fig = pictures.draw("kv_cache_per_token.png")
+    bars = [p.get_width() for p in fig.axes[0].patches]
+    assert bars == sizes and "quantised MLA" in fig.get_suptitle()
+    plt.close(fig)
+    data = (ROOT / "docs" / "images" / "kv_cache_per_token.png").read_bytes()
+    assert data.startswith(b"\x89PNG") and 10_000 < len(data) < 80_000
+    page = (ROOT / "docs" / "paged_decoding.md").read_text(encoding="utf-8")
+    section = page.split("## The cache per token")[1].split("\n## ")[0]
+    assert "images/kv_cache_per_token.png" in section and kv_cache_sizes.table() in section
+    for words in ("**naive**", "**absorbed**", "exercise 12"):
+        assert words in section, words

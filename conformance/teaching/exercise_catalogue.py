@@ -1,4 +1,4 @@
-"""The eleven graded exercises of ``learn/``, in order: attention built up from the seed article.
+"""The twelve graded exercises of ``learn/``, in order: attention built up from the seed article.
 
 =====  ======================================  ================================================
   1    ``attention_scores(queries, keys)``      ω = queries @ keysᵀ (batched: swap two axes)
@@ -12,6 +12,7 @@
   9    ``grouped_query_attention(q, k, v)``     query head h uses kv head h // group
  10    ``softmax_backward(weights, grad)``      one backward pass: softmax's Jacobian
  11    ``rotary_embedding(x, positions, …)``    RoPE: pairs (i, i + r/2) turn by p · θ^(−2i/r)
+ 12    ``absorbed_attention(q_nope, …)``        MLA decoding: W_UK into the query, W_UV after
 =====  ======================================  ================================================
 
 Each exercise's checks start from the article's numbers where it has them (the article prints
@@ -27,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from .exercise_catalogue_absorb import ABSORB
 from .exercise_catalogue_heads import GQA, MULTI_HEAD, PADDING, SOFTMAX_BACKWARD
 from .exercise_catalogue_rope import ROPE
 from .exercise_kit import (
@@ -298,6 +300,6 @@ CAUSAL_MASK = Exercise(
 
 EXERCISES: tuple[Exercise, ...] = (SCORES, SCALING, SOFTMAX, CONTEXT, CAUSAL_RENORMALISED,
                                    CAUSAL_MASK, PADDING, MULTI_HEAD, GQA, SOFTMAX_BACKWARD,
-                                   ROPE)
+                                   ROPE, ABSORB)
 
 __all__ = ["EXERCISES"]

@@ -102,7 +102,7 @@ class Verdict:
 
 
 def exercise(key: int | str) -> Exercise:
-    """An exercise by number (1–11) or slug (``softmax``); ``UsageError`` otherwise."""
+    """An exercise by number (1–12) or slug (``softmax``); ``UsageError`` otherwise."""
     for ex in EXERCISES:
         if str(key) in (str(ex.number), ex.slug, ex.stem):
             return ex

@@ -13,8 +13,10 @@ over a packed batch, read through identity values: block-diagonal, then causal w
 sequence), ``chunked.png`` (``chunk_size``, alone and with ``is_causal``) and ``alibi.png``
 (``alibi_slopes`` with every score 0, so the picture is ALiBi's bias alone). Issue 41's
 ``rope_pairs.png`` is a diagram (``DIAGRAMS``), not weights: the pairs of RoPE's two layouts and
-each pair's angle against the position, both read off numpy_attn's ``rotary_embedding``. Each
-PNG stays under 80 kB (100 dpi).
+each pair's angle against the position, both read off numpy_attn's ``rotary_embedding``.
+Issue 42's ``kv_cache_per_token.png`` is a diagram too: the bytes one token costs in one
+layer's KV cache for MHA, GQA, MQA, MLA and quantised MLA, from real models' configs
+(``kv_cache_sizes``). Each PNG stays under 80 kB (100 dpi).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..spec import seed_example
+from . import kv_cache_sizes
 
 #: file name → title; the order of ``write``.
 PICTURES = {
@@ -43,9 +46,10 @@ PICTURES = {
     "alibi.png": "ALiBi over 10 tokens, causal, with equal scores: the bias −slope·(i − j) "
                  "alone",
     "rope_pairs.png": "RoPE, head_dim 8, θ = 10000: which dims turn together, and by what angle",
+    "kv_cache_per_token.png": kv_cache_sizes.TITLE,
 }
 #: Pictures that are diagrams, not attention weights: no weights colour bar, no masked cells.
-DIAGRAMS = ("rope_pairs.png",)
+DIAGRAMS = ("rope_pairs.png", "kv_cache_per_token.png")
 #: ``rope_pairs.png``: the head size, the base and the positions of its angle panel.
 ROPE_HEAD_DIM, ROPE_THETA, ROPE_POSITIONS = 8, 10000.0, 48
 
@@ -242,6 +246,8 @@ def draw(name: str) -> Any:
     """The matplotlib figure of picture ``name`` (a key of ``PICTURES``)."""
     if name == "rope_pairs.png":
         return _draw_rope()
+    if name == "kv_cache_per_token.png":
+        return kv_cache_sizes.draw()
     if name == "walkthrough.png":
         plain, causal = _article_weights()
         tokens = seed_example.SENTENCE.split()
