@@ -5,7 +5,7 @@ NumPy's seeded generator (the seed is derived from the name, so a case's data ne
 which other cases run). ``prepare_inputs(case, dtype)`` casts those inputs once to the dtype
 under test; every backend then receives exactly the same bits.
 
-Six kinds of case exist (``conformance.cases.inputs`` builds the inputs of the newer ones;
+Seven kinds of case exist (``conformance.cases.inputs`` builds the inputs of the newer ones;
 ``conformance.cases.packed`` holds the cases of chunks, ALiBi, segment ids, mods and varlen):
 
 ``sdpa``
@@ -37,6 +37,10 @@ Six kinds of case exist (``conformance.cases.inputs`` builds the inputs of the n
 ``rotary``
   ``rotary_embedding`` of ``x`` at integer ``positions`` (and its VJP, and ``rope_frequencies``
   of the case's scaling method): ``conformance.cases.rotary``.
+``quantized``
+  ``quantize_kv`` / ``dequantize_kv`` of ``x`` by a scheme, or a ``QuantizedKVCache`` taking
+  appends and attending after each: ``conformance.cases.quantized``. (The module case of
+  ``MultiHeadLatentAttention`` is a ``module`` case: ``conformance.cases.latent``.)
 
 sdpa cases without a general boolean mask and without dropout also run ``blockwise_attention``
 (and its VJP) with small tiles (``BLOCKWISE_TILES``) that do not divide the lengths;
@@ -93,7 +97,9 @@ from .inputs import (
     with_sinks,
 )
 from .inputs import normal as _normal
+from .latent import LATENT_CASES
 from .packed import PACKED_CASES
+from .quantized import QUANTIZED_CASES
 from .rotary import ROTARY_CASES
 
 
@@ -413,8 +419,9 @@ CASES: tuple[Case, ...] = (
          _module("MultiHeadAttention", {"d_model": 16, "num_heads": 4, "num_kv_heads": 2},
                  _mha_self, {"is_causal": True}, decode=(1, 2, 3)),
          kind="module"),
-) + PACKED_CASES + COMBINED_CASES + ROTARY_CASES  # chunks, ALiBi, segments, mods, varlen;
-# features together; the rotary position embedding (``cases.rotary``)
+) + PACKED_CASES + COMBINED_CASES + ROTARY_CASES + QUANTIZED_CASES + LATENT_CASES
+# chunks, ALiBi, segments, mods, varlen; features together; the rotary position embedding
+# (``cases.rotary``); quantised KV caches (``cases.quantized``); MLA (``cases.latent``)
 
 CASE_NAMES = tuple(c.name for c in CASES)
 

@@ -12,10 +12,12 @@ For the dtype-cast inputs of a case, ``expected_for`` computes once:
   by ``case_inputs.contiguous``), never of the implementation's own merge or pages; a varlen
   case's ``varlen_*`` steps are the float64 attention (and its VJP) of one sequence at a time
   (``case_inputs.varlen_pieces``); a rotary case's ``rotary_*`` and ``rope_*`` steps are
-  ``cases.rotary``'s float64 rotation and frequencies; the naive baseline of a case with chunks,
-  ALiBi, segment ids or mods (``mods.uses_mods``) runs on ``mods.dedicated`` (the same rules as
-  a mask and a bias), and its ``masked_scores`` are not compared (``steps``: ``mask_scores``
-  takes none of those rules);
+  ``cases.rotary``'s float64 rotation and frequencies; a quantised case's steps are
+  ``cases.quantized``'s float64 quantiser (and the reference attention over its dequantised
+  cache), the MLA module case's ``cases.latent``'s float64 MLA; the naive baseline of a case
+  with chunks, ALiBi, segment ids or mods (``mods.uses_mods``) runs on ``mods.dedicated`` (the
+  same rules as a mask and a bias), and its ``masked_scores`` are not compared (``steps``:
+  ``mask_scores`` takes none of those rules);
 * ``baseline``: per step, the largest error of the naive implementation in that dtype
   (``conformance.cases.naive``), which scales the tolerance (``spec.TOLERANCES``);
 * ``zeros``: positions that must be exactly 0 (masked weights, fully masked rows);
@@ -34,7 +36,9 @@ from typing import Any
 import numpy as np
 
 from . import catalogue as cases_mod
+from . import latent as latent_cases
 from . import mods, reference
+from . import quantized as quantized_cases
 from . import rotary as rotary_cases
 from .catalogue import Case, CaseData
 from .dtypes import numpy_dtype
@@ -151,6 +155,10 @@ def _pipeline(data: CaseData, kind: str, dtype: str, naive: bool) -> dict[str, n
         return varlen_values(data, dtype, naive)
     if kind == "rotary":
         return rotary_cases.values(data, dtype, naive)
+    if kind == "quantized":
+        return quantized_cases.values(data, dtype, naive)
+    if kind == "module" and latent_cases.is_latent(data):
+        return latent_cases.values(data, dtype, naive)
     with_mods = kind == "sdpa" and mods.uses_mods(data)
     blockwise = blockwise_applies(data)
     scores_options = data.options  # "scores" comes before a score_mod folded into softcap
@@ -287,7 +295,7 @@ def expected_for(data: CaseData, kind: str, dtype: str, case: str = "", *,
     ``gradients``, a seeded ``grad_output`` and the gradient steps (a merge or paged case has
     none; the inputs of a paged case are its pages, compared with the contiguous attention)."""
     if gradients and kind in ("sdpa", "module", "varlen", "rotary") and \
-            "grad_output" not in data.arrays:
+            "grad_output" not in data.arrays and not latent_cases.is_latent(data):
         if kind == "rotary":
             shape = data.arrays["x"].shape
         elif kind != "module":
@@ -305,7 +313,7 @@ def expected_for(data: CaseData, kind: str, dtype: str, case: str = "", *,
         baseline = {n: baseline_error(naive[n], values[n], p) for n in values}
         arrays = contiguous(data.arrays) if kind == "paged" else data.arrays
         full = reference_attention(arrays, data.options) if kind not in (
-            "module", "varlen", "rotary") else None
+            "module", "varlen", "rotary", "quantized") else None
         zeros = {}
         if kind == "varlen":
             floor, empty = _varlen_floor(data, p)

@@ -9,6 +9,10 @@
                       order, negative segment ids as padding, half precision summed in half
 ``rotary``            the usual mistakes of a rotary embedding (layout swapped, positions off
                       by one or restarted, theta, scaling, rotary_dim, attention factor)
+``latent_and_quantized``  the usual mistakes of multi-head latent attention (rope dims not
+                      decoupled, the absorbed query without W_UK, the values' latent slice) and
+                      of quantised caches (the scale's granularity, saturation skipped, ties
+                      away from zero, the residual window off by one)
 ``lse_alternatives``  the alternatives of the row log-sum-exp (a finite fill, ``+inf``, the
                       input dtype) that ``alternatives`` applies
 ``alternatives``      a peer's difference: the alternative semantics each entry of

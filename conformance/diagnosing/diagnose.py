@@ -29,7 +29,11 @@
   wrong order (``order_of_steps``), negative segment ids taken for padding (hypotheses) and
   half precision accumulated in half precision (``half_accumulation``);
 * ``rotary`` (rotary cases): the layout swapped, positions off by one or restarted, the base
-  theta, the scaling, rotary_dim or the attention factor ignored (``rotary_mistakes``).
+  theta, the scaling, rotary_dim or the attention factor ignored (``rotary_mistakes``);
+* ``latent_and_quantized`` (the MLA module case, quantised cases): rope dims not decoupled, the
+  absorbed query without W_UK, the values' latent slice (``latent_mistakes``); the scale's
+  granularity, fp8 saturation skipped, ties away from zero, the residual window off by one
+  (``quantized_mistakes``).
 
 A wrong layout (a ``(..., seq, heads, head_dim)`` module without ``LAYOUT = "bshd"``) needs the
 module itself, not one result: ``reporting.groups`` reruns the failing cells transposed.
@@ -53,6 +57,7 @@ from ..cases.expected import Expected, pipeline, reference_attention
 from ..cases.inputs import contiguous, key_parts
 from ..comparing.compare import compare
 from .diagnose_packed import PACKED_HYPOTHESES, score_mod_after_mask, varlen_mistakes
+from .latent_and_quantized import latent_mistakes, quantized_mistakes
 from .order_of_steps import ORDER_HYPOTHESES, half_accumulation, order_of_steps
 from .rotary import rotary_mistakes
 
@@ -474,19 +479,20 @@ DIAGNOSES: tuple[Callable[[Expected, str, np.ndarray], str], ...] = (
 def diagnose(exp: Expected, step: str, actual: Any) -> str:
     """Plain-words reasons for a failed step of an sdpa, merge or paged case ("" when none
     applies)."""
-    if exp.kind not in ("sdpa", "merge", "paged", "varlen", "rotary") or \
+    if exp.kind not in ("sdpa", "merge", "paged", "varlen", "rotary", "quantized", "module") or \
             step not in exp.values:
         return ""
     actual = np.asarray(actual).astype(np.float64)
     if actual.shape != exp.values[step].shape:
-        return one_array(exp, step, actual)
+        return one_array(exp, step, actual) if exp.kind not in ("quantized", "module") else ""
     if compare(step, actual, exp.values[step], exp.baseline[step], exp.dtype,
                exp.zeros.get(step), unspecified=exp.unspecified.get(step)).passed:
         return ""  # the values conform: the step failed on its dtype (``seams.cell_reasons``)
     reasons = []
     kinds = {"sdpa": DIAGNOSES, "merge": (planted_mistake, merge_mistakes),
              "paged": (paged_table_mistakes,), "varlen": (varlen_mistakes,),
-             "rotary": (rotary_mistakes,)}
+             "rotary": (rotary_mistakes,), "quantized": (quantized_mistakes,),
+             "module": (latent_mistakes,)}
     for diagnosis in kinds[exp.kind]:
         text = diagnosis(exp, step, actual)
         if text and text not in reasons:

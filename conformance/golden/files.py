@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..cases import catalogue as cases_mod
+from ..cases import quantized as quantized_cases
 from ..cases.catalogue import CaseData
 from ..cases.dtypes import BFLOAT16, DTYPES
 from ..cases.expected import Expected
@@ -35,7 +36,8 @@ OPTION_KEYS = {"sdpa": frozenset({*cases_mod.SDPA_OPTIONS, "mask_mod", "score_mo
                "module": frozenset({"module", "init", "forward", "decode"}),
                "rotary": frozenset({"layout", "theta", "rotary_dim", "scaling", "seq_len",
                                     "max_position_embeddings", "inv_freq", "attention_factor",
-                                    "cu_seq"})}
+                                    "cu_seq"}),
+               "quantized": quantized_cases.QUANTIZED_OPTIONS}
 #: The most parts a merge case may split its keys into (the cases use 2 to 4).
 MAX_PARTS = 16
 _KINDS = ("in", "expected", "baseline", "zeros", "any", "table")
@@ -112,6 +114,13 @@ def _check_options(options: Any, case: cases_mod.Case, where: str) -> None:
             ok = value is None or (isinstance(value, dict) and all(
                 isinstance(k, str) and (_is_scalar(v) or (isinstance(v, list) and all(
                     isinstance(f, (int, float)) for f in v))) for k, v in value.items()))
+        elif name == "appends":  # a quantised cache case's append sizes
+            ok = isinstance(value, list) and all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+        elif name in ("q_scale", "v_q_scale"):  # a given fp8 scale: a number, one per head
+            ok = value is None or (isinstance(value, (int, float)) and not isinstance(
+                value, bool)) or (isinstance(value, list) and all(
+                    isinstance(v, (int, float)) and not isinstance(v, bool) for v in value))
         elif name in ("inv_freq", "cu_seq"):  # a rotary case's frequencies, packed offsets
             ok = isinstance(value, list) and all(
                 isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)

@@ -37,9 +37,17 @@ class Handle:
     methods: tuple[str, ...] = ()
 
 
+def _callable(obj: Any, name: str) -> bool:
+    """Whether ``obj.name`` is callable; a property that raises (an empty cache's ``keys``)
+    is no method."""
+    try:
+        return callable(getattr(obj, name, None))
+    except Exception:  # noqa: BLE001 - the object's own property failing is not ours
+        return False
+
+
 def _methods(obj: Any) -> tuple[str, ...]:
-    return tuple(n for n in dir(obj) if not n.startswith("_")
-                 and callable(getattr(obj, n, None)))
+    return tuple(n for n in dir(obj) if not n.startswith("_") and _callable(obj, n))
 
 
 class WorkerGuard(Guard):
@@ -75,6 +83,8 @@ class WorkerGuard(Guard):
             obj = self.unwrap(target) if isinstance(target, Handle) else getattr(self.module,
                                                                                  target)
             label = target.label if isinstance(target, Handle) else target
+            if method is not None and method.startswith("."):  # a data attribute, read
+                return ("ok", self.result(getattr(obj, method[1:])))
             fn = obj if method is None else getattr(obj, method)
             label = label if method is None else f"{label}.{method}"
             return ("ok", self.call(fn, label, args, kwargs))

@@ -54,6 +54,19 @@ def forward(backend: Backend, exp: Expected) -> tuple[np.ndarray, np.ndarray | N
     return _to_numpy(backend, result), None
 
 
+def forward_absorbed(backend: Backend, exp: Expected) -> np.ndarray:
+    """``MultiHeadLatentAttention.forward(x, **forward options, absorbed=True)``: ``(...,
+    seq, d_model)`` (the ``latent_absorbed_output`` step)."""
+    a, o = exp.data.arrays, exp.data.options
+    options = {**o["forward"], "absorbed": True}
+
+    def make() -> Callable[..., Any]:
+        return lambda m, x: m.forward(x, **options)
+
+    run = backend.compiled(("forward", o["module"], tuple(sorted(options.items()))), make)
+    return _to_numpy(backend, run(build(backend, exp), to_backend(backend, a["x"])))
+
+
 def parameter_gradients(backend: Backend, exp: Expected) -> np.ndarray:
     """The module's ``parameter_gradients``: every weight's gradient, flattened in sorted name
     order (the ``grad_weights`` step)."""
@@ -96,4 +109,4 @@ def decode(backend: Backend, exp: Expected) -> np.ndarray:
     return np.concatenate([backend.to_numpy(out) for out in outputs], axis=-2)
 
 
-__all__ = ["build", "decode", "forward", "parameter_gradients"]
+__all__ = ["build", "decode", "forward", "forward_absorbed", "parameter_gradients"]

@@ -374,6 +374,9 @@ class RemoteObject:
 
     def __getattr__(self, name: str) -> Any:
         if name not in self.methods:
+            if isinstance(self.handle, Handle) and not name.startswith("_"):
+                # an object's data attribute (a QuantizedArray's codes): read in the worker
+                return self.worker.call(self, "." + name, (), {}, f"{self.label}.{name}")
             raise AttributeError(f"{self.label} has no method {name!r} (only methods are "
                                  f"reachable in the worker process)")
 

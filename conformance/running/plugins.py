@@ -18,7 +18,9 @@ its layout (``spec.PLUGIN_CONTRACT``; ``docs/checking.md`` for users).
   ``spec.PIPELINE_WITH_MODS`` (a mod is an option of the case, ``conformance.cases.mods``), and
   ``varlen`` for a packed batch (its ``cu_seq_q``; with ``causal``/``window`` from its
   ``window_size``, ``grouped_query``, ``sinks``, ``softcap``, ``scale`` as it uses them), and
-  ``rotary`` for a rotary case (its ``positions``).
+  ``rotary`` for a rotary case (its ``positions``), ``quantized_cache`` for a quantised case
+  (its scheme, option ``q_dtype``) and ``latent_attention`` for the module case of
+  ``MultiHeadLatentAttention``.
 
 Standard library and NumPy only: ``backends`` builds a plugin's adapter on top of this file.
 """
@@ -42,8 +44,11 @@ from ..usage import UsageError
 #: The one function a checked module must define.
 REQUIRED = "scaled_dot_product_attention"
 #: The spec's classes a checked module may define besides its modules: the paged KV cache
-#: (``spec.PAGED_CACHE``), which the paged cases fill and attend.
-CLASSES = ("PagedKVCache",)
+#: (``spec.PAGED_CACHE``), which the paged cases fill and attend; multi-head latent attention
+#: (``spec.LATENT_ATTENTION``) and the quantised cache with its scheme
+#: (``spec.QUANTIZED_CACHE``; without ``KVQuantization`` the harness passes
+#: ``attention_rules``' own).
+CLASSES = ("PagedKVCache", "MultiHeadLatentAttention", "KVQuantization", "QuantizedKVCache")
 #: Every name the harness may call, in the spec's order.
 OPTIONAL = tuple(n for n in (*spec.FUNCTIONS, *spec.MODULES, *CLASSES) if n != REQUIRED)
 #: ``"bhsd"``: the spec's ``(..., heads, seq, head_dim)``; ``"bshd"``: ``(..., seq, heads,
@@ -282,6 +287,10 @@ def features(arrays: dict[str, Any], options: dict[str, Any], dtype: str,
         used |= {"merge", "lse"}
     if "positions" in arrays:  # a rotary case: rotary_embedding, its VJP, rope_frequencies
         used.add("rotary")
+    if "q_dtype" in options:  # a quantised case: quantize_kv, dequantize_kv, the cache
+        used.add("quantized_cache")
+    if options.get("module") == "MultiHeadLatentAttention":
+        used.add("latent_attention")
     if "key_pages" in arrays:  # a paged case: its keyword features and grouped heads
         used |= {"paged"} | call_features((), {**options, "sinks": arrays.get("sinks")})
         if np.shape(arrays["key_pages"])[-2] != np.shape(arrays["query"])[-3]:

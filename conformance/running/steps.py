@@ -11,7 +11,10 @@ whose lse is wrong, or that does not take ``return_lse``, fails that step alone;
 steps (merging split keys, a paged cache) are ``composite``'s, a packed batch's
 calls ``calls.varlen``'s (its offsets closed over, on the host), a rotary case's
 ``rotary_embedding`` and its VJP ordinary calls and ``rope_frequencies`` a host call (never
-compiled: its arguments are Python numbers and a dict). To compare a new
+compiled: its arguments are Python numbers and a dict), a quantised case's ``quantize_kv``,
+``dequantize_kv`` and ``QuantizedKVCache`` host calls (``quantized``: a scheme is a
+``KVQuantization`` object) and the MLA case's absorbed forward a module call
+(``module_steps.forward_absorbed``). To compare a new
 step: give it an expected value in ``expected.pipeline`` and add a ``Step`` here.
 """
 
@@ -26,6 +29,7 @@ import numpy as np
 from .. import spec
 from ..cases import catalogue as cases_mod
 from ..cases import mods
+from ..cases import quantized as quantized_cases
 from ..cases import rotary as rotary_cases
 from ..cases.dtypes import numpy_dtype
 from ..cases.expected import GRAD_STEPS, Expected
@@ -235,6 +239,96 @@ class Execution:
 
         return self.cached("frequencies", compute)
 
+    def module_absorbed(self) -> np.ndarray:
+        """The MLA module's ``forward(..., absorbed=True)``."""
+        return self.cached("absorbed",
+                           lambda: module_steps.forward_absorbed(self.backend, self.exp))
+
+    def scheme(self, prefix: str = "") -> Any:
+        """The case's scheme as the module's ``KVQuantization`` (``attention_rules``' for a
+        module without one); None for a cache case's values without a scheme of their own."""
+        kwargs = quantized_cases.scheme_options(self.exp.data.options, prefix)
+        if not kwargs:
+            return None
+        if self.backend.provides("KVQuantization"):
+            return self.module.KVQuantization(**kwargs)
+        from attention_rules.quantizing import KVQuantization
+
+        return KVQuantization(**kwargs)
+
+    def _quantize_run(self) -> Any:
+        """``x -> (codes, scales, zero_points or None, dequantize_kv(q))`` of the case's scheme,
+        one compiled program where the backend compiles."""
+        o = self.exp.data.options
+        kwargs = quantized_cases.scheme_options(o)
+
+        def make() -> Callable[..., Any]:
+            module, scheme = self.module, self.scheme()
+            dequantizes = self.backend.provides("dequantize_kv")
+
+            def run(x: Any) -> tuple[Any, ...]:
+                q = module.quantize_kv(x, scheme)
+                values = module.dequantize_kv(q) if dequantizes else None
+                return q.codes, q.scales, getattr(q, "zero_points", None), values
+
+            return run
+
+        return self.backend.compiled(("quantize_kv", tuple(sorted(kwargs.items()))), make)
+
+    def quantized(self) -> dict[str, np.ndarray]:
+        """``quantize_kv(x, scheme)``: its codes (``cases.quantized.code_values``: fp8 codes as
+        ordinals), scales and zero points as NumPy float64, and ``dequantized``:
+        ``dequantize_kv`` of it, NumPy in the dtype it returned."""
+        def compute() -> dict[str, np.ndarray]:
+            q_dtype = self.exp.data.options["q_dtype"]
+            codes, scales, zero_points, values = self._quantize_run()(
+                self.to_backend(self.exp.data.arrays["x"]))
+            out = {"quantized_codes": quantized_cases.code_values(
+                       _codes_numpy(self.backend, codes), q_dtype),
+                   "quantized_scales": self._float64(scales)}
+            if values is not None:
+                out["dequantized"] = self.to_numpy(values)
+            if zero_points is not None:
+                out["quantized_zero_points"] = self._float64(zero_points)
+            return out
+
+        return self.cached("quantized", compute)
+
+    def _float64(self, x: Any) -> np.ndarray:
+        return np.asarray(self.to_numpy(x)).astype(np.float64)
+
+    def quantized_cache(self) -> np.ndarray:
+        """A ``QuantizedKVCache`` taking the case's appends; after each, ``attend`` of the
+        query rows of the tokens appended; the outputs joined along the query axis (one
+        compiled program where the backend compiles)."""
+        def compute() -> np.ndarray:
+            a, o = self.exp.data.arrays, self.exp.data.options
+            key, value, query = a["key"], a["value"], a["query"]
+            appends, dtype = tuple(o["appends"]), self.exp.dtype
+
+            def make() -> Callable[..., Any]:
+                module, scheme, value_scheme = self.module, self.scheme(), self.scheme("v_")
+
+                def run(k: Any, v: Any, q: Any) -> tuple[Any, ...]:
+                    cache = module.QuantizedKVCache.empty(
+                        key.shape[:-3], key.shape[-3], key.shape[-2], key.shape[-1],
+                        value.shape[-1], scheme=scheme, value_scheme=value_scheme, dtype=dtype)
+                    outputs, start = [], 0
+                    for n in appends:
+                        part = slice(start, start + n)
+                        cache = cache.append(k[..., part, :], v[..., part, :])
+                        outputs.append(cache.attend(q[..., part, :]))
+                        start += n
+                    return tuple(outputs)
+
+                return run
+
+            run = self.backend.compiled(("QuantizedKVCache", self.exp.case, dtype), make)
+            outputs = run(*(self.to_backend(x) for x in (key, value, query)))
+            return np.concatenate([self.to_numpy(x) for x in outputs], axis=-2)
+
+        return self.cached("quantized_cache", compute)
+
     def paged_cache(self) -> np.ndarray:
         """A paged case decoded from the module's own ``PagedKVCache`` (``composite``)."""
         return self.cached("paged_cache", lambda: composite.paged_cache(self.backend, self.exp))
@@ -262,6 +356,15 @@ class Step:
     applies: Callable[[Expected], bool] = lambda exp: True
 
 
+def _codes_numpy(backend: Backend, codes: Any) -> np.ndarray:
+    """Codes as float64 NumPy values: fp8 tensors of torch (which NumPy cannot hold) widened
+    to float32 first, exactly."""
+    if "float8" in str(getattr(codes, "dtype", "")) and hasattr(codes, "float") and \
+            not isinstance(codes, np.ndarray):
+        codes = codes.float()
+    return np.asarray(backend.to_numpy(codes)).astype(np.float64)
+
+
 def _sdpa_calls(exe: Execution) -> tuple[Call, ...]:
     return (exe.sdpa_call(),) if exe.exp.kind == "sdpa" else ()
 
@@ -271,6 +374,13 @@ def _run_output(exe: Execution) -> np.ndarray:
         return exe.module_forward()[0]
     result = exe.result(exe.sdpa_call())
     return result[0] if exe.returns_weights else result
+
+
+def _zero_points(exe: Execution) -> np.ndarray:
+    got = exe.quantized()
+    if "quantized_zero_points" not in got:
+        raise ValueError("quantize_kv(...) returned no zero_points (zero_point=True)")
+    return got["quantized_zero_points"]
 
 
 def _needs(*names: str) -> Callable[[Execution], tuple[str, ...]]:
@@ -410,6 +520,27 @@ STEPS: dict[str, Step] = {
         Step("rope_attention_factor", ("rotary",), lambda exe: exe.frequencies()[1], None,
              "rope_frequencies(...)[1]: the attention factor (YaRN's and LongRoPE's mscale)",
              needs=_needs("rope_frequencies"), pick=1),
+        Step("quantized_codes", ("quantized",), lambda exe: exe.quantized()["quantized_codes"],
+             None, "quantize_kv(x, scheme).codes, compared exactly (fp8 codes as signed "
+             "positions on the fp8 grid, one step = 1)", needs=_needs("quantize_kv")),
+        Step("quantized_scales", ("quantized",),
+             lambda exe: exe.quantized()["quantized_scales"], None,
+             "quantize_kv(x, scheme).scales: float32, per group / token, tensor / head",
+             needs=_needs("quantize_kv")),
+        Step("quantized_zero_points", ("quantized",), lambda exe: _zero_points(exe), None,
+             "quantize_kv(x, scheme).zero_points: each group's minimum (zero_point=True)",
+             needs=_needs("quantize_kv")),
+        Step("dequantized", ("quantized",), lambda exe: exe.quantized()["dequantized"], "input",
+             "dequantize_kv(quantize_kv(x, scheme)): code · scale (+ zero point) in x's dtype",
+             needs=_needs("quantize_kv", "dequantize_kv")),
+        Step("quantized_cache_output", ("quantized",), lambda exe: exe.quantized_cache(),
+             "input", "QuantizedKVCache.empty(..., scheme, value_scheme).append(k, v) then "
+             "attend(query rows of the new tokens), after each append: the dequantised store "
+             "and the residual window", needs=_needs("QuantizedKVCache")),
+        Step("latent_absorbed_output", ("module",), lambda exe: exe.module_absorbed(), "input",
+             "MultiHeadLatentAttention.forward(x, absorbed=True): W_UK folded into the query, "
+             "attention over the latent [c ; k_pe]: equals the naive forward",
+             needs=_needs_module()),
         Step("grad_weights", ("module",), lambda exe: exe.module_backward(), None,
              "module.parameter_gradients(inputs, grad_output): every weight's gradient, "
              "flattened in sorted name order", needs=_needs_module("parameter_gradients")),

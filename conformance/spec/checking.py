@@ -24,7 +24,14 @@ PLUGIN_CONTRACT = (
     "arrays (conformance.cases.mods). The rotary position embedding (rotary_embedding, its VJP "
     "and rope_frequencies) is optional in the same way: a module without it lists those names "
     "as not provided, one that has some of it may declare rotary; with LAYOUT = \"bshd\", "
-    "rotary_embedding's x (and grad_output) are (..., seq, heads, head_dim) too."
+    "rotary_embedding's x (and grad_output) are (..., seq, heads, head_dim) too. So are "
+    "multi-head latent attention (MultiHeadLatentAttention: forward naive and absorbed, "
+    "decode from a latent cache, load_weights) and quantised KV caches (quantize_kv, "
+    "dequantize_kv, QuantizedKVCache, and KVQuantization for the schemes, else the harness "
+    "passes attention_rules.quantizing.KVQuantization): a module without them lists them as "
+    "not provided, one that has them but cannot run the cases declares latent_attention or "
+    "quantized_cache. quantize_kv's result is read by its attributes codes, scales and "
+    "zero_points (fp8 codes as float8 arrays or their float values)."
 )
 
 #: What a checked module may declare it does not support (``UNSUPPORTED = {...}``): each name,
@@ -56,6 +63,10 @@ PLUGIN_FEATURES = {
     "mask_mod": "a mask_mod callable (MASK_MOD)",
     "rotary": "the rotary position embedding: rotary_embedding, rotary_embedding_vjp and "
               "rope_frequencies (ROTARY, ROTARY_SCALING)",
+    "latent_attention": "multi-head latent attention: MultiHeadLatentAttention's naive and "
+                        "absorbed forward and decoding from a latent cache (LATENT_ATTENTION)",
+    "quantized_cache": "quantised KV caches: quantize_kv, dequantize_kv and QuantizedKVCache "
+                       "(QUANTIZATION_SCHEMES, QUANTIZED_CACHE)",
     "errors": "the bad inputs of ERRORS (exception type and message)",
     "float64": "float64 inputs",
     "float32": "float32 inputs",
