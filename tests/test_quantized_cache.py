@@ -403,13 +403,15 @@ def test_transformers_fp8_layer_matches_a_given_first_append_scale():
     assert torch.equal(cache.keys, keys) and torch.equal(cache.values, values)
 
 
-def test_transformers_integer_backends_cannot_run_here():
-    """quanto and HQQ (transformers' QuantizedCache integer backends) are not installed: the
-    spec says so (QUANTIZED_PEERS). Fails once one is installed, so the peer gets written."""
-    for package in ("optimum.quanto", "hqq"):
-        with pytest.raises(ImportError):
-            importlib.import_module(package)
-    assert "optimum-quanto or hqq" in spec.QUANTIZED_PEERS
+def test_transformers_integer_backends_in_the_spec():
+    """transformers' QuantizedCache integer backends: quanto is compared
+    (tests/test_quantized_cache_transformers.py, optimum-quanto in requirements-test.txt);
+    HQQ is not installed, and the spec says so (QUANTIZED_PEERS). Fails once hqq is
+    installed, so its peer gets written."""
+    with pytest.raises(ImportError):
+        importlib.import_module("hqq")
+    assert "optimum-quanto 0.2.7" in spec.QUANTIZED_PEERS
+    assert "hqq is not installed" in spec.QUANTIZED_PEERS
 
 
 # ------------------------------------------------------------------------------------------
