@@ -1,8 +1,9 @@
 """Quantised KV caches: the error each scheme costs, the memory it saves, and one decoding step's
 time, next to the float32 ``KVCache`` (``conformance/spec/quantized_cache.py``).
 
-Seeded inputs: batch 1, 8 kv heads, 8 query heads, 4,096 cached tokens, head_dim 128, float32
-(keys and values unit normal, one query token). For each scheme:
+Seeded inputs: batch 1, 8 kv heads, 8 query heads, head_dim 128, float32 (keys and values
+unit normal, one query token), cached tokens as ``--tokens`` says (the errors at the first
+length). For each scheme:
 
 * ``rel. error``: ``‖o - o_f32‖ / ‖o_f32‖`` of the attention output over the quantised cache
   against the output over the float32 keys and values (``QuantizedKVCache.attend``, numpy_attn);
@@ -11,11 +12,19 @@ Seeded inputs: batch 1, 8 kv heads, 8 query heads, 4,096 cached tokens, head_dim
   (``attention_rules.quantizing.bytes_per_token``; int4 as packed 4-bit codes, what a packed
   kernel stores; this project stores int4 codes unpacked, one per byte: the int8 figure), and
   its ratio to float32's 8,192;
-* ``decode``: one decoding step (append one token, attend one query over 4,097 tokens): median
-  of interleaved rounds, numpy_attn and torch_attn, the ratio to the float32 ``KVCache`` step
-  of the same backend (``kv_cache.decode_step``) in the same run.
+* ``decode``: one decoding step (append one token, attend one query over ``tokens + 1``):
+  median of interleaved rounds, numpy_attn and torch_attn, the ratio to the float32 ``KVCache``
+  step of the same backend (``kv_cache.decode_step``) in the same run. ``attend`` dequantises a
+  part of the codes at a time inside the split-KV chunks; ``previous`` is the same step with
+  the whole cache dequantised first (``cache.keys`` / ``cache.values``, then the float
+  cache's attention: what ``attend`` did before), timed in the same rounds.
 
-    python benchmarks/quantized_cache.py [--rounds 15] [--tokens 4096]
+Below ``SPLIT_KV["min_kv_len"]`` (8,192) keys the float32 step attends in one piece through
+``scaled_dot_product_attention``, from 8,192 in split-KV chunks, as the quantised ``attend``
+always does; ``--tokens 4096 32768`` (the default) gives a table for each. ``--torch-threads 1``
+is steadier on a loaded machine (torch's threads wait for each other when the cores are busy).
+
+    python benchmarks/quantized_cache.py [--rounds 7] [--tokens 4096 32768] [--torch-threads N]
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from timing import interleaved  # noqa: E402
 
+import attention_rules  # noqa: E402
 import numpy_attn  # noqa: E402
 import torch_attn  # noqa: E402
 from attention_rules.quantizing import KVQuantization, bytes_per_token  # noqa: E402
@@ -53,6 +63,17 @@ SCHEMES = {
 }
 BACKENDS = {"numpy_attn": (numpy_attn, np.asarray, numpy_decode_step),
             "torch_attn": (torch_attn, torch.from_numpy, torch_decode_step)}
+
+
+def _previous_attend(module, cache, query):
+    """The step's attention as ``QuantizedKVCache.attend`` ran it before: the whole cache
+    dequantised (``cache.keys``, ``cache.values``), then split-KV or one piece."""
+    keys, values = cache.keys, cache.values
+    chunk = attention_rules.split_chunk(query.shape[-2], keys.shape[-2])
+    if chunk is not None:
+        return module.paged.split_kv_attention(query, keys, values, chunk)[0]
+    return module.scaled_dot_product_attention(query, keys, values, is_causal=True,
+                                               causal_alignment="bottom_right")
 
 
 def _inputs(tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -87,7 +108,7 @@ def _decode_times(keys, values, query, new_key, new_value, rounds: int
     tokens = keys.shape[-2]
     for backend, (module, convert, decode_step) in BACKENDS.items():
         k, v, q, nk, nv = map(convert, (keys, values, query, new_key, new_value))
-        max_len = tokens + rounds + 4
+        max_len = tokens + 2 * rounds + 4  # a step and a previous step per round
         base = module.KVCache.empty((1,), KV_HEADS, max_len, HEAD_DIM).append(k, v)
 
         def float_step(base=base, q=q, nk=nk, nv=nv, decode_step=decode_step):
@@ -101,42 +122,56 @@ def _decode_times(keys, values, query, new_key, new_value, rounds: int
             def step(cache=cache, q=q, nk=nk, nv=nv):
                 cache.append(nk, nv).attend(q)
 
+            def previous(cache=cache, q=q, nk=nk, nv=nv, module=module):
+                _previous_attend(module, cache.append(nk, nv), q)
+
             runs[(backend, name)] = step
+            runs[(backend, name, "previous")] = previous
     with torch.no_grad():
         times = interleaved(runs, rounds)
     return {key: statistics.median(values) for key, values in times.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print the table."""
+    """Print the tables: errors and bytes, then the decoding step at each length."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="torch.set_num_threads (default: torch's own choice)")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 32768])
     args = parser.parse_args(argv)
-    keys, values, query, new_key, new_value = _inputs(args.tokens)
-    errors = _errors(keys, values, query)
-    times = _decode_times(keys, values, query, new_key, new_value, args.rounds)
+    if args.torch_threads is not None:  # one thread: steadier on a loaded machine
+        torch.set_num_threads(args.torch_threads)
     float_bytes = 2 * KV_HEADS * HEAD_DIM * 4
-    print(f"batch 1, {KV_HEADS} kv heads, {HEADS} heads, {args.tokens} tokens, head_dim "
-          f"{HEAD_DIM}, float32; decode: median of {args.rounds} rounds, torch threads "
-          f"{torch.get_num_threads()}")
+    errors = _errors(*_inputs(args.tokens[0])[:3])
+    print(f"batch 1, {KV_HEADS} kv heads, {HEADS} heads, {args.tokens[0]} tokens, head_dim "
+          f"{HEAD_DIM}, float32")
     print()
-    print("| scheme | rel. error | key max err | bytes/token/layer | vs float32 | "
-          "numpy decode ms (× float32) | torch decode ms (× float32) |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    rows = [("float32 KVCache", None)] + list(SCHEMES.items())
-    for name, scheme in rows:
-        if scheme is None:
-            error, key_error, nbytes = "0", "0", float_bytes
-        else:
-            error, key_error = (f"{e:.2e}" for e in errors[name])
-            nbytes = 2 * bytes_per_token(scheme, KV_HEADS, HEAD_DIM)
-        cells = []
-        for backend in BACKENDS:
-            t, base = times[(backend, name)], times[(backend, "float32 KVCache")]
-            cells.append(f"{t * 1e3:.2f} ({t / base:.2f}×)")
-        print(f"| {name} | {error} | {key_error} | {nbytes:,.0f} | {nbytes / float_bytes:.3f} | "
-              f"{cells[0]} | {cells[1]} |")
+    print("| scheme | rel. error | key max err | bytes/token/layer | vs float32 |")
+    print("|---|---:|---:|---:|---:|")
+    print(f"| float32 KVCache | 0 | 0 | {float_bytes:,} | 1.000 |")
+    for name, scheme in SCHEMES.items():
+        error, key_error = (f"{e:.2e}" for e in errors[name])
+        nbytes = 2 * bytes_per_token(scheme, KV_HEADS, HEAD_DIM)
+        print(f"| {name} | {error} | {key_error} | {nbytes:,.0f} | "
+              f"{nbytes / float_bytes:.3f} |")
+    for tokens in args.tokens:
+        keys, values, query, new_key, new_value = _inputs(tokens)
+        times = _decode_times(keys, values, query, new_key, new_value, args.rounds)
+        print()
+        print(f"decode over {tokens + 1:,} tokens: median of {args.rounds} interleaved rounds, "
+              f"torch threads {torch.get_num_threads()}; ms (× the float32 KVCache step)")
+        print()
+        print("| scheme | numpy attend | numpy previous | torch attend | torch previous |")
+        print("|---|---:|---:|---:|---:|")
+        for name in ["float32 KVCache"] + list(SCHEMES):
+            cells = []
+            for backend in BACKENDS:
+                base = times[(backend, "float32 KVCache")]
+                for key in [(backend, name), (backend, name, "previous")]:
+                    t = times.get(key)
+                    cells.append("" if t is None else f"{t * 1e3:.1f} ({t / base:.2f}×)")
+            print(f"| {name} | " + " | ".join(cells) + " |")
     return 0
 
 
