@@ -95,7 +95,8 @@ def dequantize_kv(q: QuantizedArray) -> np.ndarray:
         values = values * _head_axes(q.scales, values.ndim)
     else:
         groups = q.scales.shape[-1]
-        values = values.reshape(values.shape[:-1] + (groups, -1))  # (..., n, groups, size)
+        # (..., n, groups, size): the counts explicit (-1 is ambiguous for 0 tokens)
+        values = values.reshape(values.shape[:-1] + (groups, values.shape[-1] // groups))
         values = values * q.scales[..., None]
         if q.zero_points is not None:
             values = values + q.zero_points[..., None]  # two roundings: product, then sum
@@ -107,7 +108,8 @@ def _integer_codes(
     x32: np.ndarray, scheme: KVQuantization, group_size: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Integer codes ``x32.shape``, scales and zero points ``(..., n, groups)`` float32."""
-    grouped = x32.reshape(x32.shape[:-1] + (-1, group_size))  # (..., n, groups, size)
+    # (..., n, groups, size): the counts explicit (-1 is ambiguous for 0 tokens)
+    grouped = x32.reshape(x32.shape[:-1] + (x32.shape[-1] // group_size, group_size))
     low, high = scheme.code_range
     if scheme.zero_point:
         zero_points = grouped.min(axis=-1)  # (..., n, groups); NaN propagates

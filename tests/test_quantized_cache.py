@@ -509,3 +509,21 @@ def test_bytes_per_token_and_nbytes():
             "int8", residual=3))
         # codes 1 byte, one float32 scale per (head, position), windows of 3 float32 tokens
         assert cache.nbytes == 2 * (2 * 10 * 64 + 2 * 10 * 4 + 2 * 3 * 64 * 4)
+
+
+@pytest.mark.parametrize("name", list(BACKENDS))
+@pytest.mark.parametrize("scheme", [
+    numpy_attn.KVQuantization("int4", group_size=4, zero_point=True),
+    numpy_attn.KVQuantization("int8", granularity="token"),
+    numpy_attn.KVQuantization("float8_e4m3"),
+], ids=["int4_group_zero_point", "int8_token", "float8_tensor"])
+def test_zero_tokens_quantise_and_an_empty_cache_reads_empty(name, scheme):
+    """No token is no error (the spec lists none): ``quantize_kv`` of ``(..., kv_heads, 0,
+    head_dim)`` and an empty cache's keys are empty arrays. A ``reshape(..., -1)`` of the
+    empty groups raised in all three backends."""
+    module, asarray = BACKENDS[name]
+    q = module.quantize_kv(asarray(np.zeros((1, 2, 0, 8), np.float32)), scheme)
+    assert tuple(q.codes.shape) == (1, 2, 0, 8)
+    assert tuple(module.dequantize_kv(q).shape) == (1, 2, 0, 8)
+    cache = module.QuantizedKVCache.empty((1,), 2, 4, 8, scheme=scheme)
+    assert tuple(cache.keys.shape) == (1, 2, 0, 8) and tuple(cache.values.shape) == (1, 2, 0, 8)
