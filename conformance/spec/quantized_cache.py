@@ -91,8 +91,11 @@ QUANTIZED_CACHE = (
     "with the bottom-right causal rule: equal (within SPLIT_DECODING's rounding) to "
     "scaled_dot_product_attention(query, cache.keys, cache.values, is_causal=True, "
     "causal_alignment='bottom_right', ...): quantise on append, dequantise inside attention. "
-    "With the default scale and no softcap, a long cache runs split-KV like KVCache's "
-    "decoding step. Sizes: stored_length (quantised positions 0..stored_length-1), "
+    "With the default scale and no softcap, a decoding step (at most SPLIT_KV's max_q_len "
+    "queries) runs split-KV: numpy_attn and torch_attn dequantise one chunk of codes at a "
+    "time into a reused buffer just before its product (the same values as dequantize_kv), "
+    "so no float copy of the cache is made; jax_attn dequantises the whole cache first. "
+    "Sizes: stored_length (quantised positions 0..stored_length-1), "
     "residual_length (the last positions), length, max_len, overflowed, nbytes (bytes held; "
     "int4 codes unpacked)."
 )
