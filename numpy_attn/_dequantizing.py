@@ -5,7 +5,7 @@ The step is ``paged.split_kv_attention``'s: the keys cut into chunks (``rules.sp
 one chunk below ``SPLIT_KV["min_kv_len"]``), a chunk a task on numpy_attn's thread pool, the
 partial results merged by their log-sum-exp in chunk order. A chunk reads its keys and values
 in parts of about ``paged.PART_BYTES`` of float32, as ``split_kv_attention`` does; here each
-part of codes is dequantised into the thread's buffer (``paged._buffer``: one per thread,
+part of codes is dequantised into the thread's buffer (``_chunks._buffer``: one per thread,
 reused) right before its matrix product, so the product reads float32 values from the L2
 cache, and the codes, a quarter of the float32 bytes, are all that comes from memory. The
 residual window's positions follow the store's as one more part, read in place.
@@ -25,8 +25,8 @@ import numpy as np
 
 import attention_rules as rules
 
-from . import _threads, paged
-from .paged import _attend_chunk, _buffer, _limits, _merge_chunks, _partials
+from . import _threads
+from ._chunks import _attend_chunk, _buffer, _limits, _merge_chunks, _partials
 
 
 def dequantizing_attention(
@@ -39,6 +39,7 @@ def dequantizing_attention(
     held: int,
     *,
     sinks: np.ndarray | None = None,
+    part_bytes: int,
 ) -> tuple[np.ndarray, np.ndarray]:
     """A decoding step over a quantised cache: ``query (..., heads, n, head_dim)`` are the last
     ``n`` of the cache's ``stored + held`` positions (bottom-right causal), default scale.
@@ -51,6 +52,8 @@ def dequantizing_attention(
         ``held`` positions filled (the cache's last ones).
       stored, held: positions in the store and in the window.
       sinks: ``(heads,)`` sink logits, or None.
+      part_bytes: about how many bytes of float32 one part of keys or values holds
+        (``paged.PART_BYTES``, read by the caller at each call).
 
     Returns:
       ``(output (..., heads, n, v_dim)`` in the query's dtype, ``lse (..., heads, n))``.
@@ -60,8 +63,8 @@ def dequantizing_attention(
     compute = np.dtype(rules.compute_dtype(query.dtype.name))
     flat = int(np.prod(batch))  # the batch axes as one
     rows = query.reshape(flat, kv_heads, heads // kv_heads * n, head_dim).astype(compute)
-    keys = _Source(key_store, key_residual, flat, stored, held)
-    values = _Source(value_store, value_residual, flat, stored, held)
+    keys = _Source(key_store, key_residual, flat, stored, held, part_bytes)
+    values = _Source(value_store, value_residual, flat, stored, held, part_bytes)
     chunks = rules.kv_chunks(length, rules.split_chunk(n, length) or length)
     tasks = [(b, c, start, stop) for b in range(flat) for c, (start, stop) in enumerate(chunks)]
     outputs, lses = _partials(len(chunks), rows, v_dim)
@@ -84,7 +87,8 @@ class _Source:
     one batch row: codes, scales and zero points viewed with the batch axes as one."""
 
     def __init__(self, store: Any, residual: np.ndarray, flat: int, stored: int,
-                 held: int) -> None:
+                 held: int, part_bytes: int) -> None:
+        self.part_bytes = part_bytes
         kv_heads, dim = residual.shape[-3], residual.shape[-1]
         self.codes = store.codes.reshape(flat, kv_heads, store.codes.shape[-2], dim)
         self.scheme, self.dtype = store.scheme, residual.dtype
@@ -105,7 +109,7 @@ class _Source:
         part, dim)``: the store's dequantised into this thread's buffer (valid until the next
         part), then the window's, views."""
         kv_heads, dim = self.codes.shape[1], self.codes.shape[-1]
-        per = max(1, paged.PART_BYTES // max(1, kv_heads * dim * 4))  # positions per part
+        per = max(1, self.part_bytes // max(1, kv_heads * dim * 4))  # positions per part
         for lo in range(start, min(stop, self.stored), per):
             yield self._dequantized(b, lo, min(lo + per, stop, self.stored))
         if stop > self.stored:  # the residual window: positions stored..stored + held

@@ -32,9 +32,14 @@ BACKENDS = ("numpy_attn", "jax_attn", "torch_attn")
 PRIVATE_ROOMS = ("_arrays", "_masking", "_steps", "_tiles", "_fast")
 LADDER = PRIVATE_ROOMS + ("functional", "backward", "modules")
 #: files one framework alone has: numpy_attn runs its own worker threads (``_threads``, below
-#: every other room: it imports none), torch_attn converts torch's own modules (``interop``)
-ONLY_IN = {"_threads": {"numpy_attn"}, "interop": {"torch_attn"}}
+#: every other room: it imports none), torch_attn converts torch's own modules (``interop``);
+#: numpy_attn and torch_attn write split-KV decoding's chunks themselves (``_chunks``), and a
+#: quantised cache's step through them (``_dequantizing``; jax_attn's XLA does both its way)
+ONLY_IN = {"_threads": {"numpy_attn"}, "interop": {"torch_attn"},
+           "_chunks": {"numpy_attn", "torch_attn"}, "_dequantizing": {"numpy_attn", "torch_attn"}}
 BELOW_THE_LADDER = ("_threads",)
+#: rooms of some frameworks, on the ladder above ``_fast/`` (below the public files)
+ABOVE_FAST = ("_chunks", "_dequantizing")
 
 
 def _private(name: str | None) -> bool:
@@ -60,11 +65,12 @@ def test_the_import_graph_has_no_circle() -> None:
 
 
 def test_each_backend_is_one_ladder() -> None:
-    rank = {name: i for i, name in enumerate(BELOW_THE_LADDER + LADDER)}
+    rungs_in_order = BELOW_THE_LADDER + PRIVATE_ROOMS + ABOVE_FAST + LADDER[len(PRIVATE_ROOMS):]
+    rank = {name: i for i, name in enumerate(rungs_in_order)}
     for backend in BACKENDS:
         rungs = {_rung(m) for m in _backend_modules(backend)}
         assert set(LADDER) <= rungs, f"{backend} lacks {sorted(set(LADDER) - rungs)}"
-        own = {r for r in BELOW_THE_LADDER if backend in ONLY_IN[r]}
+        own = {r for r in BELOW_THE_LADDER + ABOVE_FAST if backend in ONLY_IN[r]}
         assert {r for r in rungs if _private(r)} == set(PRIVATE_ROOMS) | own, (
             f"{backend}'s private rooms are {sorted(r for r in rungs if _private(r))}; the "
             f"ladder names {PRIVATE_ROOMS} (add a room to LADDER and docs/read_the_code.md)")

@@ -3,9 +3,9 @@ attend``): no float copy of the whole cache is made.
 
 The step is ``paged.split_kv_attention``'s: the keys cut into chunks (``rules.split_chunk``, or
 one chunk below ``SPLIT_KV["min_kv_len"]``), each chunk's partial result and log-sum-exp, the
-partial results merged by ``paged._merge_chunks``. A chunk reads its keys and values in parts of
+partial results merged by ``_chunks._merge_chunks``. A chunk reads its keys and values in parts of
 about ``paged.PART_BYTES`` of float32 over every (batch row, kv head) pair; each part of codes
-is dequantised by one operation into the thread's buffer (``paged._buffer``, reused; a fresh
+is dequantised by one operation into the thread's buffer (``_chunks._buffer``, reused; a fresh
 tensor when autograd records the call) right before its ``bmm``, so the product reads float32
 values from the cache of the CPU, and the codes, a quarter of the float32 bytes, are all that
 comes from memory. The residual window's positions follow the store's as one more part.
@@ -25,10 +25,9 @@ import torch
 
 import attention_rules as rules
 
-from . import paged
 from ._arrays import _dtype_name
+from ._chunks import _buffer, _chunk_allowed, _chunk_softmax, _merge_chunks
 from ._steps import NEG_INF
-from .paged import _buffer, _chunk_allowed, _chunk_softmax, _merge_chunks
 
 #: What ``_widened_float8``'s values are multiplied by to be the codes' values.
 _FLOAT8_SHIFT = {"float8_e4m3": 256.0, "float8_e5m2": 1.0}
@@ -44,6 +43,7 @@ def dequantizing_attention(
     held: int,
     *,
     sinks: torch.Tensor | None = None,
+    part_bytes: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A decoding step over a quantised cache: ``query (..., heads, n, head_dim)`` are the last
     ``n`` of the cache's ``stored + held`` positions (bottom-right causal), default scale.
@@ -56,6 +56,8 @@ def dequantizing_attention(
         ``held`` positions filled (the cache's last ones).
       stored, held: positions in the store and in the window.
       sinks: ``(heads,)`` sink logits, or None.
+      part_bytes: about how many bytes of float32 one part of keys or values holds
+        (``paged.PART_BYTES``, read by the caller at each call).
 
     Returns:
       ``(output (..., heads, n, v_dim)`` in the query's dtype, ``lse (..., heads, n))``.
@@ -67,8 +69,8 @@ def dequantizing_attention(
         x is not None and x.requires_grad for x in (query, sinks))
     rows = query.reshape(-1, heads // kv_heads * n, head_dim).to(compute)
     rows = rows * rules.default_scale(head_dim)  # (pairs, rows, head_dim)
-    keys = _Source(key_store, key_residual, stored, held, record)
-    values = _Source(value_store, value_residual, stored, held, record)
+    keys = _Source(key_store, key_residual, stored, held, record, part_bytes)
+    values = _Source(value_store, value_residual, stored, held, record, part_bytes)
     outputs, lses = [], []
     for start, stop in rules.kv_chunks(length, rules.split_chunk(n, length) or length):
         # torch: the scores as keys @ rowsᵀ (rows @ keysᵀ took 1.9x as long: paged.py)
@@ -97,7 +99,8 @@ class _Source:
     over every (batch row, kv head) pair: codes, scales and zero points viewed as pairs."""
 
     def __init__(self, store: Any, residual: torch.Tensor, stored: int, held: int,
-                 fresh: bool) -> None:
+                 fresh: bool, part_bytes: int) -> None:
+        self.part_bytes = part_bytes
         kv_heads, dim = residual.shape[-3], residual.shape[-1]
         pairs = residual.shape[:-2].numel()  # torch: explicit (-1 is ambiguous for no element)
         self.codes = store.codes.reshape(pairs, store.codes.shape[-2], dim)  # (pairs, max_len, dim)
@@ -119,7 +122,7 @@ class _Source:
         dequantised into this thread's buffer (valid until the next part), then the
         window's, views."""
         pairs, dim = self.codes.shape[0], self.codes.shape[-1]
-        per = max(1, paged.PART_BYTES // max(1, pairs * dim * 4))  # positions per part
+        per = max(1, self.part_bytes // max(1, pairs * dim * 4))  # positions per part
         for lo in range(start, min(stop, self.stored), per):
             yield self._dequantized(lo, min(lo + per, stop, self.stored))
         if stop > self.stored:  # the residual window: positions stored..stored + held
