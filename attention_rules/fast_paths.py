@@ -5,11 +5,18 @@ with; ``conformance/spec/constants.py`` shows the same dict as ``FAST_PATHS`` an
 key in ``FAST_PATH_RULES``. A fast path computes the same pipeline as the explicit steps and equals
 them within the dtype's rounding; it is never taken for ``return_weights=True``, for dropout,
 or when an axis is empty.
+
+``TUNING[backend]`` lists the candidates a backend's tuner times on the machine at hand (the
+first call of a shape class; ``<backend>/_fast/tuning.py``), and ``tuning_cache_folder`` where
+it keeps what it chose. The numbers of ``FAST_PATHS`` stay the fixed table: the fallback, and
+what runs with ``ATTENTION_TUNING=off``. A choice never changes what is computed, only its
+rounding (``spec.FAST_PATH_RULES["tuning"]``).
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 from .checks import Shape
 
@@ -41,6 +48,35 @@ FAST_PATHS = {
         },
     },
 }
+
+
+# The candidates each tuner times, per shape class, in a few trial calls of the fast path.
+TUNING = {
+    "numpy_attn": {
+        # forward: queries per block, and the exponential unit (exp, or exp2 on scores in
+        # units of log2 e); backward: (keys per task, queries per tile)
+        "block_q": (64, 128, 256),
+        "exp2": (False, True),
+        "backward_tiles": ((128, 512), (64, 512), (128, 256), (256, 256), (64, 1024)),
+    },
+}
+
+# The environment variable that switches tuning off ("off"), forces a table ("block_q=64,
+# exp2=1,...") or the fixed table's alternate ("alternate"); and the one that moves its cache.
+TUNING_ENV = "ATTENTION_TUNING"
+TUNING_CACHE_ENV = "ATTENTION_TUNING_CACHE"
+
+
+def tuning_cache_folder() -> str:
+    """The folder of the tuners' cache files: ``$ATTENTION_TUNING_CACHE``, else ``tuning`` in
+    the project's cache folder, beside JAX's persistent compilation cache
+    (``$XDG_CACHE_HOME/attention-three-ways/``, ``~/.cache/attention-three-ways/`` by
+    default)."""
+    folder = os.environ.get(TUNING_CACHE_ENV)
+    if folder:
+        return folder
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "attention-three-ways", "tuning")
 
 
 def has_empty_axis(*shapes: Shape) -> bool:

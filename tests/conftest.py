@@ -57,6 +57,12 @@ def _jax_environment() -> None:
 
 _jax_environment()
 
+# The fast paths' choices from the fixed table (attention_rules.FAST_PATHS), not measured on
+# this machine: every run computes the same bits, and no test waits for a tuner
+# (numpy_attn/_fast/tuning.py). ATTENTION_TUNING=alternate runs the suite under a second fixed
+# choice; tests/test_tuning.py compares choices.
+os.environ.setdefault("ATTENTION_TUNING", "off")
+
 
 @pytest.fixture(params=BACKEND_NAMES)
 def backend(request: pytest.FixtureRequest) -> backends.Backend:

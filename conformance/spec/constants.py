@@ -93,6 +93,23 @@ FAST_PATH_RULES = {
     "platforms": "jax_attn: the platforms of the query's devices (x.devices()), or "
     "jax.default_backend() for a tracer under jit, that the path runs on",
     "dtypes": "jax_attn cudnn: the input dtypes cuDNN's flash attention takes",
+    "tuning": "numpy_attn: the choices of the blocked path, which change its speed and never "
+    "what it computes: block_q (queries per forward block), exp2 (the exponential of "
+    "the forward blocks and the VJP's tiles: exp of the scores, or exp2 of the scores in units "
+    "of log2 e), block_kv and "
+    "block_q_backward (keys per VJP task, queries per VJP tile). The numbers above are the "
+    "fixed table; by default the first call of a shape class (forward or VJP, compute dtype, "
+    "head_dim, v_dim, q_len and kv_len rounded up to powers of two) times the candidates of "
+    "attention_rules.fast_paths.TUNING on random inputs of that class and keeps the fastest, "
+    "for the process and in a JSON file per machine (CPU model, cores, NumPy, BLAS, library "
+    "version) in $ATTENTION_TUNING_CACHE, else ~/.cache/attention-three-ways/tuning beside JAX's "
+    "compilation cache; a file that is unreadable, malformed or of another machine is ignored. "
+    "ATTENTION_TUNING=off (or numpy_attn._fast.tuning.set_tuning('off')) runs the fixed table, "
+    "'alternate' the fixed table with every block halved and the other exponential, "
+    "'block_q=64,exp2=0' those entries. A given choice gives the same bits on every call, from "
+    "any thread (CONCURRENCY), and a shape class keeps its choice for the life of the process; "
+    "two choices differ only in rounding (the order of the sums, exp against exp2), both "
+    "within TOLERANCES of the float64 reference, NaN, infinities and fully masked rows alike",
 }
 
 #: NaN and infinities in the inputs: what every backend and every path computes.

@@ -15,8 +15,10 @@ block can see, ``(exp(s - max) @ value) / sum`` per block (``_fast/forward.py``)
 ``fast_attention_vjp``: FlashAttention-2's backward per tile, ``BLOCK_KV`` keys a task, from
 the forward pass's row log-sum-exp (``_fast/backward.py``). Both equal the explicit steps within
 float32 rounding, NaN and infinities included (``tests/test_performance_paths.py``,
-``tests/test_fast_backward_numpy.py``); the block sizes are the constants below, passed to
-them at each call (the tests shrink them).
+``tests/test_fast_backward_numpy.py``). The block sizes and the exponential are passed to
+them at each call: ``_fast/tuning.py``'s choice for the shape, measured on this machine the
+first time and cached on disk, or with ``ATTENTION_TUNING=off`` the fixed table, the constants
+below and ``forward.USE_EXP2`` read at each call (the tests switch tuning off and shrink them).
 
 The tasks run in lanes on the one thread pool of ``_threads.py`` (``_threads.run_lanes``,
 BLAS limited to one thread while they run; ``_tiles.py`` runs its tiles on it too): the same
@@ -31,7 +33,7 @@ import attention_rules as rules
 
 from .._masking import NEG_INF, _Mods
 from .._steps import _sinks_grad
-from . import backward, forward
+from . import backward, forward, tuning
 
 _BLOCKED = rules.FAST_PATHS["numpy_attn"]["blocked"]
 BLOCK_Q = _BLOCKED["block_q"]  # query rows per block: a float32 block of scores stays in L2
@@ -74,12 +76,29 @@ def fast_attention(
     row log-sum-exp ``(..., heads, q_len)`` the blocks computed anyway (compute dtype); the
     ``(heads,)`` ``sinks`` join each block's denominators at its end; ``mods`` (chunks, ALiBi,
     segment ids, the mods) apply per block, and the blocks they mask entirely are skipped."""
+    choice = _choice("forward", query, key, value)
+    return _forward(query, key, value, mask, bias, args, sinks, mods, choice)
+
+
+def _forward(
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    mask: np.ndarray | None,
+    bias: np.ndarray | None,
+    args: rules.Arguments,
+    sinks: np.ndarray | None,
+    mods: _Mods | None,
+    choice: tuning.Choice,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """``fast_attention`` with the blocks and exponential of ``choice``."""
     dtype = query.dtype
     query, key, value = _compute_arrays(query, key, value, args.scale)
     lse = np.empty(query.shape[:-1], query.dtype) if args.return_lse else None
     sinks = None if sinks is None else sinks.astype(query.dtype, copy=False)
     output = forward.blocked_attention(query, key, value, mask, bias, args, lse, sinks, mods,
-                                       blocks=(BLOCK_Q, BLOCK_KV))
+                                       blocks=(choice.block_q, choice.block_kv),
+                                       exp2=choice.exp2)
     output = output.astype(dtype, copy=False)
     if lse is None:
         return output
@@ -105,6 +124,23 @@ def fast_attention_vjp(
     v_dim)`` and bias (None without one), in their dtypes; with ``sinks`` ``(heads,)`` a fifth,
     ``grad_sinks``. The forward pass joins the sinks, so ``P`` and ``delta`` are those of the
     rows with their sinks and the tiles' formulas stay as they are."""
+    choice = _choice("backward", query, key, value, _choice("forward", query, key, value))
+    return _vjp(query, key, value, grad_output, mask, bias, args, sinks, mods, choice)
+
+
+def _vjp(
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    grad_output: np.ndarray,
+    mask: np.ndarray | None,
+    bias: np.ndarray | None,
+    args: rules.Arguments,
+    sinks: np.ndarray | None,
+    mods: _Mods | None,
+    choice: tuning.Choice,
+) -> tuple[np.ndarray | None, ...]:
+    """``fast_attention_vjp`` with the blocks and exponential of ``choice``."""
     compute = rules.compute_dtype(query.dtype.name)
     head_dim, v_dim = query.shape[-1], value.shape[-1]
     # One column more than the inputs (see backward.blocked_attention_vjp): [Q · scale,
@@ -116,7 +152,9 @@ def fast_attention_vjp(
     compute_sinks = None if sinks is None else sinks.astype(compute, copy=False)
     output = forward.blocked_attention(query_lse[..., :head_dim], key_ones[..., :head_dim],
                                        value_ones[..., :v_dim], mask, bias, args, lse,
-                                       compute_sinks, mods, blocks=(BLOCK_Q, BLOCK_KV))
+                                       compute_sinks, mods,
+                                       blocks=(choice.block_q, choice.block_kv),
+                                       exp2=choice.exp2)
     grad_output_delta = np.empty(grad_output.shape[:-1] + (v_dim + 1,), compute)
     grad_output_delta[..., :v_dim] = grad_output  # (..., heads, q_len, v_dim + 1)
     # delta = rowsum(dO ⊙ O): (..., heads, q_len)
@@ -130,13 +168,43 @@ def fast_attention_vjp(
     np.negative(grad_output_delta[..., v_dim], out=grad_output_delta[..., v_dim])  # -delta
     grad_q, grad_k, grad_v, grad_bias = backward.blocked_attention_vjp(
         query_lse, key_ones, value_ones, grad_output_delta, mask, bias, args, mods,
-        blocks=(BLOCK_Q, BLOCK_KV, BLOCK_Q_BACKWARD))
+        blocks=(choice.block_q, choice.block_kv, choice.block_q_backward), exp2=choice.exp2)
     dtype = query.dtype
     grads = (grad_q.astype(dtype, copy=False), grad_k.astype(dtype, copy=False),
              grad_v.astype(dtype, copy=False))
     grads += (None if grad_bias is None else
               grad_bias.reshape(bias.shape).astype(bias.dtype, copy=False),)
     return grads if sinks is None else grads + (grad_sinks.astype(sinks.dtype),)
+
+
+def _fixed() -> tuning.Choice:
+    """The fixed table: the constants above and ``forward.USE_EXP2``, read at each call."""
+    return tuning.Choice(BLOCK_Q, BLOCK_KV, BLOCK_Q_BACKWARD, bool(forward.USE_EXP2))
+
+
+def _choice(kind: str, query: np.ndarray, key: np.ndarray, value: np.ndarray,
+            base: tuning.Choice | None = None) -> tuning.Choice:
+    """The choice for step ``kind`` (``tuning.choose``) on query ``(..., heads, q_len,
+    head_dim)``, key and value ``(..., kv_heads, kv_len, head_dim | v_dim)``."""
+    compute = rules.compute_dtype(query.dtype.name)
+    return tuning.choose(kind, query.shape, key.shape, value.shape, compute,
+                         _fixed() if base is None else base, _trial)
+
+
+def _trial(kind: str, choice: tuning.Choice, query: np.ndarray, key: np.ndarray,
+           value: np.ndarray, grad_output: np.ndarray) -> object:
+    """One call of the fast path with ``choice``, full attention, for the tuner: the forward
+    pass (``kind == "forward"``) or the VJP, on query ``(1, heads, q_len, head_dim)``, key and
+    value ``(1, heads, kv_len, head_dim | v_dim)`` and grad_output ``(1, heads, q_len,
+    v_dim)``."""
+    args = rules.Arguments(
+        dtype=query.dtype.name, scores_shape=query.shape[:-1] + key.shape[-2:-1],
+        output_shape=query.shape[:-1] + value.shape[-1:], is_causal=False,
+        causal_alignment="top_left", window=None, scale=query.shape[-1] ** -0.5, softcap=None,
+        dropout_p=0.0, return_weights=False, block_q=None, block_kv=None)
+    if kind == "forward":
+        return _forward(query, key, value, None, None, args, None, None, choice)
+    return _vjp(query, key, value, grad_output, None, None, args, None, None, choice)
 
 
 def _with_ones(x: np.ndarray, compute: str) -> np.ndarray:

@@ -47,6 +47,7 @@ from .._masking import (
     _outside_band,
 )
 from .._steps import _softcap
+from .forward import LOG2E
 
 # ------------------------------------------------------------------------------------------
 # The blocked backward pass
@@ -64,6 +65,7 @@ def blocked_attention_vjp(
     mods: _Mods | None = None,
     *,
     blocks: tuple[int, int, int],
+    exp2: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
     """The gradients in the compute dtype (``grad_bias`` full rank), per (batch, kv head, key
     block) on the thread pool. ``mods`` as in the forward pass: ``score_mod``'s derivative
@@ -73,7 +75,10 @@ def blocked_attention_vjp(
     ``key_ones`` ``[K, 1]``, ``value_ones`` ``[V, 1]`` and ``grad_output_delta`` ``[dO,
     -delta]``; then ``[K, 1] [Q · scale, -lse]ᵀ = S - lse`` (without soft-cap: it comes between
     the product and ``- lse``) and ``[V, 1] [dO, -delta]ᵀ = dPᵀ - delta``, one pass over the
-    tile less each. ``blocks``: ``(BLOCK_Q, BLOCK_KV, BLOCK_Q_BACKWARD)``, ``_fast``'s."""
+    tile less each. ``blocks``: ``(BLOCK_Q, BLOCK_KV, BLOCK_Q_BACKWARD)``, and ``exp2`` the
+    exponential, ``_fast``'s choice (``_fast/tuning.py``): with ``exp2`` and without soft-cap,
+    bias, ALiBi or score_mod, the tile is ``exp2`` of ``[K, 1] [Q · scale, -lse]ᵀ · log2 e``
+    (the same weights; where NumPy vectorises float32 ``exp2`` it takes half ``exp``'s time)."""
     BLOCK_Q, BLOCK_KV, BLOCK_Q_BACKWARD = blocks  # _fast's, read at each call
     head_dim, v_dim = key_ones.shape[-1] - 1, value_ones.shape[-1] - 1
     query, key = query_lse[..., :head_dim], key_ones[..., :head_dim]  # scaled query
@@ -105,6 +110,9 @@ def blocked_attention_vjp(
     # without soft-cap (or ALiBi, score_mod) the product subtracts lse; else the tile does
     plain = softcap is None and not shifts
     query_s, key_s = (query_lse, key_ones) if plain else (query, key)
+    exp = np.exp
+    if plain and exp2 and bias is None:  # Pᵀ = exp2((S - lse) · log2 e), in units of log2
+        query_s, exp = np.multiply(query_lse, LOG2E, dtype=query_lse.dtype), np.exp2
     strips: dict = {}  # the masks of the strips, by their geometry (most tiles share one)
     statuses = None  # (..., heads | 1, query blocks of BLOCK_Q, key blocks of block_kv)
     if mods is not None and mods.masks:
@@ -183,7 +191,7 @@ def blocked_attention_vjp(
                     np.copyto(weights_t.T, NEG_INF, where=~allowed)
                 if not plain:
                     weights_t += neg_lse[index][c0:c1]
-                np.exp(weights_t, out=weights_t)  # Pᵀ: 0 where masked or on fully masked rows
+                exp(weights_t, out=weights_t)  # Pᵀ: 0 where masked or on fully masked rows
                 # dV = Pᵀ dO
                 _matmul_into(weights_t, grad_output[index][c0:c1], grad_v_block,
                              scratch["value"], first)

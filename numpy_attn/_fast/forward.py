@@ -76,7 +76,9 @@ def _exp2_is_vectorised() -> bool:
     return bool(features.get("AVX512_SKX") or features.get("X86_V4"))
 
 
-USE_EXP2 = _exp2_is_vectorised()  # decided once per process: the same bits every call
+# The fixed table's exponential, decided once per process (ATTENTION_TUNING=off); by default
+# _fast/tuning.py times both on this CPU and passes its choice as ``exp2``.
+USE_EXP2 = _exp2_is_vectorised()
 
 
 # ------------------------------------------------------------------------------------------
@@ -96,6 +98,7 @@ def blocked_attention(
     mods: _Mods | None = None,
     *,
     blocks: tuple[int, int],
+    exp2: bool | None = None,
 ) -> np.ndarray:
     """The output ``(..., heads, q_len, v_dim)`` in the compute dtype, block by block, on the
     thread pool; ``query`` is scaled. With ``lse`` ``(..., heads, q_len)``, each row's
@@ -104,7 +107,8 @@ def blocked_attention(
     ``score_mod`` on every block; the chunk rule, segment ids and ``mask_mod`` narrow each
     block's key range to the key blocks they leave (``_masking._mods_statuses``, evaluated once
     for every head that shares them) and mask only the key blocks they cut. ``blocks``:
-    ``(BLOCK_Q, BLOCK_KV)``, ``_fast``'s."""
+    ``(BLOCK_Q, BLOCK_KV)``, and ``exp2`` the exponential (None: ``USE_EXP2``), ``_fast``'s
+    choice (``_fast/tuning.py``)."""
     BLOCK_Q, BLOCK_KV = blocks  # _fast's, read at each call
     q_len, kv_len = query.shape[-2], key.shape[-2]
     target = args.scores_shape  # (..., heads, q_len, kv_len)
@@ -119,7 +123,8 @@ def blocked_attention(
                                                          or mods.score_mod is not None))
     # Scores in units of log2 (exp2) where exp2 is fast, unless something is added to them in
     # natural units.
-    unit, exp = (1.0, np.exp) if shifts or not USE_EXP2 else (LOG2E, np.exp2)
+    use_exp2 = USE_EXP2 if exp2 is None else exp2
+    unit, exp = (1.0, np.exp) if shifts or not use_exp2 else (LOG2E, np.exp2)
     if unit != 1.0:
         query = np.multiply(query, unit, dtype=query.dtype)
     softcap = None if args.softcap is None else args.softcap * unit  # unit · softcap(s)

@@ -1,0 +1,326 @@
+"""numpy_attn's tuner (``numpy_attn/_fast/tuning.py``): choices that change speed, never values.
+
+Each choice of the blocked path (block sizes, the exponential unit) gives the same bits on every
+call, from any thread; two choices both meet the tolerance rule against the float64 reference
+(``spec.FAST_PATH_RULES["tuning"]``). The tuner measures once per shape class, keeps the choice
+for the process and in a cache file read as untrusted input, and is switched by
+``ATTENTION_TUNING`` or ``set_tuning``. The suite runs the fixed table (``conftest.py``); one
+slow test runs the fast-path test files again under the second fixed choice
+(``ATTENTION_TUNING=alternate``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from numerics import assert_matches_reference, assert_vjp_matches_reference
+
+import numpy_attn
+from numpy_attn import _fast
+from numpy_attn._fast import tuning
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A representative subset of the fast path's inputs: (query, key, value) shapes and options.
+CASES = {
+    "full_gqa": (((1, 4, 70, 16), (1, 2, 53, 16), (1, 2, 53, 12)), {}),
+    "causal": (((2, 2, 64, 16), (2, 2, 64, 16), (2, 2, 64, 16)), {"is_causal": True}),
+    "window_bottom_right": (((1, 2, 40, 8), (1, 2, 75, 8), (1, 2, 75, 8)),
+                            {"window": (9, 3), "causal_alignment": "bottom_right"}),
+    "mask_bias": (((1, 2, 48, 8), (1, 2, 57, 8), (1, 2, 57, 8)), {"mask": True, "bias": True}),
+    "softcap_sinks": (((1, 2, 50, 8), (1, 2, 50, 8), (1, 2, 50, 8)),
+                      {"softcap": 5.0, "sinks": True, "is_causal": True}),
+}
+FIXED = tuning.Choice(16, 16, 32, False)  # the suite's small fixed table for these inputs
+FORCED = {"block_q": 24, "block_kv": 8, "block_q_backward": 40, "exp2": True}
+
+
+@pytest.fixture
+def small_fixed_table(monkeypatch):
+    """Every input of CASES on the blocked path, the fixed table ``FIXED``; ``used`` lists the
+    (blocks, exp2) each blocked forward and VJP ran with."""
+    monkeypatch.setattr(_fast, "MIN_SCORES", 0)
+    monkeypatch.setattr(_fast, "MIN_Q_LEN", 8)
+    for name, value in (("BLOCK_Q", FIXED.block_q), ("BLOCK_KV", FIXED.block_kv),
+                        ("BLOCK_Q_BACKWARD", FIXED.block_q_backward)):
+        monkeypatch.setattr(_fast, name, value)
+    monkeypatch.setattr(_fast.forward, "USE_EXP2", FIXED.exp2)
+    used = []
+    real_forward, real_vjp = _fast.forward.blocked_attention, _fast.backward.blocked_attention_vjp
+
+    def forward(*args, blocks, exp2=None, **kwargs):
+        used.append(("forward", blocks, exp2))
+        return real_forward(*args, blocks=blocks, exp2=exp2, **kwargs)
+
+    def vjp(*args, blocks, exp2=None, **kwargs):
+        used.append(("vjp", blocks, exp2))
+        return real_vjp(*args, blocks=blocks, exp2=exp2, **kwargs)
+
+    monkeypatch.setattr(_fast.forward, "blocked_attention", forward)
+    monkeypatch.setattr(_fast.backward, "blocked_attention_vjp", vjp)
+    yield used
+    tuning.set_tuning(None)
+
+
+def _inputs(case: str) -> tuple[dict, dict]:
+    """float32 arrays (query, key, value, grad_output and the case's mask, bias, sinks) and the
+    other options."""
+    shapes, options = CASES[case]
+    gen = np.random.default_rng(sorted(CASES).index(case))
+    arrays = {name: gen.standard_normal(shape).astype(np.float32)
+              for name, shape in zip(("query", "key", "value"), shapes, strict=True)}
+    scores = shapes[0][:-1] + shapes[1][-2:-1]
+    arrays["grad_output"] = gen.standard_normal(shapes[0][:-1] + shapes[2][-1:]).astype(
+        np.float32)
+    options = dict(options)
+    if options.pop("mask", False):
+        arrays["mask"] = gen.random(scores) > 0.3
+        arrays["mask"][..., 5, :] = False  # a fully masked row
+    if options.pop("bias", False):
+        arrays["bias"] = gen.standard_normal(scores).astype(np.float32)
+    if options.pop("sinks", False):
+        arrays["sinks"] = gen.standard_normal(shapes[0][-3]).astype(np.float32)
+    return arrays, options
+
+
+def _run(arrays: dict, options: dict) -> list[np.ndarray]:
+    """Output, lse and the gradients of the blocked path (query, key, value, bias or None, and
+    sinks with sinks)."""
+    inputs = {name: x for name, x in arrays.items() if name != "grad_output"}
+    output, lse = numpy_attn.scaled_dot_product_attention(**inputs, return_lse=True, **options)
+    grads = numpy_attn.scaled_dot_product_attention_vjp(
+        inputs.pop("query"), inputs.pop("key"), inputs.pop("value"), arrays["grad_output"],
+        **inputs, **options)
+    return [output, lse, *grads]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_two_choices_each_repeat_bitwise_and_both_meet_the_tolerance(small_fixed_table, case):
+    """The fixed table, its alternate (blocks halved, the other exponential) and a forced table
+    (blocks that divide nothing): each gives the same bits twice and from another thread, and
+    each is within the tolerance rule of the float64 reference, forward and VJP."""
+    arrays, options = _inputs(case)
+    results = {}
+    for mode in ("off", "alternate", FORCED):
+        tuning.set_tuning(mode)
+        small_fixed_table.clear()
+        first = _run(arrays, options)
+        blocks = list(small_fixed_table)
+        again = _run(arrays, options)
+        box = []
+        thread = threading.Thread(target=lambda box=box: box.append(_run(arrays, options)))
+        thread.start()
+        thread.join()
+        for other in (again, box[0]):
+            for a, b in zip(first, other, strict=True):
+                assert (a is None and b is None) or a.tobytes() == b.tobytes(), \
+                    f"{mode}: not the same bits"
+        results[str(mode)] = (first, blocks)
+    off, alternate, forced = (results[key][1] for key in results)
+    # the blocks each choice ran (forward, then the VJP's forward and tiles)
+    assert off == [("forward", (16, 16), False), ("forward", (16, 16), False),
+                   ("vjp", (16, 16, 32), False)]
+    assert alternate == [("forward", (8, 16), True), ("forward", (8, 8), True),
+                         ("vjp", (8, 8, 16), True)]
+    assert forced == [("forward", (24, 8), True), ("forward", (24, 8), True),
+                      ("vjp", (24, 8, 40), True)]
+    reference = {name: x.astype(np.float64) for name, x in arrays.items()
+                 if name not in ("grad_output",)}
+    for mode, (values, _) in results.items():
+        what = f"{case}, ATTENTION_TUNING={mode}"
+        assert_matches_reference(values[0], reference, "float32", what=what, **options)
+        assert_vjp_matches_reference(values[2:], dict(reference, grad_output=arrays[
+            "grad_output"].astype(np.float64)), "float32", what=what, **options)
+
+
+def test_the_switch_parses_and_names_itself_on_bad_values(monkeypatch):
+    monkeypatch.setenv("ATTENTION_TUNING", "off")
+    assert tuning.tuning_mode() == "off"
+    monkeypatch.setenv("ATTENTION_TUNING", " block_q=64, exp2=1 ")
+    assert tuning.tuning_mode() == {"block_q": 64, "exp2": True}
+    monkeypatch.delenv("ATTENTION_TUNING")
+    assert tuning.tuning_mode() == "on"
+    for bad in ("fast", "block_q=0", "block_q=x", "blocks=64", "exp2=2"):
+        monkeypatch.setenv("ATTENTION_TUNING", bad)
+        with pytest.raises(ValueError, match="ATTENTION_TUNING: expected 'on', 'off'"):
+            tuning.tuning_mode()
+    with pytest.raises(ValueError, match="set_tuning: expected"):
+        tuning.set_tuning({"block_q": True})
+    tuning.set_tuning("off")
+    assert tuning.tuning_mode() == "off"  # set_tuning wins over the environment
+    tuning.set_tuning(None)
+
+
+@pytest.fixture
+def tuning_on(monkeypatch, tmp_path):
+    """Tuning on, its cache in ``tmp_path``, no choice in memory."""
+    monkeypatch.setenv("ATTENTION_TUNING", "on")
+    monkeypatch.setenv("ATTENTION_TUNING_CACHE", str(tmp_path))
+    tuning.forget()
+    yield tmp_path
+    tuning.forget()
+
+
+@pytest.fixture
+def tuner(tuning_on, monkeypatch):
+    """``tuning_on`` with the trials' clock simulated (``_slow_unless``: the machine's load
+    cannot change a decision)."""
+    monkeypatch.setattr(tuning, "_clock", lambda: CLOCK[0])
+    return tuning_on
+
+
+CLOCK = [0.0]  # the simulated seconds of the trials
+
+
+def _slow_unless(fast: dict, calls: list):
+    """A trial that takes 1 ms, and 3 ms more for each entry of ``fast`` the choice lacks (on
+    the simulated clock)."""
+    def trial(kind, choice, *arrays):
+        calls.append((kind, choice))
+        CLOCK[0] += 0.001 + 0.003 * sum(getattr(choice, name) != value
+                                        for name, value in fast.items())
+    return trial
+
+
+SHAPES = ((1, 8, 2048, 64), (1, 8, 2048, 64), (1, 8, 2048, 64))
+BASE = tuning.Choice(128, 128, 512, False)
+
+
+def test_measures_once_per_class_then_reads_the_cache_file(tuner):
+    """The fastest candidate wins; a second class measures again; after ``forget`` (a new
+    process) the cache file answers without a trial. The file names this machine."""
+    calls = []
+    trial = _slow_unless({"block_q": 64, "exp2": True}, calls)
+    got = tuning.choose("forward", *SHAPES, "float32", BASE, trial)
+    assert got == tuning.Choice(64, 128, 512, True)
+    measured = len(calls)
+    assert measured > 0
+    assert tuning.choose("forward", *SHAPES, "float32", BASE, trial) == got
+    assert len(calls) == measured  # in memory
+    backward = tuning.choose("backward", *SHAPES, "float32", got,
+                             _slow_unless({"block_kv": 64, "block_q_backward": 1024}, calls))
+    assert backward == tuning.Choice(64, 64, 1024, True)
+    tuning.forget()
+    calls.clear()
+    assert tuning.choose("forward", *SHAPES, "float32", BASE, trial) == got
+    assert tuning.choose("backward", *SHAPES, "float32", got, trial) == backward
+    assert calls == []  # read back from the file
+    data = json.loads(Path(tuning.cache_file()).read_text())
+    assert data["machine"]["cpu"] == tuning.cpu_model()
+    assert data["choices"] == {"forward/float32/d64/v64/q512/k2048": {"block_q": 64,
+                                                                       "exp2": True},
+                               "backward/float32/d64/v64/q1024/k512": {
+                                   "block_kv": 64, "block_q_backward": 1024}}
+    assert [p.name for p in tuner.iterdir()] == [Path(tuning.cache_file()).name]  # no temp
+
+
+def test_noise_keeps_the_fixed_table(tuner):
+    """Candidates no faster than the fixed table's entries (by ``MARGIN``) leave them."""
+    calls = []
+    got = tuning.choose("forward", *SHAPES, "float32", BASE, _slow_unless({}, calls))
+    assert got == BASE and len(calls) > 2
+
+
+def test_a_win_that_does_not_repeat_keeps_the_fixed_table(tuner):
+    """A candidate faster in the first rounds only (a burst of load on the others) is timed
+    against the fixed table again, and loses there."""
+    calls = []
+    first_rounds = 1 + tuning.ROUNDS * 2 + 1 + tuning.ROUNDS * 3
+
+    def trial(kind, choice, *arrays):
+        calls.append(choice)
+        CLOCK[0] += 0.001 if choice.block_q == 64 and len(calls) <= first_rounds else 0.004
+
+    assert tuning.choose("forward", *SHAPES, "float32", BASE, trial) == BASE
+    assert len(calls) == first_rounds + tuning.ROUNDS * 2
+
+
+@pytest.mark.parametrize("content", [
+    b"", b"not json", b"\xff\xfe", b"[1, 2]", b'{"format": 1}', b"{" * 100_000,
+    "other machine", "wrong types", "out of range", "extra entry", "too large",
+])
+def test_a_bad_cache_file_is_ignored_and_replaced(tuner, content):
+    path = Path(tuning.cache_file())
+    good = {"format": 1, "machine": tuning.machine(), "choices": {}}
+    key = "forward/float32/d64/v64/q512/k2048"
+    if content == "other machine":
+        content = dict(good, machine=dict(tuning.machine(), cpu="another CPU"),
+                       choices={key: {"block_q": 32, "exp2": True}})
+    elif content == "wrong types":
+        content = dict(good, choices={key: {"block_q": True, "exp2": 1}})
+    elif content == "out of range":
+        content = dict(good, choices={key: {"block_q": 0, "exp2": True}})
+    elif content == "extra entry":
+        content = dict(good, choices={key: {"block_q": 32, "exp2": True, "block_kv": 1}})
+    elif content == "too large":
+        content = dict(good, choices={key: {"block_q": 32, "exp2": True}},
+                       padding="x" * (tuning.MAX_FILE_BYTES + 1))
+    path.write_bytes(content if isinstance(content, bytes) else json.dumps(content).encode())
+    calls = []
+    got = tuning.choose("forward", *SHAPES, "float32", BASE, _slow_unless({"block_q": 256},
+                                                                            calls))
+    assert got.block_q == 256 and calls  # measured, not read
+    assert json.loads(path.read_text())["choices"][key]["block_q"] == 256
+
+
+def test_threads_racing_to_a_class_get_one_decision(tuner):
+    calls, results = [], []
+    trial = _slow_unless({"block_q": 256}, calls)
+    threads = [threading.Thread(target=lambda: results.append(
+        tuning.choose("forward", *SHAPES, "float32", BASE, trial))) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(set(results)) == 1 and len(results) == 4
+    # one measurement: the exponentials, the blocks, the winning block confirmed
+    assert len(calls) == 1 + tuning.ROUNDS * 2 + 1 + tuning.ROUNDS * 3 + tuning.ROUNDS * 2
+
+
+def test_an_unwritable_cache_folder_keeps_the_choice_in_memory(tuner, monkeypatch):
+    blocker = tuner / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("ATTENTION_TUNING_CACHE", str(blocker / "tuning"))  # under a file
+    calls = []
+    got = tuning.choose("forward", *SHAPES, "float32", BASE, _slow_unless({"block_q": 64}, calls))
+    assert got.block_q == 64
+    n = len(calls)
+    assert tuning.choose("forward", *SHAPES, "float32", BASE, _slow_unless({}, calls)) == got
+    assert len(calls) == n
+
+
+def test_the_real_tuner_on_the_real_path(tuning_on):
+    """Tuning on, the shipped thresholds: the first call measures and writes the cache, every
+    later call gives the first one's bits, and the result meets the tolerance rule like the
+    fixed table's."""
+    gen = np.random.default_rng(5)
+    q, k, v = (gen.standard_normal((1, 4, 512, 32)).astype(np.float32) for _ in range(3))
+    first = numpy_attn.scaled_dot_product_attention(q, k, v, is_causal=True)
+    choices = json.loads(Path(tuning.cache_file()).read_text())["choices"]
+    assert list(choices) == ["forward/float32/d32/v32/q512/k512"]
+    again = numpy_attn.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert first.tobytes() == again.tobytes()
+    assert_matches_reference(first, {"query": q.astype(np.float64), "key": k.astype(np.float64),
+                                     "value": v.astype(np.float64)}, "float32", is_causal=True)
+
+
+@pytest.mark.slow
+def test_the_fast_path_tests_pass_under_the_second_choice():
+    """The fast-path conformance and repeatability tests, run again with
+    ``ATTENTION_TUNING=alternate`` (every block halved, the other exponential); deselected: the
+    tests that check the fixed table's own numbers (its block sizes, its exponential's bound)."""
+    env = dict(os.environ, ATTENTION_TUNING="alternate")
+    files = ["tests/test_fast_forward_numpy.py", "tests/test_fast_backward_numpy.py",
+             "tests/test_concurrency.py", "tests/test_masks_and_mods_fast.py"]
+    pinned = "not default_blocks_at_the_real_threshold and not skips_the_shift_exactly"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-n",
+                          "0", "-x", "-k", pinned, *files], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
