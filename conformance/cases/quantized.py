@@ -301,7 +301,9 @@ def cache_outputs(data: CaseData, dtype: str, naive: bool = False, residual: int
                 got = quantize(x[..., moving, :], scheme, fp8_scale=scales[name], **mistake)
                 if is_float8(scheme["dtype"]) and scales[name] is None:
                     scales[name] = got["scales"]
-                store.append(rounding.round(got["values"]))
+                deq = (_unrounded(got, scheme["dtype"], x[..., moving, :].shape) if naive
+                       else got["values"])
+                store.append(rounding.round(deq))
             held = 0
         else:
             held += n
@@ -317,6 +319,22 @@ def cache_outputs(data: CaseData, dtype: str, naive: bool = False, residual: int
 
 
 # ------------------------------------------------------------------------------ values
+
+
+def _unrounded(got: dict[str, np.ndarray], q_dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """The naive baseline's dequantised values: ``quantize``'s codes, scales and zero points
+    combined in float64, without the spec's float32 roundings of the product and the sum. Its
+    distance from the expected values is the tolerance's budget for those roundings (a jitted
+    jax_attn fuses the two into one FMA, one rounding: spec.CONCURRENCY)."""
+    full = got["scales"]
+    if is_float8(q_dtype):
+        full = full.reshape(full.shape + (1, 1)) if full.ndim == 1 else full
+        return got["codes"] * full
+    size = shape[-1] // got["scales"].shape[-1]
+    deq = _grouped(got["codes"], size) * got["scales"][..., None]
+    if "zero_points" in got:
+        deq = deq + got["zero_points"][..., None]
+    return deq.reshape(shape)
 
 
 def values(data: CaseData, dtype: str, naive: bool = False, **mistake: Any
@@ -336,18 +354,7 @@ def values(data: CaseData, dtype: str, naive: bool = False, **mistake: Any
     if "zero_points" in got:
         out["quantized_zero_points"] = got["zero_points"]
     if naive:
-        shape = data.arrays["x"].shape
-        full = got["scales"]
-        if is_float8(scheme["dtype"]):
-            full = full.reshape(full.shape + (1, 1)) if full.ndim == 1 else full
-            deq = got["codes"] * full
-        else:
-            size = shape[-1] // got["scales"].shape[-1]
-            deq = _grouped(got["codes"], size) * got["scales"][..., None]
-            if "zero_points" in got:
-                deq = deq + got["zero_points"][..., None]
-            deq = deq.reshape(shape)
-        out["dequantized"] = p.round(deq)
+        out["dequantized"] = p.round(_unrounded(got, scheme["dtype"], data.arrays["x"].shape))
     else:
         out["dequantized"] = p.round(got["values"])
     return out
