@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from numerics import assert_matches_reference, assert_vjp_matches_reference
+from subprocesses import timeout
 
 import numpy_attn
 from numpy_attn import _fast
@@ -322,5 +323,5 @@ def test_the_fast_path_tests_pass_under_the_second_choice():
     pinned = "not default_blocks_at_the_real_threshold and not skips_the_shift_exactly"
     run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-n",
                           "0", "-x", "-k", pinned, *files], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=900)
+                         capture_output=True, text=True, timeout=timeout(900))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
