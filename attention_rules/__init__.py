@@ -21,6 +21,10 @@ type with the same message for the same bad input, and plans the same tiles:
 * ``tiles``: the causal/window band and the tile plans of the blockwise and blocked paths;
 * ``varlen`` (imported as ``attention_rules.varlen``): the rules of packed variable-length
   batches (``varlen_attention``: offsets, pages, the groups of equal sequences);
+* ``rotary`` and ``rope_scaling`` (imported by name): the rotary embedding's arguments,
+  layouts and ``RoPE``; its frequencies, default and transformers' scaling methods;
+* ``latent_attention`` and ``quantizing`` (imported by name): multi-head latent attention's
+  sizes and checks; the quantised KV caches' schemes (``KVQuantization``) and rules;
 * ``fast_paths``: ``FAST_PATHS``, the constants of each backend's fast-path selection rule
   (``conformance/spec/constants.py`` shows the same dict).
 

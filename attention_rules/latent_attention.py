@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 from .checks import check_int
-from .rotary import rope_type, yarn_mscale
+from .rope_scaling import rope_type, yarn_mscale
 
 
 class LatentSizes(NamedTuple):

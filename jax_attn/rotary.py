@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from attention_rules import rope_scaling
 from attention_rules import rotary as rotary_rules
 from attention_rules.rotary import RoPE  # noqa: F401 - re-exported: the modules' rope=
 
@@ -117,7 +118,7 @@ def rope_frequencies(
       else float32 (computed in float64, rounded once), and a Python float (1.0 for the methods
       without one).
     """
-    values, factor = rotary_rules.frequencies(
+    values, factor = rope_scaling.frequencies(
         "rope_frequencies", head_dim, theta=theta, scaling=scaling, seq_len=seq_len,
         max_position_embeddings=max_position_embeddings)
     return jnp.asarray(np.asarray(values, np.float64)), factor  # jax: float32 without x64
@@ -165,7 +166,7 @@ def _cos_sin(args: rotary_rules.RotaryArguments, x: jax.Array, positions: jax.Ar
     ``(..., 1, seq, rotary_dim / 2)`` (``(seq, rotary_dim / 2)`` for a 2-D x)."""
     compute = np.dtype(rotary_rules.compute_dtype(x.dtype.name))  # jax: after the x64 rules
     if inv_freq is None:  # the default frequencies, float64 rounded once to the compute dtype
-        inv_freq = np.asarray(rotary_rules.default_inv_freq(args.rotary_dim, args.theta))
+        inv_freq = np.asarray(rope_scaling.default_inv_freq(args.rotary_dim, args.theta))
         inv_freq = inv_freq.astype(compute)  # jax: rounded by NumPy, before JAX sees float64
     freqs = jnp.asarray(inv_freq).astype(compute)  # (rotary_dim / 2,)
     if args.heads_axis:

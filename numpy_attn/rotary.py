@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from attention_rules import rope_scaling
 from attention_rules import rotary as rotary_rules
 from attention_rules.rotary import RoPE  # noqa: F401 - re-exported: the modules' rope=
 
@@ -111,7 +112,7 @@ def rope_frequencies(
       ``(inv_freq, attention_factor)``: ``(head_dim // 2,)`` float64 and a Python float (1.0
       for the methods without one).
     """
-    values, factor = rotary_rules.frequencies(
+    values, factor = rope_scaling.frequencies(
         "rope_frequencies", head_dim, theta=theta, scaling=scaling, seq_len=seq_len,
         max_position_embeddings=max_position_embeddings)
     return np.asarray(values, np.float64), factor
@@ -159,7 +160,7 @@ def _cos_sin(args: rotary_rules.RotaryArguments, x: np.ndarray, positions: np.nd
     ``(..., 1, seq, rotary_dim / 2)`` (``(seq, rotary_dim / 2)`` for a 2-D x)."""
     compute = np.dtype(rotary_rules.compute_dtype(x.dtype.name))
     if inv_freq is None:  # the default frequencies, float64 rounded once to the compute dtype
-        inv_freq = np.asarray(rotary_rules.default_inv_freq(args.rotary_dim, args.theta))
+        inv_freq = np.asarray(rope_scaling.default_inv_freq(args.rotary_dim, args.theta))
     freqs = np.asarray(inv_freq).astype(compute)  # (rotary_dim / 2,)
     if args.heads_axis:
         positions = positions[..., None, :]  # (..., 1, seq)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from attention_rules import rope_scaling
 from attention_rules import rotary as rotary_rules
 from attention_rules.rotary import RoPE  # noqa: F401 - re-exported: the modules' rope=
 
@@ -114,7 +115,7 @@ def rope_frequencies(
       ``(inv_freq, attention_factor)``: ``(head_dim // 2,)`` float64 and a Python float (1.0
       for the methods without one).
     """
-    values, factor = rotary_rules.frequencies(
+    values, factor = rope_scaling.frequencies(
         "rope_frequencies", head_dim, theta=theta, scaling=scaling, seq_len=seq_len,
         max_position_embeddings=max_position_embeddings)
     return torch.tensor(values, dtype=torch.float64), factor
@@ -163,7 +164,7 @@ def _cos_sin(args: rotary_rules.RotaryArguments, x: torch.Tensor, positions: tor
     ``(..., 1, seq, rotary_dim / 2)`` (``(seq, rotary_dim / 2)`` for a 2-D x)."""
     compute = getattr(torch, rotary_rules.compute_dtype(str(x.dtype).removeprefix("torch.")))
     if inv_freq is None:  # the default frequencies, float64 rounded once to the compute dtype
-        inv_freq = torch.tensor(rotary_rules.default_inv_freq(args.rotary_dim, args.theta),
+        inv_freq = torch.tensor(rope_scaling.default_inv_freq(args.rotary_dim, args.theta),
                                 dtype=torch.float64).to(compute)  # torch: rounded on the CPU
     freqs = _as_tensor(inv_freq).to(x.device, compute)  # (rotary_dim / 2,)
     if args.heads_axis:

@@ -6,7 +6,8 @@ token's position, so that ``q·k`` depends on the positions only through their d
 gives the frequencies of transformers' scaling methods, ``permute_for_rotary_layout`` moves a
 checkpoint's weights between the two layouts, and ``RoPE`` describes a model's embedding for
 the modules. JAX has no rotary embedding in ``jax.nn``: jax_attn is checked against the other
-backends and the float64 reference. The rules' code: ``attention_rules/rotary.py``.
+backends and the float64 reference. The rules' code: ``attention_rules/rotary.py`` (the
+frequencies: ``attention_rules/rope_scaling.py``).
 """
 
 from __future__ import annotations

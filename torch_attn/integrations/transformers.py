@@ -64,7 +64,7 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import causal_mask_function, sdpa_mask
 
-from attention_rules.rotary import yarn_mscale
+from attention_rules.rope_scaling import yarn_mscale
 
 from .. import functional
 from ..rotary import rope_frequencies, rotary_embedding
