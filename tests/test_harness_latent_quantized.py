@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conformance.cases import catalogue as cases_mod
-from conformance.cases import latent, quantized
+from conformance.cases import latent, quantized, quantizer
 from conformance.cases.expected import expected
 from conformance.running import backends, plugins, runner
 from conformance.spec import PLUGIN_FEATURES
@@ -29,15 +29,15 @@ LATENT_CASES = [c.name for c in latent.LATENT_CASES]
 
 def test_round_half_even_and_away_on_ties() -> None:
     r = np.array([-2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 2.4999, 2.5001])
-    assert quantized.round_half_even(r).tolist() == [-2, -2, -0, 0, 2, 2, 2, 3]
-    assert quantized.round_half_away(r).tolist() == [-3, -2, -1, 1, 2, 3, 2, 3]
+    assert quantizer.round_half_even(r).tolist() == [-2, -2, -0, 0, 2, 2, 2, 3]
+    assert quantizer.round_half_away(r).tolist() == [-3, -2, -1, 1, 2, 3, 2, 3]
 
 
 def test_integer_codes_of_planted_ties_and_zeros() -> None:
     """The first group of token 0 is (127, 2.5, -0.5, -3.5) · 2^-4: codes 127, 2, 0, -4; the
     all-zero group has scale 0, codes 0 and values exactly +0."""
     data = cases_mod.get("quant_int8_group").data()
-    got = quantized.quantize(data.arrays["x"], quantized.scheme_options(data.options))
+    got = quantizer.quantize(data.arrays["x"], quantized.scheme_options(data.options))
     assert got["codes"][0, 0, 0, :4].tolist() == [127, 2, 0, -4]
     assert got["scales"][0, 0, 0, 0] == 2.0 ** -4
     assert got["scales"][1, 1, 1, 0] == 0.0
@@ -47,7 +47,7 @@ def test_integer_codes_of_planted_ties_and_zeros() -> None:
 
 def test_zero_point_codes_and_a_constant_group() -> None:
     data = cases_mod.get("quant_int4_zero_point_group").data()
-    got = quantized.quantize(data.arrays["x"], quantized.scheme_options(data.options))
+    got = quantizer.quantize(data.arrays["x"], quantized.scheme_options(data.options))
     assert got["codes"][0, 0, 0, :4].tolist() == [0, 15, 2, 4]  # ratios 0, 15, 2.5, 4.5
     assert got["zero_points"][0, 0, 0, 0] == -1.0
     assert (got["values"][1, 1, 2, 4:] == 0.75).all()  # a constant group: its value exactly
@@ -58,17 +58,17 @@ def test_fp8_ties_saturation_and_ordinals() -> None:
     saturate to 448 (ml_dtypes alone gives NaN); e5m2's 80000 saturates to 57344, not inf."""
     data = cases_mod.get("quant_fp8_e4m3_head_saturate").data()
     scheme = quantized.scheme_options(data.options)
-    got = quantized.quantize(data.arrays["x"], scheme)
+    got = quantizer.quantize(data.arrays["x"], scheme)
     assert got["codes"][0, 0, 0, :2].tolist() == [1.0, 1.25]
     assert got["codes"][1, 0, 3, :4].tolist() == [448.0, -448.0, 448.0, -448.0]
-    raw = quantized.quantize(data.arrays["x"], scheme, saturate=False)
+    raw = quantizer.quantize(data.arrays["x"], scheme, saturate=False)
     assert np.isnan(raw["codes"][1, 0, 3, :4]).all()
     e5 = cases_mod.get("quant_fp8_e5m2_tensor_saturate").data()
-    got5 = quantized.quantize(e5.arrays["x"], quantized.scheme_options(e5.options))
+    got5 = quantizer.quantize(e5.arrays["x"], quantized.scheme_options(e5.options))
     assert got5["codes"][1, 0, 3, 2] == 57344.0
-    grid = quantized.fp8_grid("float8_e4m3")
+    grid = quantizer.fp8_grid("float8_e4m3")
     assert len(grid) == 127 and grid[-1] == 448.0  # 0x00 .. 0x7e, 0x7f is NaN
-    ords = quantized.fp8_ordinals(np.array([0.0, grid[1], -grid[5], 448.0]), "float8_e4m3")
+    ords = quantizer.fp8_ordinals(np.array([0.0, grid[1], -grid[5], 448.0]), "float8_e4m3")
     assert ords.tolist() == [0, 1, -5, 126]
 
 

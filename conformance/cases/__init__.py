@@ -14,6 +14,11 @@ implementation's error in that dtype. Nothing here knows a backend.
 ``mods``                the cases' mask_mod / score_mod callables, named from a registry, and
                         their tabulation (mask, bias)
 ``varlen_padding``      a packed batch as a padded batch with lengths, and back
+``rotary``              the rotary embedding's cases and their float64 rotation and frequencies
+``quantized``           the quantised caches' cases (quantisers, a cache with its residual
+                        window) and their expected values
+``quantizer``           the float64 quantiser those expected values come from, from the spec
+``latent``              the latent attention (MLA) module case and its float64 MLA
 ``reference``           the independent float64 reference of the pipeline and its VJP
 ``naive``               the naive low-precision baseline whose error scales every tolerance
 ``module_pipelines``    the spec's modules in float64 around the reference

@@ -33,6 +33,7 @@ import numpy as np
 
 from ..cases import latent as latent_cases
 from ..cases import quantized as quantized_cases
+from ..cases import quantizer
 from ..cases.expected import Expected
 from ..comparing.compare import compare
 
@@ -103,7 +104,7 @@ def latent_mistakes(exp: Expected, step: str, actual: np.ndarray) -> str:
 def _granularity_replays(scheme: dict[str, Any]) -> Iterator[tuple[str, str]]:
     """(wrong granularity, the scheme's) pairs worth replaying."""
     want = scheme["granularity"]
-    if quantized_cases.is_float8(scheme["dtype"]):
+    if quantizer.is_float8(scheme["dtype"]):
         if scheme["scale"] is not None:
             return  # a given scale: no amax to take
         yield "token", want
@@ -120,9 +121,9 @@ def _replays(exp: Expected) -> Iterator[tuple[dict[str, Any], str]]:
     for got, want in _granularity_replays(scheme):
         yield {"granularity": got}, SCALE_GRANULARITY.format(
             got=got, want=want, over=_OVER[got], granularity=want)
-    if quantized_cases.is_float8(scheme["dtype"]):
+    if quantizer.is_float8(scheme["dtype"]):
         yield {"saturate": False}, SATURATION_SKIPPED.format(
-            fmax=quantized_cases.FP8_MAX[scheme["dtype"]])
+            fmax=quantizer.FP8_MAX[scheme["dtype"]])
     yield {"ties_away": True}, HALF_AWAY
 
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from .. import spec
 from ..cases import catalogue as cases_mod
-from ..cases import mods
+from ..cases import mods, quantizer
 from ..cases import quantized as quantized_cases
 from ..cases import rotary as rotary_cases
 from ..cases.dtypes import numpy_dtype
@@ -276,14 +276,14 @@ class Execution:
         return self.backend.compiled(("quantize_kv", tuple(sorted(kwargs.items()))), make)
 
     def quantized(self) -> dict[str, np.ndarray]:
-        """``quantize_kv(x, scheme)``: its codes (``cases.quantized.code_values``: fp8 codes as
+        """``quantize_kv(x, scheme)``: its codes (``cases.quantizer.code_values``: fp8 codes as
         ordinals), scales and zero points as NumPy float64, and ``dequantized``:
         ``dequantize_kv`` of it, NumPy in the dtype it returned."""
         def compute() -> dict[str, np.ndarray]:
             q_dtype = self.exp.data.options["q_dtype"]
             codes, scales, zero_points, values = self._quantize_run()(
                 self.to_backend(self.exp.data.arrays["x"]))
-            out = {"quantized_codes": quantized_cases.code_values(
+            out = {"quantized_codes": quantizer.code_values(
                        _codes_numpy(self.backend, codes), q_dtype),
                    "quantized_scales": self._float64(scales)}
             if values is not None:
