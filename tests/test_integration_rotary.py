@@ -1,5 +1,5 @@
 """Tiny transformers models run with the project's RoPE and attention in place of theirs
-(``torch_attn.integrations.transformers.use_rotary``): the logits and the greedy tokens of
+(``torch_attn.integrations.transformers_rotary.use_rotary``): the logits and the greedy tokens of
 transformers' own ``eager`` model.
 
 The families (random, seeded weights from configs; nothing is downloaded): Llama (grouped-query
@@ -50,7 +50,8 @@ from transformers.masking_utils import eager_mask  # noqa: E402
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
 from conformance.comparing import compare  # noqa: E402
-from torch_attn.integrations import transformers as hf  # noqa: E402
+from torch_attn.integrations import transformers_rotary as hf  # noqa: E402
+from torch_attn.integrations.transformers import NAME  # noqa: E402
 
 REFERENCE = "eager_float64_rotary_reference"
 NEW_TOKENS = 10
@@ -345,10 +346,18 @@ def test_the_layers_rotate_by_themselves():
     """After ``use_rotary`` the model computes no cos/sin (its rotary module returns None) and
     runs the project's attention; the layers' layout is the family's or the one asked for."""
     model = hf.use_rotary(_build("glm_partial", "eager", torch.float32))
-    assert model.config._attn_implementation == hf.NAME
+    assert model.config._attn_implementation == NAME
     assert model.model.rotary_emb(torch.zeros(1), torch.zeros(1, 1)) == (None, None)
     assert [layer.self_attn.rotary_layout for layer in model.model.layers] == ["interleaved"] * 2
     model = _build("deepseek_v3_q_proj_half", "eager", torch.float32, rotary=True)
     assert [layer.self_attn.rotary_layout for layer in model.model.layers] == ["half"] * 2
     model = _build("llama", "eager", torch.float32, rotary=True, layout="interleaved")
     assert [layer.self_attn.rotary_layout for layer in model.model.layers] == ["interleaved"] * 2
+
+
+def test_declared_in_the_spec():
+    """``use_rotary`` is the integration's one public name (``spec.BACKEND_INTEGRATIONS``)."""
+    from conformance import spec
+
+    assert sorted(hf.__all__) == sorted(spec.BACKEND_INTEGRATIONS["torch_attn"][
+        "transformers_rotary"])

@@ -22,6 +22,6 @@ BACKEND_EXTRAS = {
 BACKEND_INTEGRATIONS = {
     "numpy_attn": {},
     "jax_attn": {"flax": ("MultiHeadAttentionWithSinks", "attention_fn", "use_jax_attn")},
-    "torch_attn": {"transformers": ("NAME", "attention_forward", "attention_mask", "register",
-                                    "use_rotary")},
+    "torch_attn": {"transformers": ("NAME", "attention_forward", "attention_mask", "register"),
+                   "transformers_rotary": ("use_rotary",)},
 }
