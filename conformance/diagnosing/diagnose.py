@@ -477,14 +477,14 @@ DIAGNOSES: tuple[Callable[[Expected, str, np.ndarray], str], ...] = (
 
 
 def diagnose(exp: Expected, step: str, actual: Any) -> str:
-    """Plain-words reasons for a failed step of an sdpa, merge or paged case ("" when none
-    applies)."""
+    """Plain-words reasons for a failed step of an sdpa, merge, paged, varlen, rotary,
+    quantised or module case ("" when none applies)."""
     if exp.kind not in ("sdpa", "merge", "paged", "varlen", "rotary", "quantized", "module") or \
             step not in exp.values:
         return ""
     actual = np.asarray(actual).astype(np.float64)
     if actual.shape != exp.values[step].shape:
-        return one_array(exp, step, actual) if exp.kind not in ("quantized", "module") else ""
+        return one_array(exp, step, actual)  # "" but for an sdpa output
     if compare(step, actual, exp.values[step], exp.baseline[step], exp.dtype,
                exp.zeros.get(step), unspecified=exp.unspecified.get(step)).passed:
         return ""  # the values conform: the step failed on its dtype (``seams.cell_reasons``)
