@@ -106,3 +106,13 @@ def test_the_cache_picture_is_the_projects_own_caches_bytes_per_token():
     assert "images/kv_cache_per_token.png" in section and kv_cache_sizes.table() in section
     for words in ("**naive**", "**absorbed**", "exercise 12"):
         assert words in section, words
+
+
+def test_the_cache_tables_sizes_read_in_the_unit_a_reader_expects():
+    """Bytes below 1 KiB, KiB from 1,024, MiB from 1,048,576 (the table's ``_size``)."""
+    from conformance.teaching import kv_cache_sizes
+
+    size = kv_cache_sizes._size
+    assert [size(576), size(1023), size(1024), size(16384), size(1024 * 1024 - 1),
+            size(1024 * 1024), size(3 * 1024 * 1024)] == [
+        "576 B", "1023 B", "1 KiB", "16 KiB", "1.02e+03 KiB", "1 MiB", "3 MiB"]
