@@ -55,7 +55,9 @@ def _attend_chunk(
     """One chunk's partial result: ``rows (kv_heads, rows, head_dim)`` (the query heads of a kv
     head, one after the other) against the chunk's ``width`` keys, given as consecutive parts
     ``(kv_heads, part, head_dim)`` (views; read once, in order) with their values as parts
-    ``(kv_heads, part, v_dim)``, at positions from ``start``; ``limits`` as ``_limits``.
+    ``(kv_heads, part, v_dim)``, at positions from ``start``; ``limits`` as ``_limits``. A part
+    that is not an array is a quantised cache's part of codes (``_dequantizing._Codes``): it
+    makes its own products, ``scores(rows_t, out)`` and ``weighted(weights)``.
     Returns the output ``(kv_heads, rows, v_dim)`` and the lse ``(kv_heads, rows)``; a row
     without a key gives 0 and -inf."""
     # numpy: the scores as keys @ rowsᵀ, (part, head_dim) @ (head_dim, rows) per kv head: a
@@ -63,9 +65,12 @@ def _attend_chunk(
     # transposed matrix, took 3.8x as long (OpenBLAS, one thread, 32k keys)
     scores_t = np.empty(rows.shape[:-2] + (width, rows.shape[-2]), rows.dtype)
     rows_t, at = rows.swapaxes(-1, -2), 0
-    for k in keys:  # one product per part
-        np.matmul(k.astype(rows.dtype, copy=False), rows_t,
-                  out=scores_t[..., at:at + k.shape[-2], :])
+    for k in keys:  # one product per part (a part of codes folds its scales in itself)
+        part = scores_t[..., at:at + k.shape[-2], :]
+        if isinstance(k, np.ndarray):
+            np.matmul(k.astype(rows.dtype, copy=False), rows_t, out=part)
+        else:
+            k.scores(rows_t, part)
         at += k.shape[-2]
     scores = np.ascontiguousarray(scores_t.swapaxes(-1, -2))  # (kv_heads, rows, width)
     scores *= scale
@@ -79,7 +84,9 @@ def _attend_chunk(
     row_sum = scores.sum(axis=-1, keepdims=True)
     output, at = None, 0
     for v in values:  # one product per part, summed in order
-        part = scores[..., at:at + v.shape[-2]] @ v.astype(rows.dtype, copy=False)
+        weights = scores[..., at:at + v.shape[-2]]
+        part = weights @ v.astype(rows.dtype, copy=False) if isinstance(v, np.ndarray) \
+            else v.weighted(weights)
         if output is None:
             output = part
         else:

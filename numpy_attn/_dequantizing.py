@@ -1,5 +1,5 @@
-"""Split-KV decoding over a quantised cache, dequantised a part at a time (``QuantizedKVCache.
-attend``): no float copy of the whole cache is made.
+"""Split-KV decoding over a quantised cache, its codes read a part at a time
+(``QuantizedKVCache.attend``): no float copy of the whole cache is made.
 
 The step is ``paged.split_kv_attention``'s: the keys cut into chunks (``rules.split_chunk``, or
 one chunk below ``SPLIT_KV["min_kv_len"]``), a chunk a task on numpy_attn's thread pool, the
@@ -10,9 +10,12 @@ reused) right before its matrix product, so the product reads float32 values fro
 cache, and the codes, a quarter of the float32 bytes, are all that comes from memory. The
 residual window's positions follow the store's as one more part, read in place.
 
-A part is dequantised exactly as ``dequantize_kv`` does it (``codes · scale (+ zero point)``,
-float32, rounded once per operation, then to the cache's dtype), so the values are the same
-bits as ``cache.keys`` / ``cache.values``; only the chunking of the sums differs from
+A float32 cache folds the scales into the products (``_Codes``; ``spec.QUANTIZED_CACHE``): a
+part of codes is widened to float32, exactly, and the scales (and zero points) multiply the
+products, not every value, so the only pass over a part is its widening. float16, bfloat16 and
+float64 caches dequantise a part exactly as ``dequantize_kv`` does it (``codes · scale (+ zero
+point)``, float32, rounded once per operation, then to the cache's dtype): the same bits as
+``cache.keys`` / ``cache.values``, and only the chunking of the sums differs from
 ``scaled_dot_product_attention`` over them (``spec.SPLIT_DECODING``'s rounding).
 """
 
@@ -40,6 +43,7 @@ def dequantizing_attention(
     *,
     sinks: np.ndarray | None = None,
     part_bytes: int,
+    nan_codes: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """A decoding step over a quantised cache: ``query (..., heads, n, head_dim)`` are the last
     ``n`` of the cache's ``stored + held`` positions (bottom-right causal), default scale.
@@ -54,6 +58,8 @@ def dequantizing_attention(
       sinks: ``(heads,)`` sink logits, or None.
       part_bytes: about how many bytes of float32 one part of keys or values holds
         (``paged.PART_BYTES``, read by the caller at each call).
+      nan_codes: True when an fp8 store may hold NaN codes (a NaN was appended): its parts
+        are widened by a lookup that keeps them NaN.
 
     Returns:
       ``(output (..., heads, n, v_dim)`` in the query's dtype, ``lse (..., heads, n))``.
@@ -63,8 +69,8 @@ def dequantizing_attention(
     compute = np.dtype(rules.compute_dtype(query.dtype.name))
     flat = int(np.prod(batch))  # the batch axes as one
     rows = query.reshape(flat, kv_heads, heads // kv_heads * n, head_dim).astype(compute)
-    keys = _Source(key_store, key_residual, flat, stored, held, part_bytes)
-    values = _Source(value_store, value_residual, flat, stored, held, part_bytes)
+    keys = _Source(key_store, key_residual, flat, stored, held, part_bytes, nan_codes)
+    values = _Source(value_store, value_residual, flat, stored, held, part_bytes, nan_codes)
     chunks = rules.kv_chunks(length, rules.split_chunk(n, length) or length)
     tasks = [(b, c, start, stop) for b in range(flat) for c, (start, stop) in enumerate(chunks)]
     outputs, lses = _partials(len(chunks), rows, v_dim)
@@ -87,16 +93,21 @@ class _Source:
     one batch row: codes, scales and zero points viewed with the batch axes as one."""
 
     def __init__(self, store: Any, residual: np.ndarray, flat: int, stored: int,
-                 held: int, part_bytes: int) -> None:
-        self.part_bytes = part_bytes
+                 held: int, part_bytes: int, nan_codes: bool) -> None:
+        self.part_bytes, self.nan_codes = part_bytes, nan_codes
         kv_heads, dim = residual.shape[-3], residual.shape[-1]
         self.codes = store.codes.reshape(flat, kv_heads, store.codes.shape[-2], dim)
         self.scheme, self.dtype = store.scheme, residual.dtype
-        if store.scheme.is_float8:  # a table of the 256 codes' values per kv head, scaled
+        # a float32 cache folds the scales into the products (``_Codes``); the others
+        # dequantise each part to dequantize_kv's values (float16 / bfloat16 round them)
+        self.fold = self.dtype == np.float32
+        if store.scheme.is_float8:  # a table of the 256 codes' values
             values = np.arange(256, dtype=np.uint8).view(store.codes.dtype).astype(np.float32)
             scales = np.broadcast_to(store.scales, (kv_heads,))[:, None]  # () or (kv_heads,)
+            self.table = values  # (256,): the codes' values, unscaled
             self.tables = values * scales  # (kv_heads, 256): dequantize_kv's products
-            self.codes = self.codes.view(np.uint8)
+            self.head_scales = scales[:, None]  # (kv_heads, 1, 1)
+            self.codes = self.codes.view(np.int8)  # signed: _widen_float8's sign
         else:  # (flat, kv_heads, max_len, groups)
             self.scales = store.scales.reshape((flat,) + store.scales.shape[-3:])
             self.zero_points = None if store.zero_points is None else \
@@ -104,16 +115,32 @@ class _Source:
         self.residual = residual.reshape((flat,) + residual.shape[-3:])
         self.stored, self.held = stored, held
 
-    def parts(self, b: int, start: int, stop: int) -> Iterator[np.ndarray]:
+    def parts(self, b: int, start: int, stop: int) -> Iterator[Any]:
         """Positions ``start..stop`` of batch row ``b`` as consecutive parts ``(kv_heads,
-        part, dim)``: the store's dequantised into this thread's buffer (valid until the next
-        part), then the window's, views."""
+        part, dim)``: the store's as ``_Codes`` (a float32 cache) or dequantised, both in this
+        thread's buffer (valid until the next part), then the window's, views."""
         kv_heads, dim = self.codes.shape[1], self.codes.shape[-1]
         per = max(1, self.part_bytes // max(1, kv_heads * dim * 4))  # positions per part
+        part = self._codes if self.fold else self._dequantized
         for lo in range(start, min(stop, self.stored), per):
-            yield self._dequantized(b, lo, min(lo + per, stop, self.stored))
+            yield part(b, lo, min(lo + per, stop, self.stored))
         if stop > self.stored:  # the residual window: positions stored..stored + held
             yield self.residual[b, :, max(start, self.stored) - self.stored:stop - self.stored]
+
+    def _codes(self, b: int, lo: int, hi: int) -> _Codes:
+        """Positions ``lo..hi`` of the store, row ``b``: the codes widened to float32 (exact),
+        with the scales and zero points that ``_Codes`` folds into its products."""
+        codes = self.codes[b, :, lo:hi]  # (kv_heads, part, dim)
+        out = _buffer(codes.shape, np.dtype(np.float32))
+        if self.scheme.is_float8 and self.nan_codes:  # the lookup keeps NaN codes NaN
+            np.take(self.table, codes.view(np.uint8), out=out, mode="wrap")
+            return _Codes(out, self.head_scales, None)
+        if self.scheme.is_float8:  # the codes' bits moved into float32's, then rescaled
+            _widen_float8(codes, out, self.scheme.code_dtype)
+            return _Codes(out, self.head_scales, None)
+        np.copyto(out, codes, casting="unsafe")
+        zero_points = None if self.zero_points is None else self.zero_points[b, :, lo:hi]
+        return _Codes(out, self.scales[b, :, lo:hi], zero_points)
 
     def _dequantized(self, b: int, lo: int, hi: int) -> np.ndarray:
         """Positions ``lo..hi`` of the store, row ``b``: ``(kv_heads, hi - lo, dim)``,
@@ -122,7 +149,7 @@ class _Source:
         out = _buffer(codes.shape, np.dtype(np.float32))
         if self.scheme.is_float8:  # numpy: a lookup (ml_dtypes' cast is 5-10x slower)
             for h, table in enumerate(self.tables):
-                np.take(table, codes[h], out=out[h], mode="clip")
+                np.take(table, codes[h].view(np.uint8), out=out[h], mode="wrap")
         else:  # numpy: the cast, then the scale in place (a mixed-type product is 1.5x slower)
             np.copyto(out, codes, casting="unsafe")
             grouped = out.reshape(codes.shape[:-1] + (self.scales.shape[-1], -1))
@@ -131,3 +158,73 @@ class _Source:
                 grouped += self.zero_points[b, :, lo:hi, :, None]
         # float16 / bfloat16 caches round the values as dequantize_kv does (a fresh array)
         return out if self.dtype == np.float32 else out.astype(self.dtype)
+
+
+class _Codes:
+    """A part of a float32 cache's store with the scales folded into its products: ``codes
+    (kv_heads, part, dim)`` widened to float32 (exact), ``scales (kv_heads, part, groups)``
+    (integer codes: a group is ``dim // groups`` consecutive channels) or ``(kv_heads, 1, 1)``
+    (fp8: one per head), ``zero_points`` like the integer scales, or None.
+
+    A key of group ``g`` is ``s_g · c_g (+ z_g)``, so its score against a row ``q`` is
+    ``Σ_g s_g (c_g · q_g) (+ z_g Σ q_g)``; a value's share of the output is ``(w · s_g) c_g
+    (+ (w · z_g))``. The products read the codes once, and no pass multiplies every value by
+    its scale (the pass that cost more than the memory the codes save). The float32
+    roundings are those of a reordered sum (``spec.QUANTIZED_CACHE``)."""
+
+    def __init__(self, codes: np.ndarray, scales: np.ndarray,
+                 zero_points: np.ndarray | None) -> None:
+        self.codes, self.scales, self.zero_points = codes, scales, zero_points
+        self.shape = codes.shape
+
+    def _groups(self) -> Iterator[tuple[int, slice]]:
+        """``(g, channels of group g)`` for each scale group (fp8: one group, every channel)."""
+        groups, dim = self.scales.shape[-1], self.codes.shape[-1]
+        size = dim // groups
+        for g in range(groups):
+            yield g, slice(g * size, (g + 1) * size)
+
+    def scores(self, rows_t: np.ndarray, out: np.ndarray) -> None:
+        """``out (kv_heads, part, rows)`` = the keys' products with ``rows_t (kv_heads, dim,
+        rows)``."""
+        for g, channels in self._groups():
+            product = self.codes[..., channels] @ rows_t[:, channels]  # (kv_heads, part, rows)
+            product *= self.scales[..., g:g + 1]
+            if self.zero_points is not None:  # z_g times the group's sum of each row
+                product += self.zero_points[..., g:g + 1] * \
+                    rows_t[:, channels].sum(axis=-2, keepdims=True)
+            if g == 0:
+                out[...] = product
+            else:
+                out += product
+
+    def weighted(self, weights: np.ndarray) -> np.ndarray:
+        """The values weighted by ``weights (kv_heads, rows, part)``: ``(kv_heads, rows,
+        dim)``."""
+        output = np.empty(weights.shape[:-1] + self.codes.shape[-1:], weights.dtype)
+        for g, channels in self._groups():
+            scaled = weights * np.swapaxes(self.scales[..., g:g + 1], -1, -2)  # (.., rows, part)
+            output[..., channels] = scaled @ self.codes[..., channels]
+            if self.zero_points is not None:  # (kv_heads, rows, 1): w · z_g, every channel
+                output[..., channels] += weights @ self.zero_points[..., g:g + 1]
+        return output
+
+
+#: fp8 widening by bits: ``(mantissa bits, exponent bias)`` of each code dtype.
+_FLOAT8_LAYOUT = {"float8_e4m3fn": (3, 7), "float8_e5m2": (2, 15)}
+
+
+def _widen_float8(codes: np.ndarray, out: np.ndarray, code_dtype: str) -> None:
+    """fp8 ``codes`` (viewed as int8) into float32 ``out``, exactly, for codes that are not
+    NaN (or inf): the exponent and mantissa bits shifted into float32's (the sign from
+    int8's sign extension, the bits it sets in the exponent masked off), then times
+    ``2^(127 - bias)``, which is exact for normal and subnormal codes alike (a subnormal code
+    is a subnormal float32 before the product). numpy: three passes of 1-4 bytes per value
+    against ``np.take``'s one lookup per value, 2.3x faster here; NaN codes would read as
+    finite numbers, so a cache that holds one uses the lookup (``_Source.nan_codes``)."""
+    mantissa, bias = _FLOAT8_LAYOUT[code_dtype]
+    shift = 23 - mantissa
+    bits = out.view(np.int32)
+    np.left_shift(codes, shift, out=bits, dtype=np.int32)
+    np.bitwise_and(bits, np.int32(-2**31 | 0x7F << shift), out=bits)
+    np.multiply(out, np.float32(2.0 ** (127 - bias)), out=out)

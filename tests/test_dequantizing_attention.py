@@ -22,6 +22,7 @@ BACKENDS = {"numpy_attn": (numpy_attn, numpy_attn.paged, np.asarray),
 SCHEMES = [
     KVQuantization("int8", residual=3),
     KVQuantization("int4", zero_point=True, granularity="token"),
+    KVQuantization("int8", zero_point=True),  # two groups of 16 channels with zero points
     KVQuantization("float8_e4m3", granularity="head", residual=2),
     KVQuantization("float8_e5m2"),
 ]
@@ -47,7 +48,8 @@ def _reference(query, keys, values, sinks=None):
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
-@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"{s.dtype}-{s.granularity}")
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"{s.dtype}-{s.granularity}"
+                         + ("-zp" if s.zero_point else ""))
 def test_chunks_parts_and_window_equal_float64_attention(backend, scheme, monkeypatch):
     """Chunks of 8 keys from 16 (``SPLIT_KV``), parts of 3 positions (``PART_BYTES``), a
     window of ``residual`` tokens after the store, q_len 2 with grouped heads and sinks; and
@@ -102,3 +104,76 @@ def test_the_step_makes_no_float_copy_of_the_cache(backend, monkeypatch):
     assert calls == []
     cache.keys  # noqa: B018 - the property does dequantise: the monkeypatch is in place
     assert calls == [(1, 2, 40, 32)]
+
+
+@pytest.mark.parametrize("code_dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_widening_by_bits_is_exact_for_every_code_but_nan(code_dtype):
+    """Every one of the 256 codes widened by bits equals ml_dtypes' and torch's casts (the
+    truth of the fp8 values), subnormals and both zeros included; the NaN (and e5m2's inf)
+    codes are the ones the lookup or torch's cast handles (``nan_codes``)."""
+    import ml_dtypes
+
+    from numpy_attn._dequantizing import _widen_float8
+    from torch_attn._dequantizing import _widened_float8
+
+    codes = np.arange(256, dtype=np.uint8).view(np.int8).reshape(1, 2, 128)
+    want = codes.view(getattr(ml_dtypes, code_dtype)).astype(np.float32)
+    finite = np.isfinite(want)
+    assert finite.sum() == {"float8_e4m3fn": 254, "float8_e5m2": 248}[code_dtype]
+    got_numpy = np.empty(codes.shape, np.float32)
+    _widen_float8(codes, got_numpy, code_dtype)
+    got_torch = _widened_float8(torch.from_numpy(codes).view(getattr(torch, code_dtype)), None)
+    for got in (got_numpy, got_torch.numpy()):
+        np.testing.assert_array_equal(got[finite], want[finite])
+        assert (np.signbit(got) == np.signbit(want))[finite].all()  # -0.0 stays -0.0
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("scheme", [KVQuantization("float8_e4m3", scale=0.5),
+                                    KVQuantization("float8_e5m2", scale=0.5)],
+                         ids=["e4m3", "e5m2"])
+def test_a_nan_code_makes_the_step_nan_as_attention_over_the_values_does(backend, scheme):
+    """A NaN quantised with a given fp8 scale is a NaN code: the decoding step's output is
+    NaN where attention over ``cache.keys`` / ``cache.values`` is (the channel of the NaN
+    value, in the two query heads of its kv head), and equal elsewhere."""
+    module, _, convert = BACKENDS[backend]
+    rng = np.random.default_rng(5)
+    keys = rng.standard_normal((2, 2, 12, 32)).astype(np.float32)
+    values = rng.standard_normal((2, 2, 12, 32)).astype(np.float32)
+    values[1, 0, 4, 3] = np.nan  # batch row 1, kv head 0: its two query heads read NaN
+    cache = module.QuantizedKVCache.empty((2,), 2, 12, 32, scheme=scheme)
+    cache = cache.append(convert(keys), convert(values))
+    query = rng.standard_normal((2, 4, 1, 32)).astype(np.float32)
+    got = np.asarray(cache.attend(convert(query)))
+    want = _reference(query, np.asarray(cache.keys), np.asarray(cache.values))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    assert np.isnan(got[1, :2, :, 3]).all() and np.isnan(got).sum() == 2  # channel 3 only
+    finite = ~np.isnan(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
+def test_caches_of_other_dtypes_read_the_dequantised_values(backend, dtype):
+    """float16, bfloat16 and float64 caches attend ``dequantize_kv``'s values (float16 and
+    bfloat16 rounded): the step equals float64 attention over ``cache.keys`` /
+    ``cache.values`` to the rounding of the step's sums, not to the scales' fold."""
+    module = BACKENDS[backend][0]
+    rng = np.random.default_rng(8)
+    keys = rng.standard_normal((1, 2, 40, 32))
+    values = rng.standard_normal((1, 2, 40, 32))
+    query = rng.standard_normal((1, 2, 1, 32))
+    def cast(a):  # float64 → the cache's dtype, in the backend
+        if backend == "torch_attn":
+            return torch.from_numpy(a).to(getattr(torch, dtype))
+        return a.astype(numpy_attn._arrays._cache_dtype("test", dtype))
+
+    def as64(a):
+        return (a.to(torch.float64) if backend == "torch_attn" else a.astype(np.float64))
+
+    cache = module.QuantizedKVCache.empty((1,), 2, 40, 32, scheme=KVQuantization(
+        "int8", group_size=16), dtype=dtype).append(cast(keys), cast(values))
+    got = np.asarray(as64(cache.attend(cast(query))))
+    want = _reference(*(np.asarray(as64(a)) for a in (cast(query), cache.keys, cache.values)))
+    tolerance = {"float16": 2e-3, "bfloat16": 1.6e-2, "float64": 1e-12}[dtype]
+    np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance)

@@ -175,6 +175,7 @@ class QuantizedKVCache:
         self.value_residual = value_residual  # (..., kv_heads, residual, v_dim)
         self._stored = stored
         self._held = held
+        self._nan_codes = False  # an fp8 store holds NaN codes (a NaN was quantised)
 
     @classmethod
     def empty(
@@ -276,6 +277,9 @@ class QuantizedKVCache:
             values = torch.cat([self.value_residual[..., :held, :], value], dim=-2)
             _store(self.key_store, keys, self._stored)  # torch: in place
             _store(self.value_store, values, self._stored)
+            self._nan_codes = self._nan_codes or any(
+                s.scheme.is_float8 and bool(torch.isnan(x).any())
+                for s, x in ((self.key_store, keys), (self.value_store, values)))
             self._stored, self._held = self._stored + held + n, 0
         else:  # into the window
             self.key_residual[..., held:held + n, :] = key
@@ -312,7 +316,7 @@ class QuantizedKVCache:
             return dequantizing_attention(
                 query, self.key_store, self.value_store, self.key_residual,
                 self.value_residual, self._stored, self._held, sinks=sinks,
-                part_bytes=paged.PART_BYTES)[0]
+                part_bytes=paged.PART_BYTES, nan_codes=self._nan_codes)[0]
         return scaled_dot_product_attention(
             query, self.keys, self.values, is_causal=True, causal_alignment="bottom_right",
             scale=scale, softcap=softcap, sinks=sinks)
