@@ -19,6 +19,7 @@ implementation's error in that dtype. Nothing here knows a backend.
                         window) and their expected values
 ``quantizer``           the float64 quantiser those expected values come from, from the spec
 ``latent``              the latent attention (MLA) module case and its float64 MLA
+``latent_grads``        that MLA's weight gradients by the chain rule (the ``grad_weights`` step)
 ``reference``           the independent float64 reference of the pipeline and its VJP
 ``naive``               the naive low-precision baseline whose error scales every tolerance
 ``module_pipelines``    the spec's modules in float64 around the reference

@@ -14,7 +14,8 @@ For the dtype-cast inputs of a case, ``expected_for`` computes once:
   (``case_inputs.varlen_pieces``); a rotary case's ``rotary_*`` and ``rope_*`` steps are
   ``cases.rotary``'s float64 rotation and frequencies; a quantised case's steps are
   ``cases.quantized``'s float64 quantiser (and the reference attention over its dequantised
-  cache), the MLA module case's ``cases.latent``'s float64 MLA; the naive baseline of a case
+  cache), the MLA module case's ``cases.latent``'s float64 MLA (its ``grad_weights``
+  ``cases.latent_grads``' chain rule); the naive baseline of a case
   with chunks, ALiBi, segment ids or mods (``mods.uses_mods``) runs on ``mods.dedicated`` (the
   same rules as a mask and a bias), and its ``masked_scores`` are not compared (``steps``:
   ``mask_scores`` takes none of those rules);
@@ -37,7 +38,7 @@ import numpy as np
 
 from . import catalogue as cases_mod
 from . import latent as latent_cases
-from . import mods, reference
+from . import latent_grads, mods, reference
 from . import quantized as quantized_cases
 from . import rotary as rotary_cases
 from .catalogue import Case, CaseData
@@ -158,7 +159,11 @@ def _pipeline(data: CaseData, kind: str, dtype: str, naive: bool) -> dict[str, n
     if kind == "quantized":
         return quantized_cases.values(data, dtype, naive)
     if kind == "module" and latent_cases.is_latent(data):
-        return latent_cases.values(data, dtype, naive)
+        values = latent_cases.values(data, dtype, naive)
+        if "grad_output" in data.arrays and data.finite:
+            values["grad_weights"] = flatten_weight_grads(latent_grads.weight_grads(
+                data, Precision(dtype) if naive else EXACT))
+        return values
     with_mods = kind == "sdpa" and mods.uses_mods(data)
     blockwise = blockwise_applies(data)
     scores_options = data.options  # "scores" comes before a score_mod folded into softcap
@@ -295,8 +300,8 @@ def expected_for(data: CaseData, kind: str, dtype: str, case: str = "", *,
     ``gradients``, a seeded ``grad_output`` and the gradient steps (a merge or paged case has
     none; the inputs of a paged case are its pages, compared with the contiguous attention)."""
     if gradients and kind in ("sdpa", "module", "varlen", "rotary") and \
-            "grad_output" not in data.arrays and not latent_cases.is_latent(data):
-        if kind == "rotary":
+            "grad_output" not in data.arrays:
+        if kind == "rotary" or latent_cases.is_latent(data):  # the output is shaped like x
             shape = data.arrays["x"].shape
         elif kind != "module":
             q, v = data.arrays["query"], data.arrays["value"]

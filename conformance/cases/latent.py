@@ -10,7 +10,10 @@ seeded generator in float64 (``load_weights`` gets them cast to the dtype), the 
 * ``output``: ``forward(x, is_causal=True)``, the naive form;
 * ``latent_absorbed_output``: ``forward(x, is_causal=True, absorbed=True)``: equal to it;
 * ``decode_output``: ``decode`` chunk by chunk from a latent cache (the later chunks at an
-  offset): equal to the causal forward.
+  offset): equal to the causal forward;
+* ``grad_weights``: ``parameter_gradients(x, grad_output, is_causal=True)``, every weight's
+  gradient of the naive form against the seeded ``grad_output`` that ``expected`` adds
+  (``cases.latent_grads``, the chain rule over ``Parts``).
 
 ``mla`` computes either form with every intermediate rounded by a ``Precision`` (float64: the
 expected values; the dtype: the naive baseline that scales the tolerance) and replays the
@@ -21,7 +24,6 @@ absorbed query without ``W_UK`` (``no_fold``), the values read from the latent's
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -64,10 +66,11 @@ def weight_shapes(init: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-class _Parts:
-    """One forward's intermediates in float64 (rounded by ``p``)."""
+class Parts:
+    """One forward's intermediates in float64 (rounded by ``p``); ``cases.latent_grads`` runs
+    the backward pass over them."""
 
-    def __init__(self, data: CaseData, p: Precision, rope_all: bool) -> None:
+    def __init__(self, data: CaseData, p: Precision) -> None:
         o, a = data.options["init"], data.arrays
         self.p, self.o = p, o
         self.w = {n[2:]: np.asarray(x).astype(np.float64) for n, x in a.items()
@@ -75,17 +78,20 @@ class _Parts:
         x = np.asarray(a["x"]).astype(np.float64)
         self.h, self.r = o["num_heads"], o["kv_lora_rank"]
         self.dn, self.dr = o["qk_nope_head_dim"], o["qk_rope_head_dim"]
-        self.positions = np.arange(x.shape[-2])
+        self.dv = o["v_head_dim"]
+        self.x, self.positions = x, np.arange(x.shape[-2])
+        self.options = {"is_causal": bool(data.options["forward"].get("is_causal", False)),
+                        "scale": self.scale}
         if "q_proj.weight" in self.w:
             q = self.linear(x, "q_proj.weight")
         else:
-            q_a = self.linear(x, "q_a_proj.weight")
-            q = self.linear(self.rms(q_a, "q_a_layernorm.weight"), "q_b_proj.weight")
+            self.q_a = self.linear(x, "q_a_proj.weight")  # (..., S, q_lora_rank)
+            self.q_normed = self.rms(self.q_a, "q_a_layernorm.weight")
+            q = self.linear(self.q_normed, "q_b_proj.weight")
         q = self.heads(q)  # (..., H, S, dn + dr)
-        kv_a = self.linear(x, "kv_a_proj_with_mqa.weight")  # (..., S, r + dr)
+        self.kv_a = kv_a = self.linear(x, "kv_a_proj_with_mqa.weight")  # (..., S, r + dr)
         self.c = self.rms(kv_a[..., : self.r], "kv_a_layernorm.weight")[..., None, :, :]
         k_pe = kv_a[..., None, :, self.r:]  # (..., 1, S, dr)
-        self.rope_all = rope_all
         self.q_raw, self.k_pe_raw = q, k_pe
         self.q_nope, self.q_pe = q[..., : self.dn], self.rotate(q[..., self.dn:])
         self.k_pe = self.rotate(k_pe)
@@ -98,6 +104,12 @@ class _Parts:
         """``(..., S, H * d)`` → ``(..., H, S, d)``."""
         return np.swapaxes(t.reshape(t.shape[:-1] + (self.h, -1)), -2, -3)
 
+    @staticmethod
+    def merge(t: np.ndarray) -> np.ndarray:
+        """``(..., H, S, d)`` → ``(..., S, H * d)``."""
+        merged = np.swapaxes(t, -2, -3)
+        return merged.reshape(merged.shape[:-2] + (-1,))
+
     def rms(self, t: np.ndarray, name: str) -> np.ndarray:
         """``g · t / sqrt(mean(t²) + eps)``, normalised in the compute dtype, rounded, then the
         gain."""
@@ -106,13 +118,36 @@ class _Parts:
         normed = tc / np.sqrt(np.mean(tc * tc, axis=-1, keepdims=True) + acc.type(RMS_EPS))
         return self.p.round(self.w[name] * self.p.round(normed))
 
-    def rotate(self, t: np.ndarray, dims: int | None = None) -> np.ndarray:
-        """The rope (interleaved pairs, theta 10000) over all of ``t``'s last axis."""
-        n = t.shape[-1] if dims is None else dims
-        inv = default_inv_freq(n, THETA)
+    def rotate(self, t: np.ndarray, inverse: bool = False) -> np.ndarray:
+        """The rope (interleaved pairs, theta 10000) over all of ``t``'s last axis
+        ``(..., S, d)``; ``inverse``: by ``-angle``, its transpose (the VJP)."""
+        inv = default_inv_freq(t.shape[-1], THETA)
         if self.p.dtype == "float64":
-            return rotate(t, self.positions, inv, "interleaved")
-        return naive_rotate(t, self.positions, inv, "interleaved", None, 1.0, self.p.dtype)
+            return rotate(t, self.positions, inv, "interleaved", inverse=inverse)
+        return naive_rotate(t, self.positions, inv, "interleaved", None, 1.0, self.p.dtype,
+                            inverse=inverse)
+
+    def naive_qkv(self, rope_all: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The naive form's query, key ``(..., H, S, dn + dr)`` and value ``(..., H, S, dv)``:
+        the latent projected up per head, ``k_pe`` broadcast to every head; ``rope_all``:
+        every dim of q and k rotated, at the frequencies of qk_head_dim (a mistake)."""
+        kv = self.heads(self.linear(self.c[..., 0, :, :], "kv_b_proj.weight"))
+        k_nope, value = kv[..., : self.dn], kv[..., self.dn:]
+        k_pe = np.broadcast_to(self.k_pe_raw if rope_all else self.k_pe,
+                               k_nope.shape[:-1] + (self.dr,))
+        if rope_all:
+            return (self.rotate(self.q_raw),
+                    self.rotate(np.concatenate([k_nope, k_pe], axis=-1)), value)
+        query = np.concatenate([self.q_nope, self.q_pe], axis=-1)
+        return query, np.concatenate([k_nope, k_pe], axis=-1), value
+
+    def attend(self, query: np.ndarray, key: np.ndarray, value: np.ndarray) -> reference.Steps:
+        """The attention at the forward options: the float64 reference, or the naive one
+        rounded by ``p``."""
+        if self.p.dtype == "float64":
+            return reference.attention(query, key, value, **self.options)
+        return naive_attention({"query": query, "key": key, "value": value}, self.options,
+                               self.p)
 
     @property
     def scale(self) -> float:
@@ -124,28 +159,11 @@ def mla(data: CaseData, p: Precision = EXACT, *, absorbed: bool = False, rope_al
         no_fold: bool = False, last_slice: bool = False) -> np.ndarray:
     """The MLA forward of the case (its forward options), ``(..., seq, d_model)``; ``absorbed``:
     the absorbed form; the keywords replay mistakes (see the module docstring)."""
-    parts = _Parts(data, p, rope_all)
-    attend: Callable[..., reference.Steps] = (
-        (lambda arrays, options: naive_attention(arrays, options, p)) if p.dtype != "float64"
-        else (lambda arrays, options: reference.attention(
-            arrays["query"], arrays["key"], arrays["value"], **options)))
-    options = {"is_causal": bool(data.options["forward"].get("is_causal", False)),
-               "scale": parts.scale}
-    h, dn, r = parts.h, parts.dn, parts.r
-    dv = data.options["init"]["v_head_dim"]
+    parts = Parts(data, p)
+    h, dn, r, dv = parts.h, parts.dn, parts.r, parts.dv
     w_b = parts.w["kv_b_proj.weight"].reshape(h, dn + dv, r)
     if not absorbed:
-        kv = parts.heads(parts.linear(parts.c[..., 0, :, :], "kv_b_proj.weight"))
-        k_nope, value = kv[..., :dn], kv[..., dn:]
-        k_pe = np.broadcast_to(parts.k_pe_raw if rope_all else parts.k_pe,
-                               k_nope.shape[:-1] + (parts.dr,))
-        if rope_all:  # every dim of q and k rotated, at the frequencies of qk_head_dim
-            query = parts.rotate(parts.q_raw)
-            key = parts.rotate(np.concatenate([k_nope, k_pe], axis=-1))
-        else:
-            query = np.concatenate([parts.q_nope, parts.q_pe], axis=-1)
-            key = np.concatenate([k_nope, k_pe], axis=-1)
-        context = attend({"query": query, "key": key, "value": value}, options).output
+        context = parts.attend(*parts.naive_qkv(rope_all)).output
     else:
         q_lat = parts.q_nope if no_fold else p.round(np.einsum(
             "...hsn,hnr->...hsr", parts.q_nope.astype(p.accumulate), w_b[:, :dn].astype(
@@ -153,12 +171,10 @@ def mla(data: CaseData, p: Precision = EXACT, *, absorbed: bool = False, rope_al
         query = np.concatenate([q_lat, parts.q_pe], axis=-1)
         key = np.concatenate([parts.c, parts.k_pe], axis=-1)  # (..., 1, S, r + dr)
         value = key[..., -r:] if last_slice else key[..., :r]
-        latent = attend({"query": query, "key": key, "value": value}, options).output
+        latent = parts.attend(query, key, value).output
         context = p.round(np.einsum("...hsr,hvr->...hsv", latent.astype(p.accumulate),
                                     w_b[:, dn:].astype(p.accumulate)))
-    merged = np.swapaxes(context, -2, -3)
-    merged = merged.reshape(merged.shape[:-2] + (-1,))
-    return parts.linear(merged, "o_proj.weight")
+    return parts.linear(parts.merge(context), "o_proj.weight")
 
 
 def values(data: CaseData, dtype: str, naive: bool = False) -> dict[str, np.ndarray]:
@@ -196,5 +212,5 @@ LATENT_CASES: tuple[Case, ...] = (
          _latent_case, kind="module"),
 )
 
-__all__ = ["INIT", "LATENT_CASES", "LATENT_STEPS", "MODULE", "is_latent", "mla", "values",
-           "weight_shapes"]
+__all__ = ["INIT", "LATENT_CASES", "LATENT_STEPS", "MODULE", "Parts", "is_latent", "mla",
+           "values", "weight_shapes"]

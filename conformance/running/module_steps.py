@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..cases import catalogue as cases_mod
+from ..cases import latent as latent_cases
 from ..cases.expected import Expected
 from ..cases.module_pipelines import flatten_weight_grads
 from .backends import Backend
@@ -80,6 +81,8 @@ def parameter_gradients(backend: Backend, exp: Expected) -> np.ndarray:
             kwargs["mask"] = to_backend(backend, a["mask"])
         context = to_backend(backend, a["context"]) if "context" in a else None
         grads = m.parameter_gradients(inputs[0], grad_output, context, **kwargs)
+    elif o["module"] == latent_cases.MODULE:  # its forward options are keywords (is_causal)
+        grads = m.parameter_gradients(inputs[0], grad_output, **o["forward"])
     else:
         grads = m.parameter_gradients(*inputs, grad_output)
     return flatten_weight_grads(grads)
