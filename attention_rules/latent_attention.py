@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from .checks import check_int
+from .checks import check_flag, check_int
 from .rope_scaling import rope_type, yarn_mscale
 
 
@@ -89,23 +89,39 @@ def softmax_scale(sizes: LatentSizes, scaling: Mapping | None) -> float:
     return scale
 
 
-def weight_shapes(sizes: LatentSizes) -> dict[str, tuple[int, ...]]:
-    """Each weight's shape in transformers' DeepSeek-V3 names, ``(out_features, in_features)``
-    for the projections (``nn.Linear.weight``), ``(dim,)`` for the RMSNorm gains."""
+def weight_shapes(sizes: LatentSizes,
+                  attention_bias: bool = False) -> dict[str, tuple[int, ...]]:
+    """Each weight's shape in transformers' DeepSeek-V3 names and ``state_dict`` order,
+    ``(out_features, in_features)`` for the projections (``nn.Linear.weight``), ``(dim,)`` for
+    the RMSNorm gains and, with ``attention_bias``, the biases ``(out_features,)`` of the
+    projections transformers gives one (``config.attention_bias``): ``q_a_proj`` (with a
+    ``q_lora_rank``), ``kv_a_proj_with_mqa`` and ``o_proj``; never ``q_proj``, ``q_b_proj`` or
+    ``kv_b_proj``."""
     h, d = sizes.num_heads, sizes.d_model
     shapes: dict[str, tuple[int, ...]] = {}
     if sizes.q_lora_rank is None:
         shapes["q_proj.weight"] = (h * sizes.qk_head_dim, d)
     else:
         shapes["q_a_proj.weight"] = (sizes.q_lora_rank, d)
+        if attention_bias:
+            shapes["q_a_proj.bias"] = (sizes.q_lora_rank,)
         shapes["q_a_layernorm.weight"] = (sizes.q_lora_rank,)
         shapes["q_b_proj.weight"] = (h * sizes.qk_head_dim, sizes.q_lora_rank)
     shapes["kv_a_proj_with_mqa.weight"] = (sizes.latent_dim, d)
+    if attention_bias:
+        shapes["kv_a_proj_with_mqa.bias"] = (sizes.latent_dim,)
     shapes["kv_a_layernorm.weight"] = (sizes.kv_lora_rank,)
     shapes["kv_b_proj.weight"] = (h * (sizes.qk_nope_head_dim + sizes.v_head_dim),
                                   sizes.kv_lora_rank)
     shapes["o_proj.weight"] = (d, h * sizes.v_head_dim)
+    if attention_bias:
+        shapes["o_proj.bias"] = (d,)
     return shapes
+
+
+def check_attention_bias(fn: str, attention_bias: object) -> bool:
+    """``attention_bias``: a bool (TypeError naming it otherwise; ``check_flag``)."""
+    return check_flag(fn, "attention_bias", attention_bias)
 
 
 def check_input(fn: str, shape: tuple[int, ...], d_model: int) -> None:

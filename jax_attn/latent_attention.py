@@ -37,9 +37,13 @@ from .paged import PagedKVCache, paged_attention, split_kv_attention
 from .rotary import RoPE, rope_frequencies, rotary_embedding
 
 
-def _linear(x: jax.Array, weight: jax.Array) -> jax.Array:
-    """``x @ weightᵀ`` (``weight (out, in)``, torch's ``nn.Linear``) in the inputs' dtype."""
-    return jnp.matmul(x, weight.T).astype(jnp.result_type(x, weight))
+def _linear(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+    """``x @ weightᵀ + bias`` (``weight (out, in)``, ``bias (out,)`` or None: torch's
+    ``nn.Linear``) in the inputs' dtype."""
+    projected = jnp.matmul(x, weight.T)  # (..., out)
+    if bias is not None:
+        projected = projected + bias
+    return projected.astype(jnp.result_type(x, weight))
 
 
 def _heads(x: jax.Array, heads: int) -> jax.Array:
@@ -56,12 +60,16 @@ def _merge_heads(x: jax.Array) -> jax.Array:
 
 @jax.tree_util.register_pytree_node_class
 class MultiHeadLatentAttention:
-    """Multi-head latent attention, DeepSeek-V3's ``DeepseekV3Attention`` (no biases).
+    """Multi-head latent attention, DeepSeek-V3's ``DeepseekV3Attention``.
 
     Weights (``export_weights`` keys, transformers' names, ``(out, in)``): ``q_proj.weight``
     (``q_lora_rank=None``) or ``q_a_proj.weight``, ``q_a_layernorm.weight``,
     ``q_b_proj.weight``; ``kv_a_proj_with_mqa.weight``, ``kv_a_layernorm.weight``,
     ``kv_b_proj.weight``, ``o_proj.weight``. Projections Xavier uniform, RMSNorm gains ones.
+    With ``attention_bias=True`` (transformers' ``config.attention_bias``) also
+    ``q_a_proj.bias`` (with a ``q_lora_rank``), ``kv_a_proj_with_mqa.bias`` and
+    ``o_proj.bias``, zeros, drawn after nothing (the other weights are those of the same
+    module without biases); ``q_proj``, ``q_b_proj`` and ``kv_b_proj`` never have one.
     """
 
     training: bool = True
@@ -78,6 +86,7 @@ class MultiHeadLatentAttention:
         v_head_dim: int,
         rope: RoPE | None = None,
         rms_norm_eps: float = 1e-6,
+        attention_bias: bool = False,
         rng: Any = None,
     ) -> None:
         fn = "MultiHeadLatentAttention"
@@ -91,15 +100,21 @@ class MultiHeadLatentAttention:
         self.rope = rope
         self.rms_norm_eps = latent_rules.check_rms_norm_eps(fn, rms_norm_eps)
         self.scale = latent_rules.softmax_scale(self.sizes, rope.scaling)
-        shapes = latent_rules.weight_shapes(self.sizes)
-        keys = jax.random.split(jax.random.PRNGKey(0) if rng is None else rng, len(shapes))
+        attention_bias = latent_rules.check_attention_bias(fn, attention_bias)
+        # jax: one key per weight of the module without biases, so the biases change no draw
+        unbiased = latent_rules.weight_shapes(self.sizes)
+        keys = dict(zip(unbiased, jax.random.split(
+            jax.random.PRNGKey(0) if rng is None else rng, len(unbiased)), strict=True))
         self.weights: dict[str, jax.Array] = {}
-        for key, (name, shape) in zip(keys, shapes.items(), strict=True):
-            if len(shape) == 1:  # an RMSNorm gain
+        for name, shape in latent_rules.weight_shapes(self.sizes, attention_bias).items():
+            if name.endswith(".bias"):  # zeros (torch's nn.Linear would draw them uniform)
+                self.weights[name] = jnp.zeros(shape, jnp.float32)
+            elif len(shape) == 1:  # an RMSNorm gain
                 self.weights[name] = jnp.ones(shape, jnp.float32)
             else:  # Xavier uniform, (out, in)
                 bound = (6.0 / (shape[0] + shape[1])) ** 0.5
-                self.weights[name] = jax.random.uniform(key, shape, jnp.float32, -bound, bound)
+                self.weights[name] = jax.random.uniform(keys[name], shape, jnp.float32,
+                                                        -bound, bound)
 
     def tree_flatten(self) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         """jax: leaves, the weights dict; static part, the sizes, rope and mode."""
@@ -175,15 +190,16 @@ class MultiHeadLatentAttention:
         stages: dict[str, jax.Array] = {}
         if s.q_lora_rank is None:
             q = _linear(x, w["q_proj.weight"])  # (..., seq, heads * qk_head_dim)
-        else:
-            stages["q_a"] = _linear(x, w["q_a_proj.weight"])  # (..., seq, q_lora_rank)
+        else:  # (..., seq, q_lora_rank)
+            stages["q_a"] = _linear(x, w["q_a_proj.weight"], w.get("q_a_proj.bias"))
             q = _linear(self._rms_norm(stages["q_a"], "q_a_layernorm.weight"),
                         w["q_b_proj.weight"])
         stages["q"] = q = _heads(q, s.num_heads)  # (..., heads, seq, qk_head_dim)
         rope = self._rope_arguments()
         stages["q_nope"] = q[..., : s.qk_nope_head_dim]
         stages["q_pe"] = rotary_embedding(q[..., s.qk_nope_head_dim:], positions, **rope)
-        stages["kv_a"] = kv_a = _linear(x, w["kv_a_proj_with_mqa.weight"])  # (..., seq, r + dr)
+        kv_a = _linear(x, w["kv_a_proj_with_mqa.weight"], w.get("kv_a_proj_with_mqa.bias"))
+        stages["kv_a"] = kv_a  # (..., seq, r + dr)
         c = self._rms_norm(kv_a[..., : s.kv_lora_rank], "kv_a_layernorm.weight")
         stages["c"] = c[..., None, :, :]  # (..., 1, seq, kv_lora_rank)
         k_pe = kv_a[..., None, :, s.kv_lora_rank:]  # (..., 1, seq, qk_rope_head_dim)
@@ -230,7 +246,8 @@ class MultiHeadLatentAttention:
 
     def _out(self, context: jax.Array) -> jax.Array:
         """``(..., heads, seq, v_head_dim)`` → ``o_proj`` ``(..., seq, d_model)``."""
-        return _linear(_merge_heads(context), self.weights["o_proj.weight"])
+        w = self.weights
+        return _linear(_merge_heads(context), w["o_proj.weight"], w.get("o_proj.bias"))
 
     def forward(
         self,

@@ -32,9 +32,13 @@ from .paged import PagedKVCache, paged_attention, split_kv_attention
 from .rotary import RoPE, rope_frequencies, rotary_embedding, rotary_embedding_vjp
 
 
-def _linear(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """``x @ weightᵀ`` (``weight (out, in)``, torch's ``nn.Linear``) in the inputs' dtype."""
-    return np.matmul(x, weight.T).astype(np.result_type(x, weight), copy=False)
+def _linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """``x @ weightᵀ + bias`` (``weight (out, in)``, ``bias (out,)`` or None: torch's
+    ``nn.Linear``) in the inputs' dtype."""
+    projected = np.matmul(x, weight.T)  # (..., out)
+    if bias is not None:
+        projected = projected + bias
+    return projected.astype(np.result_type(x, weight), copy=False)
 
 
 def _heads(x: np.ndarray, heads: int) -> np.ndarray:
@@ -49,13 +53,23 @@ def _merge_heads(x: np.ndarray) -> np.ndarray:
     return merged.reshape(merged.shape[:-2] + (-1,))
 
 
+def _bias_grads(grad_projected: np.ndarray) -> np.ndarray:
+    """Gradient of ``b`` in ``y = x @ Wᵀ + b``: ``(..., out)`` → ``(out,)``, ``dy`` summed over
+    every axis but the last."""
+    return grad_projected.reshape(-1, grad_projected.shape[-1]).sum(axis=0)
+
+
 class MultiHeadLatentAttention:
-    """Multi-head latent attention, DeepSeek-V3's ``DeepseekV3Attention`` (no biases).
+    """Multi-head latent attention, DeepSeek-V3's ``DeepseekV3Attention``.
 
     Weights (``export_weights`` keys, transformers' names, ``(out, in)``): ``q_proj.weight``
     (``q_lora_rank=None``) or ``q_a_proj.weight``, ``q_a_layernorm.weight``,
     ``q_b_proj.weight``; ``kv_a_proj_with_mqa.weight``, ``kv_a_layernorm.weight``,
     ``kv_b_proj.weight``, ``o_proj.weight``. Projections Xavier uniform, RMSNorm gains ones.
+    With ``attention_bias=True`` (transformers' ``config.attention_bias``) also
+    ``q_a_proj.bias`` (with a ``q_lora_rank``), ``kv_a_proj_with_mqa.bias`` and
+    ``o_proj.bias``, zeros, drawn after nothing (the other weights are those of the same
+    module without biases); ``q_proj``, ``q_b_proj`` and ``kv_b_proj`` never have one.
     """
 
     training: bool = True
@@ -72,6 +86,7 @@ class MultiHeadLatentAttention:
         v_head_dim: int,
         rope: RoPE | None = None,
         rms_norm_eps: float = 1e-6,
+        attention_bias: bool = False,
         rng: Any = None,
     ) -> None:
         fn = "MultiHeadLatentAttention"
@@ -85,10 +100,13 @@ class MultiHeadLatentAttention:
         self.rope = rope
         self.rms_norm_eps = latent_rules.check_rms_norm_eps(fn, rms_norm_eps)
         self.scale = latent_rules.softmax_scale(self.sizes, rope.scaling)
+        attention_bias = latent_rules.check_attention_bias(fn, attention_bias)
         rng = np.random.default_rng() if rng is None else rng
         self.weights: dict[str, np.ndarray] = {}
-        for name, shape in latent_rules.weight_shapes(self.sizes).items():
-            if len(shape) == 1:  # an RMSNorm gain
+        for name, shape in latent_rules.weight_shapes(self.sizes, attention_bias).items():
+            if name.endswith(".bias"):  # zeros (torch's nn.Linear would draw them uniform)
+                self.weights[name] = np.zeros(shape, np.float32)
+            elif len(shape) == 1:  # an RMSNorm gain
                 self.weights[name] = np.ones(shape, np.float32)
             else:  # Xavier uniform, (out, in)
                 bound = (6.0 / (shape[0] + shape[1])) ** 0.5
@@ -157,15 +175,16 @@ class MultiHeadLatentAttention:
         stages: dict[str, np.ndarray] = {}
         if s.q_lora_rank is None:
             q = _linear(x, w["q_proj.weight"])  # (..., seq, heads * qk_head_dim)
-        else:
-            stages["q_a"] = _linear(x, w["q_a_proj.weight"])  # (..., seq, q_lora_rank)
+        else:  # (..., seq, q_lora_rank)
+            stages["q_a"] = _linear(x, w["q_a_proj.weight"], w.get("q_a_proj.bias"))
             q = _linear(self._rms_norm(stages["q_a"], "q_a_layernorm.weight"),
                         w["q_b_proj.weight"])
         stages["q"] = q = _heads(q, s.num_heads)  # (..., heads, seq, qk_head_dim)
         rope = self._rope_arguments()
         stages["q_nope"] = q[..., : s.qk_nope_head_dim]
         stages["q_pe"] = rotary_embedding(q[..., s.qk_nope_head_dim:], positions, **rope)
-        stages["kv_a"] = kv_a = _linear(x, w["kv_a_proj_with_mqa.weight"])  # (..., seq, r + dr)
+        kv_a = _linear(x, w["kv_a_proj_with_mqa.weight"], w.get("kv_a_proj_with_mqa.bias"))
+        stages["kv_a"] = kv_a  # (..., seq, r + dr)
         c = self._rms_norm(kv_a[..., : s.kv_lora_rank], "kv_a_layernorm.weight")
         stages["c"] = c[..., None, :, :]  # (..., 1, seq, kv_lora_rank)
         k_pe = kv_a[..., None, :, s.kv_lora_rank:]  # (..., 1, seq, qk_rope_head_dim)
@@ -212,7 +231,8 @@ class MultiHeadLatentAttention:
 
     def _out(self, context: np.ndarray) -> np.ndarray:
         """``(..., heads, seq, v_head_dim)`` → ``o_proj`` ``(..., seq, d_model)``."""
-        return _linear(_merge_heads(context), self.weights["o_proj.weight"])
+        w = self.weights
+        return _linear(_merge_heads(context), w["o_proj.weight"], w.get("o_proj.bias"))
 
     def forward(
         self,
@@ -272,7 +292,8 @@ class MultiHeadLatentAttention:
           weight name → gradient ``(out, in)`` / ``(dim,)``, the keys of ``export_weights``.
           Back through ``o_proj``, the attention's VJP, the split into heads, the rotations
           (``rotary_embedding_vjp``; ``k_pe``'s gradient summed over the heads that share it),
-          ``kv_b_proj``, the RMSNorms and the down-projections.
+          ``kv_b_proj``, the RMSNorms and the down-projections; a bias's gradient is its
+          projection's output gradient summed over every axis but the last.
         """
         fn = "MultiHeadLatentAttention.parameter_gradients"
         x = self._check(fn, x)
@@ -283,7 +304,9 @@ class MultiHeadLatentAttention:
         query, key, value = self._naive(stages)
         context = scaled_dot_product_attention(query, key, value, mask=mask,
                                                is_causal=is_causal, scale=self.scale)
-        grads = {"o_proj.weight": projection_grads(_merge_heads(context), grad_output).T}
+        # Every bias's gradient is computed; the return keeps those the module has.
+        grads = {"o_proj.weight": projection_grads(_merge_heads(context), grad_output).T,
+                 "o_proj.bias": _bias_grads(grad_output)}
         grad_context = _heads(_linear(grad_output, w["o_proj.weight"].T), s.num_heads)
         grad_q, grad_k, grad_v, *_ = scaled_dot_product_attention_vjp(
             query, key, value, grad_context, mask=mask, is_causal=is_causal, scale=self.scale)
@@ -302,6 +325,7 @@ class MultiHeadLatentAttention:
             "kv_a_layernorm.weight")
         grad_kv_a = np.concatenate([grad_c, grad_k_pe[..., 0, :, :]], axis=-1)
         grads["kv_a_proj_with_mqa.weight"] = projection_grads(x, grad_kv_a).T
+        grads["kv_a_proj_with_mqa.bias"] = _bias_grads(grad_kv_a)
         grad_q_flat = _merge_heads(grad_q_heads)  # (..., seq, heads * qk_head_dim)
         if s.q_lora_rank is None:
             grads["q_proj.weight"] = projection_grads(x, grad_q_flat).T
@@ -312,6 +336,7 @@ class MultiHeadLatentAttention:
             grad_q_a, grads["q_a_layernorm.weight"] = self._rms_norm_vjp(
                 q_a, _linear(grad_q_flat, w["q_b_proj.weight"].T), "q_a_layernorm.weight")
             grads["q_a_proj.weight"] = projection_grads(x, grad_q_a).T
+            grads["q_a_proj.bias"] = _bias_grads(grad_q_a)
         return {name: grads[name] for name in self.weights}
 
     def _rms_norm_vjp(self, x: np.ndarray, grad: np.ndarray,

@@ -1,6 +1,8 @@
 """Multi-head latent attention: naive == absorbed, decoding from the latent cache (contiguous
 and paged) == naive causal attention over the whole sequence, the three backends agree,
-numpy_attn's hand-written gradients == finite differences, signatures and errors.
+numpy_attn's hand-written gradients == finite differences, signatures and errors; each with
+and without ``attention_bias`` (transformers' biases on ``q_a_proj``, ``kv_a_proj_with_mqa``
+and ``o_proj``) where the biases enter.
 
 Expected values come from an independent float64 MLA written here (``_reference``: the
 naive form, straight from the spec's formulas) or from finite differences."""
@@ -8,9 +10,12 @@ naive form, straight from the spec's formulas) or from finite differences."""
 from __future__ import annotations
 
 import inspect
+import re
 
+import jax
 import numpy as np
 import pytest
+import torch
 
 import jax_attn
 import numpy_attn
@@ -25,6 +30,8 @@ D_MODEL, HEADS, SEQ = 32, 4, 7
 
 
 def _numpy(q_lora_rank=None, **kw):  # noqa: ANN001, ANN003, ANN202
+    """A float64 module; the RMSNorm gains away from 1 and the biases (``attention_bias``)
+    away from their initial zeros."""
     module = numpy_attn.MultiHeadLatentAttention(
         D_MODEL, HEADS, q_lora_rank=q_lora_rank, rng=np.random.default_rng(0), **SIZES, **kw)
     rng = np.random.default_rng(1)
@@ -32,6 +39,8 @@ def _numpy(q_lora_rank=None, **kw):  # noqa: ANN001, ANN003, ANN202
     for name in weights:
         if name.endswith("layernorm.weight"):
             weights[name] = 1.0 + 0.3 * rng.standard_normal(weights[name].shape)
+        elif name.endswith(".bias"):
+            weights[name] = 0.5 * rng.standard_normal(weights[name].shape)
     return module.load_weights(weights)
 
 
@@ -47,18 +56,20 @@ def _rotate_interleaved(x, positions, theta=10000.0):  # noqa: ANN001, ANN202
 
 
 def _reference(w, x, q_lora_rank):  # noqa: ANN001, ANN202
-    """The naive MLA in float64 from the formulas, causal, positions 0..seq-1."""
+    """The naive MLA in float64 from the formulas, causal, positions 0..seq-1; a bias absent
+    from ``w`` is 0."""
     r, dn, dr, dv = (SIZES[k] for k in ("kv_lora_rank", "qk_nope_head_dim",
                                         "qk_rope_head_dim", "v_head_dim"))
     rms = lambda v, g: g * v / np.sqrt((v * v).mean(-1, keepdims=True) + 1e-6)  # noqa: E731
     if q_lora_rank is None:
         q = x @ w["q_proj.weight"].T
     else:
-        q = rms(x @ w["q_a_proj.weight"].T, w["q_a_layernorm.weight"]) @ w["q_b_proj.weight"].T
+        q_a = x @ w["q_a_proj.weight"].T + w.get("q_a_proj.bias", 0.0)
+        q = rms(q_a, w["q_a_layernorm.weight"]) @ w["q_b_proj.weight"].T
     seq = x.shape[-2]
     q = q.reshape(x.shape[0], seq, HEADS, dn + dr).transpose(0, 2, 1, 3)
     pos = np.arange(seq)
-    kv_a = x @ w["kv_a_proj_with_mqa.weight"].T
+    kv_a = x @ w["kv_a_proj_with_mqa.weight"].T + w.get("kv_a_proj_with_mqa.bias", 0.0)
     c = rms(kv_a[..., :r], w["kv_a_layernorm.weight"])
     k_pe = _rotate_interleaved(kv_a[..., r:], pos)[:, None]  # (b, 1, seq, dr)
     kv = (c @ w["kv_b_proj.weight"].T).reshape(x.shape[0], seq, HEADS, dn + dv)
@@ -69,11 +80,17 @@ def _reference(w, x, q_lora_rank):  # noqa: ANN001, ANN202
     scores = np.where(np.tril(np.ones((seq, seq), bool)), scores, -np.inf)
     weights = np.exp(scores - scores.max(-1, keepdims=True))
     context = weights / weights.sum(-1, keepdims=True) @ kv[..., dn:]
-    return context.transpose(0, 2, 1, 3).reshape(x.shape[0], seq, -1) @ w["o_proj.weight"].T
+    merged = context.transpose(0, 2, 1, 3).reshape(x.shape[0], seq, -1)
+    return merged @ w["o_proj.weight"].T + w.get("o_proj.bias", 0.0)
 
 
 @pytest.fixture(params=[None, 12], ids=["q_proj", "q_lora"])
 def q_lora_rank(request):  # noqa: ANN001, ANN201
+    return request.param
+
+
+@pytest.fixture(params=[False, True], ids=["no_bias", "bias"])
+def attention_bias(request):  # noqa: ANN001, ANN201
     return request.param
 
 
@@ -82,8 +99,8 @@ def x():  # noqa: ANN201
     return np.random.default_rng(2).standard_normal((2, SEQ, D_MODEL))
 
 
-def test_naive_and_absorbed_equal_the_reference_in_float64(q_lora_rank, x):
-    module = _numpy(q_lora_rank)
+def test_naive_and_absorbed_equal_the_reference_in_float64(q_lora_rank, attention_bias, x):
+    module = _numpy(q_lora_rank, attention_bias=attention_bias)
     expected = _reference(module.export_weights(), x, q_lora_rank)
     for absorbed in (False, True):
         out = module.forward(x, is_causal=True, absorbed=absorbed)
@@ -108,8 +125,8 @@ def test_mask_is_honoured_in_both_forms(x):
     assert np.abs(naive - module.forward(x)).max() > 1e-3  # the mask changes the output
 
 
-def test_decode_token_by_token_equals_causal_forward(q_lora_rank, x):
-    module = _numpy(q_lora_rank)
+def test_decode_token_by_token_equals_causal_forward(q_lora_rank, attention_bias, x):
+    module = _numpy(q_lora_rank, attention_bias=attention_bias)
     expected = _reference(module.export_weights(), x, q_lora_rank)
     cache, steps = None, []
     for t in range(SEQ):
@@ -120,8 +137,8 @@ def test_decode_token_by_token_equals_causal_forward(q_lora_rank, x):
     assert cache.value_buffer.size == 0  # values are never stored
 
 
-def test_decode_prompt_then_tokens_paged(x):
-    module = _numpy(12)
+def test_decode_prompt_then_tokens_paged(attention_bias, x):
+    module = _numpy(12, attention_bias=attention_bias)
     expected = _reference(module.export_weights(), x, 12)
     cache = numpy_attn.PagedKVCache(16, 2, 1, 20, 0, dtype="float64")
     out, cache = module.decode(x[:, :3], cache)
@@ -145,13 +162,14 @@ def test_decode_over_a_long_cache_runs_split_kv():
 
 
 @pytest.mark.slow
-def test_three_backends_agree(q_lora_rank, x):
-    module = _numpy(q_lora_rank)
+def test_three_backends_agree(q_lora_rank, attention_bias, x):
+    module = _numpy(q_lora_rank, attention_bias=attention_bias)
     weights = module.export_weights()
     expected = module.forward(x, is_causal=True)
     grad = np.random.default_rng(5).standard_normal(expected.shape)
     expected_grads = module.parameter_gradients(x, grad, is_causal=True)
-    kw = dict(q_lora_rank=q_lora_rank, **SIZES)
+    assert sorted(expected_grads) == sorted(weights)
+    kw = dict(q_lora_rank=q_lora_rank, attention_bias=attention_bias, **SIZES)
     tm = torch_attn.MultiHeadLatentAttention(D_MODEL, HEADS, **kw).load_weights(weights)
     jm = jax_attn.MultiHeadLatentAttention(D_MODEL, HEADS, **kw).load_weights(weights)
     assert sorted(tm.state_dict()) == sorted(weights)
@@ -172,8 +190,8 @@ def test_three_backends_agree(q_lora_rank, x):
                                    err_msg=f"{name} decode")
 
 
-def test_numpy_gradients_match_finite_differences(q_lora_rank, x):
-    module = _numpy(q_lora_rank)
+def test_numpy_gradients_match_finite_differences(q_lora_rank, attention_bias, x):
+    module = _numpy(q_lora_rank, attention_bias=attention_bias)
     weights = module.export_weights()
     grad = np.random.default_rng(6).standard_normal((2, SEQ, D_MODEL))
     grads = module.parameter_gradients(x, grad, is_causal=True)
@@ -228,6 +246,11 @@ def test_errors_are_the_same_in_every_backend(backend):
         make(D_MODEL, HEADS, rope="interleaved", **SIZES)
     with pytest.raises(ValueError, match="rope.rotary_dim must be None or qk_rope_head_dim"):
         make(D_MODEL, HEADS, rope=backend.RoPE(rotary_dim=2), **SIZES)
+    for bad in (1, "yes", None):
+        with pytest.raises(TypeError, match=re.escape(
+                f"MultiHeadLatentAttention: attention_bias must be a bool (True or False); "
+                f"got attention_bias={bad!r}")):
+            make(D_MODEL, HEADS, attention_bias=bad, **SIZES)
     module = make(D_MODEL, HEADS, **SIZES)
     with pytest.raises(ValueError, match=r"x must be \(..., seq, d_model\) with d_model=32; "
                        r"got x.shape=\(2, 3, 31\)"):
@@ -236,7 +259,52 @@ def test_errors_are_the_same_in_every_backend(backend):
         module.forward(np.zeros((2, 3, 32), np.float32), absorbed=1)
     with pytest.raises(ValueError, match="weight names differ"):
         module.load_weights({"q_proj.weight": np.zeros((80, 32))})
+    biased = make(D_MODEL, HEADS, attention_bias=True, **SIZES).export_weights()
+    with pytest.raises(ValueError, match=re.escape(
+            "weight names differ; missing [], unexpected ['kv_a_proj_with_mqa.bias', "
+            "'o_proj.bias']")):
+        module.load_weights(biased)
     wrong = backend.KVCache.empty((2,), 1, 4, 20, 20)  # values stored: not a latent cache
     with pytest.raises(ValueError, match=r"cache must be a latent cache .* got \(kv_heads, "
                        r"head_dim, v_dim\)=\(1, 20, 20\)"):
         module.decode(np.zeros((2, 1, 32), np.float32), wrong)
+
+
+#: Each backend's seeded random source for the initial weights.
+SEEDS = {"numpy": lambda: np.random.default_rng(0),
+         "torch": lambda: torch.Generator().manual_seed(0),
+         "jax": lambda: jax.random.PRNGKey(0)}
+
+
+@pytest.mark.parametrize("backend", [numpy_attn, torch_attn, jax_attn],
+                         ids=["numpy", "torch", "jax"])
+def test_biases_are_zeros_in_transformers_order_and_change_no_draw(backend):
+    """``attention_bias=True``: transformers' bias names in its ``state_dict`` order, zeros,
+    and every other weight the same as the seeded module's without biases."""
+    seed = SEEDS[backend.__name__.removesuffix("_attn")]
+    for q_lora_rank, names in (
+        (12, ["q_a_proj.weight", "q_a_proj.bias", "q_a_layernorm.weight", "q_b_proj.weight",
+              "kv_a_proj_with_mqa.weight", "kv_a_proj_with_mqa.bias", "kv_a_layernorm.weight",
+              "kv_b_proj.weight", "o_proj.weight", "o_proj.bias"]),
+        (None, ["q_proj.weight", "kv_a_proj_with_mqa.weight", "kv_a_proj_with_mqa.bias",
+                "kv_a_layernorm.weight", "kv_b_proj.weight", "o_proj.weight", "o_proj.bias"]),
+    ):
+        plain, biased = (backend.MultiHeadLatentAttention(
+            D_MODEL, HEADS, q_lora_rank=q_lora_rank, attention_bias=flag, rng=seed(), **SIZES)
+            for flag in (False, True))
+        exported = biased.export_weights()
+        assert list(exported) == names
+        if backend is torch_attn:
+            assert list(biased.state_dict()) == names
+        plain_weights = plain.export_weights()
+        assert set(plain_weights) == {n for n in names if not n.endswith(".bias")}
+        for name, weight in exported.items():
+            if name.endswith(".bias"):
+                assert weight.dtype == np.float32
+                np.testing.assert_array_equal(weight, np.zeros(weight.shape, np.float32))
+            else:
+                np.testing.assert_array_equal(weight, plain_weights[name], err_msg=name)
+        assert exported["o_proj.bias"].shape == (D_MODEL,)
+        assert exported["kv_a_proj_with_mqa.bias"].shape == (20,)  # kv_lora_rank + rope dims
+        if q_lora_rank is not None:
+            assert exported["q_a_proj.bias"].shape == (q_lora_rank,)

@@ -40,9 +40,14 @@ from .paged import PagedKVCache, paged_attention, split_kv_attention
 from .rotary import RoPE, rope_frequencies, rotary_embedding
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weightᵀ`` (``weight (out, in)``, torch's ``nn.Linear``) in the inputs' dtype."""
-    return torch.matmul(x, weight.to(x.dtype).T)
+def _linear(x: torch.Tensor, weight: torch.Tensor,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weightᵀ + bias`` (``weight (out, in)``, ``bias (out,)`` or None: torch's
+    ``nn.Linear``) in the inputs' dtype."""
+    projected = torch.matmul(x, weight.to(x.dtype).T)  # (..., out)
+    if bias is not None:
+        projected = projected + bias.to(x.dtype)
+    return projected
 
 
 def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -57,21 +62,22 @@ def _merge_heads(x: torch.Tensor) -> torch.Tensor:
     return merged.reshape(merged.shape[:-2] + (-1,))
 
 
-class _Weight(nn.Module):
-    """torch only: one weight as ``.weight``, so ``state_dict`` keys read ``q_proj.weight``."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight)
+class _Parameters(nn.Module):
+    """torch only: one layer's parameters as attributes (``.weight``, ``.bias``), so
+    ``state_dict`` keys read ``q_proj.weight``, ``o_proj.bias``."""
 
 
 class MultiHeadLatentAttention(nn.Module):
-    """Multi-head latent attention, DeepSeek-V3's ``DeepseekV3Attention`` (no biases).
+    """Multi-head latent attention, DeepSeek-V3's ``DeepseekV3Attention``.
 
     Weights (``export_weights`` keys, transformers' names, ``(out, in)``): ``q_proj.weight``
     (``q_lora_rank=None``) or ``q_a_proj.weight``, ``q_a_layernorm.weight``,
     ``q_b_proj.weight``; ``kv_a_proj_with_mqa.weight``, ``kv_a_layernorm.weight``,
     ``kv_b_proj.weight``, ``o_proj.weight``. Projections Xavier uniform, RMSNorm gains ones.
+    With ``attention_bias=True`` (transformers' ``config.attention_bias``) also
+    ``q_a_proj.bias`` (with a ``q_lora_rank``), ``kv_a_proj_with_mqa.bias`` and
+    ``o_proj.bias``, zeros, drawn after nothing (the other weights are those of the same
+    module without biases); ``q_proj``, ``q_b_proj`` and ``kv_b_proj`` never have one.
     """
 
     def __init__(
@@ -86,6 +92,7 @@ class MultiHeadLatentAttention(nn.Module):
         v_head_dim: int,
         rope: RoPE | None = None,
         rms_norm_eps: float = 1e-6,
+        attention_bias: bool = False,
         rng: Any = None,
     ) -> None:
         fn = "MultiHeadLatentAttention"
@@ -100,14 +107,20 @@ class MultiHeadLatentAttention(nn.Module):
         self.rope = rope
         self.rms_norm_eps = latent_rules.check_rms_norm_eps(fn, rms_norm_eps)
         self.scale = latent_rules.softmax_scale(self.sizes, rope.scaling)
-        self._weight_names = tuple(latent_rules.weight_shapes(self.sizes))
-        for name, shape in latent_rules.weight_shapes(self.sizes).items():
-            if len(shape) == 1:  # an RMSNorm gain
+        attention_bias = latent_rules.check_attention_bias(fn, attention_bias)
+        self._weight_names = tuple(latent_rules.weight_shapes(self.sizes, attention_bias))
+        for name, shape in latent_rules.weight_shapes(self.sizes, attention_bias).items():
+            if name.endswith(".bias"):  # zeros (torch's nn.Linear would draw them uniform)
+                weight = torch.zeros(shape)
+            elif len(shape) == 1:  # an RMSNorm gain
                 weight = torch.ones(shape)
             else:  # Xavier uniform, (out, in)
                 bound = (6.0 / (shape[0] + shape[1])) ** 0.5
                 weight = torch.empty(shape).uniform_(-bound, bound, generator=rng)
-            setattr(self, name.split(".")[0], _Weight(weight))
+            layer, kind = name.split(".")
+            if not hasattr(self, layer):
+                setattr(self, layer, _Parameters())
+            setattr(getattr(self, layer), kind, nn.Parameter(weight))
 
     @property
     def weights(self) -> dict[str, torch.Tensor]:
@@ -128,7 +141,8 @@ class MultiHeadLatentAttention(nn.Module):
             {n: tuple(np.shape(w)) for n, w in weights.items()})
         for name, old in self.weights.items():
             source = _as_tensor(weights[name]).detach().clone().to(old.device)
-            getattr(self, name.split(".")[0]).weight = nn.Parameter(source)
+            layer, kind = name.split(".")
+            setattr(getattr(self, layer), kind, nn.Parameter(source))
         return self
 
     def _rope_arguments(self) -> dict[str, Any]:
@@ -165,15 +179,16 @@ class MultiHeadLatentAttention(nn.Module):
         stages: dict[str, torch.Tensor] = {}
         if s.q_lora_rank is None:
             q = _linear(x, w["q_proj.weight"])  # (..., seq, heads * qk_head_dim)
-        else:
-            stages["q_a"] = _linear(x, w["q_a_proj.weight"])  # (..., seq, q_lora_rank)
+        else:  # (..., seq, q_lora_rank)
+            stages["q_a"] = _linear(x, w["q_a_proj.weight"], w.get("q_a_proj.bias"))
             q = _linear(self._rms_norm(stages["q_a"], "q_a_layernorm.weight"),
                         w["q_b_proj.weight"])
         stages["q"] = q = _heads(q, s.num_heads)  # (..., heads, seq, qk_head_dim)
         rope = self._rope_arguments()
         stages["q_nope"] = q[..., : s.qk_nope_head_dim]
         stages["q_pe"] = rotary_embedding(q[..., s.qk_nope_head_dim:], positions, **rope)
-        stages["kv_a"] = kv_a = _linear(x, w["kv_a_proj_with_mqa.weight"])  # (..., seq, r + dr)
+        kv_a = _linear(x, w["kv_a_proj_with_mqa.weight"], w.get("kv_a_proj_with_mqa.bias"))
+        stages["kv_a"] = kv_a  # (..., seq, r + dr)
         c = self._rms_norm(kv_a[..., : s.kv_lora_rank], "kv_a_layernorm.weight")
         stages["c"] = c[..., None, :, :]  # (..., 1, seq, kv_lora_rank)
         k_pe = kv_a[..., None, :, s.kv_lora_rank:]  # (..., 1, seq, qk_rope_head_dim)
@@ -219,7 +234,8 @@ class MultiHeadLatentAttention(nn.Module):
 
     def _out(self, context: torch.Tensor) -> torch.Tensor:
         """``(..., heads, seq, v_head_dim)`` → ``o_proj`` ``(..., seq, d_model)``."""
-        return _linear(_merge_heads(context), self.weights["o_proj.weight"])
+        w = self.weights
+        return _linear(_merge_heads(context), w["o_proj.weight"], w.get("o_proj.bias"))
 
     def forward(
         self,

@@ -1,11 +1,12 @@
 """Multi-head latent attention (MLA).
 
 DeepSeek-V2/V3's attention (also Kimi K2, GLM-4 MoE Lite, MiniCPM3), exactly as transformers'
-``DeepseekV3Attention`` without biases: keys and values come from one compressed latent per
-token plus a decoupled rotary key shared by every head. The naive form runs it as multi-head
-attention (prefill, training); the absorbed form folds the up-projections into the query and
-the output and attends the latent directly (decoding, over a latent cache). The two are equal
-within the tolerance rule (``TOLERANCES``).
+``DeepseekV3Attention``, with or without the biases of its ``config.attention_bias``: keys and
+values come from one compressed latent per token plus a decoupled rotary key shared by every
+head. The naive form runs it as multi-head attention (prefill, training); the absorbed form
+folds the up-projections into the query and the output and attends the latent directly
+(decoding, over a latent cache). The two are equal within the tolerance rule
+(``TOLERANCES``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,12 @@ LATENT_ATTENTION = (
     "(r_q, d_model) -> RMSNorm q_a_layernorm.weight (r_q,) -> q_b_proj.weight (H*(d_n+d_r), "
     "r_q); kv path kv_a_proj_with_mqa.weight (r + d_r, d_model), kv_a_layernorm.weight (r,), "
     "kv_b_proj.weight (H*(d_n+d_v), r); o_proj.weight (d_model, H*d_v). "
+    "attention_bias=True (transformers' config.attention_bias) adds q_a_proj.bias (r_q,) "
+    "(only with q_lora_rank), kv_a_proj_with_mqa.bias (r + d_r,) and o_proj.bias (d_model,), "
+    "each right after its weight (transformers' state_dict order); q_proj, q_b_proj and "
+    "kv_b_proj never have a bias. A projection with a bias is y = x @ W^T + b: q_a and kv_a "
+    "include theirs before the RMSNorm and the split, o_proj adds its after the merge; the "
+    "absorbed form is otherwise unchanged (kv_b_proj, folded into W_UK and W_UV, has none). "
     "RMSNorm(x) = g * x / sqrt(mean(x^2) + rms_norm_eps), the mean and root in the compute "
     "dtype, rounded to x's dtype before the gain (transformers' DeepseekV3RMSNorm). "
     "Forward, x (..., seq, d_model) at integer positions (..., seq): q = q-path(x) split per "
@@ -75,14 +82,20 @@ LATENT_ERRORS = {
         "load_weights: names or shapes differ from export_weights'",
         "decode: a cache that is not a latent cache (kv_heads 1, head_dim r + d_r, v_dim 0 or 1)",
     ],
-    "TypeError": ["rope not a RoPE or None", "absorbed not a bool", "x not floating"],
+    "TypeError": ["rope not a RoPE or None", "attention_bias not a bool", "absorbed not a bool",
+                  "x not floating"],
 }
 
 
 class MultiHeadLatentAttention:
-    """Multi-head latent attention (``LATENT_ATTENTION``), no biases, weights in transformers'
-    DeepSeek-V3 names: a transformers layer's ``self_attn.state_dict()`` loads as is (torch_attn's
+    """Multi-head latent attention (``LATENT_ATTENTION``), weights in transformers' DeepSeek-V3
+    names: a transformers layer's ``self_attn.state_dict()`` loads as is (torch_attn's
     ``state_dict()`` has the same keys). Projections drawn Xavier uniform, RMSNorm gains 1.
+    ``attention_bias=True`` adds the biases of ``q_a_proj`` (with ``q_lora_rank``),
+    ``kv_a_proj_with_mqa`` and ``o_proj``, initialised to zeros (torch's ``nn.Linear`` draws
+    them uniform; zeros are this spec's choice, so a module with biases computes at first what
+    the module without them does) and drawn after nothing: the other weights are those of the
+    same module without biases.
     ``rope`` None means ``RoPE(layout="interleaved")`` (DeepSeek-V3's ``rope_interleave``;
     transformers' interleaved rotation returns the pairs de-interleaved, the same scores). No
     dropout; ``train``/``eval`` set the mode (jax_attn returns a new module)."""
@@ -99,9 +112,12 @@ class MultiHeadLatentAttention:
         v_head_dim: int,
         rope: Any = None,
         rms_norm_eps: float = 1e-6,
+        attention_bias: bool = False,
         rng: Any = None,
     ) -> None:
-        """``rng``: the backend's random source for the initial weights."""
+        """``attention_bias``: a bool, the biases of transformers' ``config.attention_bias``
+        (``LATENT_ATTENTION``); ``rng``: the backend's random source for the initial
+        weights."""
 
     def forward(
         self,
@@ -126,14 +142,17 @@ class MultiHeadLatentAttention:
         is_causal: bool = False,
     ) -> dict[str, Any]:
         """Every weight's gradient of the naive forward, NumPy arrays under the weights' names
-        (numpy_attn by hand: rotary_embedding_vjp, the RMSNorm's VJP; the others autodiff)."""
+        (numpy_attn by hand: rotary_embedding_vjp, the RMSNorm's VJP; the others autodiff); a
+        bias's gradient is its projection's output gradient summed over every axis but the
+        last."""
 
     def decode(self, x: Any, cache: Any = None, *, max_len: int | None = None) -> tuple:
         """``x (..., n, d_model)`` → ``(output (..., n, d_model), cache)``: the absorbed form
         over a latent cache (``LATENT_CACHE``); None starts a ``KVCache`` of ``max_len``."""
 
     def export_weights(self) -> dict[str, Any]:
-        """Flat dict, transformers' names → NumPy array (``(out, in)``, ``(dim,)``)."""
+        """Flat dict, transformers' names → NumPy array (``(out, in)``, ``(dim,)``, a bias
+        ``(out,)``)."""
 
     def load_weights(self, weights: dict[str, Any]) -> Any:
         """Load weights of the same names and shapes; keeps their dtype; returns the module."""
