@@ -31,6 +31,7 @@ import numpy as np
 import attention_rules as rules
 from attention_rules import latent_attention as latent_rules
 
+from .backward import module_weight_grads
 from .functional import scaled_dot_product_attention
 from .kv_cache import KVCache
 from .paged import PagedKVCache, paged_attention, split_kv_attention
@@ -297,7 +298,8 @@ class MultiHeadLatentAttention:
         mask: Any = None,
         is_causal: bool = False,
     ) -> dict[str, np.ndarray]:
-        """Every weight's gradient of the naive ``forward``, by ``jax.vjp``.
+        """Every weight's gradient of the naive ``forward``, by ``jax.vjp`` (one compiled
+        program per shapes and ``is_causal``: ``backward.module_weight_grads``).
 
         Args:
           x: ``(..., seq, d_model)``; grad_output: ``(..., seq, d_model)``, dL/d output.
@@ -307,12 +309,11 @@ class MultiHeadLatentAttention:
           weight name → gradient ``(out, in)`` / ``(dim,)`` as NumPy arrays, the keys of
           ``export_weights``.
         """
-        def run(module: MultiHeadLatentAttention) -> jax.Array:
-            return module.forward(x, positions=positions, mask=mask, is_causal=is_causal)
-
-        output, pullback = jax.vjp(run, self)
-        (grads,) = pullback(jnp.asarray(grad_output, output.dtype))
-        return grads.export_weights()
+        x = jnp.asarray(x)
+        dtype = jnp.result_type(x, self.weights["o_proj.weight"])  # the output's dtype
+        return module_weight_grads(self, (x,), jnp.asarray(grad_output, dtype),
+                                   {"positions": positions, "mask": mask},
+                                   (("is_causal", is_causal),))
 
     def decode(
         self, x: Any, cache: KVCache | PagedKVCache | None = None, *, max_len: int | None = None
