@@ -13,11 +13,23 @@ length). For each scheme:
   kernel stores; this project stores int4 codes unpacked, one per byte: the int8 figure), and
   its ratio to float32's 8,192;
 * ``decode``: one decoding step (append one token, attend one query over ``tokens + 1``):
-  median of interleaved rounds, numpy_attn and torch_attn, the ratio to the float32 ``KVCache``
-  step of the same backend (``kv_cache.decode_step``) in the same run. ``attend`` dequantises a
-  part of the codes at a time inside the split-KV chunks; ``previous`` is the same step with
-  the whole cache dequantised first (``cache.keys`` / ``cache.values``, then the float
-  cache's attention: what ``attend`` did before), timed in the same rounds.
+  median of interleaved rounds, numpy_attn, torch_attn and jax_attn, the ratio to the float32
+  ``KVCache`` step of the same backend (``kv_cache.decode_step``) in the same run. ``attend``
+  dequantises a part of the codes at a time inside the split-KV chunks; ``previous`` is the
+  same step with the whole cache dequantised first (``cache.keys`` / ``cache.values``, then
+  the float cache's attention: what ``attend`` did before), timed in the same rounds.
+
+jax_attn's steps run as a decoding loop calls them, each timed until its output is ready
+(``block_until_ready``): the float32 ``KVCache`` step is ``decode_step`` under ``jax.jit``
+with the cache donated (XLA may reuse its buffers; the cache's length is traced, so it
+compiles once and the cache grows by a token per call, as numpy_attn's and torch_attn's do);
+the quantised step is ``cache.append(k, v).attend(q)`` called eagerly (the cache's lengths
+are static Python ints: ``append`` runs eagerly; ``attend``'s decoding step is one jitted
+program per cache shape, its lengths traced). jax's ``append`` returns a new cache, so every
+round times the same lengths. An eager ``append`` that quantises into the store writes a new
+store (a copy of every code and scale): most of the jax step at 32k tokens; one that joins
+the residual window copies the window only (``residual 128``), so that row is close to
+``attend`` alone.
 
 Below ``SPLIT_KV["min_kv_len"]`` (8,192) keys the float32 step attends in one piece through
 ``scaled_dot_product_attention``, from 8,192 in split-KV chunks, as the quantised ``attend``
@@ -34,6 +46,8 @@ import os
 import statistics
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 
@@ -42,9 +56,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 from timing import interleaved  # noqa: E402
 
 import attention_rules  # noqa: E402
+import jax_attn  # noqa: E402
 import numpy_attn  # noqa: E402
 import torch_attn  # noqa: E402
 from attention_rules.quantizing import KVQuantization, bytes_per_token  # noqa: E402
+from jax_attn.kv_cache import decode_step as jax_decode_step  # noqa: E402
 from numpy_attn.kv_cache import decode_step as numpy_decode_step  # noqa: E402
 from torch_attn.kv_cache import decode_step as torch_decode_step  # noqa: E402
 
@@ -62,7 +78,8 @@ SCHEMES = {
     "fp8 e5m2 tensor": KVQuantization("float8_e5m2"),
 }
 BACKENDS = {"numpy_attn": (numpy_attn, np.asarray, numpy_decode_step),
-            "torch_attn": (torch_attn, torch.from_numpy, torch_decode_step)}
+            "torch_attn": (torch_attn, torch.from_numpy, torch_decode_step),
+            "jax_attn": (jax_attn, jnp.asarray, jax_decode_step)}
 
 
 def _previous_attend(module, cache, query):
@@ -74,6 +91,25 @@ def _previous_attend(module, cache, query):
         return module.paged.split_kv_attention(query, keys, values, chunk)[0]
     return module.scaled_dot_product_attention(query, keys, values, is_causal=True,
                                                causal_alignment="bottom_right")
+
+
+def _ready(x):
+    """``x`` once computed: jax dispatches asynchronously, so its steps wait for their
+    output (numpy and torch return finished arrays)."""
+    return x.block_until_ready() if hasattr(x, "block_until_ready") else x
+
+
+def _jax_float_step(cache, q, nk, nv):
+    """jax_attn's float32 step as a decoding loop runs it: ``decode_step`` jitted, the cache
+    donated (updated in place) and the new one kept for the next call."""
+    step = jax.jit(lambda q, k, v, c: jax_decode_step(q, k, v, c, None), donate_argnums=3)
+    state = [cache]
+
+    def run():
+        output, state[0] = step(q, nk, nv, state[0])
+        _ready(output)
+
+    return run
 
 
 def _inputs(tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -114,16 +150,17 @@ def _decode_times(keys, values, query, new_key, new_value, rounds: int
         def float_step(base=base, q=q, nk=nk, nv=nv, decode_step=decode_step):
             decode_step(q, nk, nv, base, None)
 
-        runs[(backend, "float32 KVCache")] = float_step
+        runs[(backend, "float32 KVCache")] = (
+            _jax_float_step(base, q, nk, nv) if module is jax_attn else float_step)
         for name, scheme in SCHEMES.items():
             cache = module.QuantizedKVCache.empty((1,), KV_HEADS, max_len, HEAD_DIM,
                                                   scheme=scheme).append(k, v)
 
             def step(cache=cache, q=q, nk=nk, nv=nv):
-                cache.append(nk, nv).attend(q)
+                _ready(cache.append(nk, nv).attend(q))
 
             def previous(cache=cache, q=q, nk=nk, nv=nv, module=module):
-                _previous_attend(module, cache.append(nk, nv), q)
+                _ready(_previous_attend(module, cache.append(nk, nv), q))
 
             runs[(backend, name)] = step
             runs[(backend, name, "previous")] = previous
@@ -162,8 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"decode over {tokens + 1:,} tokens: median of {args.rounds} interleaved rounds, "
               f"torch threads {torch.get_num_threads()}; ms (× the float32 KVCache step)")
         print()
-        print("| scheme | numpy attend | numpy previous | torch attend | torch previous |")
-        print("|---|---:|---:|---:|---:|")
+        print("| scheme | numpy attend | numpy previous | torch attend | torch previous "
+              "| jax attend | jax previous |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
         for name in ["float32 KVCache"] + list(SCHEMES):
             cells = []
             for backend in BACKENDS:

@@ -11,7 +11,8 @@ The cache quantises on append and dequantises inside ``attend``; its most recent
 stay unquantised (``KVQuantization.residual``). jax: ``QuantizedArray`` and the cache are
 immutable pytrees; ``append`` returns a NEW cache (write ``cache = cache.append(k, v)``). The
 lengths are Python ints (static data of the pytree), since where a token goes depends on them:
-append runs eagerly, and a jitted function of a cache compiles once per pair of lengths.
+append runs eagerly, and a jitted function of a cache compiles once per pair of lengths (so
+does ``attend``'s decoding step, ``_dequantizing.py``, a jitted program of its own).
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ import attention_rules as rules
 from attention_rules import quantizing as qrules
 from attention_rules.quantizing import KVQuantization  # noqa: F401 - re-exported
 
+from . import _dequantizing
 from ._arrays import _cache_dtype, _check_device, _describe, _dtype_name, _place
+from ._dequantizing import dequantizing_attention
 from .functional import scaled_dot_product_attention
-from .paged import split_kv_attention
 
 #: jax: the code dtypes by name (fp8: ml_dtypes' types, as jnp.float8_*).
 _CODES = {"int8": jnp.int8, "uint8": jnp.uint8, "float8_e4m3fn": jnp.float8_e4m3fn,
@@ -319,21 +321,28 @@ class QuantizedKVCache:
         """Attention of ``query (..., heads, q_len, head_dim)`` (the last ``q_len`` positions,
         cast to the cache's dtype) over the dequantised keys and values and the residual
         window, bottom-right causal: ``scaled_dot_product_attention`` of ``keys`` and
-        ``values``; ``(..., heads, q_len, v_dim)``."""
+        ``values``; ``(..., heads, q_len, v_dim)``. A decoding step (default scale, no
+        softcap, up to ``SPLIT_KV["max_q_len"]`` query rows) runs split-KV and dequantises
+        the codes a part at a time (``_dequantizing.py``): no float copy of the cache."""
         fn = "QuantizedKVCache.attend"
-        keys, values = self.keys, self.values
         info = _describe(fn, "query", query)
         rules.check_float_inputs(fn, query=info[1])
-        rules.check_query_key(fn, info[0], keys.shape)
-        query = jnp.asarray(query).astype(keys.dtype)
-        split = scale is None and softcap is None and query.shape[-2] <= keys.shape[-2]
-        chunk = rules.split_chunk(query.shape[-2], keys.shape[-2]) if split else None
-        if chunk is not None:  # few query rows over many keys: the chunks on every core
+        shape = tuple(self.key_residual.shape[:-2]) + (self.length, self.key_residual.shape[-1])
+        rules.check_query_key(fn, info[0], shape)
+        rules.check_sinks(fn, _describe(fn, "sinks", sinks), rules.heads_of(info[0]))
+        query = jnp.asarray(query).astype(self.key_residual.dtype)
+        n = query.shape[-2]
+        if scale is None and softcap is None and 0 < n <= min(self.length,
+                                                              rules.SPLIT_KV["max_q_len"]):
+            # few query rows: the codes dequantised a part at a time, no float copy
             sinks = None if sinks is None else jnp.asarray(sinks)
-            return split_kv_attention(query, keys, values, chunk, sinks=sinks)[0]
+            return dequantizing_attention(
+                query, self.key_store, self.value_store, self.key_residual,
+                self.value_residual, self._stored, self._held, sinks=sinks,
+                part_bytes=_dequantizing.PART_BYTES)[0]
         return scaled_dot_product_attention(
-            query, keys, values, is_causal=True, causal_alignment="bottom_right", scale=scale,
-            softcap=softcap, sinks=sinks)
+            query, self.keys, self.values, is_causal=True, causal_alignment="bottom_right",
+            scale=scale, softcap=softcap, sinks=sinks)
 
 
 def _empty_store(shape: tuple, scheme: KVQuantization, dtype: str) -> QuantizedArray:

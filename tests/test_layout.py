@@ -33,10 +33,11 @@ PRIVATE_ROOMS = ("_arrays", "_masking", "_steps", "_tiles", "_fast")
 LADDER = PRIVATE_ROOMS + ("functional", "backward", "modules")
 #: files one framework alone has: numpy_attn runs its own worker threads (``_threads``, below
 #: every other room: it imports none), torch_attn converts torch's own modules (``interop``);
-#: numpy_attn and torch_attn write split-KV decoding's chunks themselves (``_chunks``), and a
-#: quantised cache's step through them (``_dequantizing``; jax_attn's XLA does both its way)
+#: numpy_attn and torch_attn write split-KV decoding's chunks themselves (``_chunks``; jax_attn's
+#: XLA does them its way), and all three a quantised cache's step (``_dequantizing``)
 ONLY_IN = {"_threads": {"numpy_attn"}, "interop": {"torch_attn"},
-           "_chunks": {"numpy_attn", "torch_attn"}, "_dequantizing": {"numpy_attn", "torch_attn"}}
+           "_chunks": {"numpy_attn", "torch_attn"},
+           "_dequantizing": {"numpy_attn", "jax_attn", "torch_attn"}}
 BELOW_THE_LADDER = ("_threads",)
 #: rooms of some frameworks, on the ladder above ``_fast/`` (below the public files)
 ABOVE_FAST = ("_chunks", "_dequantizing")
