@@ -17,7 +17,9 @@ length). For each scheme:
   ``KVCache`` step of the same backend (``kv_cache.decode_step``) in the same run. ``attend``
   dequantises a part of the codes at a time inside the split-KV chunks; ``previous`` is the
   same step with the whole cache dequantised first (``cache.keys`` / ``cache.values``, then
-  the float cache's attention: what ``attend`` did before), timed in the same rounds.
+  the float cache's attention: what ``attend`` did before), timed in rounds of its own with
+  the float32 step again (its copies of the cache slow whatever runs next; in its row of the
+  table, the ``previous`` cells are that float32 step); ``--no-previous`` leaves it out.
 
 jax_attn's steps run as a decoding loop calls them, each timed until its output is ready
 (``block_until_ready``): the float32 ``KVCache`` step is ``decode_step`` under ``jax.jit``
@@ -136,7 +138,7 @@ def _errors(keys, values, query) -> dict[str, tuple[float, float]]:
     return errors
 
 
-def _decode_times(keys, values, query, new_key, new_value, rounds: int
+def _decode_times(keys, values, query, new_key, new_value, rounds: int, previous_too: bool
                   ) -> dict[tuple[str, str], float]:
     """Median seconds of one step (append a token, attend one query), per backend and scheme
     (``"float32 KVCache"`` the baseline)."""
@@ -164,8 +166,15 @@ def _decode_times(keys, values, query, new_key, new_value, rounds: int
 
             runs[(backend, name)] = step
             runs[(backend, name, "previous")] = previous
+    # the previous steps make two fresh copies of the cache per call, which slows whatever
+    # runs next: they are timed in rounds of their own, beside the float32 step again
+    now = {key: run for key, run in runs.items() if len(key) == 2}
+    before = {key + ("previous",) if len(key) == 2 else key: run for key, run in runs.items()
+              if len(key) == 3 or key[1] == "float32 KVCache"} if previous_too else {}
     with torch.no_grad():
-        times = interleaved(runs, rounds)
+        times = interleaved(now, rounds)
+        if before:
+            times.update(interleaved(before, rounds))
     return {key: statistics.median(values) for key, values in times.items()}
 
 
@@ -176,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch.set_num_threads (default: torch's own choice)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 32768])
+    parser.add_argument("--no-previous", action="store_true",
+                        help="leave out the previous steps (the whole cache dequantised)")
     args = parser.parse_args(argv)
     if args.torch_threads is not None:  # one thread: steadier on a loaded machine
         torch.set_num_threads(args.torch_threads)
@@ -194,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{nbytes / float_bytes:.3f} |")
     for tokens in args.tokens:
         keys, values, query, new_key, new_value = _inputs(tokens)
-        times = _decode_times(keys, values, query, new_key, new_value, args.rounds)
+        times = _decode_times(keys, values, query, new_key, new_value, args.rounds,
+                              not args.no_previous)
         print()
         print(f"decode over {tokens + 1:,} tokens: median of {args.rounds} interleaved rounds, "
               f"torch threads {torch.get_num_threads()}; ms (× the float32 KVCache step)")
@@ -205,9 +217,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in ["float32 KVCache"] + list(SCHEMES):
             cells = []
             for backend in BACKENDS:
-                base = times[(backend, "float32 KVCache")]
                 for key in [(backend, name), (backend, name, "previous")]:
                     t = times.get(key)
+                    base = times.get((backend, "float32 KVCache") + key[2:])  # its own rounds
                     cells.append("" if t is None else f"{t * 1e3:.1f} ({t / base:.2f}×)")
             print(f"| {name} | " + " | ".join(cells) + " |")
     return 0

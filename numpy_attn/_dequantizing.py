@@ -2,12 +2,13 @@
 (``QuantizedKVCache.attend``): no float copy of the whole cache is made.
 
 The step is ``paged.split_kv_attention``'s: the keys cut into chunks (``rules.split_chunk``, or
-one chunk below ``SPLIT_KV["min_kv_len"]``), a chunk a task on numpy_attn's thread pool, the
-partial results merged by their log-sum-exp in chunk order. A chunk reads its keys and values
-in parts of about ``paged.PART_BYTES`` of float32, as ``split_kv_attention`` does; here each
+one chunk below ``SPLIT_KV["min_kv_len"]``), a chunk a task on numpy_attn's thread pool (with
+fewer chunks than cores, a chunk's kv heads in groups, a task each), the partial results
+merged by their log-sum-exp in chunk order. A chunk reads its keys and values in parts of about
+``PART_BYTES`` of float32, as ``split_kv_attention`` does; here each
 part of codes is dequantised into the thread's buffer (``_chunks._buffer``: one per thread,
-reused) right before its matrix product, so the product reads float32 values from the L2
-cache, and the codes, a quarter of the float32 bytes, are all that comes from memory. The
+reused) right before its matrix product, so the product reads float32 values from the CPU's
+caches, and the codes, a quarter of the float32 bytes, are all that comes from memory. The
 residual window's positions follow the store's as one more part, read in place.
 
 A float32 cache folds the scales into the products (``_Codes``; ``spec.QUANTIZED_CACHE``): a
@@ -30,6 +31,13 @@ import attention_rules as rules
 
 from . import _threads
 from ._chunks import _attend_chunk, _buffer, _limits, _merge_chunks, _partials
+
+#: About how many bytes of float32 one part of keys or values holds (every kv head of a batch
+#: row together): 1,024 positions of 8 kv heads of 128. Measured at 32,768 tokens (int8 and fp8,
+#: 8 kv heads of 128, AMD EPYC with AVX-512, 2 cores): parts of 1 MiB (``paged.PART_BYTES``,
+#: which fits L2) took 1.6-2.1x as long as 4 MiB, which pays NumPy's per-call cost a quarter
+#: as often; 8 and 16 MiB were slower again.
+PART_BYTES = 4 << 20
 
 
 def dequantizing_attention(
@@ -57,7 +65,7 @@ def dequantizing_attention(
       stored, held: positions in the store and in the window.
       sinks: ``(heads,)`` sink logits, or None.
       part_bytes: about how many bytes of float32 one part of keys or values holds
-        (``paged.PART_BYTES``, read by the caller at each call).
+        (``PART_BYTES``, read by the caller at each call).
       nan_codes: True when an fp8 store may hold NaN codes (a NaN was appended): its parts
         are widened by a lookup that keeps them NaN.
 
@@ -72,14 +80,21 @@ def dequantizing_attention(
     keys = _Source(key_store, key_residual, flat, stored, held, part_bytes, nan_codes)
     values = _Source(value_store, value_residual, flat, stored, held, part_bytes, nan_codes)
     chunks = rules.kv_chunks(length, rules.split_chunk(n, length) or length)
-    tasks = [(b, c, start, stop) for b in range(flat) for c, (start, stop) in enumerate(chunks)]
+    # fewer (batch row, chunk) tasks than cores (one chunk below min_kv_len): the kv heads in
+    # groups too, so that every core works; a head's sums are the same in any group
+    groups = max(1, min(kv_heads, _threads._cores() // (flat * len(chunks))))
+    per_group = -(-kv_heads // groups)
+    heads_of = [slice(h, min(h + per_group, kv_heads)) for h in range(0, kv_heads, per_group)]
+    tasks = [(b, c, start, stop, h) for b in range(flat) for c, (start, stop) in
+             enumerate(chunks) for h in heads_of]
     outputs, lses = _partials(len(chunks), rows, v_dim)
     scale = rules.default_scale(head_dim)
 
-    def block(b: int, c: int, start: int, stop: int, scratch: None) -> None:
-        outputs[c, b], lses[c, b] = _attend_chunk(
-            rows[b], stop - start, keys.parts(b, start, stop), values.parts(b, start, stop),
-            start, _limits(length, n, rows.shape[-2], stop), scale, None)
+    def block(b: int, c: int, start: int, stop: int, h: slice, scratch: None) -> None:
+        outputs[c, b, h], lses[c, b, h] = _attend_chunk(
+            rows[b, h], stop - start, keys.parts(b, h, start, stop),
+            values.parts(b, h, start, stop), start, _limits(length, n, rows.shape[-2], stop),
+            scale, None)
 
     _threads.run_lanes(tasks, block, lambda: None)
     shape = batch + (heads, n)
@@ -115,47 +130,49 @@ class _Source:
         self.residual = residual.reshape((flat,) + residual.shape[-3:])
         self.stored, self.held = stored, held
 
-    def parts(self, b: int, start: int, stop: int) -> Iterator[Any]:
-        """Positions ``start..stop`` of batch row ``b`` as consecutive parts ``(kv_heads,
-        part, dim)``: the store's as ``_Codes`` (a float32 cache) or dequantised, both in this
-        thread's buffer (valid until the next part), then the window's, views."""
+    def parts(self, b: int, h: slice, start: int, stop: int) -> Iterator[Any]:
+        """Positions ``start..stop`` of batch row ``b``, kv heads ``h``, as consecutive parts
+        ``(heads, part, dim)``: the store's as ``_Codes`` (a float32 cache) or dequantised,
+        both in this thread's buffer (valid until the next part), then the window's, views.
+        A part has the same positions whatever the heads (its size counts every kv head)."""
         kv_heads, dim = self.codes.shape[1], self.codes.shape[-1]
         per = max(1, self.part_bytes // max(1, kv_heads * dim * 4))  # positions per part
         part = self._codes if self.fold else self._dequantized
         for lo in range(start, min(stop, self.stored), per):
-            yield part(b, lo, min(lo + per, stop, self.stored))
+            yield part(b, h, lo, min(lo + per, stop, self.stored))
         if stop > self.stored:  # the residual window: positions stored..stored + held
-            yield self.residual[b, :, max(start, self.stored) - self.stored:stop - self.stored]
+            yield self.residual[b, h, max(start, self.stored) - self.stored:stop - self.stored]
 
-    def _codes(self, b: int, lo: int, hi: int) -> _Codes:
-        """Positions ``lo..hi`` of the store, row ``b``: the codes widened to float32 (exact),
-        with the scales and zero points that ``_Codes`` folds into its products."""
-        codes = self.codes[b, :, lo:hi]  # (kv_heads, part, dim)
+    def _codes(self, b: int, h: slice, lo: int, hi: int) -> _Codes:
+        """Positions ``lo..hi`` of the store, row ``b``, kv heads ``h``: the codes widened to
+        float32 (exact), with the scales and zero points that ``_Codes`` folds into its
+        products."""
+        codes = self.codes[b, h, lo:hi]  # (heads, part, dim)
         out = _buffer(codes.shape, np.dtype(np.float32))
         if self.scheme.is_float8 and self.nan_codes:  # the lookup keeps NaN codes NaN
             np.take(self.table, codes.view(np.uint8), out=out, mode="wrap")
-            return _Codes(out, self.head_scales, None)
+            return _Codes(out, self.head_scales[h], None)
         if self.scheme.is_float8:  # the codes' bits moved into float32's, then rescaled
             _widen_float8(codes, out, self.scheme.code_dtype)
-            return _Codes(out, self.head_scales, None)
+            return _Codes(out, self.head_scales[h], None)
         np.copyto(out, codes, casting="unsafe")
-        zero_points = None if self.zero_points is None else self.zero_points[b, :, lo:hi]
-        return _Codes(out, self.scales[b, :, lo:hi], zero_points)
+        zero_points = None if self.zero_points is None else self.zero_points[b, h, lo:hi]
+        return _Codes(out, self.scales[b, h, lo:hi], zero_points)
 
-    def _dequantized(self, b: int, lo: int, hi: int) -> np.ndarray:
-        """Positions ``lo..hi`` of the store, row ``b``: ``(kv_heads, hi - lo, dim)``,
-        ``dequantize_kv``'s values in the cache's dtype."""
-        codes = self.codes[b, :, lo:hi]  # (kv_heads, part, dim)
+    def _dequantized(self, b: int, h: slice, lo: int, hi: int) -> np.ndarray:
+        """Positions ``lo..hi`` of the store, row ``b``, kv heads ``h``: ``(heads, hi - lo,
+        dim)``, ``dequantize_kv``'s values in the cache's dtype."""
+        codes = self.codes[b, h, lo:hi]  # (heads, part, dim)
         out = _buffer(codes.shape, np.dtype(np.float32))
         if self.scheme.is_float8:  # numpy: a lookup (ml_dtypes' cast is 5-10x slower)
-            for h, table in enumerate(self.tables):
-                np.take(table, codes[h].view(np.uint8), out=out[h], mode="wrap")
+            for head, table in enumerate(self.tables[h]):
+                np.take(table, codes[head].view(np.uint8), out=out[head], mode="wrap")
         else:  # numpy: the cast, then the scale in place (a mixed-type product is 1.5x slower)
             np.copyto(out, codes, casting="unsafe")
             grouped = out.reshape(codes.shape[:-1] + (self.scales.shape[-1], -1))
-            grouped *= self.scales[b, :, lo:hi, :, None]  # (kv_heads, part, groups, size)
+            grouped *= self.scales[b, h, lo:hi, :, None]  # (heads, part, groups, size)
             if self.zero_points is not None:  # two roundings: product, then sum
-                grouped += self.zero_points[b, :, lo:hi, :, None]
+                grouped += self.zero_points[b, h, lo:hi, :, None]
         # float16 / bfloat16 caches round the values as dequantize_kv does (a fresh array)
         return out if self.dtype == np.float32 else out.astype(self.dtype)
 
@@ -219,12 +236,13 @@ def _widen_float8(codes: np.ndarray, out: np.ndarray, code_dtype: str) -> None:
     NaN (or inf): the exponent and mantissa bits shifted into float32's (the sign from
     int8's sign extension, the bits it sets in the exponent masked off), then times
     ``2^(127 - bias)``, which is exact for normal and subnormal codes alike (a subnormal code
-    is a subnormal float32 before the product). numpy: three passes of 1-4 bytes per value
-    against ``np.take``'s one lookup per value, 2.3x faster here; NaN codes would read as
+    is a subnormal float32 before the product). numpy: four passes of 1-4 bytes per value
+    against ``np.take``'s one lookup per value, 2.6x faster here; NaN codes would read as
     finite numbers, so a cache that holds one uses the lookup (``_Source.nan_codes``)."""
     mantissa, bias = _FLOAT8_LAYOUT[code_dtype]
     shift = 23 - mantissa
     bits = out.view(np.int32)
-    np.left_shift(codes, shift, out=bits, dtype=np.int32)
+    np.copyto(bits, codes)  # numpy: the cast alone, then in place (a casting shift: 1.3x)
+    np.left_shift(bits, shift, out=bits)
     np.bitwise_and(bits, np.int32(-2**31 | 0x7F << shift), out=bits)
     np.multiply(out, np.float32(2.0 ** (127 - bias)), out=out)

@@ -22,7 +22,7 @@ import attention_rules as rules
 from attention_rules import quantizing as qrules
 from attention_rules.quantizing import KVQuantization  # noqa: F401 - re-exported
 
-from . import paged
+from . import _dequantizing
 from ._arrays import _cache_dtype, _check_device, _describe
 from ._dequantizing import dequantizing_attention
 from .functional import scaled_dot_product_attention
@@ -317,7 +317,7 @@ class QuantizedKVCache:
             return dequantizing_attention(
                 query, self.key_store, self.value_store, self.key_residual,
                 self.value_residual, self._stored, self._held, sinks=sinks,
-                part_bytes=paged.PART_BYTES, nan_codes=self._nan_codes)[0]
+                part_bytes=_dequantizing.PART_BYTES, nan_codes=self._nan_codes)[0]
         return scaled_dot_product_attention(
             query, self.keys, self.values, is_causal=True, causal_alignment="bottom_right",
             scale=scale, softcap=softcap, sinks=sinks)

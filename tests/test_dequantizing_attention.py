@@ -12,13 +12,13 @@ import torch
 
 import attention_rules
 import numpy_attn
-import numpy_attn.paged
+import numpy_attn._dequantizing
 import torch_attn
-import torch_attn.paged
+import torch_attn._dequantizing
 from attention_rules.quantizing import KVQuantization
 
-BACKENDS = {"numpy_attn": (numpy_attn, numpy_attn.paged, np.asarray),
-            "torch_attn": (torch_attn, torch_attn.paged, torch.from_numpy)}
+BACKENDS = {"numpy_attn": (numpy_attn, numpy_attn._dequantizing, np.asarray),
+            "torch_attn": (torch_attn, torch_attn._dequantizing, torch.from_numpy)}
 SCHEMES = [
     KVQuantization("int8", residual=3),
     KVQuantization("int4", zero_point=True, granularity="token"),
@@ -54,10 +54,10 @@ def test_chunks_parts_and_window_equal_float64_attention(backend, scheme, monkey
     """Chunks of 8 keys from 16 (``SPLIT_KV``), parts of 3 positions (``PART_BYTES``), a
     window of ``residual`` tokens after the store, q_len 2 with grouped heads and sinks; and
     one step in one chunk below ``min_kv_len``."""
-    module, paged, convert = BACKENDS[backend]
+    module, dequantizing, convert = BACKENDS[backend]
     for name, value in (("chunk", 8), ("min_kv_len", 16), ("max_q_len", 2)):
         monkeypatch.setitem(attention_rules.SPLIT_KV, name, value)
-    monkeypatch.setattr(paged, "PART_BYTES", 3 * 2 * 32 * 4)  # 3 positions of 2 kv heads
+    monkeypatch.setattr(dequantizing, "PART_BYTES", 3 * 2 * 32 * 4)  # 3 positions, 2 kv heads
     rng = np.random.default_rng(11)
     kv_len, first = 29, 21
     keys = rng.standard_normal((2, 2, kv_len, 32)).astype(np.float32)
@@ -177,3 +177,29 @@ def test_caches_of_other_dtypes_read_the_dequantised_values(backend, dtype):
     want = _reference(*(np.asarray(as64(a)) for a in (cast(query), cache.keys, cache.values)))
     tolerance = {"float16": 2e-3, "bfloat16": 1.6e-2, "float64": 1e-12}[dtype]
     np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("scheme", [KVQuantization("int8", zero_point=True),
+                                    KVQuantization("float8_e4m3", granularity="head")],
+                         ids=["int8-zp", "e4m3-head"])
+def test_numpy_head_groups_give_the_same_bits_on_any_number_of_cores(scheme, monkeypatch):
+    """Below ``min_kv_len`` the step is one chunk, so numpy_attn splits its kv heads into a
+    task per core: the output is bit for bit the same with 1, 2, 3 and 8 cores (a head's sums
+    do not depend on its group)."""
+    from numpy_attn import _threads
+
+    rng = np.random.default_rng(4)
+    keys = rng.standard_normal((1, 6, 50, 32)).astype(np.float32)
+    values = rng.standard_normal((1, 6, 50, 32)).astype(np.float32)
+    query = rng.standard_normal((1, 12, 1, 32)).astype(np.float32)
+    cache = numpy_attn.QuantizedKVCache.empty((1,), 6, 50, 32, scheme=KVQuantization(
+        scheme.dtype, granularity=scheme.granularity, zero_point=scheme.zero_point,
+        group_size=16)).append(keys, values)
+    outputs = {}
+    for cores in (1, 2, 3, 8):
+        monkeypatch.setattr(_threads, "_cores", lambda cores=cores: cores)
+        outputs[cores] = cache.attend(query)
+    for cores, output in outputs.items():
+        np.testing.assert_array_equal(output, outputs[1], err_msg=f"{cores} cores")
+    np.testing.assert_allclose(outputs[1], _reference(query, cache.keys, cache.values),
+                               rtol=2e-5, atol=2e-6)

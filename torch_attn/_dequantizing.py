@@ -4,7 +4,7 @@ attend``): no float copy of the whole cache is made.
 The step is ``paged.split_kv_attention``'s: the keys cut into chunks (``rules.split_chunk``, or
 one chunk below ``SPLIT_KV["min_kv_len"]``), each chunk's partial result and log-sum-exp, the
 partial results merged by ``_chunks._merge_chunks``. A chunk reads its keys and values in parts of
-about ``paged.PART_BYTES`` of float32 over every (batch row, kv head) pair; each part of codes
+about ``PART_BYTES`` of float32 over every (batch row, kv head) pair; each part of codes
 is dequantised by one operation into the thread's buffer (``_chunks._buffer``, reused; a fresh
 tensor when autograd records the call) right before its ``bmm``, so the product reads float32
 values from the cache of the CPU, and the codes, a quarter of the float32 bytes, are all that
@@ -31,6 +31,14 @@ import attention_rules as rules
 from ._arrays import _dtype_name
 from ._chunks import _buffer, _chunk_allowed, _chunk_softmax, _merge_chunks
 from ._steps import NEG_INF
+
+#: About how many bytes of float32 one part of keys or values holds (every (batch row, kv head)
+#: pair together): 2,048 positions of 8 kv heads of 128. Measured at 4,096 and 32,768 tokens
+#: (int8 and fp8, 8 kv heads of 128, AMD EPYC with AVX-512, 2 cores): parts of 1 MiB
+#: (``paged.PART_BYTES``) took 1.6-2.1x as long as 8 MiB, each part paying torch's per-operation
+#: cost (several microseconds, a few operations per part and channel group); 16 MiB was
+#: slower again at 4,096 tokens.
+PART_BYTES = 8 << 20
 
 #: fp8 widening by bits: ``(mantissa bits, exponent bias)`` of each code dtype.
 _FLOAT8_LAYOUT = {torch.float8_e4m3fn: (3, 7), torch.float8_e5m2: (2, 15)}
@@ -61,7 +69,7 @@ def dequantizing_attention(
       stored, held: positions in the store and in the window.
       sinks: ``(heads,)`` sink logits, or None.
       part_bytes: about how many bytes of float32 one part of keys or values holds
-        (``paged.PART_BYTES``, read by the caller at each call).
+        (``PART_BYTES``, read by the caller at each call).
       nan_codes: True when an fp8 store may hold NaN codes (a NaN was appended): its parts
         are widened by torch's own cast, which keeps them NaN.
 
