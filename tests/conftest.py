@@ -16,9 +16,9 @@ the process. A pytest-xdist worker that ran every JAX test would pass 4 GB; so a
 that left its worker ``RELEASE_GROWTH_MIB`` above what it held after the last release,
 ``_release_memory`` drops JAX's and torch.compile's compiled programs, collects the garbage and
 hands the freed memory back to the system (``malloc_trim``; a fraction of a second). A worker
-then stays below about 2 GB (with 512 MiB, the largest worker of a whole run peaked at 1.88–1.91
-GB, too close to the limit; hence 384). A later test that needs a dropped program lowers it again, reading
-the compiled code back from JAX's persistent cache.
+then stays below about 2 GB (with 512 MiB, the largest worker of a whole run peaked at
+1.88–1.91 GB, too close to the limit; hence 384). A later test that needs a dropped program
+lowers it again, reading the compiled code back from JAX's persistent cache.
 """
 
 from __future__ import annotations
