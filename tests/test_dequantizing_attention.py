@@ -129,25 +129,31 @@ def test_fp8_widening_by_bits_is_exact_for_every_code_but_nan(code_dtype):
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("where", ["keys", "values"])
 @pytest.mark.parametrize("scheme", [KVQuantization("float8_e4m3", scale=0.5),
                                     KVQuantization("float8_e5m2", scale=0.5)],
                          ids=["e4m3", "e5m2"])
-def test_a_nan_code_makes_the_step_nan_as_attention_over_the_values_does(backend, scheme):
+def test_a_nan_code_makes_the_step_nan_as_attention_over_the_values_does(backend, scheme,
+                                                                         where):
     """A NaN quantised with a given fp8 scale is a NaN code: the decoding step's output is
-    NaN where attention over ``cache.keys`` / ``cache.values`` is (the channel of the NaN
-    value, in the two query heads of its kv head), and equal elsewhere."""
+    NaN where attention over ``cache.keys`` / ``cache.values`` is, and equal elsewhere. A NaN
+    value: its channel, in the two query heads of its kv head; a NaN key: those two heads'
+    whole rows (its score is NaN)."""
     module, _, convert = BACKENDS[backend]
     rng = np.random.default_rng(5)
     keys = rng.standard_normal((2, 2, 12, 32)).astype(np.float32)
     values = rng.standard_normal((2, 2, 12, 32)).astype(np.float32)
-    values[1, 0, 4, 3] = np.nan  # batch row 1, kv head 0: its two query heads read NaN
+    {"keys": keys, "values": values}[where][1, 0, 4, 3] = np.nan  # batch row 1, kv head 0
     cache = module.QuantizedKVCache.empty((2,), 2, 12, 32, scheme=scheme)
     cache = cache.append(convert(keys), convert(values))
     query = rng.standard_normal((2, 4, 1, 32)).astype(np.float32)
     got = np.asarray(cache.attend(convert(query)))
     want = _reference(query, np.asarray(cache.keys), np.asarray(cache.values))
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-    assert np.isnan(got[1, :2, :, 3]).all() and np.isnan(got).sum() == 2  # channel 3 only
+    if where == "values":  # channel 3 only
+        assert np.isnan(got[1, :2, :, 3]).all() and np.isnan(got).sum() == 2
+    else:  # every channel of the two heads
+        assert np.isnan(got[1, :2]).all() and np.isnan(got).sum() == 2 * 32
     finite = ~np.isnan(want)
     np.testing.assert_allclose(got[finite], want[finite], rtol=2e-5, atol=2e-6)
 
