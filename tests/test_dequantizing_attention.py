@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from quantized_helpers import reference_attention
 
 import attention_rules
 import numpy_attn
@@ -26,25 +27,6 @@ SCHEMES = [
     KVQuantization("float8_e4m3", granularity="head", residual=2),
     KVQuantization("float8_e5m2"),
 ]
-
-
-def _reference(query, keys, values, sinks=None):
-    """float64 softmax attention, bottom-right causal, grouped heads, optional sinks."""
-    q, k, v = (np.asarray(a, np.float64) for a in (query, keys, values))
-    groups = q.shape[-3] // k.shape[-3]
-    k, v = np.repeat(k, groups, axis=-3), np.repeat(v, groups, axis=-3)
-    scores = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
-    q_len, kv_len = scores.shape[-2:]
-    allowed = np.arange(kv_len)[None, :] <= np.arange(q_len)[:, None] + kv_len - q_len
-    scores = np.where(allowed, scores, -np.inf)
-    top = scores.max(-1, keepdims=True)
-    if sinks is not None:
-        top = np.maximum(top, np.asarray(sinks, np.float64)[:, None, None])
-    weights = np.exp(scores - top)
-    total = weights.sum(-1, keepdims=True)
-    if sinks is not None:
-        total = total + np.exp(np.asarray(sinks, np.float64)[:, None, None] - top)
-    return (weights / total) @ v
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
@@ -74,7 +56,7 @@ def test_chunks_parts_and_window_equal_float64_attention(backend, scheme, monkey
         query = rng.standard_normal((2, 4, 2, 32)).astype(np.float32)
         got = np.asarray(cache.attend(convert(query), sinks=convert(sinks)))
         held.append(cache.residual_length)
-        want = _reference(query, np.asarray(cache.keys), np.asarray(cache.values), sinks)
+        want = reference_attention(query, np.asarray(cache.keys), np.asarray(cache.values), sinks)
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6,
                                    err_msg=f"{backend}, length {length}")
     assert (max(held) > 0) == (scheme.residual > 0)  # the window is in use where it exists
@@ -83,7 +65,7 @@ def test_chunks_parts_and_window_equal_float64_attention(backend, scheme, monkey
     short = short.append(convert(keys[..., :9, :]), convert(values[..., :9, :]))
     query = rng.standard_normal((2, 4, 1, 32)).astype(np.float32)
     np.testing.assert_allclose(np.asarray(short.attend(convert(query))),
-                               _reference(query, np.asarray(short.keys),
+                               reference_attention(query, np.asarray(short.keys),
                                           np.asarray(short.values)), rtol=2e-5, atol=2e-6)
 
 
@@ -148,7 +130,7 @@ def test_a_nan_code_makes_the_step_nan_as_attention_over_the_values_does(backend
     cache = cache.append(convert(keys), convert(values))
     query = rng.standard_normal((2, 4, 1, 32)).astype(np.float32)
     got = np.asarray(cache.attend(convert(query)))
-    want = _reference(query, np.asarray(cache.keys), np.asarray(cache.values))
+    want = reference_attention(query, np.asarray(cache.keys), np.asarray(cache.values))
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     if where == "values":  # channel 3 only
         assert np.isnan(got[1, :2, :, 3]).all() and np.isnan(got).sum() == 2
@@ -180,7 +162,8 @@ def test_caches_of_other_dtypes_read_the_dequantised_values(backend, dtype):
     cache = module.QuantizedKVCache.empty((1,), 2, 40, 32, scheme=KVQuantization(
         "int8", group_size=16), dtype=dtype).append(cast(keys), cast(values))
     got = np.asarray(as64(cache.attend(cast(query))))
-    want = _reference(*(np.asarray(as64(a)) for a in (cast(query), cache.keys, cache.values)))
+    want = reference_attention(*(np.asarray(as64(a))
+                                 for a in (cast(query), cache.keys, cache.values)))
     tolerance = {"float16": 2e-3, "bfloat16": 1.6e-2, "float64": 1e-12}[dtype]
     np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance)
 
@@ -207,5 +190,5 @@ def test_numpy_head_groups_give_the_same_bits_on_any_number_of_cores(scheme, mon
         outputs[cores] = cache.attend(query)
     for cores, output in outputs.items():
         np.testing.assert_array_equal(output, outputs[1], err_msg=f"{cores} cores")
-    np.testing.assert_allclose(outputs[1], _reference(query, cache.keys, cache.values),
+    np.testing.assert_allclose(outputs[1], reference_attention(query, cache.keys, cache.values),
                                rtol=2e-5, atol=2e-6)

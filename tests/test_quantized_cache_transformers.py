@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from quantized_helpers import reference_attention
 
 import jax_attn
 import numpy_attn
@@ -72,19 +73,6 @@ def _group_scales(x: np.ndarray, group_size: int) -> np.ndarray:
     g = x.astype(np.float64).reshape(x.shape[:-1] + (-1, group_size))
     step = (g.max(-1, keepdims=True) - g.min(-1, keepdims=True)) / 15
     return np.broadcast_to(step, g.shape).reshape(x.shape)
-
-
-def _attention(query: np.ndarray, keys: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """float64 softmax attention of the last query rows, bottom-right causal, GQA."""
-    q, k, v = (np.asarray(a, np.float64) for a in (query, keys, values))
-    groups = q.shape[-3] // k.shape[-3]
-    k, v = np.repeat(k, groups, axis=-3), np.repeat(v, groups, axis=-3)
-    scores = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
-    q_len, kv_len = scores.shape[-2:]
-    allowed = np.arange(kv_len)[None, :] <= np.arange(q_len)[:, None] + kv_len - q_len
-    scores = np.where(allowed, scores, -np.inf)
-    weights = np.exp(scores - scores.max(-1, keepdims=True))
-    return (weights / weights.sum(-1, keepdims=True)) @ v
 
 
 # ------------------------------------------------------------------------------------------
@@ -245,9 +233,9 @@ def test_cache_values_equal_transformers_up_to_requantisation():
         if full:  # attention of the newest token over what each returns for this step
             mine_k = np.concatenate([ours_k[..., :full, :], keys[..., full:stop, :]], axis=-2)
             mine_v = np.concatenate([ours_v[..., :full, :], values[..., full:stop, :]], axis=-2)
-            reference = _attention(query, keys[..., :stop, :], values[..., :stop, :])
-            out_theirs = _attention(query, k_out, v_out)
-            out_ours = _attention(query, mine_k, mine_v)
+            reference = reference_attention(query, keys[..., :stop, :], values[..., :stop, :])
+            out_theirs = reference_attention(query, k_out, v_out)
+            out_ours = reference_attention(query, mine_k, mine_v)
             norm = np.abs(reference).max()
             relative.append((np.abs(out_theirs - out_ours).max() / norm,
                              np.abs(out_theirs - reference).max() / norm,
