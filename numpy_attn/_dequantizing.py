@@ -77,8 +77,8 @@ def dequantizing_attention(
     compute = np.dtype(rules.compute_dtype(query.dtype.name))
     flat = int(np.prod(batch))  # the batch axes as one
     rows = query.reshape(flat, kv_heads, heads // kv_heads * n, head_dim).astype(compute)
-    keys = _Source(key_store, key_residual, flat, stored, held, part_bytes, nan_codes)
-    values = _Source(value_store, value_residual, flat, stored, held, part_bytes, nan_codes)
+    keys = _Source(key_store, key_residual, flat, stored, part_bytes, nan_codes)
+    values = _Source(value_store, value_residual, flat, stored, part_bytes, nan_codes)
     chunks = rules.kv_chunks(length, rules.split_chunk(n, length) or length)
     # fewer (batch row, chunk) tasks than cores (one chunk below min_kv_len): the kv heads in
     # groups too, so that every core works; a head's sums are the same in any group
@@ -108,7 +108,7 @@ class _Source:
     one batch row: codes, scales and zero points viewed with the batch axes as one."""
 
     def __init__(self, store: Any, residual: np.ndarray, flat: int, stored: int,
-                 held: int, part_bytes: int, nan_codes: bool) -> None:
+                 part_bytes: int, nan_codes: bool) -> None:
         self.part_bytes, self.nan_codes = part_bytes, nan_codes
         kv_heads, dim = residual.shape[-3], residual.shape[-1]
         self.codes = store.codes.reshape(flat, kv_heads, store.codes.shape[-2], dim)
@@ -128,7 +128,7 @@ class _Source:
             self.zero_points = None if store.zero_points is None else \
                 store.zero_points.reshape(self.scales.shape)
         self.residual = residual.reshape((flat,) + residual.shape[-3:])
-        self.stored, self.held = stored, held
+        self.stored = stored  # the window's positions follow, read up to each part's stop
 
     def parts(self, b: int, h: slice, start: int, stop: int) -> Iterator[Any]:
         """Positions ``start..stop`` of batch row ``b``, kv heads ``h``, as consecutive parts

@@ -83,8 +83,8 @@ def dequantizing_attention(
         x is not None and x.requires_grad for x in (query, sinks))
     rows = query.reshape(-1, heads // kv_heads * n, head_dim).to(compute)
     rows = rows * rules.default_scale(head_dim)  # (pairs, rows, head_dim)
-    keys = _Source(key_store, key_residual, stored, held, record, part_bytes, nan_codes)
-    values = _Source(value_store, value_residual, stored, held, record, part_bytes, nan_codes)
+    keys = _Source(key_store, key_residual, stored, record, part_bytes, nan_codes)
+    values = _Source(value_store, value_residual, stored, record, part_bytes, nan_codes)
     outputs, lses = [], []
     for start, stop in rules.kv_chunks(length, rules.split_chunk(n, length) or length):
         # torch: the scores as keys @ rowsᵀ (rows @ keysᵀ took 1.9x as long: paged.py)
@@ -114,8 +114,8 @@ class _Source:
     """The keys (or values) of a quantised cache, positions ``0..stored + held``, as parts
     over every (batch row, kv head) pair: codes, scales and zero points viewed as pairs."""
 
-    def __init__(self, store: Any, residual: torch.Tensor, stored: int, held: int,
-                 fresh: bool, part_bytes: int, nan_codes: bool) -> None:
+    def __init__(self, store: Any, residual: torch.Tensor, stored: int, fresh: bool,
+                 part_bytes: int, nan_codes: bool) -> None:
         self.part_bytes, self.nan_codes = part_bytes, nan_codes
         kv_heads, dim = residual.shape[-3], residual.shape[-1]
         pairs = residual.shape[:-2].numel()  # torch: explicit (-1 is ambiguous for no element)
@@ -132,7 +132,7 @@ class _Source:
             self.zero_points = None if store.zero_points is None else \
                 store.zero_points.reshape(self.scales.shape)
         self.residual = residual.reshape(pairs, residual.shape[-2], dim)
-        self.stored, self.held = stored, held
+        self.stored = stored  # the window's positions follow, read up to each part's stop
         self.like = torch.empty(0, dtype=torch.float32, device=residual.device)
 
     def parts(self, start: int, stop: int) -> Iterator[Any]:
