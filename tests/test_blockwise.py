@@ -103,6 +103,8 @@ def _assert_conforms(exp: expected.Expected, step: str, actual: np.ndarray, back
 # inf - inf on inf_key is the spec's IEEE rule at work (numpy_attn warns from its threads)
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("backend", ["numpy", pytest.param("jax", marks=pytest.mark.slow),
+                                     "torch"], indirect=True)  # jax: a compile per case
 def test_matches_reference(backend, case):
     exp = _expected(case, "float64")
     got = _blockwise(backend, exp.data, **TILES)

@@ -165,6 +165,7 @@ def test_torch_eval_decode_keeps_no_graph(rng):
                                    atol=1e-5, err_msg=f"step {i}")
 
 
+@pytest.mark.slow
 def test_torch_training_decode_graph_stays_one_step(rng):
     """A step's graph reaches this step's nodes only (their number is the same at every step)
     and saves one copy of the cache so far, never the graphs of the earlier steps."""

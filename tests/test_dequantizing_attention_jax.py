@@ -22,6 +22,11 @@ STEP_SHAPE = (2, 3, 29, 128)  # (batch, kv_heads, length, head_dim): 3 kv heads 
 STEP_DTYPES = {"float32": (np.float32, jnp.float32, dict(rtol=2e-5, atol=2e-6)),
                "float64": (np.float64, jnp.float64, dict(rtol=1e-12, atol=1e-12)),
                "bfloat16": (ml_dtypes.bfloat16, jnp.bfloat16, dict(rtol=1.6e-2, atol=1.6e-2))}
+# The decoding step's cases: an int8 and an fp8 scheme in the edit loop, the other schemes (a
+# compile each) slow
+STEP_SCHEMES = [scheme if name in ("int8-group-zp", "float8_e5m2-head-given")
+                else pytest.param(scheme, marks=pytest.mark.slow)
+                for scheme, name in zip(SCHEMES, IDS, strict=True)]
 
 
 def _small_chunks(monkeypatch) -> None:
@@ -89,7 +94,7 @@ def _check_jax_step(scheme: KVQuantization, dtype: str, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("residual", [0, 3], ids=["no-window", "window"])
-@pytest.mark.parametrize("scheme", SCHEMES, ids=IDS)
+@pytest.mark.parametrize("scheme", STEP_SCHEMES, ids=IDS)
 def test_jax_decoding_step_equals_numpy_and_attention_over_the_cache(scheme, residual,
                                                                      monkeypatch):
     scheme = KVQuantization(scheme.dtype, granularity=scheme.granularity,
@@ -99,7 +104,7 @@ def test_jax_decoding_step_equals_numpy_and_attention_over_the_cache(scheme, res
 
 
 @pytest.mark.parametrize("dtype", ["float64", "bfloat16"])
-@pytest.mark.parametrize("scheme", SCHEMES, ids=IDS)
+@pytest.mark.parametrize("scheme", STEP_SCHEMES, ids=IDS)
 def test_jax_decoding_step_of_float64_and_bfloat16_caches(scheme, dtype, monkeypatch, x64_on):
     """float64 caches attend dequantize_kv's values in float64 (x64 on), bfloat16 caches the
     values rounded to bfloat16, as numpy_attn's step and cache.keys / cache.values do."""
@@ -183,6 +188,7 @@ def test_jax_step_program_holds_no_float_copy_of_the_store(scheme, monkeypatch):
     assert re.search(r"f32\[[0-9,]*\b3,128\]", text)  # a part's dequantised keys
 
 
+@pytest.mark.slow
 def test_jax_decoding_step_differentiates_as_attention_over_the_cache(monkeypatch, x64_on):
     """jax_attn differentiates through the chunks, the parts and the merge by autodiff
     (``spec.SPLIT_DECODING``): the gradients of the float32 step with respect to the query and
@@ -214,6 +220,7 @@ def test_jax_decoding_step_differentiates_as_attention_over_the_cache(monkeypatc
                                    err_msg=name)
 
 
+@pytest.mark.slow
 def test_jax_decoding_loop_compiles_once_over_a_cache_with_room(monkeypatch):
     """The step's lengths are traced: decoding token by token into a cache with room to spare
     (max_len 40 in chunks of 8, so the chunks past the filled positions are skipped, and a

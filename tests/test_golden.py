@@ -130,6 +130,7 @@ def _assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> 
 # ------------------------------------------------------------------------------ selection
 
 
+@pytest.mark.slow
 def test_a_case_pattern_that_selects_nothing_exits_2_naming_the_cases(gold: Path) -> None:
     line = _assert_one_line_error(
         _cli_process("check", str(gold), "--backend", "numpy", "--case", "slef"), "slef", "self")

@@ -85,6 +85,8 @@ _FD_CACHE: dict = {}
 
 
 @pytest.mark.parametrize("feature", sorted(FEATURES))
+@pytest.mark.parametrize("backend", ["numpy", pytest.param("jax", marks=pytest.mark.slow),
+                                     "torch"], indirect=True)  # jax: a compile per case
 def test_vjp_matches_finite_differences(backend, feature):
     q, k, v, grad_out, kw = _inputs(feature)
     if feature not in _FD_CACHE:

@@ -92,6 +92,7 @@ def test_cli_internal_faults_are_not_user_errors(monkeypatch: pytest.MonkeyPatch
         main(["--backend", "numpy", "--case", "self"])
 
 
+@pytest.mark.slow
 def test_cli_list_into_a_closed_pipe_exits_quietly() -> None:
     proc = subprocess.run(f"{sys.executable} -m conformance --list | head -1", shell=True,
                           cwd=ROOT, capture_output=True, text=True, timeout=timeout(120))

@@ -241,6 +241,7 @@ def test_planted_bug_is_caught_and_named(bug: str) -> None:
     check_planted_bug(bug, *PLANTED[bug])
 
 
+@pytest.mark.slow
 def test_report_names_failing_cases_and_exit_code(capsys: pytest.CaptureFixture) -> None:
     code = main(["--backend", "examples.wrong_attention", "--dtype", "float32", "--no-errors",
                  "--verbose"])

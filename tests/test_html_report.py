@@ -449,6 +449,7 @@ def test_the_articles_weights_show_each_steps_numbers_on_hover(loaded) -> None: 
     assert loaded.problems == []
 
 
+@pytest.mark.slow
 def test_html_on_run_and_check(tmp_path, capsys) -> None:  # noqa: ANN001
     target = tmp_path / "run.html"
     assert main(["--backend", "numpy", "--case", "self", "--dtype", "float32", "--no-errors",

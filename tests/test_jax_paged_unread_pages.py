@@ -71,6 +71,7 @@ def test_nan_and_inf_outside_the_sequences_never_reach_the_output(monkeypatch, q
             np.testing.assert_allclose(output[b], expected[b], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_nan_and_inf_outside_the_sequences_never_reach_the_gradients(monkeypatch):
     pytest.importorskip("jax")
     import jax

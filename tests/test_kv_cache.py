@@ -74,6 +74,8 @@ def _decode_in_chunks(backend, module, x, chunks, max_len):
 
 @pytest.mark.parametrize("num_kv_heads", [4, 2, 1])  # multi-head, grouped-query, multi-query
 @pytest.mark.parametrize("chunks", [(1,) * SEQ, (3, 1, 3)], ids=["token_by_token", "chunked"])
+@pytest.mark.parametrize("backend", ["numpy", pytest.param("jax", marks=pytest.mark.slow),
+                                     "torch"], indirect=True)  # jax: a compile per case
 def test_mha_decode_equals_full_causal_pass(backend, num_kv_heads, chunks):
     rng = np.random.default_rng(num_kv_heads)
     weights = _weights(rng, num_kv_heads)
@@ -215,6 +217,7 @@ def assert_bfloat16_before_ml_dtypes(expression: str) -> None:
     assert (run.returncode, run.stdout.strip()) == (0, "bfloat16"), run.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_numpy_cache_names_bfloat16_before_ml_dtypes_is_imported():
     """``dtype="bfloat16"`` in a process where nothing imported ml_dtypes yet."""
     assert_bfloat16_before_ml_dtypes(

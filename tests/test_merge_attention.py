@@ -56,6 +56,8 @@ def _merged_close(backend, dtype, case, output, lse):
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("parts", [2, 3, 4])
 @pytest.mark.parametrize("case", ["mask_bias", "mask_bias_no_sinks", "large_scores"])
+@pytest.mark.parametrize("backend", ["numpy", pytest.param("jax", marks=pytest.mark.slow),
+                                     "torch"], indirect=True)  # jax: a compile per case
 def test_merging_partial_results_gives_the_full_attention(backend, dtype, parts, case):
     """Fully masked rows (every part ``-inf``) give 0 and the sink (or ``-inf``); sinks are
     given to the merge only, never to the parts."""

@@ -197,6 +197,8 @@ def _mha_reference(weights, x, context, num_heads, num_kv_heads, **kwargs):
     ids=["self", "causal", "cross_causal_bottom_right", "window", "cross_padding"],
 )
 @pytest.mark.parametrize("num_kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("backend", ["numpy", pytest.param("jax", marks=pytest.mark.slow),
+                                     "torch"], indirect=True)  # jax: a compile per case
 def test_multi_head_attention_against_reference(backend, kwargs, num_kv_heads):
     kwargs = dict(kwargs)
     rng = np.random.default_rng(5)

@@ -63,6 +63,7 @@ def test_the_smallest_paged_cache_and_its_dtypes():
     np.testing.assert_allclose(cache.attend(query)[0], expected, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_paged_cache_names_bfloat16_before_ml_dtypes_is_imported():
     """``dtype="bfloat16"`` in a process where nothing imported ml_dtypes yet."""
     assert_bfloat16_before_ml_dtypes(

@@ -89,6 +89,7 @@ def _local_varlen(q_lens: tuple[int, ...], k_lens: tuple[int, ...],
     return expected_for(data, "varlen", "float32", "local_varlen", gradients=False)
 
 
+@pytest.mark.slow
 def test_the_packed_paths_meet_the_reference_where_no_case_reaches() -> None:
     """A window with seqused_k and soft-capping (no case has them without sinks):
     FlexAttention's document mask and ONNX's opset-25 window behind nonpad_kv_seqlen; jax.nn's

@@ -124,6 +124,7 @@ def test_sys_exit_in_a_call_fails_that_cell_and_the_run_goes_on(
     assert pids[0] != os.getpid()  # ... which is not the harness's process
 
 
+@pytest.mark.slow
 def test_a_module_that_mutates_its_input_is_named_and_the_numpy_column_stays_ok(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     name = _plugin(tmp_path, monkeypatch, "mutating_attention", f"""
@@ -175,6 +176,7 @@ def test_a_call_that_never_returns_is_a_timeout_cell(
     assert f"{SDPA} did not return within 1 s (--timeout 1)" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_worker_that_dies_fails_its_cell_and_a_new_one_runs_the_next(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     name = _plugin(tmp_path, monkeypatch, "dying_attention", f"""
@@ -319,6 +321,7 @@ def test_a_module_that_hangs_in_every_worker_is_not_called_after_three_timeouts_
     assert len(pids) == len(set(pids)) == n  # one call per worker, none after the rule
 
 
+@pytest.mark.slow
 def test_a_call_that_answers_starts_the_count_again_and_the_line_names_the_cell(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """Timeouts count only in a row; the line on stderr names what ``calling`` says."""

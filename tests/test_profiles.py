@@ -164,6 +164,7 @@ def test_a_planted_bug_in_each_backend_is_caught_by_the_quick_profile_and_named(
     assert "rerun one: python -m conformance" in verdict
 
 
+@pytest.mark.slow
 def test_two_threads_give_the_cells_of_one() -> None:
     """``room.Threads`` (the quick command line's room: a compiling backend's cells two at a
     time) gives the same cells, to the last bit, in the same order, as ``room.Room``."""

@@ -126,7 +126,9 @@ def _codes(q: object) -> np.ndarray:
 
 
 @pytest.mark.parametrize("scheme", SCHEMES, ids=IDS)
-@pytest.mark.parametrize("name", list(BACKENDS))
+@pytest.mark.parametrize("name", [  # jax: a compile per case
+    pytest.param(name, marks=pytest.mark.slow) if name == "jax_attn" else name
+    for name in BACKENDS])
 def test_quantize_matches_the_float64_quantiser(name, scheme):
     module, convert = BACKENDS[name]
     x = seeded_keys()

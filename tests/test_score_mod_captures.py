@@ -176,9 +176,12 @@ def _jax_grads(arrays, kind, tokens, attend, jit):
                                           for n in ("query", "key", "value", kind)))]
 
 
-@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
-@pytest.mark.parametrize("kind", sorted(MODS))
-@pytest.mark.parametrize("tokens", SIZES)
+@pytest.mark.parametrize(("tokens", "kind", "jit"), [  # slow but for 3: a compile each
+    pytest.param(tokens, kind, jit, id=f"{tokens}-{kind}-{'jit' if jit else 'eager'}",
+                 marks=() if (tokens, kind, jit) in ((64, "table", False), (64, "weight", True),
+                                                     (512, "weight", True))
+                 else pytest.mark.slow)
+    for tokens in SIZES for kind in sorted(MODS) for jit in (False, True)])
 def test_jax_captured_gradient(tokens, kind, jit, x64_on):
     jax = pytest.importorskip("jax")
     import jax_attn

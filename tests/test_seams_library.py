@@ -85,6 +85,7 @@ def test_merge_ignores_a_nan_output_whose_lse_is_minus_inf(backend, with_sinks, 
 # ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_jax_document_mod_made_again_from_other_ids_is_not_a_cached_program():
     """Two id arrays in turn, the previous freed each time (CPython reuses its ``id``): each
     jitted call with the mod static equals numpy_attn with those ids."""
@@ -266,6 +267,7 @@ def _concurrent_calls_keep_the_limit(controller) -> None:
         assert after == before, f"round {round_}: BLAS limit {after}, was {before}"
 
 
+@pytest.mark.slow
 def test_concurrent_calls_leave_the_blas_limit(monkeypatch):
     """A process-wide limit of 4 (the controller in miniature, with 2 cores or more) and, when
     threadpoolctl finds a BLAS library, the real one."""

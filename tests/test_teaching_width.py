@@ -37,6 +37,7 @@ def test_the_walkthrough_fits_the_default_width_and_the_narrowest(capsys):
     assert "columns 1–2 of 6" in narrow and "columns 1–" not in wide
 
 
+@pytest.mark.slow  # every exercise graded twice in a fresh interpreter
 @pytest.mark.parametrize("width", [DEFAULT_WIDTH, MIN_WIDTH])
 def test_exercise_feedback_fits_the_width(width):
     """Every exercise, its solution (a pass) and its stub (a fail: not written yet, or the

@@ -143,6 +143,7 @@ def test_pictures_command_writes_every_png(tmp_path, capsys):
     assert len(capsys.readouterr().out.splitlines()) == len(pictures.PICTURES)
 
 
+@pytest.mark.slow
 def test_pictures_say_what_they_show_on_the_image():
     """Every picture with a masked cell carries the legend "white = masked" on the image; the
     grouped-query and window pictures say they are causal."""
