@@ -23,10 +23,11 @@ from .checks import Shape
 FAST_PATHS = {
     "numpy_attn": {
         # the pipeline per block of block_q queries, on a thread pool; its VJP per block of
-        # block_kv keys against at most block_q_backward queries at a time
+        # block_kv keys against at most block_q_backward queries at a time; the scores'
+        # product as keys @ queriesᵀ (keys_first) or queries @ keysᵀ, per pass
         "blocked": {
             "block_q": 128, "block_kv": 128, "block_q_backward": 512, "min_scores": 1 << 20,
-            "min_q_len": 64,
+            "min_q_len": 64, "keys_first": False, "keys_first_backward": True,
         },
     },
     "jax_attn": {
@@ -53,11 +54,13 @@ FAST_PATHS = {
 # The candidates each tuner times, per shape class, in a few trial calls of the fast path.
 TUNING = {
     "numpy_attn": {
-        # forward: queries per block, and the exponential unit (exp, or exp2 on scores in
-        # units of log2 e); backward: (keys per task, queries per tile)
+        # forward: queries per block, the exponential unit (exp, or exp2 on scores in units
+        # of log2 e) and the scores' product order; backward: (keys per task, queries per
+        # tile) and the tiles' product order
         "block_q": (64, 128, 256),
         "exp2": (False, True),
-        "backward_tiles": ((128, 512), (64, 512), (128, 256), (256, 256), (64, 1024)),
+        "keys_first": (False, True),
+        "backward_tiles": ((128, 512), (64, 512), (256, 256), (256, 512), (512, 256)),
     },
 }
 

@@ -1,6 +1,7 @@
 """Your CPU's row of the "Per CPU kind" table of benchmarks/RESULTS.md.
 
     python benchmarks/cpu_report.py [--length 2048] [--rounds 7] [--keep-cache] [--no-jax]
+                                    [--before REVISION]
 
 Shapes: batch 1, 8 heads, ``T`` tokens (2,048), head_dim 64, float32, full and causal. It
 prints, for this machine:
@@ -9,14 +10,19 @@ prints, for this machine:
   NEON, ...), the usable cores, NumPy's BLAS (``threadpoolctl``) and the load average;
 * the SGEMM rate measured in the same run: a ``2048 × 2048`` product on every core, and the
   attention's own product shapes on one thread (as the blocked path runs them: BLAS in one
-  thread per lane) times the cores: the forward's ``q kᵀ`` ``(128, 64) @ (64, T)`` and ``P v``
-  ``(128, T) @ (T, 64)``, the backward tile's ``(128, 64) @ (64, 512)`` and ``(128, 512) @
-  (512, 64)``;
+  thread per lane) times the cores: the forward's ``q kᵀ`` ``(128, 64) @ (64, T)`` or ``(T,
+  64) @ (64, 128)`` (the faster order) and ``P v`` ``(128, T) @ (T, 64)``, the backward tile's
+  scores ``(128, 64) @ (64, 512)`` or ``(512, 64) @ (64, 128)`` (the faster), ``(128, 512) @
+  (512, 64)`` and ``(512, 128) @ (128, 64)``;
 * the floor: the products of forward (2) and forward + backward (7: the backward recomputes
   ``S``) at the attention-shape rate, causal counting only the allowed pairs;
 * every ratio to torch SDPA in the same rounds: numpy_attn with the fixed table
   (``ATTENTION_TUNING=off``, "old") and with the choices the tuner makes on this machine
-  ("new"), jax_attn (jitted), forward and forward + backward, full and causal.
+  ("new"), jax_attn (jitted), forward and forward + backward, full and causal; with
+  ``--before REVISION`` (a git revision of this checkout, e.g. the commit before the tuner,
+  ``a9380db^``) also numpy_attn as it was at that revision, "before": its ``numpy_attn`` and
+  ``attention_rules`` extracted by ``git archive`` and imported under other names, so old and
+  new code run in one process, in the same rounds.
 
 numpy_attn's tuner (``numpy_attn/_fast/tuning.py``) measures in a fresh temporary cache folder
 (its time is printed; ``--keep-cache`` uses your cache instead). The variants run interleaved,
@@ -90,25 +96,59 @@ def sgemm_rates(T: int, rounds: int, lanes: int) -> dict[str, float]:
 
     a, b = arr(2048, 2048), arr(2048, 2048)
     rates = {"square": 2 * 2048**3 / _median_s(lambda: a @ b, rounds) / 1e9}
-    shapes = {"forward": [((128, 64), (64, T)), ((128, T), (T, 64))],
-              "backward": [((128, 64), (64, 512)), ((128, 512), (512, 64)),
-                           ((512, 128), (128, 64))]}
+    # each product's shapes, in the orders the blocked path may run it (the faster counts)
+    shapes = {"forward": [(((128, 64), (64, T)), ((T, 64), (64, 128))),
+                          (((128, T), (T, 64)),)],
+              "backward": [(((128, 64), (64, 512)), ((512, 64), (64, 128))),
+                           (((128, 512), (512, 64)),), (((128, 512), (512, 64)),),
+                           (((512, 128), (128, 64)),)]}
     with threadpool_limits(1, user_api="blas"):
-        for name, pairs in shapes.items():
+        for name, products in shapes.items():
             flops = seconds = 0.0
-            for left, right in pairs:
-                x, y = arr(*left), arr(*right)
-                out = np.empty((left[0], right[1]), np.float32)
-                seconds += _median_s(lambda x=x, y=y, out=out: np.matmul(x, y, out=out),
-                                     rounds * 20)
+            for orders in products:
+                times = []
+                for left, right in orders:
+                    x, y = arr(*left), arr(*right)
+                    out = np.empty((left[0], right[1]), np.float32)
+                    times.append(_median_s(lambda x=x, y=y, out=out: np.matmul(x, y, out=out),
+                                           rounds * 20))
+                seconds += min(times)
                 flops += 2 * left[0] * left[1] * right[1]
             rates[name] = flops / seconds / 1e9 * lanes
     return rates
 
 
-def variants(T: int, with_jax: bool) -> dict[tuple[str, str, str], Callable[[], object]]:
+def import_before(revision: str) -> object:
+    """numpy_attn as it was at git ``revision`` of this checkout, imported as
+    ``numpy_attn_before`` (with that revision's ``attention_rules`` as
+    ``attention_rules_before``) from a temporary folder: ``git archive``, then every import of
+    the two packages renamed."""
+    import importlib
+    import re
+    import subprocess
+    import tarfile
+
+    root = Path(__file__).resolve().parent.parent
+    folder = Path(tempfile.mkdtemp(prefix="numpy-attn-before-"))
+    archive = subprocess.run(["git", "archive", "--format=tar", revision, "numpy_attn",
+                              "attention_rules"], cwd=root, capture_output=True, check=True)
+    tar = folder / "before.tar"
+    tar.write_bytes(archive.stdout)
+    with tarfile.open(tar) as members:
+        members.extractall(folder, filter="data")
+    imports = re.compile(r"^(\s*(?:from|import)\s+)(numpy_attn|attention_rules)\b", re.M)
+    for name in ("numpy_attn", "attention_rules"):
+        (folder / name).rename(folder / f"{name}_before")
+    for path in folder.rglob("*.py"):
+        path.write_text(imports.sub(r"\1\2_before", path.read_text()))
+    sys.path.insert(0, str(folder))
+    return importlib.import_module("numpy_attn_before")
+
+
+def variants(T: int, with_jax: bool, before: object | None = None
+             ) -> dict[tuple[str, str, str], Callable[[], object]]:
     """(variant, mode, mask) → one call: torch SDPA, numpy_attn old (fixed table) and new
-    (tuned), jax_attn (jitted)."""
+    (tuned), jax_attn (jitted), and ``before`` (numpy_attn at an earlier revision)."""
     import torch
     import torch.nn.functional as F
 
@@ -144,6 +184,13 @@ def variants(T: int, with_jax: bool) -> dict[tuple[str, str, str], Callable[[], 
 
             runs[name, "fwd", mask] = forward
             runs[name, "fwd+bwd", mask] = vjp
+        if before is not None:
+            runs["numpy_attn before", "fwd", mask] = (
+                lambda causal=causal: before.scaled_dot_product_attention(q, k, v,
+                                                                          is_causal=causal))
+            runs["numpy_attn before", "fwd+bwd", mask] = (
+                lambda causal=causal: before.scaled_dot_product_attention_vjp(
+                    q, k, v, g, is_causal=causal))
     if with_jax:
         import jax
         import jax.numpy as jnp
@@ -168,6 +215,12 @@ def variants(T: int, with_jax: bool) -> dict[tuple[str, str, str], Callable[[], 
     return runs
 
 
+def _cpu_ratio(cpu: dict, other: str, mode: str, mask: str) -> float:
+    """numpy_attn new's median CPU time over ``numpy_attn <other>``'s."""
+    return (statistics.median(cpu["numpy_attn new", mode, mask])
+            / statistics.median(cpu["numpy_attn " + other, mode, mask]))
+
+
 def _both_orders(runs: dict, rounds: int, **options: object) -> dict[object, list[float]]:
     """``timing.interleaved`` in the variants' order for half the rounds, then in the reverse
     order, so that no variant always follows the same one."""
@@ -183,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-cache", action="store_true",
                         help="tune in your cache folder, not a fresh temporary one")
     parser.add_argument("--no-jax", action="store_true")
+    parser.add_argument("--before", metavar="REVISION",
+                        help="also time numpy_attn at this git revision, in the same rounds")
     args = parser.parse_args(argv)
     if not args.keep_cache:
         os.environ["ATTENTION_TUNING_CACHE"] = tempfile.mkdtemp(prefix="attention-tuning-")
@@ -199,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{machine['blas']}; numpy {machine['numpy']}, torch {torch.__version__}")
     rates = sgemm_rates(T, args.rounds, lanes)
     print("SGEMM GFLOP/s: " + ", ".join(f"{name} {rate:.0f}" for name, rate in rates.items()))
-    runs = variants(T, not args.no_jax)
+    before = None if args.before is None else import_before(args.before)
+    runs = variants(T, not args.no_jax, before)
     tuning.set_tuning("on")
     start = time.perf_counter()
     for key in (("numpy_attn new", "fwd", "full"), ("numpy_attn new", "fwd+bwd", "full")):
@@ -235,16 +291,19 @@ def main(argv: list[str] | None = None) -> int:
             pairs = (T * (T + 1) / 2) / (T * T) if mask == "causal" else 1.0
             rate = rates["forward" if mode == "fwd" else "backward"]
             floor = flops_full[mode] * pairs / (rate * 1e9)
-            for name in ("torch SDPA", "numpy_attn old", "numpy_attn new", "jax_attn"):
+            for name in ("torch SDPA", "numpy_attn before", "numpy_attn old", "numpy_attn new",
+                         "jax_attn"):
                 if (name, mode, mask) in median:
                     s = median[name, mode, mask]
                     print(f"| {name} | {mode} | {mask} | {s * 1e3:.1f} | {s / base:.2f} | "
                           f"{floor / s:.2f} | {spread[name, mode, mask]:.0%} |")
 
-    print("\nnumpy_attn new / old by the process's CPU time (load-robust), full / causal: "
-          + "; ".join(f"{mode} " + " / ".join(
-              f"{statistics.median(cpu['numpy_attn new', mode, m]) / statistics.median(cpu['numpy_attn old', mode, m]):.2f}"  # noqa: E501
-              for m in ("full", "causal")) for mode in ("fwd", "fwd+bwd")))
+    for other in ("old", "before"):
+        if ("numpy_attn " + other, "fwd", "full") in cpu:
+            print(f"\nnumpy_attn new / {other} by the process's CPU time (load-robust), full / "
+                  "causal: " + "; ".join(f"{mode} " + " / ".join(
+                      f"{_cpu_ratio(cpu, other, mode, m):.2f}" for m in ("full", "causal"))
+                      for mode in ("fwd", "fwd+bwd")))
 
     def ratios(name: str, mode: str) -> str:
         if (name, mode, "full") not in median:
@@ -252,14 +311,17 @@ def main(argv: list[str] | None = None) -> int:
         return " / ".join(f"{median[name, mode, m] / median['torch SDPA', mode, m]:.2f}"
                           for m in ("full", "causal"))
 
-    print("\nThe row for benchmarks/RESULTS.md (× torch SDPA, full / causal):\n")
+    old = "numpy_attn before" if before is not None else "numpy_attn old"
+    print("\nThe row for benchmarks/RESULTS.md (× torch SDPA, full / causal; old: "
+          + (f"the code of {args.before}" if before is not None else "the fixed table")
+          + "):\n")
     print("| CPU | SIMD | cores | SGEMM GFLOP/s: 2048², fwd / bwd shapes | numpy fwd old → new "
           "| numpy fwd+bwd old → new | jax fwd | jax fwd+bwd | load |")
     print("|---|---|---|---|---|---|---|---|---|")
     print(f"| {machine['cpu']} | {simd_level()} | {lanes} | {rates['square']:.0f}, "
           f"{rates['forward']:.0f} / {rates['backward']:.0f} | "
-          f"{ratios('numpy_attn old', 'fwd')} → {ratios('numpy_attn new', 'fwd')} | "
-          f"{ratios('numpy_attn old', 'fwd+bwd')} → {ratios('numpy_attn new', 'fwd+bwd')} | "
+          f"{ratios(old, 'fwd')} → {ratios('numpy_attn new', 'fwd')} | "
+          f"{ratios(old, 'fwd+bwd')} → {ratios('numpy_attn new', 'fwd+bwd')} | "
           f"{ratios('jax_attn', 'fwd')} | {ratios('jax_attn', 'fwd+bwd')} | "
           f"{load_before:.1f}–{load_after:.1f} |")
     return 0

@@ -39,30 +39,33 @@ CASES = {
     "softcap_sinks": (((1, 2, 50, 8), (1, 2, 50, 8), (1, 2, 50, 8)),
                       {"softcap": 5.0, "sinks": True, "is_causal": True}),
 }
-FIXED = tuning.Choice(16, 16, 32, False)  # the suite's small fixed table for these inputs
-FORCED = {"block_q": 24, "block_kv": 8, "block_q_backward": 40, "exp2": True}
+FIXED = tuning.Choice(16, 16, 32, False, False, True)  # the suite's small fixed table
+FORCED = {"block_q": 24, "block_kv": 8, "block_q_backward": 40, "exp2": True,
+          "keys_first": True, "keys_first_backward": True}
 
 
 @pytest.fixture
 def small_fixed_table(monkeypatch):
     """Every input of CASES on the blocked path, the fixed table ``FIXED``; ``used`` lists the
-    (blocks, exp2) each blocked forward and VJP ran with."""
+    (blocks, exp2, keys_first) each blocked forward and VJP ran with."""
     monkeypatch.setattr(_fast, "MIN_SCORES", 0)
     monkeypatch.setattr(_fast, "MIN_Q_LEN", 8)
     for name, value in (("BLOCK_Q", FIXED.block_q), ("BLOCK_KV", FIXED.block_kv),
                         ("BLOCK_Q_BACKWARD", FIXED.block_q_backward)):
         monkeypatch.setattr(_fast, name, value)
     monkeypatch.setattr(_fast.forward, "USE_EXP2", FIXED.exp2)
+    monkeypatch.setattr(_fast, "KEYS_FIRST", FIXED.keys_first)
+    monkeypatch.setattr(_fast, "KEYS_FIRST_BACKWARD", FIXED.keys_first_backward)
     used = []
     real_forward, real_vjp = _fast.forward.blocked_attention, _fast.backward.blocked_attention_vjp
 
-    def forward(*args, blocks, exp2=None, **kwargs):
-        used.append(("forward", blocks, exp2))
-        return real_forward(*args, blocks=blocks, exp2=exp2, **kwargs)
+    def forward(*args, blocks, exp2=None, keys_first=None, **kwargs):
+        used.append(("forward", blocks, exp2, keys_first))
+        return real_forward(*args, blocks=blocks, exp2=exp2, keys_first=keys_first, **kwargs)
 
-    def vjp(*args, blocks, exp2=None, **kwargs):
-        used.append(("vjp", blocks, exp2))
-        return real_vjp(*args, blocks=blocks, exp2=exp2, **kwargs)
+    def vjp(*args, blocks, exp2=None, keys_first=None, **kwargs):
+        used.append(("vjp", blocks, exp2, keys_first))
+        return real_vjp(*args, blocks=blocks, exp2=exp2, keys_first=keys_first, **kwargs)
 
     monkeypatch.setattr(_fast.forward, "blocked_attention", forward)
     monkeypatch.setattr(_fast.backward, "blocked_attention_vjp", vjp)
@@ -104,9 +107,10 @@ def _run(arrays: dict, options: dict) -> list[np.ndarray]:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_two_choices_each_repeat_bitwise_and_both_meet_the_tolerance(small_fixed_table, case):
-    """The fixed table, its alternate (blocks halved, the other exponential) and a forced table
-    (blocks that divide nothing): each gives the same bits twice and from another thread, and
-    each is within the tolerance rule of the float64 reference, forward and VJP."""
+    """The fixed table, its alternate (blocks halved, the other exponential and product orders)
+    and a forced table (blocks that divide nothing, both products keys first): each gives the
+    same bits twice and from another thread, and each is within the tolerance rule of the
+    float64 reference, forward and VJP."""
     arrays, options = _inputs(case)
     results = {}
     for mode in ("off", "alternate", FORCED):
@@ -126,12 +130,12 @@ def test_two_choices_each_repeat_bitwise_and_both_meet_the_tolerance(small_fixed
         results[str(mode)] = (first, blocks)
     off, alternate, forced = (results[key][1] for key in results)
     # the blocks each choice ran (forward, then the VJP's forward and tiles)
-    assert off == [("forward", (16, 16), False), ("forward", (16, 16), False),
-                   ("vjp", (16, 16, 32), False)]
-    assert alternate == [("forward", (8, 16), True), ("forward", (8, 8), True),
-                         ("vjp", (8, 8, 16), True)]
-    assert forced == [("forward", (24, 8), True), ("forward", (24, 8), True),
-                      ("vjp", (24, 8, 40), True)]
+    assert off == [("forward", (16, 16), False, False), ("forward", (16, 16), False, False),
+                   ("vjp", (16, 16, 32), False, True)]
+    assert alternate == [("forward", (8, 16), True, True), ("forward", (8, 8), True, True),
+                         ("vjp", (8, 8, 16), True, False)]
+    assert forced == [("forward", (24, 8), True, True), ("forward", (24, 8), True, True),
+                      ("vjp", (24, 8, 40), True, True)]
     reference = {name: x.astype(np.float64) for name, x in arrays.items()
                  if name not in ("grad_output",)}
     for mode, (values, _) in results.items():
@@ -144,11 +148,11 @@ def test_two_choices_each_repeat_bitwise_and_both_meet_the_tolerance(small_fixed
 def test_the_switch_parses_and_names_itself_on_bad_values(monkeypatch):
     monkeypatch.setenv("ATTENTION_TUNING", "off")
     assert tuning.tuning_mode() == "off"
-    monkeypatch.setenv("ATTENTION_TUNING", " block_q=64, exp2=1 ")
-    assert tuning.tuning_mode() == {"block_q": 64, "exp2": True}
+    monkeypatch.setenv("ATTENTION_TUNING", " block_q=64, exp2=1, keys_first=false ")
+    assert tuning.tuning_mode() == {"block_q": 64, "exp2": True, "keys_first": False}
     monkeypatch.delenv("ATTENTION_TUNING")
     assert tuning.tuning_mode() == "on"
-    for bad in ("fast", "block_q=0", "block_q=x", "blocks=64", "exp2=2"):
+    for bad in ("fast", "block_q=0", "block_q=x", "blocks=64", "exp2=2", "keys_first=64"):
         monkeypatch.setenv("ATTENTION_TUNING", bad)
         with pytest.raises(ValueError, match="ATTENTION_TUNING: expected 'on', 'off'"):
             tuning.tuning_mode()
@@ -192,22 +196,25 @@ def _slow_unless(fast: dict, calls: list):
 
 SHAPES = ((1, 8, 2048, 64), (1, 8, 2048, 64), (1, 8, 2048, 64))
 BASE = tuning.Choice(128, 128, 512, False)
+# the forward's candidates: every exponential, product order and block_q
+FORWARD_CANDIDATES = (len(tuning.CANDIDATES["exp2"]) * len(tuning.CANDIDATES["keys_first"])
+                      * len(tuning.CANDIDATES["block_q"]))
 
 
 def test_measures_once_per_class_then_reads_the_cache_file(tuner):
     """The fastest candidate wins; a second class measures again; after ``forget`` (a new
     process) the cache file answers without a trial. The file names this machine."""
     calls = []
-    trial = _slow_unless({"block_q": 64, "exp2": True}, calls)
+    trial = _slow_unless({"block_q": 64, "exp2": True, "keys_first": True}, calls)
     got = tuning.choose("forward", *SHAPES, "float32", BASE, trial)
-    assert got == tuning.Choice(64, 128, 512, True)
+    assert got == tuning.Choice(64, 128, 512, True, True, True)
     measured = len(calls)
     assert measured > 0
     assert tuning.choose("forward", *SHAPES, "float32", BASE, trial) == got
     assert len(calls) == measured  # in memory
-    backward = tuning.choose("backward", *SHAPES, "float32", got,
-                             _slow_unless({"block_kv": 64, "block_q_backward": 1024}, calls))
-    assert backward == tuning.Choice(64, 64, 1024, True)
+    backward = tuning.choose("backward", *SHAPES, "float32", got, _slow_unless(
+        {"block_kv": 256, "block_q_backward": 512, "keys_first_backward": False}, calls))
+    assert backward == tuning.Choice(64, 256, 512, True, True, False)
     tuning.forget()
     calls.clear()
     assert tuning.choose("forward", *SHAPES, "float32", BASE, trial) == got
@@ -215,10 +222,10 @@ def test_measures_once_per_class_then_reads_the_cache_file(tuner):
     assert calls == []  # read back from the file
     data = json.loads(Path(tuning.cache_file()).read_text())
     assert data["machine"]["cpu"] == tuning.cpu_model()
-    assert data["choices"] == {"forward/float32/d64/v64/q512/k2048": {"block_q": 64,
-                                                                       "exp2": True},
-                               "backward/float32/d64/v64/q1024/k512": {
-                                   "block_kv": 64, "block_q_backward": 1024}}
+    assert data["choices"] == {
+        "forward/float32/d64/v64/q512/k2048": {"block_q": 64, "exp2": True, "keys_first": True},
+        "backward/float32/d64/v64/q2048/k512": {"block_kv": 256, "block_q_backward": 512,
+                                                "keys_first_backward": False}}
     assert [p.name for p in tuner.iterdir()] == [Path(tuning.cache_file()).name]  # no temp
 
 
@@ -233,36 +240,41 @@ def test_a_win_that_does_not_repeat_keeps_the_fixed_table(tuner):
     """A candidate faster in the first rounds only (a burst of load on the others) is timed
     against the fixed table again, and loses there."""
     calls = []
-    first_rounds = 1 + tuning.ROUNDS * 2 + 1 + tuning.ROUNDS * 3
+    first_rounds = 1 + tuning.ROUNDS * FORWARD_CANDIDATES * 2
 
     def trial(kind, choice, *arrays):
         calls.append(choice)
         CLOCK[0] += 0.001 if choice.block_q == 64 and len(calls) <= first_rounds else 0.004
 
     assert tuning.choose("forward", *SHAPES, "float32", BASE, trial) == BASE
-    assert len(calls) == first_rounds + tuning.ROUNDS * 2
+    assert len(calls) == first_rounds + tuning.ROUNDS * 2 * 2
 
 
 @pytest.mark.parametrize("content", [
     b"", b"not json", b"\xff\xfe", b"[1, 2]", b'{"format": 1}', b"{" * 100_000,
-    "other machine", "wrong types", "out of range", "extra entry", "too large",
+    "other machine", "older format", "wrong types", "a switch not a bool", "out of range",
+    "extra entry", "too large",
 ])
 def test_a_bad_cache_file_is_ignored_and_replaced(tuner, content):
     path = Path(tuning.cache_file())
-    good = {"format": 1, "machine": tuning.machine(), "choices": {}}
+    good = {"format": tuning.FORMAT, "machine": tuning.machine(), "choices": {}}
     key = "forward/float32/d64/v64/q512/k2048"
+    entries = {"block_q": 32, "exp2": True, "keys_first": False}  # valid on this machine
     if content == "other machine":
         content = dict(good, machine=dict(tuning.machine(), cpu="another CPU"),
-                       choices={key: {"block_q": 32, "exp2": True}})
+                       choices={key: entries})
+    elif content == "older format":
+        content = dict(good, format=1, choices={key: {"block_q": 32, "exp2": True}})
     elif content == "wrong types":
-        content = dict(good, choices={key: {"block_q": True, "exp2": 1}})
+        content = dict(good, choices={key: dict(entries, block_q=True, exp2=1)})
+    elif content == "a switch not a bool":
+        content = dict(good, choices={key: dict(entries, keys_first=0)})
     elif content == "out of range":
-        content = dict(good, choices={key: {"block_q": 0, "exp2": True}})
+        content = dict(good, choices={key: dict(entries, block_q=0)})
     elif content == "extra entry":
-        content = dict(good, choices={key: {"block_q": 32, "exp2": True, "block_kv": 1}})
+        content = dict(good, choices={key: dict(entries, block_kv=1)})
     elif content == "too large":
-        content = dict(good, choices={key: {"block_q": 32, "exp2": True}},
-                       padding="x" * (tuning.MAX_FILE_BYTES + 1))
+        content = dict(good, choices={key: entries}, padding="x" * (tuning.MAX_FILE_BYTES + 1))
     path.write_bytes(content if isinstance(content, bytes) else json.dumps(content).encode())
     calls = []
     got = tuning.choose("forward", *SHAPES, "float32", BASE, _slow_unless({"block_q": 256},
@@ -281,8 +293,9 @@ def test_threads_racing_to_a_class_get_one_decision(tuner):
     for thread in threads:
         thread.join()
     assert len(set(results)) == 1 and len(results) == 4
-    # one measurement: the exponentials, the blocks, the winning block confirmed
-    assert len(calls) == 1 + tuning.ROUNDS * 2 + 1 + tuning.ROUNDS * 3 + tuning.ROUNDS * 2
+    # one measurement: every combination of the forward's entries, the winner confirmed, each
+    # candidate run twice a round
+    assert len(calls) == 1 + tuning.ROUNDS * 2 * (FORWARD_CANDIDATES + 2)
 
 
 def test_an_unwritable_cache_folder_keeps_the_choice_in_memory(tuner, monkeypatch):
@@ -303,19 +316,20 @@ def test_the_real_tuner_on_the_real_path(tuning_on):
     fixed table's."""
     gen = np.random.default_rng(5)
     q, k, v = (gen.standard_normal((1, 4, 512, 32)).astype(np.float32) for _ in range(3))
-    first = numpy_attn.scaled_dot_product_attention(q, k, v, is_causal=True)
+    first = numpy_attn.scaled_dot_product_attention(q, k, v)
     choices = json.loads(Path(tuning.cache_file()).read_text())["choices"]
     assert list(choices) == ["forward/float32/d32/v32/q512/k512"]
-    again = numpy_attn.scaled_dot_product_attention(q, k, v, is_causal=True)
+    again = numpy_attn.scaled_dot_product_attention(q, k, v)
     assert first.tobytes() == again.tobytes()
     assert_matches_reference(first, {"query": q.astype(np.float64), "key": k.astype(np.float64),
-                                     "value": v.astype(np.float64)}, "float32", is_causal=True)
+                                     "value": v.astype(np.float64)}, "float32")
 
 
 @pytest.mark.slow
 def test_the_fast_path_tests_pass_under_the_second_choice():
     """The fast-path conformance and repeatability tests, run again with
-    ``ATTENTION_TUNING=alternate`` (every block halved, the other exponential); deselected: the
+    ``ATTENTION_TUNING=alternate`` (every block halved, the other exponential and product
+    orders); deselected: the
     tests that check the fixed table's own numbers (its block sizes, its exponential's bound)."""
     env = dict(os.environ, ATTENTION_TUNING="alternate")
     files = ["tests/test_fast_forward_numpy.py", "tests/test_fast_backward_numpy.py",
@@ -325,3 +339,33 @@ def test_the_fast_path_tests_pass_under_the_second_choice():
                           "0", "-x", "-k", pinned, *files], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=timeout(900))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def test_the_entries_are_timed_together(tuner):
+    """A combination that wins only whole (each of its entries alone is slower than the fixed
+    table) is found: the candidates are every combination, not one entry at a time."""
+    calls = []
+    winner = {"keys_first_backward": False, "block_kv": 256, "block_q_backward": 512}
+
+    def trial(kind, choice, *arrays):
+        calls.append(choice)
+        matches = sum(getattr(choice, name) == value for name, value in winner.items())
+        CLOCK[0] += 0.001 if matches == len(winner) else 0.002 + 0.001 * matches
+
+    assert tuning.choose("backward", *SHAPES, "float32", BASE, trial) == tuning.Choice(
+        128, 256, 512, False, False, False)
+
+
+
+def test_causal_and_windowed_calls_run_the_fixed_table(tuning_on, monkeypatch):
+    """Tuning on: a causal or windowed call runs the fixed table and times nothing (only full
+    attention is tuned), a full call of the same shapes measures."""
+    gen = np.random.default_rng(6)
+    q, k, v, g = (gen.standard_normal((1, 4, 512, 16)).astype(np.float32) for _ in range(4))
+    trials = []
+    monkeypatch.setattr(_fast, "_trial", lambda *args: trials.append(args[0]))
+    numpy_attn.scaled_dot_product_attention(q, k, v, is_causal=True)
+    numpy_attn.scaled_dot_product_attention_vjp(q, k, v, g, window=(8, 0))
+    assert trials == [] and not Path(tuning.cache_file()).exists()
+    numpy_attn.scaled_dot_product_attention(q, k, v)
+    assert trials and set(trials) == {"forward"}

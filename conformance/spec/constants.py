@@ -81,6 +81,11 @@ FAST_PATH_RULES = {
     "block_kv": "keys per step of the blocked VJP (numpy_attn: per task, the task's own dK and "
     "dV rows; jax_attn: per lax.scan step, against every query that sees them)",
     "block_q_backward": "numpy_attn: queries per tile of the blocked VJP (a tile stays in cache)",
+    "keys_first": "numpy_attn: the forward block's scores made as keys @ queriesᵀ into a "
+    "(keys, queries) buffer that the later steps read through its transpose (True), or as "
+    "queries @ keysᵀ (False): the same sums, another BLAS kernel",
+    "keys_first_backward": "numpy_attn: the same order for the VJP tile's two (keys, queries) "
+    "products, the scores and dPᵀ",
     "min_scores": "a blocked path runs only from this many score entries (..., heads, q_len) "
     "× kv_len: below it the explicit steps are as fast",
     "min_q_len": "a blocked path runs only from this many queries (decoding steps, with few "
@@ -97,18 +102,25 @@ FAST_PATH_RULES = {
     "what it computes: block_q (queries per forward block), exp2 (the exponential of "
     "the forward blocks and the VJP's tiles: exp of the scores, or exp2 of the scores in units "
     "of log2 e), block_kv and "
-    "block_q_backward (keys per VJP task, queries per VJP tile). The numbers above are the "
-    "fixed table; by default the first call of a shape class (forward or VJP, compute dtype, "
-    "head_dim, v_dim, q_len and kv_len rounded up to powers of two) times the candidates of "
-    "attention_rules.fast_paths.TUNING on random inputs of that class and keeps the fastest, "
-    "for the process and in a JSON file per machine (CPU model, cores, NumPy, BLAS, library "
-    "version) in $ATTENTION_TUNING_CACHE, else ~/.cache/attention-three-ways/tuning beside JAX's "
-    "compilation cache; a file that is unreadable, malformed or of another machine is ignored. "
+    "block_q_backward (keys per VJP task, queries per VJP tile), keys_first and "
+    "keys_first_backward (the order of the forward's and the VJP's score products). The "
+    "numbers above are the fixed table; by default the first call of a shape class "
+    "(forward or VJP, compute dtype, head_dim, v_dim, q_len and kv_len rounded up to powers "
+    "of two) times the candidates of "
+    "attention_rules.fast_paths.TUNING (every combination of the step's entries) on random "
+    "inputs of that class, full attention, and keeps the fastest when it beats the fixed "
+    "table by 5 % twice, for the process and in a JSON file per machine (CPU model, cores, "
+    "NumPy, BLAS, library version) in $ATTENTION_TUNING_CACHE, else "
+    "~/.cache/attention-three-ways/tuning beside JAX's compilation cache; a file that is "
+    "unreadable, malformed or of another machine is ignored. Causal and windowed calls are "
+    "not measured: tuned, they run the fixed table. "
     "ATTENTION_TUNING=off (or numpy_attn._fast.tuning.set_tuning('off')) runs the fixed table, "
-    "'alternate' the fixed table with every block halved and the other exponential, "
+    "'alternate' the fixed table with every block halved, the other exponential and the "
+    "other product orders, "
     "'block_q=64,exp2=0' those entries. A given choice gives the same bits on every call, from "
     "any thread (CONCURRENCY), and a shape class keeps its choice for the life of the process; "
-    "two choices differ only in rounding (the order of the sums, exp against exp2), both "
+    "two choices differ only in rounding (the order of the sums, the BLAS kernel, exp against "
+    "exp2), both "
     "within TOLERANCES of the float64 reference, NaN, infinities and fully masked rows alike",
 }
 

@@ -41,6 +41,8 @@ BLOCK_KV = _BLOCKED["block_kv"]  # key rows per task of the VJP: dK and dV of a 
 BLOCK_Q_BACKWARD = _BLOCKED["block_q_backward"]  # queries per tile of the VJP (cache-sized)
 MIN_SCORES = _BLOCKED["min_scores"]  # below this many score entries the plain path is as fast
 MIN_Q_LEN = _BLOCKED["min_q_len"]  # few queries (decoding): one batched matmul is faster
+KEYS_FIRST = _BLOCKED["keys_first"]  # the forward's scores as keys @ queriesᵀ
+KEYS_FIRST_BACKWARD = _BLOCKED["keys_first_backward"]  # the VJP's tiles as keys @ queriesᵀ
 
 
 def use_fast_path(
@@ -76,7 +78,7 @@ def fast_attention(
     row log-sum-exp ``(..., heads, q_len)`` the blocks computed anyway (compute dtype); the
     ``(heads,)`` ``sinks`` join each block's denominators at its end; ``mods`` (chunks, ALiBi,
     segment ids, the mods) apply per block, and the blocks they mask entirely are skipped."""
-    choice = _choice("forward", query, key, value)
+    choice = _choice("forward", query, key, value, args)
     return _forward(query, key, value, mask, bias, args, sinks, mods, choice)
 
 
@@ -98,7 +100,7 @@ def _forward(
     sinks = None if sinks is None else sinks.astype(query.dtype, copy=False)
     output = forward.blocked_attention(query, key, value, mask, bias, args, lse, sinks, mods,
                                        blocks=(choice.block_q, choice.block_kv),
-                                       exp2=choice.exp2)
+                                       exp2=choice.exp2, keys_first=choice.keys_first)
     output = output.astype(dtype, copy=False)
     if lse is None:
         return output
@@ -124,7 +126,8 @@ def fast_attention_vjp(
     v_dim)`` and bias (None without one), in their dtypes; with ``sinks`` ``(heads,)`` a fifth,
     ``grad_sinks``. The forward pass joins the sinks, so ``P`` and ``delta`` are those of the
     rows with their sinks and the tiles' formulas stay as they are."""
-    choice = _choice("backward", query, key, value, _choice("forward", query, key, value))
+    choice = _choice("backward", query, key, value, args,
+                     _choice("forward", query, key, value, args))
     return _vjp(query, key, value, grad_output, mask, bias, args, sinks, mods, choice)
 
 
@@ -141,6 +144,25 @@ def _vjp(
     choice: tuning.Choice,
 ) -> tuple[np.ndarray | None, ...]:
     """``fast_attention_vjp`` with the blocks and exponential of ``choice``."""
+    inputs = _vjp_inputs(query, key, value, grad_output, mask, bias, args, sinks, mods, choice)
+    return _vjp_tiles(inputs, query, mask, bias, args, sinks, mods, choice)
+
+
+def _vjp_inputs(
+    query: np.ndarray,
+    key: np.ndarray,
+    value: np.ndarray,
+    grad_output: np.ndarray,
+    mask: np.ndarray | None,
+    bias: np.ndarray | None,
+    args: rules.Arguments,
+    sinks: np.ndarray | None,
+    mods: _Mods | None,
+    choice: tuning.Choice,
+) -> tuple[np.ndarray, ...]:
+    """The VJP's forward pass and what its tiles read: ``(query_lse, key_ones, value_ones,
+    grad_output_delta, grad_sinks)`` (see ``backward.blocked_attention_vjp``; ``grad_sinks``
+    None without sinks)."""
     compute = rules.compute_dtype(query.dtype.name)
     head_dim, v_dim = query.shape[-1], value.shape[-1]
     # One column more than the inputs (see backward.blocked_attention_vjp): [Q · scale,
@@ -154,7 +176,7 @@ def _vjp(
                                        value_ones[..., :v_dim], mask, bias, args, lse,
                                        compute_sinks, mods,
                                        blocks=(choice.block_q, choice.block_kv),
-                                       exp2=choice.exp2)
+                                       exp2=choice.exp2, keys_first=choice.keys_first)
     grad_output_delta = np.empty(grad_output.shape[:-1] + (v_dim + 1,), compute)
     grad_output_delta[..., :v_dim] = grad_output  # (..., heads, q_len, v_dim + 1)
     # delta = rowsum(dO ⊙ O): (..., heads, q_len)
@@ -166,9 +188,26 @@ def _vjp(
         grad_sinks = _sinks_grad(compute_sinks, lse[..., None], grad_output_delta[..., v_dim:])
     np.negative(lse, out=lse)  # -lse: -inf on fully masked rows
     np.negative(grad_output_delta[..., v_dim], out=grad_output_delta[..., v_dim])  # -delta
+    return query_lse, key_ones, value_ones, grad_output_delta, grad_sinks
+
+
+def _vjp_tiles(
+    inputs: tuple[np.ndarray, ...],
+    query: np.ndarray,
+    mask: np.ndarray | None,
+    bias: np.ndarray | None,
+    args: rules.Arguments,
+    sinks: np.ndarray | None,
+    mods: _Mods | None,
+    choice: tuning.Choice,
+) -> tuple[np.ndarray | None, ...]:
+    """The VJP's tiles on ``_vjp_inputs``' ``inputs``: the gradients, query's and key's and
+    value's in the dtype of ``query``, ``bias``'s and ``sinks``' in theirs."""
+    query_lse, key_ones, value_ones, grad_output_delta, grad_sinks = inputs
     grad_q, grad_k, grad_v, grad_bias = backward.blocked_attention_vjp(
         query_lse, key_ones, value_ones, grad_output_delta, mask, bias, args, mods,
-        blocks=(choice.block_q, choice.block_kv, choice.block_q_backward), exp2=choice.exp2)
+        blocks=(choice.block_q, choice.block_kv, choice.block_q_backward), exp2=choice.exp2,
+        keys_first=choice.keys_first_backward)
     dtype = query.dtype
     grads = (grad_q.astype(dtype, copy=False), grad_k.astype(dtype, copy=False),
              grad_v.astype(dtype, copy=False))
@@ -178,33 +217,47 @@ def _vjp(
 
 
 def _fixed() -> tuning.Choice:
-    """The fixed table: the constants above and ``forward.USE_EXP2``, read at each call."""
-    return tuning.Choice(BLOCK_Q, BLOCK_KV, BLOCK_Q_BACKWARD, bool(forward.USE_EXP2))
+    """The fixed table: the constants above, ``forward.USE_EXP2`` and the products' orders of
+    ``attention_rules.FAST_PATHS``, read at each call."""
+    return tuning.Choice(BLOCK_Q, BLOCK_KV, BLOCK_Q_BACKWARD, bool(forward.USE_EXP2),
+                         bool(KEYS_FIRST), bool(KEYS_FIRST_BACKWARD))
 
 
 def _choice(kind: str, query: np.ndarray, key: np.ndarray, value: np.ndarray,
-            base: tuning.Choice | None = None) -> tuning.Choice:
+            args: rules.Arguments, base: tuning.Choice | None = None) -> tuning.Choice:
     """The choice for step ``kind`` (``tuning.choose``) on query ``(..., heads, q_len,
-    head_dim)``, key and value ``(..., kv_heads, kv_len, head_dim | v_dim)``."""
+    head_dim)``, key and value ``(..., kv_heads, kv_len, head_dim | v_dim)``; a causal or
+    windowed call (``args``) is never measured: tuned, it takes ``base``, the fixed table (see
+    ``tuning``: its candidates measured within noise of it, and a trial cannot rank them)."""
     compute = rules.compute_dtype(query.dtype.name)
     return tuning.choose(kind, query.shape, key.shape, value.shape, compute,
-                         _fixed() if base is None else base, _trial)
+                         _fixed() if base is None else base, _trial,
+                         measure=not args.is_causal and args.window is None)
 
 
 def _trial(kind: str, choice: tuning.Choice, query: np.ndarray, key: np.ndarray,
-           value: np.ndarray, grad_output: np.ndarray) -> object:
-    """One call of the fast path with ``choice``, full attention, for the tuner: the forward
-    pass (``kind == "forward"``) or the VJP, on query ``(1, heads, q_len, head_dim)``, key and
-    value ``(1, heads, kv_len, head_dim | v_dim)`` and grad_output ``(1, heads, q_len,
-    v_dim)``."""
+           value: np.ndarray, grad_output: np.ndarray, shared: dict | None = None) -> object:
+    """One call of the fast path with ``choice`` for the tuner, full attention: the forward
+    pass (``kind == "forward"``) or the VJP's tiles, on query ``(1, heads, q_len, head_dim)``,
+    key and value ``(1, heads, kv_len, head_dim | v_dim)`` and grad_output ``(1, heads, q_len,
+    v_dim)``. The VJP's forward pass, the same for every candidate of a measurement (its
+    entries are the forward's choice), runs once per ``shared`` (one dict per measurement) and
+    is not part of what the tuner times."""
+    shared = {} if shared is None else shared
     args = rules.Arguments(
         dtype=query.dtype.name, scores_shape=query.shape[:-1] + key.shape[-2:-1],
         output_shape=query.shape[:-1] + value.shape[-1:], is_causal=False,
-        causal_alignment="top_left", window=None, scale=query.shape[-1] ** -0.5, softcap=None,
-        dropout_p=0.0, return_weights=False, block_q=None, block_kv=None)
+        causal_alignment="top_left", window=None,
+        scale=query.shape[-1] ** -0.5, softcap=None, dropout_p=0.0, return_weights=False,
+        block_q=None, block_kv=None)
     if kind == "forward":
         return _forward(query, key, value, None, None, args, None, None, choice)
-    return _vjp(query, key, value, grad_output, None, None, args, None, None, choice)
+    forward_entries = (choice.block_q, choice.block_kv, choice.exp2, choice.keys_first)
+    if shared.get("forward") != forward_entries:
+        shared["inputs"] = _vjp_inputs(query, key, value, grad_output, None, None, args, None,
+                                       None, choice)
+        shared["forward"] = forward_entries
+    return _vjp_tiles(shared["inputs"], query, None, None, args, None, None, choice)
 
 
 def _with_ones(x: np.ndarray, compute: str) -> np.ndarray:

@@ -18,7 +18,9 @@ broadcast over keys, into each lane's own copy. ``- lse`` and ``- delta`` ride i
 column of the query and of ``dO`` (against a column of ones in the keys and values), so the
 matrix products subtract them. Extra memory: a few tiles per lane, the inputs with their extra
 column and a copy of ``dQ`` per extra lane (one lane per core), never a ``(q_len, kv_len)``
-array.
+array. Where ``Sᵀ`` and ``dPᵀ`` are made ``keys @ rowsᵀ`` (``keys_first``) or ``rows @ keysᵀ``
+read through their transposes is ``_fast/tuning.py``'s choice: the same sums, another BLAS
+kernel.
 
 Chunks, ALiBi, segment ids and the mods: the (query chunk, key block) tiles the chunk rule,
 the ids or ``mask_mod`` empty are skipped (``_masking._mods_statuses``), and ``dS`` is
@@ -66,6 +68,7 @@ def blocked_attention_vjp(
     *,
     blocks: tuple[int, int, int],
     exp2: bool = False,
+    keys_first: bool = True,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
     """The gradients in the compute dtype (``grad_bias`` full rank), per (batch, kv head, key
     block) on the thread pool. ``mods`` as in the forward pass: ``score_mod``'s derivative
@@ -78,7 +81,10 @@ def blocked_attention_vjp(
     tile less each. ``blocks``: ``(BLOCK_Q, BLOCK_KV, BLOCK_Q_BACKWARD)``, and ``exp2`` the
     exponential, ``_fast``'s choice (``_fast/tuning.py``): with ``exp2`` and without soft-cap,
     bias, ALiBi or score_mod, the tile is ``exp2`` of ``[K, 1] [Q · scale, -lse]ᵀ · log2 e``
-    (the same weights; where NumPy vectorises float32 ``exp2`` it takes half ``exp``'s time)."""
+    (the same weights; where NumPy vectorises float32 ``exp2`` it takes half ``exp``'s time);
+    ``keys_first`` the order of the two products that make a tile, ``Sᵀ`` and ``dPᵀ``: ``keys
+    @ rowsᵀ`` into ``(keys, rows)`` buffers, else ``rows @ keysᵀ`` into ``(rows, keys)``
+    buffers that the tile's other steps read through their transposes."""
     BLOCK_Q, BLOCK_KV, BLOCK_Q_BACKWARD = blocks  # _fast's, read at each call
     head_dim, v_dim = key_ones.shape[-1] - 1, value_ones.shape[-1] - 1
     query, key = query_lse[..., :head_dim], key_ones[..., :head_dim]  # scaled query
@@ -162,11 +168,11 @@ def blocked_attention_vjp(
                         continue  # mods mask the whole tile: nothing to add
                     cut = bool((tile != rules.ALL).any())
                 # Pᵀ, recomputed from the saved log-sum-exp: (keys, rows)
-                weights_t = scratch["scores"][: keys * rows].reshape(keys, rows)
-                np.matmul(key_block, query_s[index][c0:c1].T, out=weights_t)  # S (- lse)
+                weights_t = _tile(scratch["scores"], keys, rows, keys_first)
+                _product_t(key_block, query_s[index][c0:c1], weights_t, keys_first)  # S (- lse)
                 if softcap is not None:
                     weights_t = _softcap(weights_t, softcap)  # S1
-                    slope = scratch["slope"][: keys * rows].reshape(keys, rows)
+                    slope = _tile(scratch["slope"], keys, rows, keys_first)
                     np.multiply(weights_t, 1.0 / softcap, out=slope)
                     np.square(slope, out=slope)
                     np.subtract(1.0, slope, out=slope)  # tanh': 1 - (S1 / c)²
@@ -196,8 +202,8 @@ def blocked_attention_vjp(
                 _matmul_into(weights_t, grad_output[index][c0:c1], grad_v_block,
                              scratch["value"], first)
                 # dSᵀ = Pᵀ ⊙ (V dOᵀ - delta), in the second tile buffer
-                grad_s = scratch["grads"][: keys * rows].reshape(keys, rows)
-                np.matmul(value_block, grad_output_delta[index][c0:c1].T, out=grad_s)
+                grad_s = _tile(scratch["grads"], keys, rows, keys_first)
+                _product_t(value_block, grad_output_delta[index][c0:c1], grad_s, keys_first)
                 grad_s *= weights_t
                 if mod_slope is not None:  # through score_mod: dS ⊙ its derivative, and 0
                     # where Pᵀ is 0 (masked), also where the derivative is NaN there
@@ -238,6 +244,24 @@ def blocked_attention_vjp(
         for other in scratches:
             grad_bias += other["grad_bias"]
     return grad_query, grad_key, grad_value, grad_bias
+
+
+def _tile(buffer: np.ndarray, keys: int, rows: int, keys_first: bool) -> np.ndarray:
+    """A tile ``(keys, rows)`` in a lane's ``buffer``: C-ordered with ``keys_first``, else the
+    transpose of a C-ordered ``(rows, keys)`` array."""
+    if keys_first:
+        return buffer[: keys * rows].reshape(keys, rows)
+    return buffer[: keys * rows].reshape(rows, keys).T
+
+
+def _product_t(a: np.ndarray, b: np.ndarray, out: np.ndarray, keys_first: bool) -> None:
+    """``out = a @ bᵀ`` ``(keys, rows)`` for ``a (keys, d)``, ``b (rows, d)``, in the chosen
+    order: ``a @ bᵀ`` with ``keys_first``, else ``b @ aᵀ`` into ``outᵀ`` (the same sums; the
+    BLAS's kernel for the shape differs)."""
+    if keys_first:
+        np.matmul(a, b.T, out=out)
+    else:
+        np.matmul(b, a.T, out=out.T)
 
 
 def _matmul_into(

@@ -9,39 +9,51 @@ speed and never what it computes (``spec.FAST_PATH_RULES["tuning"]``):
   scores, or ``exp2`` of the scores in units of log2 e (FlashAttention's trick: where NumPy
   vectorises float32 ``exp2``, in its AVX-512 loops, it takes half ``exp``'s time; elsewhere it
   loops over the C library's), decided with the forward pass;
-* ``block_kv`` and ``block_q_backward``: keys per VJP task and queries per VJP tile.
+* ``block_kv`` and ``block_q_backward``: keys per VJP task and queries per VJP tile;
+* ``keys_first`` and ``keys_first_backward``: the order of the score products, forward and
+  in the VJP's tiles: ``keys @ queriesᵀ`` into a ``(keys, queries)`` buffer, or ``queries @
+  keysᵀ`` into a ``(queries, keys)`` one, the other steps reading it through its transpose
+  (the same sums; OpenBLAS's kernels for ``(2048, 64) @ (64, 128)`` and ``(128, 64) @ (64,
+  2048)`` differ by up to 1.4x, and which is faster depends on the CPU).
 
 Which is fastest depends on the CPU (its caches, its SIMD width, the BLAS kernels NumPy has for
-it), not on the code; so, as FFTW's planner and Triton's autotuner do, ``choose`` times a few
-candidates (``attention_rules.fast_paths.TUNING``) the first time a *shape class* needs them,
-and keeps the fastest. A shape class is the step (``forward``; ``backward``, the VJP), the
-compute dtype, ``head_dim``, ``v_dim``, and ``q_len`` and ``kv_len`` rounded up to a power of
-two and capped at the trial's sizes (``TRIAL``). The trial runs the fast path itself on random
-inputs of that class (one head per core, full attention), in ``ROUNDS`` rounds of one call of
-each candidate, by the process's CPU time (``_clock``: a busy machine's other work does not add
+it), not on the code; so, as FFTW's planner and Triton's autotuner do, ``choose`` times the
+candidates (``attention_rules.fast_paths.TUNING``, every combination of a step's entries: the
+faster product order depends on the block) the first time a *shape class* needs them, and keeps
+the fastest. A shape class is the step (``forward``; ``backward``, the VJP), the compute dtype,
+``head_dim``, ``v_dim``, and ``q_len`` and ``kv_len`` rounded up to a power of two and capped at
+the trial's sizes (``TRIAL``). Only full attention is measured: a causal or windowed call runs
+the fixed table (``measure=False``; on the AVX-512 machine of ``benchmarks/RESULTS.md`` every
+causal candidate was within the noise of the fixed table, and the process's CPU time and the
+wall time ranked them in opposite orders, so a trial of a second could not choose honestly;
+larger blocks also waste more on the diagonal). The trial runs the fast path itself on random
+inputs of that class, one head per core; the VJP's trial times its tiles only (its forward pass
+is the forward's choice for every candidate, and runs once). In each of ``ROUNDS`` rounds every
+candidate runs twice and its second call is timed (the first lets the allocator settle after the
+previous candidate's buffers: a fresh allocation made some candidates look 1.5x slower than they
+run in a loop), by the process's CPU time (``_clock``: a busy machine's other work does not add
 to it); a candidate's time is the median over the rounds of its time over the fixed table's in
 the same round, and it replaces the fixed table's entries only when that is at most ``MARGIN``
-(8 % faster) twice, in a second set of rounds against the fixed table alone: noise keeps
-today's numbers. It costs a few tenths
-of a second per class on two cores, once per machine: the choice is kept in memory for the
-process and on disk, a small JSON file per machine (``cache_file``: CPU model, cores, NumPy, its
-BLAS and numpy_attn's version) in ``attention_rules.fast_paths.tuning_cache_folder()``, beside
-JAX's persistent compilation cache.
+(5 % faster) twice, in a second set of rounds against the fixed table alone: noise keeps today's
+numbers. It costs about a second per class on two cores, once per machine: the choice is kept in
+memory for the process and on disk, a small JSON file per machine (``cache_file``: CPU model,
+cores, NumPy, its BLAS and numpy_attn's version) in
+``attention_rules.fast_paths.tuning_cache_folder()``, beside JAX's persistent compilation cache.
 The file is written atomically (a temporary file renamed over it) and read as untrusted input:
 anything unreadable, malformed, of another machine or out of range is ignored, never an error.
 
 Switches, read at each call: ``ATTENTION_TUNING=off`` (or ``set_tuning("off")``) runs the fixed
 table, ``attention_rules.FAST_PATHS`` with ``_fast.forward.USE_EXP2`` (the test suite does, so
 its results do not depend on the machine's timings); ``ATTENTION_TUNING=alternate`` runs the
-fixed table with every block halved and the other exponential (a second fixed choice, for the
-tests); ``ATTENTION_TUNING="block_q=64,exp2=0"`` forces those entries; unset, ``on`` or
-``set_tuning(None)`` tunes.
+fixed table with every block halved and every switch the other way (the other exponential and
+product orders: a second fixed choice, for the tests); ``ATTENTION_TUNING="block_q=64,exp2=0"``
+forces those entries; unset, ``on`` or ``set_tuning(None)`` tunes.
 
 Determinism: once a class has its choice, every call of the process uses it (a lock makes the
 first decision the only one, however many threads race to it), and a given choice gives the
 same bits on every call, threads or not (``spec.CONCURRENCY``). Two choices differ by rounding
-only (the order of the sums, ``exp`` against ``exp2``): within the tolerance rule
-(``tests/test_tuning.py``).
+only (the order of the sums, the BLAS's kernel, ``exp`` against ``exp2``): within the
+tolerance rule (``tests/test_tuning.py``).
 """
 
 from __future__ import annotations
@@ -61,14 +73,17 @@ from .. import _threads
 
 CANDIDATES = TUNING["numpy_attn"]
 # The trial's largest (q_len, kv_len) per step: the shape classes are capped alike.
-TRIAL = {"forward": (512, 4096), "backward": (1024, 512)}
+TRIAL = {"forward": (512, 4096), "backward": (2048, 512)}
 ROUNDS = 5  # rounds of timed calls, each candidate once per round
-MARGIN = 0.92  # a candidate must take at most this fraction of the fixed table's time
-FORMAT = 1  # the cache file's format
+MARGIN = 0.95  # a candidate must take at most this fraction of the fixed table's time
+FORMAT = 2  # the cache file's format (2: the product orders)
 MAX_FILE_BYTES = 1 << 20  # a larger cache file is not read
 # The entries each step decides; the others come from the fixed table (or, for the VJP, from
 # the forward pass's choice).
-TUNED = {"forward": ("block_q", "exp2"), "backward": ("block_kv", "block_q_backward")}
+TUNED = {"forward": ("block_q", "exp2", "keys_first"),
+         "backward": ("block_kv", "block_q_backward", "keys_first_backward")}
+# The entries that are switches (the others are sizes)
+SWITCHES = ("exp2", "keys_first", "keys_first_backward")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,11 +94,14 @@ class Choice:
     block_kv: int  # keys per VJP task
     block_q_backward: int  # queries per VJP tile
     exp2: bool  # the exponential (forward and VJP tiles): exp2 in units of log2 e, else exp
+    keys_first: bool = False  # the forward's scores as keys @ queriesᵀ, else queries @ keysᵀ
+    keys_first_backward: bool = True  # the same for the VJP tiles' two (keys, queries) products
 
     def alternate(self) -> Choice:
-        """The second fixed choice: every block halved, the other exponential."""
+        """The second fixed choice: every block halved, every switch the other way."""
         return Choice(max(1, self.block_q // 2), max(1, self.block_kv // 2),
-                      max(1, self.block_q_backward // 2), not self.exp2)
+                      max(1, self.block_q_backward // 2), not self.exp2, not self.keys_first,
+                      not self.keys_first_backward)
 
 
 # "mode": None (read ATTENTION_TUNING at each call) or what set_tuning was given; "memory": the
@@ -94,7 +112,7 @@ _state: dict = {"mode": None, "memory": {}, "lock": threading.Lock(), "machine":
 # does not add to; the pool's threads wait without spinning. (The tests simulate it.)
 _clock = time.process_time
 
-Trial = Callable[[str, Choice, np.ndarray, np.ndarray, np.ndarray, np.ndarray], object]
+Trial = Callable[[str, Choice, np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict], object]
 
 
 def set_tuning(mode: str | dict | None) -> None:
@@ -119,12 +137,15 @@ def forget() -> None:
 
 
 def choose(kind: str, q_shape: tuple[int, ...], k_shape: tuple[int, ...],
-           v_shape: tuple[int, ...], dtype: str, base: Choice, trial: Trial) -> Choice:
+           v_shape: tuple[int, ...], dtype: str, base: Choice, trial: Trial,
+           measure: bool = True) -> Choice:
     """The choice for a call of step ``kind`` (``"forward"`` or ``"backward"``) on query ``(...,
     heads, q_len, head_dim)``, key ``(..., kv_heads, kv_len, head_dim)`` and value ``(...,
     kv_heads, kv_len, v_dim)`` in the compute ``dtype``: ``base`` (the fixed table, or for the
-    VJP the forward pass's choice) with the entries of ``TUNED[kind]`` as the mode says.
-    ``trial(kind, choice, q, k, v, grad_out)`` runs the fast path once."""
+    VJP the forward pass's choice) with the entries of ``TUNED[kind]`` as the mode says; with
+    ``measure=False`` (a causal or windowed call) tuning ``on`` returns ``base``. ``trial(kind,
+    choice, q, k, v, grad_out, shared)`` runs the fast path once (``shared``: a dict per
+    measurement, for what every candidate shares)."""
     mode = tuning_mode()
     if mode == "off":
         return base
@@ -133,6 +154,8 @@ def choose(kind: str, q_shape: tuple[int, ...], k_shape: tuple[int, ...],
         return dataclasses.replace(base, **{name: getattr(other, name) for name in TUNED[kind]})
     if isinstance(mode, dict):
         return dataclasses.replace(base, **mode)
+    if not measure:
+        return base
     shape_class = _shape_class(kind, q_shape, k_shape, v_shape, dtype)
     found = _state["memory"].get(shape_class)
     if found is None:
@@ -171,6 +194,7 @@ def _measure(kind: str, shape_class: str, base: Choice, trial: Trial) -> dict:
             for n in (q_len, kv_len))
     v = rng.standard_normal((1, heads, int(kv_len[1:]), int(v_dim[1:]))).astype(dtype)
     g = rng.standard_normal(q.shape[:-1] + v.shape[-1:]).astype(dtype)
+    shared: dict = {}  # what the trials of this measurement share (the VJP's forward pass)
 
     def relative(candidates: list[Choice]) -> list[float]:
         """Each candidate's time over the first's in the same round, the median over
@@ -179,8 +203,9 @@ def _measure(kind: str, shape_class: str, base: Choice, trial: Trial) -> dict:
         for _ in range(ROUNDS):
             seconds = []
             for choice in candidates:
+                trial(kind, choice, q, k, v, g, shared)  # untimed: the allocator settles
                 start = _clock()
-                trial(kind, choice, q, k, v, g)
+                trial(kind, choice, q, k, v, g, shared)
                 seconds.append(_clock() - start)
             for i, s in enumerate(seconds):
                 ratios[i].append(s / seconds[0] if seconds[0] > 0.0 else 1.0)
@@ -189,25 +214,26 @@ def _measure(kind: str, shape_class: str, base: Choice, trial: Trial) -> dict:
     def fastest(candidates: list[Choice]) -> Choice:
         """The fastest of ``candidates``: the first (``base``'s entries) unless another takes
         at most ``MARGIN`` of its time, twice (the winner is timed against the first again)."""
-        trial(kind, candidates[0], q, k, v, g)  # warm-up: pages, the pool, the allocator
+        trial(kind, candidates[0], q, k, v, g, shared)  # warm-up: pages, the pool, the allocator
         medians = relative(candidates)
         i = min(range(len(candidates)), key=medians.__getitem__)
         if i and medians[i] <= MARGIN and relative([candidates[0], candidates[i]])[1] <= MARGIN:
             return candidates[i]
         return candidates[0]
 
-    choice = base
-    if kind == "forward":  # the exponential first, then the block with it
-        choice = fastest([choice] + [dataclasses.replace(choice, exp2=e)
-                                     for e in CANDIDATES["exp2"] if e != choice.exp2])
-        choice = fastest([choice] + [dataclasses.replace(choice, block_q=b)
-                                     for b in CANDIDATES["block_q"] if b != choice.block_q])
-    else:
-        tiles = [(base.block_kv, base.block_q_backward)]
-        tiles += [tile for tile in CANDIDATES["backward_tiles"] if tile != tiles[0]]
-        choice = fastest([dataclasses.replace(base, block_kv=kv, block_q_backward=rows)
-                          for kv, rows in tiles])
+    choice = fastest([base] + [candidate for candidate in _grid(kind, base) if candidate != base])
     return {name: getattr(choice, name) for name in TUNED[kind]}
+
+
+def _grid(kind: str, base: Choice) -> list[Choice]:
+    """Every combination of the candidates of ``TUNED[kind]``'s entries, the others ``base``'s
+    (the entries interact: the faster product order depends on the block)."""
+    if kind == "forward":
+        return [dataclasses.replace(base, exp2=e, keys_first=f, block_q=b)
+                for e in CANDIDATES["exp2"] for f in CANDIDATES["keys_first"]
+                for b in CANDIDATES["block_q"]]
+    return [dataclasses.replace(base, keys_first_backward=f, block_kv=kv, block_q_backward=rows)
+            for f in CANDIDATES["keys_first"] for kv, rows in CANDIDATES["backward_tiles"]]
 
 
 # ------------------------------------------------------------------------------------------
@@ -297,7 +323,7 @@ def _valid(shape_class: object, entries: object) -> bool:
     if kind not in TUNED or set(entries) != set(TUNED[kind]):
         return False
     for name, value in entries.items():
-        if name == "exp2":
+        if name in SWITCHES:
             if not isinstance(value, bool):
                 return False
         elif type(value) is not int or not 1 <= value <= 1 << 16:
@@ -348,15 +374,16 @@ def _parsed(mode: str | dict, source: str) -> str | dict:
             pairs = dict(part.split("=", 1) for part in mode.replace(" ", "").split(",") if part)
         except ValueError:
             pairs = {"": mode}
-        mode = {name: (value.lower() in ("1", "true") if name == "exp2" and
+        mode = {name: (value.lower() in ("1", "true") if name in SWITCHES and
                        value.lower() in ("0", "1", "true", "false") else value)
                 for name, value in pairs.items()}
-        mode = {name: (int(value) if name != "exp2" and str(value).isdigit() else value)
+        mode = {name: (int(value) if name not in SWITCHES and str(value).isdigit() else value)
                 for name, value in mode.items()}
     if isinstance(mode, dict) and mode and set(mode) <= fields and all(
-            isinstance(value, bool) if name == "exp2" else
+            isinstance(value, bool) if name in SWITCHES else
             type(value) is int and value >= 1 for name, value in mode.items()):
         return dict(mode)
     raise ValueError(
         f"{source}: expected 'on', 'off', 'alternate' or entries such as 'block_q=64,exp2=0' "
-        f"(entries {sorted(fields)}; block sizes ints >= 1, exp2 0 or 1); got {mode!r}")
+        f"(entries {sorted(fields)}; block sizes ints >= 1, {', '.join(SWITCHES)} 0 or 1); "
+        f"got {mode!r}")
