@@ -80,6 +80,8 @@ def block_steps(T: int, rounds: int) -> dict[str, float]:
     with threadpool_limits(1, user_api="blas"):
         return _median_us({
             "q kᵀ": lambda: np.matmul(q, k.T, out=work),
+            "(k qᵀ)ᵀ, keys first (the other order: not run by the fixed table)":
+                lambda: np.matmul(k, q.T, out=work.reshape(T, rows)),
             used: lambda: getattr(np, used)(scores, out=work),
             f"{other} (not run on this CPU)": lambda: getattr(np, other)(scores, out=work),
             "row sums (weights @ ones)": lambda: np.matmul(weights, ones),

@@ -24,7 +24,7 @@ from numerics import assert_matches_reference, assert_vjp_matches_reference
 from subprocesses import timeout
 
 import numpy_attn
-from numpy_attn import _fast
+from numpy_attn import _fast, _threads
 from numpy_attn._fast import tuning
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -369,3 +369,64 @@ def test_causal_and_windowed_calls_run_the_fixed_table(tuning_on, monkeypatch):
     assert trials == [] and not Path(tuning.cache_file()).exists()
     numpy_attn.scaled_dot_product_attention(q, k, v)
     assert trials and set(trials) == {"forward"}
+
+
+def test_shape_classes_round_lengths_up_to_powers_of_two_and_cap_them():
+    def name(kind, q_len, kv_len, head_dim=64, v_dim=32):
+        return tuning._shape_class(kind, (1, 8, q_len, head_dim), (1, 2, kv_len, head_dim),
+                                   (1, 2, kv_len, v_dim), "float32")
+
+    assert name("forward", 300, 3000) == "forward/float32/d64/v32/q512/k4096"
+    assert name("forward", 1, 1) == "forward/float32/d64/v32/q1/k1"
+    assert name("forward", 65, 129, 16, 8) == "forward/float32/d16/v8/q128/k256"
+    assert name("forward", 513, 9000) == "forward/float32/d64/v32/q512/k4096"  # capped
+    assert name("backward", 3000, 100) == "backward/float32/d64/v32/q2048/k128"
+    assert name("backward", 2048, 512) == "backward/float32/d64/v32/q2048/k512"
+    assert name("backward", 2049, 513) == "backward/float32/d64/v32/q2048/k512"  # capped
+
+
+def test_the_trial_runs_on_random_inputs_of_the_class(tuner):
+    """One head per core, the class's lengths and widths, in its dtype, standard normal."""
+    seen = []
+
+    def trial(kind, choice, q, k, v, g, shared):
+        seen.append((q, k, v, g))
+        CLOCK[0] += 0.001
+
+    shapes = ((1, 8, 300, 16), (1, 8, 1000, 16), (1, 8, 1000, 8))
+    tuning.choose("forward", *shapes, "float64", BASE, trial)
+    heads = _threads._cores()
+    q, k, v, g = seen[0]
+    assert (q.shape, k.shape, v.shape, g.shape) == ((1, heads, 512, 16), (1, heads, 1024, 16),
+                                                    (1, heads, 1024, 8), (1, heads, 512, 8))
+    assert {x.dtype.name for x in (q, k, v, g)} == {"float64"}
+    for x in (q, k, v, g):
+        assert np.isfinite(x).all() and 0.8 < x.std() < 1.2 and abs(x.mean()) < 0.2
+    assert all(other[0] is q for other in seen)  # the same inputs for every candidate
+
+
+def test_the_alternate_halves_every_block_down_to_one_and_flips_every_switch():
+    assert tuning.Choice(9, 5, 3, True, False, True).alternate() == tuning.Choice(
+        4, 2, 1, False, True, False)
+    assert tuning.Choice(1, 1, 1, False, True, False).alternate() == tuning.Choice(
+        1, 1, 1, True, False, True)
+
+
+def test_the_machine_is_named_by_its_cpu_model_and_blas():
+    """The cache file's key names this CPU (``/proc/cpuinfo``'s model name) and NumPy's BLAS
+    as threadpoolctl reports it."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        models = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                  if line.lower().startswith("model name")]
+        if models:
+            assert tuning.cpu_model() == models[0]
+    from threadpoolctl import threadpool_info
+
+    blas = [lib for lib in threadpool_info() if lib.get("user_api") == "blas"]
+    if blas:
+        assert tuning.blas_name() == " ".join(str(blas[0].get(key)) for key in (
+            "internal_api", "version", "architecture", "threading_layer"))
+    machine = tuning.machine()
+    assert machine["cpu"] == tuning.cpu_model() and machine["blas"] == tuning.blas_name()
+    assert machine["numpy"] == np.__version__ and machine["cores"] == str(_threads._cores())
