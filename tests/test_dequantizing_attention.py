@@ -141,6 +141,30 @@ def test_a_nan_code_makes_the_step_nan_as_attention_over_the_values_does(backend
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
+def test_int8_keys_beside_fp8_values_with_a_nan_keep_their_own_reading(backend):
+    """The NaN flag is the cache's, set by a NaN among the fp8 values: the int8 keys beside
+    them are still read as int8 codes (never through the fp8 lookup), so the step equals
+    attention over ``cache.keys`` / ``cache.values``, NaN in the NaN value's channel only."""
+    module, _, convert = BACKENDS[backend]
+    rng = np.random.default_rng(9)
+    keys = rng.standard_normal((2, 2, 12, 32)).astype(np.float32)
+    values = rng.standard_normal((2, 2, 12, 32)).astype(np.float32)
+    values[0, 1, 7, 5] = np.nan
+    cache = module.QuantizedKVCache.empty(
+        (2,), 2, 12, 32, scheme=KVQuantization("int8", zero_point=True, group_size=16),
+        value_scheme=KVQuantization("float8_e4m3", scale=0.5))
+    cache = cache.append(convert(keys), convert(values))
+    assert cache._nan_codes  # the flag this test is about
+    query = rng.standard_normal((2, 4, 1, 32)).astype(np.float32)
+    got = np.asarray(cache.attend(convert(query)))
+    want = reference_attention(query, np.asarray(cache.keys), np.asarray(cache.values))
+    assert np.isnan(got[0, 2:, :, 5]).all() and np.isnan(got).sum() == 2
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    finite = ~np.isnan(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
 def test_caches_of_other_dtypes_read_the_dequantised_values(backend, dtype):
     """float16, bfloat16 and float64 caches attend ``dequantize_kv``'s values (float16 and
