@@ -253,7 +253,7 @@ def test_a_win_that_does_not_repeat_keeps_the_fixed_table(tuner):
 @pytest.mark.parametrize("content", [
     b"", b"not json", b"\xff\xfe", b"[1, 2]", b'{"format": 1}', b"{" * 100_000,
     "other machine", "older format", "wrong types", "a switch not a bool", "out of range",
-    "extra entry", "too large",
+    "entries not an object", "extra entry", "too large",
 ])
 def test_a_bad_cache_file_is_ignored_and_replaced(tuner, content):
     path = Path(tuning.cache_file())
@@ -271,6 +271,8 @@ def test_a_bad_cache_file_is_ignored_and_replaced(tuner, content):
         content = dict(good, choices={key: dict(entries, keys_first=0)})
     elif content == "out of range":
         content = dict(good, choices={key: dict(entries, block_q=0)})
+    elif content == "entries not an object":
+        content = dict(good, choices={key: [32, True, False]})
     elif content == "extra entry":
         content = dict(good, choices={key: dict(entries, block_kv=1)})
     elif content == "too large":
@@ -390,19 +392,21 @@ def test_the_trial_runs_on_random_inputs_of_the_class(tuner):
     seen = []
 
     def trial(kind, choice, q, k, v, g, shared):
-        seen.append((q, k, v, g))
+        seen.append((q, k, v, g, shared))
         CLOCK[0] += 0.001
 
     shapes = ((1, 8, 300, 16), (1, 8, 1000, 16), (1, 8, 1000, 8))
     tuning.choose("forward", *shapes, "float64", BASE, trial)
     heads = _threads._cores()
-    q, k, v, g = seen[0]
+    q, k, v, g, shared = seen[0]
     assert (q.shape, k.shape, v.shape, g.shape) == ((1, heads, 512, 16), (1, heads, 1024, 16),
                                                     (1, heads, 1024, 8), (1, heads, 512, 8))
     assert {x.dtype.name for x in (q, k, v, g)} == {"float64"}
     for x in (q, k, v, g):
         assert np.isfinite(x).all() and 0.8 < x.std() < 1.2 and abs(x.mean()) < 0.2
-    assert all(other[0] is q for other in seen)  # the same inputs for every candidate
+    assert isinstance(shared, dict)
+    for other in seen:  # the same inputs, and the one shared dict, for every call
+        assert all(a is b for a, b in zip(other, seen[0], strict=True))
 
 
 def test_the_alternate_halves_every_block_down_to_one_and_flips_every_switch():
@@ -430,3 +434,29 @@ def test_the_machine_is_named_by_its_cpu_model_and_blas():
     machine = tuning.machine()
     assert machine["cpu"] == tuning.cpu_model() and machine["blas"] == tuning.blas_name()
     assert machine["numpy"] == np.__version__ and machine["cores"] == str(_threads._cores())
+
+
+def test_a_candidate_at_exactly_the_margin_wins(tuner):
+    """``MARGIN`` is inclusive: a candidate that takes exactly that fraction of the fixed
+    table's time, in both sets of rounds, replaces it (whole simulated seconds: exact)."""
+    def trial(kind, choice, *arrays):
+        CLOCK[0] += 95.0 if choice.block_q == 64 else 100.0
+
+    assert tuning.MARGIN == 95.0 / 100.0
+    assert tuning.choose("forward", *SHAPES, "float32", BASE, trial).block_q == 64
+
+
+def test_the_median_over_the_rounds_decides(tuner):
+    """A candidate fast in 2 of the 5 rounds of each set (a lull on a busy machine) is slow by
+    the median: the fixed table stays."""
+    calls = []
+    first = 1 + tuning.ROUNDS * 2 * FORWARD_CANDIDATES  # warm-up, then the rounds
+
+    def trial(kind, choice, *arrays):
+        calls.append(choice)
+        i = len(calls) - 1
+        rounds = (i - 1) // (2 * FORWARD_CANDIDATES) if i < first else (i - first) // 4
+        fast = choice.block_q == 64 and rounds < 2
+        CLOCK[0] += 0.001 if fast else 0.004 if choice.block_q == 64 else 0.002
+
+    assert tuning.choose("forward", *SHAPES, "float32", BASE, trial) == BASE
