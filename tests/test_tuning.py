@@ -146,6 +146,14 @@ def test_two_choices_each_repeat_bitwise_and_both_meet_the_tolerance(small_fixed
 
 
 def test_the_switch_parses_and_names_itself_on_bad_values(monkeypatch):
+    for on in ("", " On ", "1", "TRUE", "on"):
+        monkeypatch.setenv("ATTENTION_TUNING", on)
+        assert tuning.tuning_mode() == "on"
+    for off in ("OFF", " 0 ", "false"):
+        monkeypatch.setenv("ATTENTION_TUNING", off)
+        assert tuning.tuning_mode() == "off"
+    monkeypatch.setenv("ATTENTION_TUNING", " Alternate ")
+    assert tuning.tuning_mode() == "alternate"
     monkeypatch.setenv("ATTENTION_TUNING", "off")
     assert tuning.tuning_mode() == "off"
     monkeypatch.setenv("ATTENTION_TUNING", " block_q=64, exp2=1, keys_first=false ")
@@ -347,7 +355,7 @@ def test_the_entries_are_timed_together(tuner):
     """A combination that wins only whole (each of its entries alone is slower than the fixed
     table) is found: the candidates are every combination, not one entry at a time."""
     calls = []
-    winner = {"keys_first_backward": False, "block_kv": 256, "block_q_backward": 512}
+    winner = {"keys_first_backward": False, "block_kv": 512, "block_q_backward": 256}
 
     def trial(kind, choice, *arrays):
         calls.append(choice)
@@ -355,7 +363,7 @@ def test_the_entries_are_timed_together(tuner):
         CLOCK[0] += 0.001 if matches == len(winner) else 0.002 + 0.001 * matches
 
     assert tuning.choose("backward", *SHAPES, "float32", BASE, trial) == tuning.Choice(
-        128, 256, 512, False, False, False)
+        128, 512, 256, False, False, False)
 
 
 
@@ -385,6 +393,11 @@ def test_shape_classes_round_lengths_up_to_powers_of_two_and_cap_them():
     assert name("backward", 3000, 100) == "backward/float32/d64/v32/q2048/k128"
     assert name("backward", 2048, 512) == "backward/float32/d64/v32/q2048/k512"
     assert name("backward", 2049, 513) == "backward/float32/d64/v32/q2048/k512"  # capped
+    # the lengths are the second axis from the end, whatever the batch axes
+    assert tuning._shape_class("forward", (100, 40), (70, 40), (70, 8), "float64") == \
+        "forward/float64/d40/v8/q128/k128"
+    assert tuning._shape_class("forward", (2, 3, 4, 300, 16), (2, 3, 4, 9, 16),
+                               (2, 3, 4, 9, 16), "float32") == "forward/float32/d16/v16/q512/k16"
 
 
 def test_the_trial_runs_on_random_inputs_of_the_class(tuner):
@@ -396,17 +409,22 @@ def test_the_trial_runs_on_random_inputs_of_the_class(tuner):
         CLOCK[0] += 0.001
 
     shapes = ((1, 8, 300, 16), (1, 8, 1000, 16), (1, 8, 1000, 8))
-    tuning.choose("forward", *shapes, "float64", BASE, trial)
+    tuning.choose("forward", *shapes, "float32", BASE, trial)
     heads = _threads._cores()
     q, k, v, g, shared = seen[0]
     assert (q.shape, k.shape, v.shape, g.shape) == ((1, heads, 512, 16), (1, heads, 1024, 16),
                                                     (1, heads, 1024, 8), (1, heads, 512, 8))
-    assert {x.dtype.name for x in (q, k, v, g)} == {"float64"}
+    assert {x.dtype.name for x in (q, k, v, g)} == {"float32"}
     for x in (q, k, v, g):
         assert np.isfinite(x).all() and 0.8 < x.std() < 1.2 and abs(x.mean()) < 0.2
     assert isinstance(shared, dict)
     for other in seen:  # the same inputs, and the one shared dict, for every call
         assert all(a is b for a, b in zip(other, seen[0], strict=True))
+    tuning.forget()  # a new process, a machine without the cache file: the same trial inputs
+    Path(tuning.cache_file()).unlink()
+    seen.clear()
+    tuning.choose("forward", *shapes, "float32", BASE, trial)
+    assert all((a == b).all() for a, b in zip(seen[0][:4], (q, k, v, g), strict=True))
 
 
 def test_the_alternate_halves_every_block_down_to_one_and_flips_every_switch():
@@ -460,3 +478,22 @@ def test_the_median_over_the_rounds_decides(tuner):
         CLOCK[0] += 0.001 if fast else 0.004 if choice.block_q == 64 else 0.002
 
     assert tuning.choose("forward", *SHAPES, "float32", BASE, trial) == BASE
+
+
+def test_the_cache_file_limits_are_inclusive(tuner):
+    """Entries from 1 to 65,536 are valid, and a file of exactly ``MAX_FILE_BYTES`` is read;
+    0, 65,537 and a byte more are not."""
+    path = Path(tuning.cache_file())
+    key = "forward/float32/d64/v64/q512/k2048"
+
+    def written(block_q: int, size: int | None = None) -> dict:
+        data = {"format": tuning.FORMAT, "machine": tuning.machine(),
+                "choices": {key: {"block_q": block_q, "exp2": True, "keys_first": False}}}
+        text = json.dumps(data)
+        path.write_text(text if size is None else text + " " * (size - len(text)))
+        return tuning._read_cache()
+
+    assert written(1) and written(1 << 16)
+    assert not written(0) and not written((1 << 16) + 1)
+    assert written(64, tuning.MAX_FILE_BYTES)
+    assert not written(64, tuning.MAX_FILE_BYTES + 1)
