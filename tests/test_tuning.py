@@ -154,6 +154,13 @@ def test_the_switch_parses_and_names_itself_on_bad_values(monkeypatch):
         assert tuning.tuning_mode() == "off"
     monkeypatch.setenv("ATTENTION_TUNING", " Alternate ")
     assert tuning.tuning_mode() == "alternate"
+    monkeypatch.setenv("ATTENTION_TUNING", "block_q=1,exp2=TRUE,keys_first=0,"
+                                           "keys_first_backward=true")
+    assert tuning.tuning_mode() == {"block_q": 1, "exp2": True, "keys_first": False,
+                                    "keys_first_backward": True}
+    monkeypatch.setenv("ATTENTION_TUNING", "exp2=yes")
+    with pytest.raises(ValueError, match="exp2, keys_first, keys_first_backward 0 or 1"):
+        tuning.tuning_mode()
     monkeypatch.setenv("ATTENTION_TUNING", "off")
     assert tuning.tuning_mode() == "off"
     monkeypatch.setenv("ATTENTION_TUNING", " block_q=64, exp2=1, keys_first=false ")
@@ -497,3 +504,33 @@ def test_the_cache_file_limits_are_inclusive(tuner):
     assert not written(0) and not written((1 << 16) + 1)
     assert written(64, tuning.MAX_FILE_BYTES)
     assert not written(64, tuning.MAX_FILE_BYTES + 1)
+
+
+def test_a_clock_too_coarse_to_see_a_call_keeps_the_fixed_table(tuner):
+    """Calls that take no time on the clock (its resolution) give ratios of 1, never a division
+    by zero: nothing beats the fixed table."""
+    def trial(kind, choice, *arrays):
+        CLOCK[0] += 0.0 if choice == BASE else 0.001
+
+    assert tuning.choose("forward", *SHAPES, "float32", BASE, trial) == BASE
+
+
+def test_the_machine_is_named_without_proc_cpuinfo_or_threadpoolctl(monkeypatch):
+    """Where ``/proc/cpuinfo`` cannot be read the CPU is ``platform``'s name, and without
+    threadpoolctl the BLAS is NumPy's build configuration's."""
+    import builtins
+    import platform
+
+    real_open = builtins.open
+
+    def no_cpuinfo(path, *args, **kwargs):
+        if str(path) == "/proc/cpuinfo":
+            raise OSError("not here")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", no_cpuinfo)
+    assert tuning.cpu_model() == (platform.processor() or platform.machine() or "unknown")
+    monkeypatch.setattr(builtins, "open", real_open)
+    monkeypatch.setitem(sys.modules, "threadpoolctl", None)  # import fails
+    blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+    assert tuning.blas_name() == f"{blas['name']} {blas['version']}"
