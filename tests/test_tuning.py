@@ -441,9 +441,13 @@ def test_the_alternate_halves_every_block_down_to_one_and_flips_every_switch():
         1, 1, 1, True, False, True)
 
 
-def test_the_machine_is_named_by_its_cpu_model_and_blas():
-    """The cache file's key names this CPU (``/proc/cpuinfo``'s model name) and NumPy's BLAS
-    as threadpoolctl reports it."""
+def test_the_machine_is_named_by_its_cpu_model_and_blas(monkeypatch):
+    """The cache file's key names this CPU (``/proc/cpuinfo``'s model name), NumPy's BLAS as
+    threadpoolctl reports it, and the versions a choice depends on."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    monkeypatch.setitem(tuning._state, "machine", None)  # made again, not this process's
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
         models = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
@@ -459,6 +463,12 @@ def test_the_machine_is_named_by_its_cpu_model_and_blas():
     machine = tuning.machine()
     assert machine["cpu"] == tuning.cpu_model() and machine["blas"] == tuning.blas_name()
     assert machine["numpy"] == np.__version__ and machine["cores"] == str(_threads._cores())
+    assert machine["python"] == platform.python_version()
+    try:
+        assert machine["numpy_attn"] == version("attention-three-ways")
+    except PackageNotFoundError:  # run from a checkout that is not installed
+        assert machine["numpy_attn"] == "checkout"
+    assert sorted(machine) == ["blas", "cores", "cpu", "numpy", "numpy_attn", "python"]
 
 
 def test_a_candidate_at_exactly_the_margin_wins(tuner):
