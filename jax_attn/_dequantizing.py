@@ -245,16 +245,22 @@ class _Source:
             grouped = codes.astype(jnp.float32).reshape(  # (flat, kv_heads, width, groups, size)
                 codes.shape[:-1] + (groups, codes.shape[-1] // groups))
             values = grouped * scales[..., None]
-            if self.zero_points is not None:  # two roundings: product, then sum. jax: XLA's
-                # CPU backend contracts a product and a sum into one fused multiply-add; the
-                # product's bits xor the scale's sign bit between them keep both roundings (a
-                # scale is never negative, and a NaN one makes the product NaN either way)
-                sign = jax.lax.bitcast_convert_type(scales, jnp.int32) & np.int32(-2**31)
-                values = jax.lax.bitcast_convert_type(
-                    jax.lax.bitcast_convert_type(values, jnp.int32) ^ sign[..., None], jnp.float32)
+            if self.zero_points is not None:  # two roundings: product, then sum
+                values = _rounded_apart(values, scales[..., None])
                 zero_points = jax.lax.dynamic_slice_in_dim(self.zero_points, start, width, axis=2)
                 values = values + zero_points[..., None]
             values = values.reshape(codes.shape)
         # float16 / bfloat16 caches round the values as dequantize_kv does
         return values.astype(self.dtype)
 
+
+def _rounded_apart(products: jax.Array, scales: jax.Array) -> jax.Array:
+    """``products`` (``codes · scales``, rounded) kept apart from the sum that follows them:
+    XLA's CPU backend contracts a product and a sum into one fused multiply-add (one rounding
+    where ``spec.QUANTIZED_CACHE`` has two), and no barrier stops it under ``jit``; the
+    products' bits xor the scales' sign bits (broadcast to them) between the two do. A scale
+    is never negative, so the xor changes no bit, and a NaN scale makes the product NaN either
+    way."""
+    sign = jax.lax.bitcast_convert_type(scales, jnp.int32) & np.int32(-2**31)
+    bits = jax.lax.bitcast_convert_type(products, jnp.int32) ^ sign
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)

@@ -109,8 +109,9 @@ def dequantize_kv(q: QuantizedArray) -> jax.Array:
         # (..., n, groups, size): the counts explicit (-1 is ambiguous for 0 tokens)
         values = values.reshape(values.shape[:-1] + (groups, values.shape[-1] // groups))
         values = values * q.scales[..., None]
-        if q.zero_points is not None:  # two roundings: product, then sum (under jit XLA's CPU
-            values = values + q.zero_points[..., None]  # backend fuses them into one FMA)
+        if q.zero_points is not None:  # two roundings: product, then sum (kept apart under jit)
+            values = _dequantizing._rounded_apart(values, q.scales[..., None])
+            values = values + q.zero_points[..., None]
         values = values.reshape(q.codes.shape)
     return values.astype(_cache_dtype("dequantize_kv", q.dtype))
 

@@ -120,7 +120,7 @@ def test_jax_decoding_step_of_float64_and_bfloat16_caches(scheme, dtype, monkeyp
 def test_jax_step_dequantises_to_eager_dequantize_kv_bits(scheme, dtype, x64_on):
     """A chunk dequantised inside the jitted step is bit for bit an eager ``dequantize_kv``'s
     values: zero points added after the product is rounded (XLA's CPU backend would fuse them
-    into one fused multiply-add, as it does in a jitted dequantize_kv), fp8 widened by bits."""
+    into one fused multiply-add without ``_rounded_apart``), fp8 widened by bits."""
     import jax
 
     from jax_attn._dequantizing import _Source

@@ -156,6 +156,22 @@ def test_three_backends_give_the_same_bits(scheme):
             np.testing.assert_array_equal(got, want, err_msg=name)
 
 
+@pytest.mark.parametrize("scheme", [scheme for scheme in SCHEMES if scheme.zero_point],
+                         ids=[name for scheme, name in zip(SCHEMES, IDS, strict=True)
+                              if scheme.zero_point])
+def test_jitted_dequantize_kv_keeps_the_zero_points_two_roundings(scheme):
+    """Under ``jax.jit`` XLA's CPU backend would contract ``code · scale + zero_point`` into one
+    fused multiply-add (one rounding; it did for most values before the guard): jitted
+    ``dequantize_kv`` gives numpy_attn's bits, product rounded, then sum."""
+    import jax
+
+    x = seeded_keys(seed=4)
+    want = numpy_attn.dequantize_kv(numpy_attn.quantize_kv(x, scheme)).view(np.uint32)
+    q = jax_attn.quantize_kv(jnp.asarray(x), scheme)
+    got = np.asarray(jax.jit(jax_attn.dequantize_kv)(q)).view(np.uint32)
+    np.testing.assert_array_equal(got, want)
+
+
 def test_all_zero_groups_dequantise_to_zero_and_constant_groups_exactly():
     x = seeded_keys()
     for scheme in [s for s in SCHEMES[:6] if s.granularity == "group"]:

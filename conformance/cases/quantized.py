@@ -132,8 +132,9 @@ def cache_outputs(data: CaseData, dtype: str, naive: bool = False, residual: int
 def _unrounded(got: dict[str, np.ndarray], q_dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     """The naive baseline's dequantised values: ``quantize``'s codes, scales and zero points
     combined in float64, without the spec's float32 roundings of the product and the sum. Its
-    distance from the expected values is the tolerance's budget for those roundings (a jitted
-    jax_attn fuses the two into one FMA, one rounding: spec.CONCURRENCY)."""
+    distance from the expected values is the tolerance's budget for those roundings (an
+    implementation that fuses the two into one multiply-add, one rounding, stays within it;
+    the three backends keep both: spec.QUANTIZED_CACHE)."""
     full = got["scales"]
     if is_float8(q_dtype):
         full = full.reshape(full.shape + (1, 1)) if full.ndim == 1 else full

@@ -52,12 +52,10 @@ QUANTIZED_ROUNDING = (
     "then rounded once to the array's dtype (quantize_kv's input dtype; the cache's dtype). "
     "The three backends give bitwise-equal codes, scales and dequantised values (jax_attn "
     "keeps the divisions IEEE: XLA on CPU would otherwise divide by a broadcast divisor as a "
-    "product with its reciprocal, an ulp off). One exception: under jax.jit, XLA's CPU "
-    "backend fuses a zero point's product and sum into one fused multiply-add (one rounding "
-    "where this rule has two; no barrier stops it), so a jitted jax_attn's dequantised "
-    "values with zero points may differ by one float32 rounding; eager calls are bitwise "
-    "equal. The harness's tolerance budgets those roundings (its naive baseline "
-    "dequantises without them)."
+    "product with its reciprocal, an ulp off; and keeps a zero point's two roundings under "
+    "jax.jit, where XLA's CPU backend would contract the product and the sum into one fused "
+    "multiply-add: the product's bits xor the scale's sign bit, which changes no bit, stand "
+    "between them). Jitted and eager calls alike."
 )
 
 #: Saturation, zeros and non-finite values.
