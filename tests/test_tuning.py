@@ -210,7 +210,7 @@ def _slow_unless(fast: dict, calls: list):
 
 
 SHAPES = ((1, 8, 2048, 64), (1, 8, 2048, 64), (1, 8, 2048, 64))
-BASE = tuning.Choice(128, 128, 512, False)
+BASE = tuning.Choice(128, 128, 512, False, False, True)
 # the forward's candidates: every exponential, product order and block_q
 FORWARD_CANDIDATES = (len(tuning.CANDIDATES["exp2"]) * len(tuning.CANDIDATES["keys_first"])
                       * len(tuning.CANDIDATES["block_q"]))

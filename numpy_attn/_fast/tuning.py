@@ -94,8 +94,8 @@ class Choice:
     block_kv: int  # keys per VJP task
     block_q_backward: int  # queries per VJP tile
     exp2: bool  # the exponential (forward and VJP tiles): exp2 in units of log2 e, else exp
-    keys_first: bool = False  # the forward's scores as keys @ queriesᵀ, else queries @ keysᵀ
-    keys_first_backward: bool = True  # the same for the VJP tiles' two (keys, queries) products
+    keys_first: bool  # the forward's scores as keys @ queriesᵀ, else queries @ keysᵀ
+    keys_first_backward: bool  # the same for the VJP tiles' two (keys, queries) products
 
     def alternate(self) -> Choice:
         """The second fixed choice: every block halved, every switch the other way."""
