@@ -6,8 +6,8 @@ appended and dequantised inside attention: attention over a ``QuantizedKVCache``
 residual window). ``quantize_kv`` / ``dequantize_kv`` are the quantiser on its own,
 ``KVQuantization`` describes a scheme (written once in ``attention_rules/quantizing.py``,
 re-exported by every backend). The expected codes come from an independent float64 quantiser
-(``tests/test_quantized_cache.py``); fp8 rounding is checked against ml_dtypes and torch's
-float8 casts.
+(``tests/quantized_helpers.py``, used by ``tests/test_quantize_kv.py``); fp8 rounding is
+checked against ml_dtypes and torch's float8 casts.
 """
 
 from __future__ import annotations
