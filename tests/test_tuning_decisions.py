@@ -369,3 +369,32 @@ def test_the_machine_is_named_without_proc_cpuinfo_or_threadpoolctl(monkeypatch)
     monkeypatch.setitem(sys.modules, "threadpoolctl", None)  # import fails
     blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
     assert tuning.blas_name() == f"{blas['name']} {blas['version']}"
+
+
+def test_a_trial_runs_the_fast_path_of_its_step_with_its_choice(monkeypatch):
+    """``_fast._trial`` computes what the fast path computes with that choice, full attention:
+    the forward pass's output, or the VJP's gradients (bit for bit: the same code, the same
+    blocks); the VJP's forward pass runs once per ``shared`` dict, however many trials."""
+    gen = np.random.default_rng(7)
+    q, k, v, g = (gen.standard_normal((1, 2, 256, 16)).astype(np.float32) for _ in range(4))
+    choice = tuning.Choice(64, 128, 128, True, True, False)
+    entries = {name: getattr(choice, name) for name in (
+        "block_q", "block_kv", "block_q_backward", "exp2", "keys_first", "keys_first_backward")}
+    monkeypatch.setattr(_fast, "MIN_SCORES", 0)
+    tuning.set_tuning(entries)
+    try:
+        want_out = numpy_attn.scaled_dot_product_attention(q, k, v)
+        want_grads = numpy_attn.scaled_dot_product_attention_vjp(q, k, v, g)
+    finally:
+        tuning.set_tuning(None)
+    assert _fast._trial("forward", choice, q, k, v, g, {}).tobytes() == want_out.tobytes()
+    forward_passes = []
+    real_inputs = _fast._vjp_inputs
+    monkeypatch.setattr(_fast, "_vjp_inputs", lambda *args: forward_passes.append(1)
+                        or real_inputs(*args))
+    shared: dict = {}
+    for _ in range(2):
+        grads = _fast._trial("backward", choice, q, k, v, g, shared)
+        for got, want in zip(grads[:3], want_grads[:3], strict=True):
+            assert got.tobytes() == want.tobytes()
+    assert forward_passes == [1]
